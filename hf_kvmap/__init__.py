@@ -1,0 +1,29 @@
+"""hf-kvmap: map a source model's KV cache into the cache a larger (or smaller) model of the same family expects."""
+
+__version__ = "0.1.0.dev0"
+
+from transformers import AutoConfig, AutoModel  # noqa: E402
+
+from ._compat import check_transformers_version  # noqa: E402
+
+check_transformers_version()
+
+from .cache import MappedCache, MappedLayer  # noqa: E402
+from .configuration_mapper import MapperConfig  # noqa: E402
+from .modeling_mapper import MapperModel  # noqa: E402
+from .placement import mapper_device_map, target_layer_devices  # noqa: E402
+from .rope import UnsupportedArchitectureError  # noqa: E402
+
+AutoConfig.register(MapperConfig.model_type, MapperConfig, exist_ok=True)
+AutoModel.register(MapperConfig, MapperModel, exist_ok=True)
+
+__all__ = [
+    "MappedCache",
+    "MappedLayer",
+    "MapperConfig",
+    "MapperModel",
+    "UnsupportedArchitectureError",
+    "__version__",
+    "mapper_device_map",
+    "target_layer_devices",
+]

@@ -1,0 +1,50 @@
+"""Every place where hf-kvmap depends on how a particular transformers version lays things out.
+
+Keep version gates here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import transformers
+from packaging import version
+from torch import nn
+from transformers import PretrainedConfig
+
+TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+MIN_TRANSFORMERS = version.parse("5.23.0")
+
+
+def check_transformers_version() -> None:
+    """Raise if the installed transformers is older than the one whose cache layout hf-kvmap was written against."""
+    if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"hf-kvmap needs transformers>={MIN_TRANSFORMERS} (found {transformers.__version__}): "
+            "`pip install -U 'transformers>=5.23,<6'`."
+        )
+
+
+def rotary_embedding_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The rotary-embedding class that transformers' own modeling file for `config.model_type` defines.
+
+    The base-model class registered with `AutoModel` (e.g. `Qwen3Model`) lives in the modeling module that also
+    defines the matching `<Prefix>RotaryEmbedding`; instantiating that class with the config reproduces exactly the
+    cos/sin the model applies (every `rope_type`, attention scaling included).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    model_type = config.model_type
+    base_name = MODEL_MAPPING_NAMES.get(model_type)
+    if base_name is None:
+        raise ValueError(f"transformers has no base model registered for model_type={model_type!r}.")
+    base_cls = getattr(transformers, base_name)
+    module = importlib.import_module(base_cls.__module__)
+    rotary_name = base_name[: -len("Model")] + "RotaryEmbedding" if base_name.endswith("Model") else None
+    rotary_cls = getattr(module, rotary_name, None) if rotary_name else None
+    if rotary_cls is None:
+        raise ValueError(
+            f"Could not find the rotary embedding of model_type={model_type!r} in {module.__name__} "
+            f"(looked for `{rotary_name}`)."
+        )
+    return rotary_cls
