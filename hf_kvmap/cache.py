@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .configuration_mapper import MapperConfig
+from .placement import execution_devices
 from .rope import RotaryTable, positions_from_attention_mask
 
 SourceCache = Cache | Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -92,22 +93,25 @@ class MappedLayer(DynamicLayer):
         target_rope: RotaryTable,
         length: int,
         dtype: torch.dtype,
+        work_device: torch.device,
         device: torch.device | None = None,
     ) -> MappedLayer:
         """Map the first `length` source tokens into target layer `layer_idx`.
 
         Features of the selected source layers are written into one buffer (keys RoPE-stripped), multiplied by the
         layer's key and value maps at once for all target heads, reshaped to `(batch, n_kv, seq, head_dim)`, and
-        the keys re-rotated with the target's rope. Peak extra memory: one layer's features.
+        the keys re-rotated with the target's rope. Peak extra memory: one layer's features. The work happens on
+        `work_device` (where the mapper layer executes); the result is moved to `device` if given.
         """
         mapper_layer = mapper.layers[layer_idx]
-        param = mapper_layer.key_proj.weight
-        work_device, work_dtype = param.device, param.dtype
+        work_dtype = mapper_layer.key_proj.weight.dtype
         selected = mapper.config.source_layers[layer_idx]
         src, tgt = mapper.config.source_geometry, mapper.config.target_geometry
         batch = source_kv[0][0].shape[0]
 
-        key_features = torch.empty(batch, length, len(selected), src.num_kv_heads, src.head_dim, dtype=work_dtype, device=work_device)
+        key_features = torch.empty(
+            batch, length, len(selected), src.num_kv_heads, src.head_dim, dtype=work_dtype, device=work_device
+        )
         value_features = torch.empty_like(key_features)
         for slot, source_layer in enumerate(selected):
             keys, values = source_kv[source_layer]
@@ -260,9 +264,18 @@ class MappedCache(DynamicCache):
         dtype = dtype or source_kv[0][0].dtype
         source_rope = mapper.rotary("source").table(position_ids)
         target_rope = mapper.rotary("target").table(position_ids)
+        work_devices = execution_devices(mapper, mapper.layers)
         layers = [
             MappedLayer.from_source(
-                mapper, idx, source_kv, source_rope, target_rope, length, dtype, None if devices is None else devices[idx]
+                mapper,
+                idx,
+                source_kv,
+                source_rope,
+                target_rope,
+                length,
+                dtype,
+                work_devices[idx],
+                None if devices is None else devices[idx],
             )
             for idx in range(num_target)
         ]

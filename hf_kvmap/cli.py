@@ -1,4 +1,4 @@
-"""The `hf-kvmap` command line."""
+"""The `hf-kvmap` command line: one module per sub-command under `hf_kvmap.commands`."""
 
 from __future__ import annotations
 
@@ -6,24 +6,15 @@ import argparse
 import importlib
 import sys
 
-# Sub-command name -> module under hf_kvmap.commands (imported lazily, so `--help` stays fast).
-COMMANDS = {
-    "fit": "fit",
-    "demo": "demo",
-}
+# Each module defines `add_parser(subparsers)` (which sets `func`) and is imported only when the CLI runs.
+COMMANDS = ("fit",)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvmap", description="Map KV caches between models of one family.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(f"hf_kvmap.commands.{module_name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"hf_kvmap.commands.{module_name}":
-                raise
-            continue
-        module.add_parser(subparsers)
+    for name in COMMANDS:
+        importlib.import_module(f"hf_kvmap.commands.{name}").add_parser(subparsers)
     return parser
 
 

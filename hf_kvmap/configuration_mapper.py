@@ -142,9 +142,7 @@ class MapperConfig(PretrainedConfig):
         if self.kind not in MAPPER_KINDS:
             raise ValueError(f"kind={self.kind!r} is not a mapper kind; expected one of {MAPPER_KINDS}.")
         if self.lambda_convention not in LAMBDA_CONVENTIONS:
-            raise ValueError(
-                f"lambda_convention={self.lambda_convention!r} is not one of {LAMBDA_CONVENTIONS}."
-            )
+            raise ValueError(f"lambda_convention={self.lambda_convention!r} is not one of {LAMBDA_CONVENTIONS}.")
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda={self.ridge_lambda} must be >= 0.")
         if self.source_config is None or self.target_config is None:
@@ -161,7 +159,9 @@ class MapperConfig(PretrainedConfig):
             )
         for layer, selected in enumerate(self.source_layers):
             if not selected:
-                raise ValueError(f"source_layers[{layer}] is empty: every target layer needs at least one source layer.")
+                raise ValueError(
+                    f"source_layers[{layer}] is empty: every target layer needs at least one source layer."
+                )
             bad = [s for s in selected if not 0 <= s < source.num_layers]
             if bad:
                 raise ValueError(

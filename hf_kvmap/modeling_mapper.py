@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .configuration_mapper import MapperConfig, summarize_model_config
-from .rope import RotaryCodec, check_supported_layout
+from .rope import KVGeometry, RotaryCodec, check_supported_layout
 
 
 class MapperLayer(nn.Module):
@@ -98,12 +98,13 @@ class MapperModel(MapperPreTrainedModel):
         """
         target_config = source_config if target_config is None else target_config
         source, target = summarize_model_config(source_config), summarize_model_config(target_config)
-        config = MapperConfig(source_config=source, target_config=target, ridge_lambda=0.0, **config_kwargs)
-        if config.source_geometry != config.target_geometry:
+        source_geometry, target_geometry = KVGeometry.from_config(source), KVGeometry.from_config(target)
+        if source_geometry != target_geometry:
             raise ValueError(
-                f"An identity mapper needs the same KV geometry on both sides; source has {config.source_geometry}, "
-                f"target has {config.target_geometry}."
+                f"An identity mapper needs the same KV geometry on both sides; source has {source_geometry}, "
+                f"target has {target_geometry}."
             )
+        config = MapperConfig(source_config=source, target_config=target, ridge_lambda=0.0, **config_kwargs)
         model = cls(config)
         with torch.no_grad():
             for layer in model.layers:
@@ -134,7 +135,9 @@ class MapperModel(MapperPreTrainedModel):
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @classmethod
-    def from_statistics(cls, statistics, *, top_k: int | None = 8, ridge_lambda: float = 0.01, **kwargs) -> MapperModel:
+    def from_statistics(
+        cls, statistics, *, top_k: int | None = 8, ridge_lambda: float = 0.01, **kwargs
+    ) -> MapperModel:
         """Closed-form ridge mapper from `CalibrationStatistics` (selection + solve); see `hf_kvmap.fitting`."""
         from .fitting import mapper_from_statistics
 

@@ -24,22 +24,21 @@ def _as_device(value) -> torch.device:
     return torch.device(value)
 
 
-def target_layer_devices(target_model: nn.Module) -> list[torch.device]:
-    """The execution device of every decoder layer of a loaded target model.
+def execution_devices(model: nn.Module, layers: nn.ModuleList) -> list[torch.device]:
+    """The device each of `layers` (submodules of `model`) executes on.
 
-    Uses `hf_device_map` when the model was dispatched by accelerate (so offloaded layers report where they run),
-    otherwise the device of each layer's parameters.
+    Uses `hf_device_map` when accelerate dispatched the model (so offloaded layers report where they run, not the
+    `meta` placeholder of their parameters), otherwise the device of each layer's parameters.
     """
-    layers = _decoder_layers(target_model)
-    device_map = getattr(target_model, "hf_device_map", None)
+    device_map = getattr(model, "hf_device_map", None)
     if device_map:
-        names = {id(module): name for name, module in target_model.named_modules()}
+        names = {id(module): name for name, module in model.named_modules()}
         devices = []
         for layer in layers:
             name = names[id(layer)]
             matches = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
             if not matches:
-                raise ValueError(f"hf_device_map has no entry covering target layer `{name}`.")
+                raise ValueError(f"hf_device_map has no entry covering layer `{name}` of {type(model).__name__}.")
             devices.append(_as_device(device_map[max(matches, key=len)]))
         return devices
     devices = []
@@ -47,6 +46,15 @@ def target_layer_devices(target_model: nn.Module) -> list[torch.device]:
         param = next(layer.parameters(), None)
         devices.append(param.device if param is not None else torch.device("cpu"))
     return devices
+
+
+def target_layer_devices(target_model: nn.Module) -> list[torch.device]:
+    """The execution device of every decoder layer of a loaded target model.
+
+    Pass it as `MappedCache.from_source(..., devices=target_layer_devices(target))` when the mapper is not placed
+    beside the target (e.g. a mapper on one GPU serving a target spread over several).
+    """
+    return execution_devices(target_model, _decoder_layers(target_model))
 
 
 def mapper_device_map(target_model: nn.Module) -> dict[str, int | str]:

@@ -161,7 +161,9 @@ class RotaryCodec:
         return RotaryTable(cos.float().unsqueeze(1), sin.float().unsqueeze(1))
 
 
-def positions_from_attention_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+def positions_from_attention_mask(
+    attention_mask: torch.Tensor | None, batch: int, length: int, device
+) -> torch.Tensor:
     """Position ids as `generate()` derives them: `cumsum(mask) - 1`, pads set to 1; `arange` without a mask."""
     if attention_mask is None:
         return torch.arange(length, device=device).unsqueeze(0).expand(batch, length)

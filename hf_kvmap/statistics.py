@@ -1,0 +1,696 @@
+"""Sufficient statistics for closed-form KV-cache mappers, collected in one streaming pass over calibration text.
+
+For every kind (`"key"`, `"value"`) a `CalibrationStatistics` holds, over all calibration positions kept:
+
+- `count`: the number of positions `N`;
+- `source_sum` `(F_s,)` and the Gram `X^T X` `(F_s, F_s)` of the features of *all* source layers and KV heads;
+- `target_sum` `(F_t,)`, the per-dim sums of squares `target_sumsq` `(F_t,)` and the cross moments `X^T Y`
+  `(F_s, F_t)` of the target features (of every target layer, or of `target_layers` only).
+
+Features are content-space keys (RoPE removed with each model's own rotary embedding) or values, flattened as
+`feature = layer * n_kv * head_dim + head * head_dim + dim`. Because the Gram and cross moments cover every source
+layer, source-layer selection and the ridge solve for any `k` are sub-block solves of the same object
+(see `hf_kvmap.fitting`). Statistics from several processes or machines are sums: `merge` and `all_reduce` add them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.utils import logging
+
+from .configuration_mapper import summarize_model_config
+from .rope import KVGeometry, RotaryCodec, positions_from_attention_mask
+
+logger = logging.get_logger(__name__)
+
+KINDS = ("key", "value")
+STATISTICS_FILE = "statistics.safetensors"
+METADATA_FILE = "statistics.json"
+FORMAT_VERSION = 1
+
+# The calibration fingerprint is a sum (mod 2^256) of per-sequence sha256 digests, kept as 16-bit limbs in int64 so
+# that it adds like every other statistic (merge, all_reduce) and does not depend on the order of the sequences.
+_LIMB_BITS = 16
+_NUM_LIMBS = 256 // _LIMB_BITS
+_PER_KIND = ("count", "source_sum", "target_sum", "target_sumsq", "gram", "cross")
+_SHARED = ("tokens", "sequences", "fingerprint_limbs")
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype={dtype} is not supported for statistics; use torch.float64 or torch.float32.")
+
+
+def _model_id(model_or_config) -> tuple[str | None, str | None]:
+    config = getattr(model_or_config, "config", model_or_config)
+    name = getattr(config, "_name_or_path", None) or None
+    revision = getattr(config, "_commit_hash", None) or None
+    return name, revision
+
+
+def _input_device(model) -> torch.device:
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None:
+        return embeddings.weight.device
+    return next(model.parameters()).device
+
+
+def _normalize_target_layers(target_layers, num_layers: int) -> list[int] | None:
+    if target_layers is None:
+        return None
+    layers = sorted({int(layer) for layer in target_layers})
+    if not layers:
+        raise ValueError("target_layers is empty; pass None for all target layers.")
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(f"target_layers names layers {bad}, but the target has {num_layers} layers.")
+    return None if layers == list(range(num_layers)) else layers
+
+
+def _sequence_digest(ids: torch.Tensor) -> int:
+    data = ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest(), "big")
+
+
+def _limbs(value: int) -> torch.Tensor:
+    mask = (1 << _LIMB_BITS) - 1
+    return torch.tensor([(value >> (_LIMB_BITS * i)) & mask for i in range(_NUM_LIMBS)], dtype=torch.int64)
+
+
+@dataclass
+class KindStatistics:
+    """The running sums of one kind (`"key"` or `"value"`); see the module docstring for the meaning of each."""
+
+    count: torch.Tensor  # () int64
+    source_sum: torch.Tensor  # (F_s,)
+    target_sum: torch.Tensor  # (F_t,)
+    target_sumsq: torch.Tensor  # (F_t,)
+    gram: torch.Tensor  # (F_s, F_s)
+    cross: torch.Tensor  # (F_s, F_t)
+
+    @classmethod
+    def zeros(cls, source_width: int, target_width: int, dtype: torch.dtype, device) -> KindStatistics:
+        def z(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            count=torch.zeros((), dtype=torch.int64, device=device),
+            source_sum=z(source_width),
+            target_sum=z(target_width),
+            target_sumsq=z(target_width),
+            gram=z(source_width, source_width),
+            cross=z(source_width, target_width),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in _PER_KIND}
+
+    @torch.no_grad()
+    def update(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Add feature rows `source` `(N, F_s)` and `target` `(N, F_t)` (already in the statistics dtype/device)."""
+        self.count += source.shape[0]
+        self.source_sum += source.sum(0)
+        self.target_sum += target.sum(0)
+        self.target_sumsq += target.square().sum(0)
+        self.gram.addmm_(source.T, source)
+        self.cross.addmm_(source.T, target)
+
+
+class CalibrationStatistics:
+    r"""
+    Streaming sufficient statistics between every source layer and every (or selected) target layer.
+
+    Build it with [`CalibrationStatistics.collect`] (one pass of the calibration batches through both models), or
+    construct it empty and feed [`update`] directly. One object supports source-layer selection and the ridge solve
+    for any `k` (`hf_kvmap.fitting`).
+
+    Args:
+        source_config (`PretrainedConfig` or `dict`): the source model config (or its `summarize_model_config`).
+        target_config (`PretrainedConfig` or `dict`): the same for the target model.
+        kinds (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`): which caches to accumulate.
+        target_layers (`list[int]`, *optional*): restrict the target side to these layers (all when `None`). The
+            cross moments shrink accordingly; a mapper can then only be solved for those layers.
+        stride (`int`, *optional*, defaults to 1): keep every `stride`-th position of each sequence.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype (float64 or float32).
+        device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): where the sums live.
+        source_model_id, source_revision, target_model_id, target_revision (`str`, *optional*): provenance.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+    >>> from hf_kvmap.statistics import CalibrationStatistics
+    >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    >>> model = Qwen3ForCausalLM(config)
+    >>> stats = CalibrationStatistics.collect(model, model, [torch.randint(0, 64, (2, 16))], stride=2, progress=False)
+    >>> stats.count("key"), tuple(stats["key"].gram.shape)
+    (16, (32, 32))
+    ```
+    """
+
+    def __init__(
+        self,
+        source_config: PretrainedConfig | dict,
+        target_config: PretrainedConfig | dict,
+        *,
+        kinds: Sequence[str] = KINDS,
+        target_layers: Sequence[int] | None = None,
+        stride: int = 1,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+        source_model_id: str | None = None,
+        source_revision: str | None = None,
+        target_model_id: str | None = None,
+        target_revision: str | None = None,
+        _allocate: bool = True,
+    ):
+        self.source_config = summarize_model_config(source_config)
+        self.target_config = summarize_model_config(target_config)
+        self.source_geometry = KVGeometry.from_config(self.source_config)
+        self.target_geometry = KVGeometry.from_config(self.target_config)
+        kinds = tuple(kinds)
+        if not kinds or any(kind not in KINDS for kind in kinds) or len(set(kinds)) != len(kinds):
+            raise ValueError(f"kinds={kinds!r}: expected a non-empty subset of {KINDS} without repeats.")
+        self.kinds = tuple(kind for kind in KINDS if kind in kinds)
+        self.target_layers = _normalize_target_layers(target_layers, self.target_geometry.num_layers)
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride={stride!r} must be a positive integer.")
+        self.stride = stride
+        _dtype_name(dtype)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.source_model_id = source_model_id
+        self.source_revision = source_revision
+        self.target_model_id = target_model_id
+        self.target_revision = target_revision
+        self.stats: dict[str, KindStatistics] = {}
+        self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.sequences = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.fingerprint_limbs = torch.zeros(_NUM_LIMBS, dtype=torch.int64, device=self.device)
+        if _allocate:
+            for kind in self.kinds:
+                self.stats[kind] = KindStatistics.zeros(self.source_width, self.target_width, dtype, self.device)
+
+    # ------------------------------------------------------------------------------------------------ geometry
+    @property
+    def covered_target_layers(self) -> list[int]:
+        """The target layers whose statistics this object holds (all of them unless `target_layers` was given)."""
+        if self.target_layers is None:
+            return list(range(self.target_geometry.num_layers))
+        return list(self.target_layers)
+
+    @property
+    def source_width(self) -> int:
+        return self.source_geometry.num_layers * self.source_geometry.layer_width
+
+    @property
+    def target_width(self) -> int:
+        return len(self.covered_target_layers) * self.target_geometry.layer_width
+
+    def source_columns(self, layers: Sequence[int]) -> torch.Tensor:
+        """Feature indices (into `F_s`) of source `layers`, concatenated in the given order."""
+        width = self.source_geometry.layer_width
+        return torch.cat([torch.arange(layer * width, (layer + 1) * width) for layer in layers])
+
+    def target_columns(self, layer: int) -> slice:
+        """The slice of the target features (into `F_t`) that holds target `layer`."""
+        covered = self.covered_target_layers
+        if layer not in covered:
+            raise ValueError(
+                f"Target layer {layer} is not in these statistics: they were collected with target_layers={covered}."
+            )
+        width = self.target_geometry.layer_width
+        start = covered.index(layer) * width
+        return slice(start, start + width)
+
+    def __getitem__(self, kind: str) -> KindStatistics:
+        if kind not in self.stats:
+            raise KeyError(f"These statistics hold kinds {self.kinds}, not {kind!r}.")
+        return self.stats[kind]
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of positions accumulated (for `kind`, or the first kind)."""
+        return int(self[kind or self.kinds[0]].count)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256-based fingerprint of the calibration token ids (order independent, additive over sequences)."""
+        value = sum(int(limb) << (_LIMB_BITS * i) for i, limb in enumerate(self.fingerprint_limbs.tolist()))
+        return f"{value % (1 << 256):064x}"
+
+    def provenance(self) -> dict[str, Any]:
+        """Calibration provenance, as `MapperConfig.calibration` records it."""
+        return {
+            "tokens": int(self.tokens),
+            "sequences": int(self.sequences),
+            "positions": self.count(),
+            "stride": self.stride,
+            "fingerprint": self.fingerprint,
+            "kinds": list(self.kinds),
+            "target_layers": self.target_layers,
+            "statistics_dtype": _dtype_name(self.dtype),
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the object by name (`"key.gram"`, ..., `"tokens"`, `"sequences"`, `"fingerprint_limbs"`)."""
+        state = {f"{kind}.{name}": t for kind in self.kinds for name, t in self.stats[kind].tensors().items()}
+        state.update(tokens=self.tokens, sequences=self.sequences, fingerprint_limbs=self.fingerprint_limbs)
+        return state
+
+    def nbytes(self) -> int:
+        """Bytes held by the statistics tensors."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(source={self.source_geometry}, target={self.target_geometry}, kinds={self.kinds}, "
+            f"target_layers={self.target_layers}, positions={self.count()}, stride={self.stride}, dtype={self.dtype})"
+        )
+
+    # ------------------------------------------------------------------------------------------------ memory
+    @classmethod
+    def memory_estimate(
+        cls,
+        source_config: PretrainedConfig | dict,
+        target_config: PretrainedConfig | dict,
+        *,
+        kinds: Sequence[str] = KINDS,
+        target_layers: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> dict[str, int]:
+        """Bytes the statistics of this pair will hold, from the two configs alone (no model needed).
+
+        Returns a dict with the bytes of each kind, `"shared"` (provenance counters), `"total"`, the feature widths
+        `"source_features"`/`"target_features"`, and `"per_position_features"`: the bytes per kept position of the
+        per-batch feature buffers that `collect` adds on top while a batch is processed (per kind, not summed).
+        """
+        source = KVGeometry.from_config(summarize_model_config(source_config))
+        target = KVGeometry.from_config(summarize_model_config(target_config))
+        layers = _normalize_target_layers(target_layers, target.num_layers)
+        n_target = target.num_layers if layers is None else len(layers)
+        f_s, f_t = source.num_layers * source.layer_width, n_target * target.layer_width
+        item = torch.empty((), dtype=dtype).element_size()
+        per_kind = 8 + item * (f_s + 2 * f_t + f_s * f_s + f_s * f_t)
+        kinds = [kind for kind in KINDS if kind in tuple(kinds)]
+        shared = 8 * (2 + _NUM_LIMBS)
+        estimate = {kind: per_kind for kind in kinds}
+        estimate.update(
+            shared=shared,
+            total=per_kind * len(kinds) + shared,
+            source_features=f_s,
+            target_features=f_t,
+            per_position_features=item * (f_s + f_t),
+        )
+        return estimate
+
+    # ------------------------------------------------------------------------------------------------ accumulation
+    def _features(self, tensors, layers: Sequence[int], width: int, what: str) -> torch.Tensor:
+        """`(N, len(layers) * layer_width)` features from per-layer `(B, n_kv, T, d)` tensors or a 2-D matrix."""
+        if isinstance(tensors, torch.Tensor) and tensors.dim() == 2:
+            if tensors.shape[1] != width:
+                raise ValueError(f"{what} features have width {tensors.shape[1]}; expected {width}.")
+            return tensors.to(self.device, self.dtype)
+        tensors = list(tensors)
+        chosen = [tensors[layer] for layer in layers]
+        first = chosen[0]
+        rows = first.shape[0] * first.shape[2]
+        out = torch.empty(rows, width, dtype=self.dtype, device=self.device)
+        layer_width = width // len(layers)
+        for slot, tensor in enumerate(chosen):
+            if tensor.dim() != 4 or tensor.shape[1] * tensor.shape[3] != layer_width:
+                raise ValueError(
+                    f"{what} layer {layers[slot]} has shape {tuple(tensor.shape)}; expected (batch, n_kv, seq, "
+                    f"head_dim) with n_kv * head_dim = {layer_width}."
+                )
+            if tensor.shape[0] * tensor.shape[2] != rows:
+                raise ValueError(
+                    f"{what} layer {layers[slot]} covers {tuple(tensor.shape)}; layer 0 covers {tuple(first.shape)}."
+                )
+            flat = tensor.transpose(1, 2).reshape(rows, layer_width)
+            out[:, slot * layer_width : (slot + 1) * layer_width] = flat.to(self.device, self.dtype)
+        return out
+
+    @torch.no_grad()
+    def update(
+        self,
+        source_keys=None,
+        source_values=None,
+        target_keys=None,
+        target_values=None,
+        *,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Accumulate one batch of content-space features (the low-level entry that `collect` uses).
+
+        Each argument is either a sequence with one `(batch, n_kv, seq, head_dim)` tensor per layer (keys already
+        RoPE-stripped; positions already subsampled; all target layers, the restriction to `target_layers` is applied
+        here), or a 2-D feature matrix `(N, F)` already flattened as `layer * n_kv * head_dim + head * head_dim + dim`
+        (the target matrix restricted to `target_layers`). Arguments of a kind that is not accumulated may be `None`.
+
+        Args:
+            keep (`torch.Tensor`, *optional*): boolean `(N,)` (rows in `(batch, seq)` order) selecting the positions
+                to accumulate, e.g. to drop padding.
+        """
+        pairs = {"key": (source_keys, target_keys), "value": (source_values, target_values)}
+        for kind in self.kinds:
+            source, target = pairs[kind]
+            if source is None or target is None:
+                raise ValueError(f"These statistics accumulate {kind}s: pass both source and target {kind}s.")
+            x = self._features(source, range(self.source_geometry.num_layers), self.source_width, f"Source {kind}s")
+            y = self._features(target, self.covered_target_layers, self.target_width, f"Target {kind}s")
+            if x.shape[0] != y.shape[0]:
+                raise ValueError(f"Source {kind}s give {x.shape[0]} positions but target {kind}s give {y.shape[0]}.")
+            if keep is not None:
+                keep_rows = keep.reshape(-1).to(self.device, torch.bool)
+                x, y = x[keep_rows], y[keep_rows]
+            self.stats[kind].update(x, y)
+
+    def _record_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        for row in range(input_ids.shape[0]):
+            ids = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
+            self.fingerprint_limbs += _limbs(_sequence_digest(ids)).to(self.device)
+            self.tokens += int(ids.numel())
+            self.sequences += 1
+
+    def _check_model(self, model, side: str) -> None:
+        expected = self.source_config if side == "source" else self.target_config
+        got = summarize_model_config(model.config)
+        if KVGeometry.from_config(got) != KVGeometry.from_config(expected) or got.get(
+            "rope_parameters"
+        ) != expected.get("rope_parameters"):
+            raise ValueError(
+                f"The {side} model ({KVGeometry.from_config(got)}, rope {got.get('rope_parameters')}) does not match "
+                f"the {side} these statistics were started with ({KVGeometry.from_config(expected)}, "
+                f"rope {expected.get('rope_parameters')})."
+            )
+
+    @staticmethod
+    def _unpack(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(batch, Mapping):
+            input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+            input_ids, attention_mask = batch
+        else:
+            input_ids, attention_mask = batch, None
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                "Each calibration batch must be a LongTensor (batch, seq) of token ids, or a dict with `input_ids` "
+                f"(and optionally `attention_mask`); got {type(input_ids).__name__}."
+            )
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+            attention_mask = None if attention_mask is None else attention_mask.reshape(1, -1)
+        if input_ids.dim() != 2:
+            raise ValueError(f"Calibration input_ids have shape {tuple(input_ids.shape)}; expected (batch, seq).")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids have {tuple(input_ids.shape)}."
+            )
+        return input_ids.long(), attention_mask
+
+    @staticmethod
+    def _run(model, codec: RotaryCodec, input_ids, attention_mask, position_ids, stride, kinds):
+        device = _input_device(model)
+        kwargs = {"use_cache": True}
+        if attention_mask is not None:
+            kwargs.update(attention_mask=attention_mask.to(device), position_ids=position_ids.to(device))
+        cache = model(input_ids.to(device), **kwargs).past_key_values
+        keys, values = None, None
+        if "key" in kinds:
+            table = codec.table(position_ids[:, ::stride])
+            keys = [table.strip(layer.keys[:, :, ::stride]) for layer in cache.layers]
+        if "value" in kinds:
+            values = [layer.values[:, :, ::stride] for layer in cache.layers]
+        return keys, values
+
+    @torch.no_grad()
+    def accumulate(
+        self, source_model, target_model, calibration: Iterable, *, progress: bool = True
+    ) -> CalibrationStatistics:
+        """Run every calibration batch once through each model and add its features; returns `self`.
+
+        Batches are `(batch, seq)` LongTensors of token ids, or dicts with `input_ids` and `attention_mask` (left or
+        right padding: padded positions are skipped and positions follow the mask as `generate` derives them).
+        """
+        from tqdm.auto import tqdm
+
+        self._check_model(source_model, "source")
+        self._check_model(target_model, "target")
+        source_codec, target_codec = RotaryCodec(source_model.config), RotaryCodec(target_model.config)
+        total = len(calibration) if hasattr(calibration, "__len__") else None
+        bar = tqdm(calibration, total=total, desc="calibration", unit="batch", disable=not progress)
+        for batch in bar:
+            input_ids, attention_mask = self._unpack(batch)
+            size, length = input_ids.shape
+            position_ids = positions_from_attention_mask(attention_mask, size, length, input_ids.device)
+            source_kv = self._run(
+                source_model, source_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
+            )
+            target_kv = self._run(
+                target_model, target_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
+            )
+            keep = None if attention_mask is None else attention_mask[:, :: self.stride].bool()
+            self.update(*source_kv, *target_kv, keep=keep)
+            self._record_sequences(input_ids, attention_mask)
+            bar.set_postfix(positions=self.count(), refresh=False)
+        return self
+
+    @classmethod
+    def collect(
+        cls,
+        source_model,
+        target_model,
+        calibration: Iterable,
+        *,
+        stride: int = 1,
+        dtype: torch.dtype = torch.float64,
+        kinds: Sequence[str] = KINDS,
+        target_layers: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        progress: bool = True,
+    ) -> CalibrationStatistics:
+        r"""
+        Collect statistics in one pass of `calibration` through both models.
+
+        Each batch runs once through each model (`model(ids, use_cache=True)` under `torch.no_grad`; the ids are
+        moved to each model's input device), keys are RoPE-stripped with each model's rotary embedding, every
+        `stride`-th position is kept, and the features are accumulated in `dtype` on `device`.
+
+        Args:
+            source_model, target_model (`PreTrainedModel`): causal LMs sharing a tokenizer.
+            calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
+                `attention_mask`).
+            stride (`int`, *optional*, defaults to 1): keep every `stride`-th position.
+            dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype.
+            kinds (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`).
+            target_layers (`list[int]`, *optional*): restrict the target side (see `memory_estimate`).
+            device (`torch.device`, *optional*): where the sums live; defaults to the source model's input device.
+            progress (`bool`, *optional*, defaults to `True`): show a tqdm progress bar.
+        """
+        source_id, source_revision = _model_id(source_model)
+        target_id, target_revision = _model_id(target_model)
+        stats = cls(
+            source_model.config,
+            target_model.config,
+            kinds=kinds,
+            target_layers=target_layers,
+            stride=stride,
+            dtype=dtype,
+            device=device if device is not None else _input_device(source_model),
+            source_model_id=source_id,
+            source_revision=source_revision,
+            target_model_id=target_id,
+            target_revision=target_revision,
+        )
+        return stats.accumulate(source_model, target_model, calibration, progress=progress)
+
+    # ------------------------------------------------------------------------------------------------ combining
+    def _compatibility(self) -> dict[str, Any]:
+        return {
+            "source_config": self.source_config,
+            "target_config": self.target_config,
+            "kinds": list(self.kinds),
+            "target_layers": self.target_layers,
+            "stride": self.stride,
+            "dtype": _dtype_name(self.dtype),
+            "source_model_id": self.source_model_id,
+            "source_revision": self.source_revision,
+            "target_model_id": self.target_model_id,
+            "target_revision": self.target_revision,
+        }
+
+    def check_compatible(self, other: CalibrationStatistics) -> None:
+        """Raise `ValueError` naming the first field in which `other` cannot be summed with `self`."""
+        mine, theirs = self._compatibility(), other._compatibility()
+        for field, value in mine.items():
+            other_value = theirs[field]
+            if field.endswith(("_model_id", "_revision")) and (value is None or other_value is None):
+                continue  # unknown provenance on one side does not block a merge
+            if value != other_value:
+                raise ValueError(
+                    f"Cannot merge calibration statistics: {field} differs ({value!r} here, {other_value!r} in the "
+                    "other). Statistics only add up for the same model pair, kinds, target_layers, stride and dtype."
+                )
+
+    @torch.no_grad()
+    def merge(self, other: CalibrationStatistics) -> CalibrationStatistics:
+        """Add `other`'s sums into `self` (in place) after checking compatibility; returns `self`."""
+        self.check_compatible(other)
+        theirs = other.state_dict()
+        for name, tensor in self.state_dict().items():
+            tensor += theirs[name].to(tensor.device)
+        for side in ("source", "target"):
+            for field in ("model_id", "revision"):
+                attr = f"{side}_{field}"
+                if getattr(self, attr) is None:
+                    setattr(self, attr, getattr(other, attr))
+        return self
+
+    @torch.no_grad()
+    def all_reduce(self, group=None) -> CalibrationStatistics:
+        """Sum every tensor across the processes of `group` with `torch.distributed`; returns `self`.
+
+        A no-op when `torch.distributed` is not initialized. Every rank must hold compatible statistics (checked
+        first, with one `all_gather_object`). With NCCL the statistics must live on the rank's CUDA device.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        world = dist.get_world_size(group)
+        if world == 1:
+            return self
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, self._compatibility(), group=group)
+        for rank, theirs in enumerate(gathered):
+            if theirs != self._compatibility():
+                diff = sorted(k for k in theirs if theirs[k] != self._compatibility()[k])
+                raise ValueError(f"Rank {rank} holds incompatible calibration statistics (differs in {diff}).")
+        for tensor in self.state_dict().values():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return self
+
+    def to(self, device: torch.device | str) -> CalibrationStatistics:
+        """Move every tensor to `device` (in place); returns `self`."""
+        self.device = torch.device(device)
+        for stats in self.stats.values():
+            for name, tensor in stats.tensors().items():
+                setattr(stats, name, tensor.to(self.device))
+        self.tokens, self.sequences = self.tokens.to(self.device), self.sequences.to(self.device)
+        self.fingerprint_limbs = self.fingerprint_limbs.to(self.device)
+        return self
+
+    # ------------------------------------------------------------------------------------------------ persistence
+    def metadata(self) -> dict[str, Any]:
+        """The JSON side of `save`: everything but the tensors."""
+        return {
+            "format_version": FORMAT_VERSION,
+            **self._compatibility(),
+            "calibration": self.provenance(),
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `statistics.safetensors` and `statistics.json` (with the tensors' sha256) into folder `path`."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        tensors_path = os.path.join(path, STATISTICS_FILE)
+        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        save_file(state, tensors_path, metadata={"format": "pt"})
+        metadata = self.metadata()
+        metadata["sha256"] = _file_sha256(tensors_path)
+        with open(os.path.join(path, METADATA_FILE), "w", encoding="utf-8") as handle:
+            json.dump(metadata, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", verify: bool = True
+    ) -> CalibrationStatistics:
+        """Load statistics written by `save`. With `verify`, refuse a tensors file whose sha256 does not match."""
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, METADATA_FILE), encoding="utf-8") as handle:
+            meta = json.load(handle)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: statistics format_version {meta.get('format_version')} is not {FORMAT_VERSION}."
+            )
+        tensors_path = os.path.join(path, STATISTICS_FILE)
+        if verify and meta.get("sha256") != _file_sha256(tensors_path):
+            raise ValueError(
+                f"{tensors_path} does not match the sha256 recorded in {METADATA_FILE}: refusing to load it."
+            )
+        stats = cls(
+            meta["source_config"],
+            meta["target_config"],
+            kinds=meta["kinds"],
+            target_layers=meta["target_layers"],
+            stride=meta["stride"],
+            dtype=_DTYPES[meta["dtype"]],
+            device=device,
+            source_model_id=meta.get("source_model_id"),
+            source_revision=meta.get("source_revision"),
+            target_model_id=meta.get("target_model_id"),
+            target_revision=meta.get("target_revision"),
+            _allocate=False,
+        )
+        state = load_file(tensors_path, device=str(torch.device(device)))
+        expected = cls._expected_shapes(stats)
+        if set(state) != set(expected):
+            raise ValueError(f"{tensors_path} holds tensors {sorted(state)}; expected {sorted(expected)}.")
+        for name, (shape, dtype) in expected.items():
+            if tuple(state[name].shape) != shape or state[name].dtype != dtype:
+                raise ValueError(
+                    f"{tensors_path}: {name} is {tuple(state[name].shape)} {state[name].dtype}; expected {shape} {dtype}."
+                )
+        for kind in stats.kinds:
+            stats.stats[kind] = KindStatistics(**{name: state[f"{kind}.{name}"] for name in _PER_KIND})
+        stats.tokens, stats.sequences = state["tokens"], state["sequences"]
+        stats.fingerprint_limbs = state["fingerprint_limbs"]
+        return stats
+
+    @staticmethod
+    def _expected_shapes(stats: CalibrationStatistics) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        f_s, f_t, dtype = stats.source_width, stats.target_width, stats.dtype
+        shapes = {
+            "tokens": ((), torch.int64),
+            "sequences": ((), torch.int64),
+            "fingerprint_limbs": ((_NUM_LIMBS,), torch.int64),
+        }
+        for kind in stats.kinds:
+            shapes.update(
+                {
+                    f"{kind}.count": ((), torch.int64),
+                    f"{kind}.source_sum": ((f_s,), dtype),
+                    f"{kind}.target_sum": ((f_t,), dtype),
+                    f"{kind}.target_sumsq": ((f_t,), dtype),
+                    f"{kind}.gram": ((f_s, f_s), dtype),
+                    f"{kind}.cross": ((f_s, f_t), dtype),
+                }
+            )
+        return shapes
+
+
+def _file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+__all__ = ["CalibrationStatistics", "KindStatistics"]
