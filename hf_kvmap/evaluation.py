@@ -1,0 +1,243 @@
+"""Three-way evaluation of a handoff: source alone, target alone, and source prefill -> mapped cache -> target.
+
+Every way runs the same code path: a *builder* model prefills the context, the cache is cut before the final
+`hold_back` tokens (or mapped by the mapper, which holds them back), and a *reader* model runs the held-back tokens
+and scores or generates. Only who builds, who reads and whether a mapper sits between them changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from .cache import MappedCache
+from .rope import positions_from_attention_mask
+
+MODES = ("source", "target", "mapped")
+
+
+def retention(mapped: float, target: float) -> float:
+    """Raw retention: mapped accuracy / target accuracy (`nan` when the target scores 0)."""
+    return mapped / target if target else float("nan")
+
+
+def floor_normalized_retention(mapped: float, target: float, chance: float) -> float:
+    """(mapped - chance) / (target - chance) (`nan` when the target is at chance)."""
+    return (mapped - chance) / (target - chance) if target != chance else float("nan")
+
+
+@dataclass
+class Handoff:
+    """A (source, target, mapper) triple and the tokenizer they share.
+
+    Args:
+        source, target (`PreTrainedModel`): causal LMs of one family.
+        mapper ([`MapperModel`], *optional*): maps the source cache into the target's; `mapped` mode needs it.
+        tokenizer: the shared tokenizer.
+        hold_back (`int`, defaults to 1): final context tokens the reader runs itself.
+    """
+
+    source: torch.nn.Module
+    target: torch.nn.Module
+    mapper: torch.nn.Module | None
+    tokenizer: object
+    hold_back: int = 1
+
+    def _models(self, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}.")
+        if mode == "mapped" and self.mapper is None:
+            raise ValueError("mode='mapped' needs a mapper.")
+        builder = self.target if mode == "target" else self.source
+        reader = self.source if mode == "source" else self.target
+        return builder, reader
+
+    @torch.no_grad()
+    def context_cache(self, mode: str, ids: torch.Tensor, mask: torch.Tensor | None = None):
+        """`(reader, cache)`: the cache of `ids` minus its last `hold_back` tokens, as `mode` builds it."""
+        builder, reader = self._models(mode)
+        kwargs = {}
+        if mask is not None:
+            kwargs = {
+                "attention_mask": mask,
+                "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
+            }
+        cache = builder(input_ids=ids, use_cache=True, **kwargs).past_key_values
+        if mode == "mapped":
+            cache = MappedCache.from_source(cache, self.mapper, hold_back=self.hold_back, attention_mask=mask)
+        else:
+            cache.crop(-self.hold_back)
+        return reader, cache
+
+    def _encode(self, texts: Sequence[str], special: bool = True) -> list[list[int]]:
+        return [self.tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
+
+    @torch.no_grad()
+    def exact_match(
+        self, mode: str, prompts: Sequence[str], answers: Sequence[str], stop: str = "", batch_size: int = 16
+    ) -> list[bool]:
+        """Greedy `generate` from each prompt (left-padded batches); correct iff it produces `answer + stop`."""
+        pad = self.tokenizer.pad_token_id
+        results = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = self._encode(prompts[start : start + batch_size])
+            expected = self._encode([a + stop for a in answers[start : start + batch_size]], special=False)
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, seq in enumerate(chunk):
+                ids[row, width - len(seq) :] = torch.tensor(seq)
+                mask[row, width - len(seq) :] = 1
+            reader, cache = self.context_cache(mode, ids, mask)
+            new = max(map(len, expected))
+            out = reader.generate(
+                ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )[:, width:]
+            results.extend(out[row, : len(exp)].tolist() == exp for row, exp in enumerate(expected))
+        return results
+
+    @torch.no_grad()
+    def choice_logprobs(self, mode: str, context: str, choices: Sequence[str]) -> list[float]:
+        """Sum of log-probabilities of each continuation after `context` (context prefilled once)."""
+        ctx = torch.tensor([self._encode([context])[0]])
+        conts = self._encode(choices, special=False)
+        reader, cache = self.context_cache(mode, ctx)
+        cache.batch_repeat_interleave(len(conts))
+        held = ctx[0, -self.hold_back :].tolist()
+        width = self.hold_back + max(map(len, conts))
+        ids = torch.full((len(conts), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(conts), cache.get_seq_length() + width, dtype=torch.long)
+        mask[:, : cache.get_seq_length()] = 1
+        for row, cont in enumerate(conts):
+            seq = held + cont
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, cache.get_seq_length() : cache.get_seq_length() + len(seq)] = 1
+        logits = reader(input_ids=ids, attention_mask=mask, past_key_values=cache).logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        scores = []
+        for row, cont in enumerate(conts):
+            positions = torch.arange(self.hold_back - 1, self.hold_back - 1 + len(cont))
+            scores.append(logprobs[row, positions, torch.tensor(cont)].sum().item())
+        return scores
+
+    @torch.no_grad()
+    def continuation_nll(self, mode: str, text: str, prefix_fraction: float = 0.5) -> tuple[float, int]:
+        """Perplexity protocol: the prefix's cache comes from `mode`; the reader scores the rest. `(nll_sum, n)`."""
+        ids = torch.tensor([self._encode([text])[0]])
+        split = max(self.hold_back + 1, int(ids.shape[1] * prefix_fraction))
+        reader, cache = self.context_cache(mode, ids[:, :split])
+        rest = ids[:, split - self.hold_back :]
+        logits = reader(input_ids=rest, past_key_values=cache).logits.float()
+        logprobs = torch.log_softmax(logits[:, self.hold_back - 1 : -1], dim=-1)
+        scored = rest[:, self.hold_back :]
+        return -logprobs.gather(-1, scored.unsqueeze(-1)).sum().item(), scored.numel()
+
+
+def _accuracy(flags: Sequence[bool]) -> float:
+    return sum(map(bool, flags)) / max(len(flags), 1)
+
+
+def evaluate_items(handoff: Handoff, kind: str, items: Sequence, mode: str, **kwargs) -> float:
+    """Score `items` of one task kind under `mode`.
+
+    `kind`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`),
+    `"choice"` (`.context`, `.choices`, `.label`) -> accuracy; `"perplexity"` (`.text`) -> perplexity.
+    """
+    if kind == "exact_match":
+        prompts = [getattr(item, "prompt", None) or item.context for item in items]
+        stop = kwargs.get("stop", getattr(items[0], "stop", ""))
+        return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stop))
+    if kind == "choice":
+        hits = []
+        for item in items:
+            scores = handoff.choice_logprobs(mode, item.context, item.choices)
+            hits.append(max(range(len(scores)), key=scores.__getitem__) == item.label)
+        return _accuracy(hits)
+    if kind == "perplexity":
+        total, count = 0.0, 0
+        for item in items:
+            nll, n = handoff.continuation_nll(mode, item.text)
+            total, count = total + nll, count + n
+        return math.exp(total / count)
+    raise ValueError(f"kind={kind!r}; expected 'exact_match', 'choice' or 'perplexity'.")
+
+
+@dataclass
+class TaskSpec:
+    """One evaluation task: its items, how they are scored, the chance level, and the stop string for generation."""
+
+    name: str
+    kind: str
+    items: Sequence
+    chance: float = 0.0
+    stop: str = ""
+
+
+def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:
+    """Run every task three ways; return `{"tasks": {...}, "perplexity": {...}}` with retention figures."""
+    results: dict = {"tasks": {}, "perplexity": {}}
+    bar = tqdm(total=len(tasks) * len(MODES), desc="evaluating", disable=not progress)
+    for task in tasks:
+        scores = {}
+        for mode in MODES:
+            kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
+            scores[mode] = evaluate_items(handoff, task.kind, task.items, mode, **kwargs)
+            bar.update(1)
+        if task.kind == "perplexity":
+            results["perplexity"][task.name] = {**scores, "n_items": len(task.items)}
+            continue
+        results["tasks"][task.name] = {
+            **scores,
+            "chance": task.chance,
+            "retention": retention(scores["mapped"], scores["target"]),
+            "floor_normalized_retention": floor_normalized_retention(scores["mapped"], scores["target"], task.chance),
+            "n_items": len(task.items),
+            "kind": task.kind,
+        }
+    bar.close()
+    return results
+
+
+def _timed(fn, *args, **kwargs) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def measure_latency(handoff: Handoff, lengths: Sequence[int], repeats: int = 5, warmup: int = 1) -> list[dict]:
+    """Median wall time of `MappedCache.from_source` vs the target's body re-prefilling the same tokens.
+
+    The two are timed interleaved in one run (same machine state); the body excludes the LM head.
+    """
+    rows = []
+    vocab = handoff.target.config.vocab_size
+    body = handoff.target.get_decoder()
+    for length in lengths:
+        ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+        source_cache = handoff.source(input_ids=ids, use_cache=True).past_key_values
+        prefix = ids[:, : length - handoff.hold_back]
+        mapper_times, prefill_times = [], []
+        for trial in range(warmup + repeats):
+            mapper_s = _timed(MappedCache.from_source, source_cache, handoff.mapper, hold_back=handoff.hold_back)
+            prefill_s = _timed(body, input_ids=prefix, use_cache=True)
+            if trial >= warmup:
+                mapper_times.append(mapper_s)
+                prefill_times.append(prefill_s)
+        mapper_ms = 1000 * sorted(mapper_times)[repeats // 2]
+        prefill_ms = 1000 * sorted(prefill_times)[repeats // 2]
+        rows.append(
+            {"tokens": length, "mapper_ms": mapper_ms, "prefill_ms": prefill_ms, "speedup": prefill_ms / mapper_ms}
+        )
+    return rows
