@@ -104,7 +104,7 @@ class MappedLayer(DynamicLayer):
         `work_device` (where the mapper layer executes); the result is moved to `device` if given.
         """
         mapper_layer = mapper.layers[layer_idx]
-        work_dtype = mapper_layer.key_proj.weight.dtype
+        work_dtype = next(mapper_layer.parameters()).dtype
         selected = mapper.config.source_layers[layer_idx]
         src, tgt = mapper.config.source_geometry, mapper.config.target_geometry
         batch = source_kv[0][0].shape[0]

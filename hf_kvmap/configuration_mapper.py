@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-MAPPER_KINDS = ("ridge",)
+MAPPER_KINDS = ("ridge", "mlp")
 LAMBDA_CONVENTIONS = ("absolute", "per_token")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
@@ -53,7 +53,10 @@ class MapperConfig(PretrainedConfig):
             For every target layer, the source layers whose keys (values) feed its key (value) map. Defaults to
             layer `l` for target layer `l` (only valid when both sides have the same depth).
         kind (`str`, *optional*, defaults to `"ridge"`):
-            The mapper family. `"ridge"`: one affine map per target layer and K/V, all heads at once.
+            The mapper family. `"ridge"`: one affine map per target layer and K/V, all heads at once. `"mlp"`: per
+            target layer, KV head and K/V, an MLP `d_in -> h -> h -> head_dim` (ReLU) on the same inputs.
+        mlp_hidden_size (`int`, *optional*, defaults to 1024):
+            `h` of the `"mlp"` kind.
         ridge_lambda (`float`, *optional*, defaults to 0.01):
             The ridge penalty the weights were fitted with.
         lambda_convention (`str`, *optional*, defaults to `"absolute"`):
@@ -87,6 +90,7 @@ class MapperConfig(PretrainedConfig):
         kind: str = "ridge",
         ridge_lambda: float = 0.01,
         lambda_convention: str = "absolute",
+        mlp_hidden_size: int = 1024,
         source_model_id: str | None = None,
         source_revision: str | None = None,
         target_model_id: str | None = None,
@@ -105,6 +109,7 @@ class MapperConfig(PretrainedConfig):
         self.kind = kind
         self.ridge_lambda = float(ridge_lambda)
         self.lambda_convention = lambda_convention
+        self.mlp_hidden_size = int(mlp_hidden_size)
         self.source_model_id = source_model_id
         self.source_revision = source_revision
         self.target_model_id = target_model_id
@@ -143,6 +148,8 @@ class MapperConfig(PretrainedConfig):
             raise ValueError(f"kind={self.kind!r} is not a mapper kind; expected one of {MAPPER_KINDS}.")
         if self.lambda_convention not in LAMBDA_CONVENTIONS:
             raise ValueError(f"lambda_convention={self.lambda_convention!r} is not one of {LAMBDA_CONVENTIONS}.")
+        if self.mlp_hidden_size < 1:
+            raise ValueError(f"mlp_hidden_size={self.mlp_hidden_size} must be a positive integer.")
         if self.ridge_lambda < 0:
             raise ValueError(f"ridge_lambda={self.ridge_lambda} must be >= 0.")
         if self.source_config is None or self.target_config is None:

@@ -12,21 +12,30 @@ from .configuration_mapper import MapperConfig, summarize_model_config
 from .rope import KVGeometry, RotaryCodec, check_supported_layout
 
 
+def _build_map(config: MapperConfig, in_features: int) -> nn.Module:
+    target = config.target_geometry
+    if config.kind == "ridge":
+        return nn.Linear(in_features, target.layer_width, bias=True)
+    from .mlp import HeadwiseMLP
+
+    return HeadwiseMLP(in_features, config.mlp_hidden_size, target.num_kv_heads, target.head_dim)
+
+
 class MapperLayer(nn.Module):
-    """The maps that produce one target layer: keys and values, all target KV heads in one matrix each.
+    """The maps that produce one target layer: keys and values, all target KV heads at once.
 
     `key_proj` takes the content-space keys of the selected source layers, concatenated in the order of
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
-    of every target KV head, flattened the same way. `value_proj` does the same for values.
+    of every target KV head, flattened the same way. `value_proj` does the same for values. For `kind="ridge"` each
+    is one `nn.Linear`; for `kind="mlp"` a `HeadwiseMLP` (one MLP per target head, batched).
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         in_features = config.input_width(layer_idx)
-        out_features = config.target_geometry.layer_width
-        self.key_proj = nn.Linear(in_features, out_features, bias=True)
-        self.value_proj = nn.Linear(in_features, out_features, bias=True)
+        self.key_proj = _build_map(config, in_features)
+        self.value_proj = _build_map(config, in_features)
 
     def forward(self, key_features: torch.Tensor, value_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(..., in_features)` features -> `(..., n_kv_target * head_dim_target)` keys and values."""

@@ -1,0 +1,165 @@
+"""`hf-kvmap demo`: hand conversations from a small to a large member of the shipped tiny family."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+DEFAULT_LENGTHS = (64, 256, 512, 1000)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="Hand conversations from a small to a large tiny-family model and report retention and latency.",
+        description="Loads the shipped tiny family and mapper, evaluates every task three ways (source alone, "
+        "target alone, source prefill -> mapped cache -> target), and times the mapper against target re-prefill.",
+    )
+    parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
+    parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
+    parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
+    parser.add_argument("--items", type=int, default=200, help="evaluation items per task (default: 200)")
+    parser.add_argument("--seed", type=int, default=1234, help="evaluation seed (default: 1234)")
+    parser.add_argument(
+        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths timed for latency"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per length (median reported)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.set_defaults(func=run)
+
+
+def build_tasks(items: int, seed: int):
+    from ..evaluation import TaskSpec
+    from ..zoo import corpus
+
+    return [
+        TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", items, seed=seed), stop="\n"),
+        TaskSpec("arithmetic", "exact_match", corpus.make_eval_set("arithmetic", items, seed=seed), stop="\n"),
+        TaskSpec("choice", "choice", corpus.make_eval_set("choice", items, seed=seed), chance=0.25),
+        TaskSpec("chat", "exact_match", corpus.make_eval_set("chat", items, seed=seed), stop=corpus.END),
+        TaskSpec("text", "perplexity", corpus.make_eval_set("text", max(items // 4, 4), seed=seed, n_chars=384)),
+    ]
+
+
+def format_table(results: dict) -> str:
+    lines = [
+        f"{'task':<12}{'source':>9}{'target':>9}{'mapped':>9}{'chance':>9}{'retention':>11}{'floor-norm':>12}",
+    ]
+    for name, row in results["tasks"].items():
+        lines.append(
+            f"{name:<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}{row['chance']:>9.2f}"
+            f"{row['retention']:>11.3f}{row['floor_normalized_retention']:>12.3f}"
+        )
+    for name, row in results.get("perplexity", {}).items():
+        lines.append(f"{name + ' (ppl)':<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}")
+    if results.get("latency"):
+        lines.append("")
+        lines.append(f"{'tokens':>8}{'mapper ms':>12}{'prefill ms':>12}{'speedup':>9}")
+        for row in results["latency"]:
+            lines.append(
+                f"{row['tokens']:>8}{row['mapper_ms']:>12.2f}{row['prefill_ms']:>12.2f}{row['speedup']:>9.2f}"
+            )
+    return "\n".join(lines)
+
+
+def plot_results(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(results["tasks"])
+    fig, (ax_acc, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.27
+    for offset, mode in zip((-width, 0, width), ("source", "target", "mapped")):
+        values = [results["tasks"][t][mode] for t in tasks]
+        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=mode)
+    for i, task in enumerate(tasks):
+        ax_acc.hlines(results["tasks"][task]["chance"], i - 1.5 * width, i + 1.5 * width, colors="k", linestyles=":")
+    ax_acc.set_xticks(range(len(tasks)), tasks)
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_ylim(0, 1)
+    run = results["run"]
+    ax_acc.set_title(f"{run['source']} -> {run['target']}: accuracy (dotted: chance)")
+    ax_acc.legend()
+    if results.get("latency"):
+        tokens = [row["tokens"] for row in results["latency"]]
+        ax_lat.plot(tokens, [row["mapper_ms"] for row in results["latency"]], "o-", label="mapper (from_source)")
+        ax_lat.plot(tokens, [row["prefill_ms"] for row in results["latency"]], "s-", label="target re-prefill")
+        ax_lat.set_xscale("log")
+        ax_lat.set_yscale("log")
+        ax_lat.set_xlabel("context tokens")
+        ax_lat.set_ylabel("ms (median)")
+        ax_lat.set_title("latency")
+        ax_lat.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _json_safe(value):
+    """NaN (e.g. retention against a target at chance) becomes null, so the file is strict JSON."""
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from .. import MapperModel, __version__, zoo
+    from ..evaluation import Handoff, evaluate_tasks, measure_latency
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    tokenizer = zoo.load_tokenizer(padding_side="left")
+    source, target = zoo.load_model(args.source), zoo.load_model(args.target)
+    mapper = MapperModel.from_pretrained(args.mapper or str(zoo.mapper_path(args.source, args.target)))
+    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+
+    results = evaluate_tasks(handoff, build_tasks(args.items, args.seed))
+    lengths = [int(n) for n in str(args.lengths).split(",") if n]
+    results["latency"] = measure_latency(handoff, lengths, repeats=args.repeats) if lengths else []
+    results["run"] = {
+        "source": args.source,
+        "target": args.target,
+        "mapper": args.mapper or f"zoo:{args.source}-to-{args.target}",
+        "mapper_config": {
+            "kind": mapper.config.kind,
+            "top_k": max(len(layers) for layers in mapper.config.source_layers),
+            "ridge_lambda": mapper.config.ridge_lambda,
+        },
+        "items_per_task": args.items,
+        "seed": args.seed,
+        "seconds": time.perf_counter() - started,
+    }
+    results["environment"] = {
+        "hf_kvmap": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+    }
+    print(format_table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_results(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

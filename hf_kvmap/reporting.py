@@ -1,0 +1,65 @@
+"""Markdown rendered from results JSON (README tables and cards are generated, never typed by hand)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def demo_markdown(results: dict, source_file: str) -> str:
+    """The README block for one `hf-kvmap demo` JSON: per-task table, perplexity and latency."""
+    run = results["run"]
+    lines = [
+        f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`, "
+        f"{run['items_per_task']} items per task, seed {run['seed']}).",
+        "",
+        "| task | source alone | target alone | handoff (mapped) | chance | retention | floor-normalized |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results["tasks"].items():
+        lines.append(
+            f"| {name} | {_fmt(row['source'])} | {_fmt(row['target'])} | {_fmt(row['mapped'])} | "
+            f"{_fmt(row['chance'], 2)} | {_fmt(row['retention'])} | {_fmt(row['floor_normalized_retention'])} |"
+        )
+    for name, row in results.get("perplexity", {}).items():
+        lines.append(
+            f"| {name} (perplexity, lower is better) | {_fmt(row['source'])} | {_fmt(row['target'])} | "
+            f"{_fmt(row['mapped'])} | | | |"
+        )
+    if results.get("latency"):
+        env = results.get("environment", {})
+        lines += [
+            "",
+            f"Latency (median, {env.get('device', 'cpu')}, {env.get('threads', '?')} threads, measured side by side):",
+            "",
+            "| context tokens | mapper `from_source` (ms) | target re-prefill (ms) | speedup |",
+            "|---|---|---|---|",
+        ]
+        for row in results["latency"]:
+            lines.append(
+                f"| {row['tokens']} | {_fmt(row['mapper_ms'], 2)} | {_fmt(row['prefill_ms'], 2)} | "
+                f"{_fmt(row['speedup'], 2)}x |"
+            )
+    return "\n".join(lines)
+
+
+def replace_section(text: str, name: str, content: str) -> str:
+    """Replace what stands between `<!-- name:start -->` and `<!-- name:end -->` in `text`."""
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"No `<!-- {name}:start -->` ... `<!-- {name}:end -->` markers found.")
+    return pattern.sub(lambda m: m.group(1) + content.rstrip("\n") + "\n" + m.group(2), text)
+
+
+def update_file_section(path: str | Path, name: str, content: str) -> bool:
+    """Rewrite one marked section of a file; return whether it changed."""
+    path = Path(path)
+    old = path.read_text()
+    new = replace_section(old, name, content)
+    if new != old:
+        path.write_text(new)
+    return new != old
