@@ -48,3 +48,14 @@ def rotary_embedding_class(config: PretrainedConfig) -> type[nn.Module]:
             f"(looked for `{rotary_name}`)."
         )
     return rotary_cls
+
+
+def model_id(config: PretrainedConfig) -> str | None:
+    """The Hub id or local path a model was loaded from (`None` for a model built from a config)."""
+    return getattr(config, "name_or_path", None) or None
+
+
+def model_revision(config: PretrainedConfig) -> str | None:
+    """The commit hash of the Hub revision a model was loaded from, when transformers recorded it."""
+    # transformers keeps it on the config as `_commit_hash` (no public accessor in 5.x).
+    return getattr(config, "_commit_hash", None) or None

@@ -67,6 +67,8 @@ class MapperConfig(PretrainedConfig):
         calibration (`dict`, *optional*): provenance of the fitting data (tokens, stride, fingerprint, ...).
         selection_scores (`list[list[float]]`, *optional*): the R^2 score of each selected source layer.
         library_version (`str`, *optional*): the hf-kvmap version that wrote the config.
+        content_hash (`str`, *optional*): sha256 of the saved weights, written by `save_pretrained` and checked by
+            `from_pretrained`.
 
     Example:
 
@@ -99,6 +101,7 @@ class MapperConfig(PretrainedConfig):
         calibration: dict | None = None,
         selection_scores: list[list[float]] | None = None,
         library_version: str | None = None,
+        content_hash: str | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -119,6 +122,7 @@ class MapperConfig(PretrainedConfig):
         self.selection_scores = selection_scores
         self.library_version = library_version or __version__
         self.initializer_range = initializer_range
+        self.content_hash = content_hash
         if source_layers is None and self.source_config is not None and self.target_config is not None:
             source_layers = [[layer] for layer in range(self.target_config["num_hidden_layers"])]
         self.source_layers = [list(map(int, layers)) for layers in source_layers] if source_layers else None

@@ -21,16 +21,6 @@ from .rope import positions_from_attention_mask
 MODES = ("source", "target", "mapped")
 
 
-def retention(mapped: float, target: float) -> float:
-    """Raw retention: mapped accuracy / target accuracy (`nan` when the target scores 0)."""
-    return mapped / target if target else float("nan")
-
-
-def floor_normalized_retention(mapped: float, target: float, chance: float) -> float:
-    """(mapped - chance) / (target - chance) (`nan` when the target is at chance)."""
-    return (mapped - chance) / (target - chance) if target != chance else float("nan")
-
-
 @dataclass
 class Handoff:
     """A (source, target, mapper) triple and the tokenizer they share.
@@ -185,7 +175,13 @@ class TaskSpec:
 
 
 def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:
-    """Run every task three ways; return `{"tasks": {...}, "perplexity": {...}}` with retention figures."""
+    """Run every task three ways; return `{"tasks": ..., "summary": ..., "perplexity": ...}`.
+
+    Retention comes from the package's `evaluate` module (`hf_kvmap.metrics`): per task raw and floor-normalized,
+    averaged over the non-generation tasks, with the generation tasks (exact match, chance 0) reported apart.
+    """
+    from .metrics import load_retention
+
     results: dict = {"tasks": {}, "perplexity": {}}
     bar = tqdm(total=len(tasks) * len(MODES), desc="evaluating", disable=not progress)
     for task in tasks:
@@ -196,16 +192,31 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
             bar.update(1)
         if task.kind == "perplexity":
             results["perplexity"][task.name] = {**scores, "n_items": len(task.items)}
-            continue
-        results["tasks"][task.name] = {
-            **scores,
-            "chance": task.chance,
-            "retention": retention(scores["mapped"], scores["target"]),
-            "floor_normalized_retention": floor_normalized_retention(scores["mapped"], scores["target"], task.chance),
-            "n_items": len(task.items),
-            "kind": task.kind,
-        }
+        else:
+            results["tasks"][task.name] = {
+                **scores,
+                "chance": task.chance,
+                "n_items": len(task.items),
+                "kind": task.kind,
+            }
     bar.close()
+    scored = results["tasks"]
+    if scored:
+        names = list(scored)
+        metric = load_retention().compute(
+            predictions=[scored[n]["mapped"] for n in names],
+            references=[scored[n]["target"] for n in names],
+            chance=[scored[n]["chance"] for n in names],
+            task_names=names,
+            generation_tasks=[n for n in names if scored[n]["kind"] == "exact_match" and scored[n]["chance"] == 0],
+        )
+        for name in names:
+            scored[name].update(metric["per_task"][name])
+        results["summary"] = {
+            "retention": metric["retention"],
+            "floor_normalized_retention": metric["floor_normalized_retention"],
+            "generation_tasks": sorted(metric["generation"]),
+        }
     return results
 
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import logging
 
+from ._compat import model_id, model_revision
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .rope import KVGeometry, RotaryCodec, check_supported_layout
+
+logger = logging.get_logger(__name__)
+
+EVALUATION_FILE = "evaluation.json"
 
 
 def _build_map(config: MapperConfig, in_features: int) -> nn.Module:
@@ -160,3 +169,180 @@ class MapperModel(MapperPreTrainedModel):
         from .fitting import fit_mapper
 
         return fit_mapper(source_model, target_model, calibration, top_k=top_k, ridge_lambda=ridge_lambda, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ artifacts
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, evaluation: dict | None = None, **kwargs):
+        """`PreTrainedModel.save_pretrained` (safetensors, sharded by `max_shard_size`), plus the content hash in the
+        config and a model card (`README.md`), rewritten idempotently.
+
+        Args:
+            evaluation (`dict`, *optional*): results JSON of `hf-kvmap eval`/`demo`; saved as `evaluation.json` and
+                rendered into the card. Without it, an `evaluation.json` already in the folder is used.
+        """
+        from .card import content_hash, render_card
+
+        if kwargs.get("safe_serialization") is False:
+            raise ValueError("hf-kvmap saves safetensors only; drop `safe_serialization=False`.")
+        self.config.content_hash = content_hash(self.state_dict())
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        folder = Path(save_directory)
+        if evaluation is not None:
+            (folder / EVALUATION_FILE).write_text(json.dumps(evaluation, indent=2, allow_nan=False) + "\n")
+        elif (folder / EVALUATION_FILE).exists():
+            evaluation = json.loads((folder / EVALUATION_FILE).read_text())
+        render_card(self, evaluation, model_name=folder.resolve().name).save(folder / "README.md")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, verify: bool = True, **kwargs) -> MapperModel:
+        """`PreTrainedModel.from_pretrained` (folder or Hub id, `dtype=`, `device_map=`), then verify the weights
+        against the content hash recorded at save time (`verify=False` skips it). A tampered or mismatched weight
+        file raises `ValueError`.
+        """
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        expected = model.config.content_hash
+        if verify and expected:
+            actual = stored_content_hash(pretrained_model_name_or_path, **kwargs)
+            if actual != expected:
+                raise ValueError(
+                    f"The weights at {pretrained_model_name_or_path} hash to {actual}, but the config records "
+                    f"{expected}: the artifact was modified or mixed with another one. Re-download or re-save it "
+                    "(or pass verify=False to load it anyway for debugging)."
+                )
+        return model
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str = "Upload hf-kvmap mapper",
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: str = "5GB",
+        evaluation: dict | None = None,
+    ):
+        """Upload weights, config and the generated card together (the card is the one `save_pretrained` renders,
+        not a generic one)."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size, evaluation=evaluation)
+            from .card import render_card
+
+            saved = (
+                json.loads((Path(folder) / EVALUATION_FILE).read_text())
+                if evaluation is None and (Path(folder) / EVALUATION_FILE).exists()
+                else evaluation
+            )
+            render_card(self, saved, model_name=repo_id.split("/")[-1], repo_id=repo_id).save(
+                Path(folder) / "README.md"
+            )
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    def check_compatible(self, source_model=None, target_model=None, tokenizer=None, *, allow_mismatch: bool = False):
+        """Compare the models (and tokenizer) in hand with the approval tuple recorded in the config.
+
+        Checked: model type, KV geometry and rope parameters of each side; the recorded revision and id of each side
+        when both the mapper and the model know them; the tokenizer fingerprint. A mismatch raises `ValueError`
+        naming both values; `allow_mismatch=True` logs them instead (for experiments).
+        """
+        problems = []
+        for side, model in (("source", source_model), ("target", target_model)):
+            if model is None:
+                continue
+            problems += _side_mismatches(self.config, side, model.config)
+        if tokenizer is not None and self.config.tokenizer_fingerprint:
+            from .fitting import tokenizer_fingerprint
+
+            found = tokenizer_fingerprint(tokenizer)
+            if found != self.config.tokenizer_fingerprint:
+                problems.append(
+                    f"tokenizer: the mapper was fitted with fingerprint {self.config.tokenizer_fingerprint}, "
+                    f"the tokenizer in hand has {found}"
+                )
+        if problems:
+            message = "The mapper does not match the models in hand:\n- " + "\n- ".join(problems)
+            if not allow_mismatch:
+                raise ValueError(message + "\nUse the mapper fitted for these models, or allow_mismatch=True.")
+            logger.warning(message)
+        return problems
+
+
+def _side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
+    from .rope import text_config
+
+    recorded = getattr(config, f"{side}_config")
+    found = summarize_model_config(model_config)
+    problems = []
+    if found["model_type"] != recorded["model_type"]:
+        problems.append(f"{side} model_type: mapper expects {recorded['model_type']}, model is {found['model_type']}")
+    expected_geometry, found_geometry = KVGeometry.from_config(recorded), KVGeometry.from_config(found)
+    if expected_geometry != found_geometry:
+        problems.append(f"{side} geometry: mapper expects {expected_geometry}, model has {found_geometry}")
+    if recorded.get("rope_parameters") != found.get("rope_parameters"):
+        problems.append(
+            f"{side} rope_parameters: mapper expects {recorded.get('rope_parameters')}, "
+            f"model has {found.get('rope_parameters')}"
+        )
+    text = text_config(model_config)
+    for what, expected, actual in (
+        ("revision", getattr(config, f"{side}_revision"), model_revision(text) or model_revision(model_config)),
+        ("id", getattr(config, f"{side}_model_id"), model_id(model_config)),
+    ):
+        if expected and actual and expected != actual:
+            problems.append(f"{side} {what}: mapper expects {expected}, model has {actual}")
+    return problems
+
+
+def _weight_files(pretrained_model_name_or_path, **kwargs) -> list[Path]:
+    path = Path(pretrained_model_name_or_path)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(
+            snapshot_download(
+                str(pretrained_model_name_or_path),
+                revision=kwargs.get("revision"),
+                cache_dir=kwargs.get("cache_dir"),
+                local_files_only=kwargs.get("local_files_only", False),
+                token=kwargs.get("token"),
+                allow_patterns=["*.safetensors", "*.json"],
+            )
+        )
+    subfolder = kwargs.get("subfolder") or ""
+    return sorted((path / subfolder).glob("*.safetensors"))
+
+
+def stored_content_hash(pretrained_model_name_or_path, **kwargs) -> str:
+    """The content hash of the safetensors weights of a saved mapper, read one tensor at a time as stored."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from .card import content_hash
+
+    with ExitStack() as stack:
+        handles = {}
+        for file in _weight_files(pretrained_model_name_or_path, **kwargs):
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            handles.update(dict.fromkeys(handle.keys(), handle))
+
+        class _Lazy(dict):
+            def __getitem__(self, name):
+                return handles[name].get_tensor(name)
+
+        return content_hash(_Lazy(handles))

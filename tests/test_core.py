@@ -109,7 +109,7 @@ def test_save_and_load_round_trip(tmp_path):
         for param in mapper.parameters():
             param.add_(torch.randn_like(param))
     mapper.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "kvmap_mapper"
     assert saved["source_config"]["model_type"] == "qwen3" and saved["source_layers"] == [[0], [1]]

@@ -1,0 +1,160 @@
+"""Model cards of mappers, rendered from structured data through `huggingface_hub`'s card API and a Jinja template."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
+
+
+def content_hash(tensors) -> str:
+    """sha256 over every tensor, sorted by name: name, dtype, shape, raw bytes as stored.
+
+    `tensors` is a mapping (e.g. a state dict) or anything with `keys()` and `__getitem__` that loads lazily, so
+    a large artifact is hashed one tensor at a time.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors.keys()):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def _side(config, side: str) -> dict[str, Any]:
+    geometry = getattr(config, f"{side}_geometry")
+    summary = getattr(config, f"{side}_config")
+    rope = summary.get("rope_parameters") or {}
+    return {
+        "id": getattr(config, f"{side}_model_id"),
+        "revision": getattr(config, f"{side}_revision"),
+        "model_type": summary.get("model_type"),
+        "geometry": f"{summary.get('model_type')}, {geometry.num_layers} layers, {geometry.num_kv_heads} KV heads x "
+        f"{geometry.head_dim}, rope {rope.get('rope_type', 'default')}",
+    }
+
+
+def card_data(config, results: dict | None, model_name: str) -> ModelCardData:
+    """The YAML metadata: library, tags, both base models, and model-index results when an evaluation exists."""
+    base_models = [m for m in (config.source_model_id, config.target_model_id) if m]
+    eval_results = []
+    for task, row in (results or {}).get("tasks", {}).items():
+        for metric, key in (
+            ("raw retention", "retention"),
+            ("floor-normalized retention", "floor_normalized_retention"),
+        ):
+            value = row.get(key)
+            if value is None or (isinstance(value, float) and not math.isfinite(value)):
+                continue
+            eval_results.append(
+                EvalResult(
+                    task_type="kv-cache-transfer",
+                    task_name="KV cache transfer",
+                    # the Hub groups results by dataset type, so each task gets its own
+                    dataset_type=f"{results.get('run', {}).get('task_set', 'hf-kvmap')}/{task}",
+                    dataset_name=task,
+                    metric_type=key,
+                    metric_name=metric,
+                    metric_value=round(float(value), 4),
+                )
+            )
+    return ModelCardData(
+        model_name=model_name,
+        library_name="hf-kvmap",
+        tags=["hf-kvmap", "kv-cache", f"mapper-{config.kind}"],
+        base_model=base_models or None,
+        eval_results=eval_results or None,
+    )
+
+
+def render_card(
+    mapper, results: dict | None = None, model_name: str | None = None, repo_id: str | None = None
+) -> ModelCard:
+    """Render the card of `mapper` (a `MapperModel` or `MapperConfig`) with an optional evaluation results dict.
+
+    `results` is the JSON `hf-kvmap eval` / `hf-kvmap demo` writes (`tasks`, `perplexity`, `latency`,
+    `diagnostics`, `run`, `environment`). Unknown values are left out of the card.
+    """
+    config = getattr(mapper, "config", mapper)
+    num_parameters = sum(p.numel() for p in mapper.parameters()) if hasattr(mapper, "parameters") else 0
+    model_name = model_name or repo_id or f"{config.source_config['model_type']}-kv-mapper"
+    source, target = _side(config, "source"), _side(config, "target")
+    depth = (config.source_geometry.num_layers, config.target_geometry.num_layers)
+    results = results or {}
+    run = results.get("run", {})
+    workload = None
+    if results.get("tasks"):
+        workload = f"{run.get('task_set', 'tasks')}: {', '.join(results['tasks'])}"
+        if run.get("items_per_task"):
+            workload += f" ({run['items_per_task']} items per task, seed {run.get('seed')})"
+    calibration = [(key, value) for key, value in sorted(config.calibration.items()) if not isinstance(value, dict)]
+    retention_rows = [
+        {
+            "name": name,
+            "kind": row.get("kind", ""),
+            "source": _fmt(row.get("source")),
+            "target": _fmt(row.get("target")),
+            "mapped": _fmt(row.get("mapped")),
+            "chance": _fmt(row.get("chance"), 2),
+            "retention": _fmt(row.get("retention")),
+            "floor": _fmt(row.get("floor_normalized_retention")),
+        }
+        for name, row in results.get("tasks", {}).items()
+    ]
+    perplexity_rows = [
+        {"name": name, **{mode: _fmt(row.get(mode)) for mode in ("source", "target", "mapped")}}
+        for name, row in results.get("perplexity", {}).items()
+    ]
+    latency_rows = [
+        {
+            "tokens": row["tokens"],
+            "mapper_ms": _fmt(row["mapper_ms"], 2),
+            "prefill_ms": _fmt(row["prefill_ms"], 2),
+            "speedup": _fmt(row.get("speedup"), 2) + "x",
+        }
+        for row in results.get("latency", [])
+    ]
+    env = results.get("environment", {})
+    diagnostics = [
+        f"{key}: {_fmt(value) if isinstance(value, float) else value}"
+        for key, value in results.get("diagnostics_summary", {}).items()
+    ]
+    return ModelCard.from_template(
+        card_data(config, results, model_name),
+        template_path=str(TEMPLATE_PATH),
+        model_name=model_name,
+        repo_id=repo_id or model_name,
+        source=source,
+        target=target,
+        direction="small -> large"
+        if depth[0] < depth[1]
+        else ("large -> small" if depth[0] > depth[1] else "same depth"),
+        tokenizer_fingerprint=config.tokenizer_fingerprint,
+        content_hash=getattr(config, "content_hash", None),
+        workload=workload,
+        kind=config.kind,
+        mlp_hidden_size=config.mlp_hidden_size,
+        top_k=", ".join(sorted({str(len(layers)) for layers in config.source_layers})),
+        num_parameters=num_parameters,
+        ridge_lambda=config.ridge_lambda,
+        lambda_convention=config.lambda_convention,
+        calibration=calibration,
+        library_version=config.library_version,
+        retention_rows=retention_rows,
+        perplexity_rows=perplexity_rows,
+        latency_rows=latency_rows,
+        latency_env=f"{env.get('device', 'cpu')}, {env.get('threads', '?')} threads, torch {env.get('torch', '?')}",
+        diagnostics=diagnostics,
+    )

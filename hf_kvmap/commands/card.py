@@ -1,0 +1,32 @@
+"""`hf-kvmap card DIR [--results results.json]`: (re)render a saved mapper's model card."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("card", help="(Re)render the model card (README.md) of a saved mapper folder.")
+    parser.add_argument("directory", type=Path, help="folder written by MapperModel.save_pretrained")
+    parser.add_argument("--results", type=Path, default=None, help="evaluation JSON to render (and store beside it)")
+    parser.add_argument("--name", default=None, help="model name / Hub id shown on the card (default: folder name)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..card import render_card
+    from ..modeling_mapper import EVALUATION_FILE, MapperModel
+
+    mapper = MapperModel.from_pretrained(args.directory)
+    results = None
+    if args.results is not None:
+        results = json.loads(args.results.read_text())
+        (args.directory / EVALUATION_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    elif (args.directory / EVALUATION_FILE).exists():
+        results = json.loads((args.directory / EVALUATION_FILE).read_text())
+    name = args.name or args.directory.resolve().name
+    render_card(mapper, results, model_name=name, repo_id=args.name).save(args.directory / "README.md")
+    print(f"wrote {args.directory / 'README.md'}")
+    return 0
