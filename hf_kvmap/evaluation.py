@@ -145,7 +145,7 @@ def evaluate_items(handoff: Handoff, kind: str, items: Sequence, mode: str, **kw
     `"choice"` (`.context`, `.choices`, `.label`) -> accuracy; `"perplexity"` (`.text`) -> perplexity.
     """
     if kind == "exact_match":
-        prompts = [getattr(item, "prompt", None) or item.context for item in items]
+        prompts = [getattr(item, "prompt", "") or item.context for item in items]
         stop = kwargs.get("stop", getattr(items[0], "stop", ""))
         return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stop))
     if kind == "choice":
@@ -172,6 +172,93 @@ class TaskSpec:
     items: Sequence
     chance: float = 0.0
     stop: str = ""
+
+
+@dataclass(frozen=True)
+class JsonlItem:
+    """One item of a user task file (fields as in the JSONL format of `load_jsonl_tasks`)."""
+
+    prompt: str = ""
+    context: str = ""
+    answer: str = ""
+    choices: tuple = ()
+    label: int = -1
+    text: str = ""
+    stop: str = ""
+
+
+TASK_KINDS = ("exact_match", "choice", "perplexity")
+
+
+def load_jsonl_tasks(path) -> list[TaskSpec]:
+    """Tasks from a JSONL file, one item per line; items of one `task` name form one task.
+
+    Line formats (`type` defaults to `exact_match`):
+
+    - `{"task": "qa", "type": "exact_match", "prompt": "...", "answer": "...", "stop": "\\n"}`
+    - `{"task": "mc", "type": "choice", "context": "...", "choices": ["...", "..."], "label": 0, "chance": 0.5}`
+      (`chance` defaults to 1 / number of choices)
+    - `{"task": "ppl", "type": "perplexity", "text": "..."}`
+    """
+    import json
+    from pathlib import Path
+
+    tasks: dict[str, TaskSpec] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from None
+        name, kind = row.get("task"), row.get("type", "exact_match")
+        if not name:
+            raise ValueError(f"{path}:{number}: every line needs a `task` name.")
+        if kind not in TASK_KINDS:
+            raise ValueError(f"{path}:{number}: type={kind!r}; expected one of {TASK_KINDS}.")
+        required = {
+            "exact_match": ("prompt", "answer"),
+            "choice": ("context", "choices", "label"),
+            "perplexity": ("text",),
+        }
+        missing = [field for field in required[kind] if field not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: a {kind} item needs {missing}.")
+        if kind == "choice" and not 0 <= int(row["label"]) < len(row["choices"]):
+            raise ValueError(
+                f"{path}:{number}: label {row['label']} is out of range for {len(row['choices'])} choices."
+            )
+        item = JsonlItem(
+            prompt=row.get("prompt", ""),
+            context=row.get("context", ""),
+            answer=row.get("answer", ""),
+            choices=tuple(row.get("choices", ())),
+            label=int(row.get("label", -1)),
+            text=row.get("text", ""),
+            stop=row.get("stop", ""),
+        )
+        if name not in tasks:
+            chance = row.get("chance", 1 / len(item.choices) if kind == "choice" else 0.0)
+            tasks[name] = TaskSpec(name, kind, [], chance=float(chance), stop=item.stop)
+        elif tasks[name].kind != kind:
+            raise ValueError(f"{path}:{number}: task {name!r} mixes types {tasks[name].kind} and {kind}.")
+        tasks[name].items.append(item)
+    if not tasks:
+        raise ValueError(f"{path} holds no task items.")
+    return list(tasks.values())
+
+
+def tiny_family_tasks(items: int = 200, seed: int = 1234) -> list[TaskSpec]:
+    """The task set of the shipped tiny family (`hf_kvmap.zoo.corpus`), as the demo and the cards use it."""
+    from .zoo import corpus
+
+    return [
+        TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", items, seed=seed), stop="\n"),
+        TaskSpec("arithmetic", "exact_match", corpus.make_eval_set("arithmetic", items, seed=seed), stop="\n"),
+        TaskSpec("choice", "choice", corpus.make_eval_set("choice", items, seed=seed), chance=0.25),
+        TaskSpec("chat", "exact_match", corpus.make_eval_set("chat", items, seed=seed), stop=corpus.END),
+        TaskSpec("text", "perplexity", corpus.make_eval_set("text", max(items // 4, 4), seed=seed, n_chars=384)),
+    ]
 
 
 def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:

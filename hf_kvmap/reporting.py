@@ -63,3 +63,45 @@ def update_file_section(path: str | Path, name: str, content: str) -> bool:
     if new != old:
         path.write_text(new)
     return new != old
+
+
+def environment_info() -> dict:
+    """Library versions and the device, for self-describing results JSON."""
+    import platform
+
+    import torch
+    import transformers
+
+    from . import __version__
+
+    info = {
+        "hf_kvmap": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+    }
+    return info
+
+
+def json_safe(value):
+    """Non-finite floats (e.g. retention against a target at chance) become null, so files are strict JSON."""
+    import math
+
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")

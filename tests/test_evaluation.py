@@ -86,3 +86,95 @@ def test_choice_scores_match_a_full_forward(handoff):
             logprobs = torch.log_softmax(handoff.target(full).logits[0, :-1].float(), -1)
         expected = logprobs[len(ctx) - 1 :].gather(-1, full[0, len(ctx) :, None]).sum().item()
         assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_diagnostics_of_identity_mapper_are_perfect(handoff):
+    from hf_kvmap.diagnostics import diagnose
+
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    result = diagnose(handoff.source, handoff.target, handoff.mapper, [ids], query_tokens=8)
+    assert len(result["layers"]) == 2 and len(result["layers"][0]["attention_cosine"]) == 4
+    assert result["summary"]["mean_key_r2"] == pytest.approx(1.0, abs=1e-6)
+    assert result["summary"]["mean_value_r2"] == pytest.approx(1.0, abs=1e-9)
+    assert result["summary"]["min_layer_attention_cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_diagnostics_see_a_damaged_layer(handoff):
+    from hf_kvmap.diagnostics import diagnose
+
+    damaged = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        damaged.layers[1].value_proj.weight.mul_(-1.0)  # values of layer 1 flipped
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    result = diagnose(handoff.source, handoff.target, damaged, [ids], query_tokens=8)
+    assert min(result["layers"][0]["attention_cosine"]) == pytest.approx(1.0, abs=1e-6)
+    # the held-back and query tokens keep their own (true) values, so the cosine is strongly negative, not -1
+    assert max(result["layers"][1]["attention_cosine"]) < -0.5
+    assert max(result["layers"][1]["value_r2"]) < -1.0
+
+
+def _write_jsonl(path, rows):
+    import json
+
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+
+
+def test_jsonl_tasks_and_eval_command(tmp_path, handoff):
+    import json
+
+    from hf_kvmap.cli import main as cli_main
+
+    model_dir, mapper_dir = tmp_path / "model", tmp_path / "mapper"
+    handoff.target.save_pretrained(model_dir)
+    handoff.tokenizer.save_pretrained(model_dir)
+    handoff.mapper.save_pretrained(mapper_dir)
+    tasks = tmp_path / "tasks.jsonl"
+    _write_jsonl(
+        tasks,
+        [
+            {"task": "qa", "prompt": "ab=123\n?ab=", "answer": "123", "stop": "\n"},
+            {"task": "qa", "prompt": "cd=456\n?cd=", "answer": "456", "stop": "\n"},
+            {"task": "mc", "type": "choice", "context": "sam has a red", "choices": [" cup.", " pen."], "label": 0},
+            {"task": "ppl", "type": "perplexity", "text": "the cat sat on the mat and the dog sat on the log."},
+        ],
+    )
+    out = tmp_path / "results.json"
+    args = [
+        "eval",
+        "--source",
+        str(model_dir),
+        "--target",
+        str(model_dir),
+        "--mapper",
+        str(mapper_dir),
+        "--tasks",
+        str(tasks),
+        "--json",
+        str(out),
+    ]
+    assert cli_main(args) == 0
+    results = json.loads(out.read_text())
+    assert set(results["tasks"]) == {"qa", "mc"} and set(results["perplexity"]) == {"ppl"}
+    assert results["tasks"]["mc"]["chance"] == 0.5
+    for row in results["tasks"].values():
+        assert row["mapped"] == row["target"]
+    assert results["run"]["mapper_content_hash"].startswith("sha256:")
+    assert results["environment"]["transformers"]
+
+
+@pytest.mark.parametrize(
+    "row,fragment",
+    [
+        ({"task": "x", "type": "bleu", "prompt": "a", "answer": "b"}, "type='bleu'"),
+        ({"task": "x", "type": "choice", "context": "a", "choices": ["b"], "label": 3}, "out of range"),
+        ({"task": "x", "prompt": "a"}, "needs \\['answer'\\]"),
+        ({"prompt": "a", "answer": "b"}, "needs a `task` name"),
+    ],
+)
+def test_jsonl_task_errors(tmp_path, row, fragment):
+    from hf_kvmap.evaluation import load_jsonl_tasks
+
+    path = tmp_path / "tasks.jsonl"
+    _write_jsonl(path, [row])
+    with pytest.raises(ValueError, match=fragment):
+        load_jsonl_tasks(path)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import platform
 import time
 from pathlib import Path
 
@@ -32,19 +29,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.set_defaults(func=run)
-
-
-def build_tasks(items: int, seed: int):
-    from ..evaluation import TaskSpec
-    from ..zoo import corpus
-
-    return [
-        TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", items, seed=seed), stop="\n"),
-        TaskSpec("arithmetic", "exact_match", corpus.make_eval_set("arithmetic", items, seed=seed), stop="\n"),
-        TaskSpec("choice", "choice", corpus.make_eval_set("choice", items, seed=seed), chance=0.25),
-        TaskSpec("chat", "exact_match", corpus.make_eval_set("chat", items, seed=seed), stop=corpus.END),
-        TaskSpec("text", "perplexity", corpus.make_eval_set("text", max(items // 4, 4), seed=seed, n_chars=384)),
-    ]
 
 
 def format_table(results: dict) -> str:
@@ -104,23 +88,12 @@ def plot_results(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _json_safe(value):
-    """NaN (e.g. retention against a target at chance) becomes null, so the file is strict JSON."""
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
-    import transformers
 
-    from .. import MapperModel, __version__, zoo
-    from ..evaluation import Handoff, evaluate_tasks, measure_latency
+    from .. import MapperModel, zoo
+    from ..evaluation import Handoff, evaluate_tasks, measure_latency, tiny_family_tasks
+    from ..reporting import environment_info, write_json
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     mapper = MapperModel.from_pretrained(args.mapper or str(zoo.mapper_path(args.source, args.target)))
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
-    results = evaluate_tasks(handoff, build_tasks(args.items, args.seed))
+    results = evaluate_tasks(handoff, tiny_family_tasks(args.items, args.seed))
     lengths = [int(n) for n in str(args.lengths).split(",") if n]
     results["latency"] = measure_latency(handoff, lengths, repeats=args.repeats) if lengths else []
     results["run"] = {
@@ -146,18 +119,10 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "seconds": time.perf_counter() - started,
     }
-    results["environment"] = {
-        "hf_kvmap": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-    }
+    results["environment"] = environment_info()
     print(format_table(results))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        write_json(args.json, results)
         print(f"wrote {args.json}")
     if args.plot:
         plot_results(results, args.plot)

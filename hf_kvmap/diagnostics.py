@@ -1,0 +1,133 @@
+"""Diagnostics of a mapper on held-out text: K/V R^2 per layer and head, and the attention-output cosine.
+
+The attention-output cosine is the diagnostic the reference paper found predictive of retention: for target layer
+`l`, the target's own queries attend once over its true K/V and once over the mapped K/V of that layer (every other
+layer keeps its true cache, so the queries reaching layer `l` are exactly the target's); the cosine between the two
+per-head attention outputs (the input of `o_proj`) is averaged over query tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from .cache import MappedCache
+from .rope import RotaryCodec
+
+
+def _r2_per_head(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+    """R^2 per head of `(batch, heads, seq, dim)` tensors: 1 - SS_res / SS_tot (centered per dim over tokens)."""
+    predicted, true = predicted.double(), true.double()
+    flat_true = true.transpose(0, 1).reshape(true.shape[1], -1, true.shape[-1])
+    flat_pred = predicted.transpose(0, 1).reshape(true.shape[1], -1, true.shape[-1])
+    ss_res = (flat_pred - flat_true).square().sum(dim=(1, 2))
+    ss_tot = (flat_true - flat_true.mean(dim=1, keepdim=True)).square().sum(dim=(1, 2))
+    return 1 - ss_res / ss_tot
+
+
+def _attention_inputs(model, layer_idx: int, ids, cache):
+    """Run `ids` on top of `cache` and return the input of layer `layer_idx`'s `o_proj` (all heads concatenated)."""
+    captured = {}
+    layer = model.get_decoder().layers[layer_idx]
+
+    def hook(_module, args):
+        captured["x"] = args[0].detach()
+
+    handle = layer.self_attn.o_proj.register_forward_pre_hook(hook)
+    try:
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        handle.remove()
+    return captured["x"]
+
+
+def _with_layer(cache_layers, layer_idx: int, keys, values) -> DynamicCache:
+    data = [(k.clone(), v.clone()) for k, v in cache_layers]
+    data[layer_idx] = (keys.clone(), values.clone())
+    return DynamicCache(ddp_cache_data=data)
+
+
+@torch.no_grad()
+def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_tokens: int = 16) -> dict:
+    """Per target layer and head: R^2 of mapped keys (content space) and values, and attention-output cosine.
+
+    Args:
+        source, target (`PreTrainedModel`): the two models.
+        mapper ([`MapperModel`]): the mapper to diagnose.
+        batches (iterable of `LongTensor (batch, seq)`): held-out token ids; the first `seq - query_tokens` tokens
+            are mapped, the last `query_tokens` are the queries.
+        query_tokens (`int`, *optional*, defaults to 16).
+
+    Returns:
+        `dict` with `layers` (one entry per target layer: `key_r2`, `value_r2`, `attention_cosine`, each a list per
+        KV head / attention head) and `summary` (means).
+    """
+    codec = RotaryCodec(target.config)
+    num_layers = mapper.config.target_geometry.num_layers
+    sums = {"key_r2": [], "value_r2": [], "attention_cosine": []}
+    for ids in batches:
+        if ids.shape[1] <= query_tokens + 1:
+            raise ValueError(f"Diagnostic sequences need more than {query_tokens + 1} tokens; got {ids.shape[1]}.")
+        prefix, queries = ids[:, :-query_tokens], ids[:, -query_tokens:]
+        mapped = MappedCache.from_source(source(input_ids=prefix, use_cache=True).past_key_values, mapper, hold_back=1)
+        true = target(input_ids=prefix, use_cache=True).past_key_values
+        true.crop(-1)
+        true_layers = [(layer.keys, layer.values) for layer in true.layers]
+        positions = torch.arange(prefix.shape[1] - 1).expand(prefix.shape[0], -1)
+        table = codec.table(positions)
+        # the held-back token plus the query tokens are run by the target on top of each cache
+        run_ids = torch.cat([prefix[:, -1:], queries], dim=1)
+        rows = {"key_r2": [], "value_r2": [], "attention_cosine": []}
+        for layer_idx in range(num_layers):
+            mk, mv = mapped.layers[layer_idx].keys, mapped.layers[layer_idx].values
+            tk, tv = true_layers[layer_idx]
+            rows["key_r2"].append(_r2_per_head(table.strip(mk.to(tk.device)), table.strip(tk)))
+            rows["value_r2"].append(_r2_per_head(mv.to(tv.device), tv))
+            reference = _attention_inputs(target, layer_idx, run_ids, DynamicCache(ddp_cache_data=true_layers))
+            hybrid = _attention_inputs(target, layer_idx, run_ids, _with_layer(true_layers, layer_idx, mk, mv))
+            heads = target.config.num_attention_heads
+            reference = reference.view(*reference.shape[:2], heads, -1).double()
+            hybrid = hybrid.view(*hybrid.shape[:2], heads, -1).double()
+            rows["attention_cosine"].append(
+                torch.nn.functional.cosine_similarity(hybrid, reference, dim=-1).mean((0, 1))
+            )
+        for key in sums:
+            sums[key].append(torch.stack(rows[key]))
+    if not sums["key_r2"]:
+        raise ValueError("diagnose() got no batches.")
+    means = {key: torch.stack(values).mean(0) for key, values in sums.items()}
+    layers = [{key: [round(v, 6) for v in means[key][layer].tolist()] for key in means} for layer in range(num_layers)]
+    return {
+        "layers": layers,
+        "summary": {
+            "mean_key_r2": means["key_r2"].mean().item(),
+            "mean_value_r2": means["value_r2"].mean().item(),
+            "mean_attention_cosine": means["attention_cosine"].mean().item(),
+            "min_layer_attention_cosine": means["attention_cosine"].mean(-1).min().item(),
+            "query_tokens": query_tokens,
+            "sequences": sum(1 for _ in sums["key_r2"]),
+        },
+    }
+
+
+def plot_diagnostics(diagnostics: dict, path) -> None:
+    """Heat maps (layer x head) of key R^2, value R^2 and attention cosine, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("key_r2", "value_r2", "attention_cosine")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key in zip(axes, keys):
+        data = [layer[key] for layer in diagnostics["layers"]]
+        image = ax.imshow(data, aspect="auto", vmin=min(0.0, min(map(min, data))), vmax=1.0, cmap="viridis")
+        ax.set_title(key.replace("_", " "))
+        ax.set_xlabel("head")
+        ax.set_ylabel("target layer")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
