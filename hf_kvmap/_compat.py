@@ -59,3 +59,8 @@ def model_revision(config: PretrainedConfig) -> str | None:
     """The commit hash of the Hub revision a model was loaded from, when transformers recorded it."""
     # transformers keeps it on the config as `_commit_hash` (no public accessor in 5.x).
     return getattr(config, "_commit_hash", None) or None
+
+
+def set_model_revision(config: PretrainedConfig, revision: str) -> None:
+    """Record a revision on a config the way transformers does for Hub models (see `model_revision`)."""
+    config._commit_hash = revision

@@ -48,7 +48,12 @@ def _side(config, side: str) -> dict[str, Any]:
 
 def card_data(config, results: dict | None, model_name: str) -> ModelCardData:
     """The YAML metadata: library, tags, both base models, and model-index results when an evaluation exists."""
-    base_models = [m for m in (config.source_model_id, config.target_model_id) if m]
+    # only Hub ids belong in `base_model` (not local paths or package-internal names like `hf_kvmap.zoo:tiny-s`)
+    base_models = [
+        m
+        for m in (config.source_model_id, config.target_model_id)
+        if m and ":" not in m and not m.startswith(("/", "."))
+    ]
     eval_results = []
     for task, row in (results or {}).get("tasks", {}).items():
         for metric, key in (
@@ -99,7 +104,11 @@ def render_card(
         workload = f"{run.get('task_set', 'tasks')}: {', '.join(results['tasks'])}"
         if run.get("items_per_task"):
             workload += f" ({run['items_per_task']} items per task, seed {run.get('seed')})"
-    calibration = [(key, value) for key, value in sorted(config.calibration.items()) if not isinstance(value, dict)]
+    calibration = [
+        (key, ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value)
+        for key, value in sorted(config.calibration.items())
+        if value is not None and not isinstance(value, dict)
+    ]
     retention_rows = [
         {
             "name": name,

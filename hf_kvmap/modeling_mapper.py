@@ -190,7 +190,9 @@ class MapperModel(MapperPreTrainedModel):
             return
         folder = Path(save_directory)
         if evaluation is not None:
-            (folder / EVALUATION_FILE).write_text(json.dumps(evaluation, indent=2, allow_nan=False) + "\n")
+            from .reporting import write_json
+
+            write_json(folder / EVALUATION_FILE, evaluation)
         elif (folder / EVALUATION_FILE).exists():
             evaluation = json.loads((folder / EVALUATION_FILE).read_text())
         render_card(self, evaluation, model_name=folder.resolve().name).save(folder / "README.md")

@@ -201,3 +201,22 @@ def test_push_to_hub_uploads_weights_config_and_generated_card(tmp_path, monkeyp
     assert sorted(uploaded) == ["README.md", "config.json", "evaluation.json", "model.safetensors"]
     card = uploaded["README.md"].decode()
     assert 'MapperModel.from_pretrained("org/small-to-large"' in card and "## Retention" in card
+
+
+def test_shipped_model_cards_have_not_drifted():
+    """model_cards/ holds the generated cards of the shipped mappers; regenerating them must give the same text."""
+    from pathlib import Path
+
+    from hf_kvmap import zoo
+    from hf_kvmap.card import render_card
+
+    cards = Path(__file__).resolve().parents[1] / "model_cards"
+    folders = sorted(p for p in zoo.MAPPERS_DIR.iterdir() if p.is_dir())
+    assert folders, "no shipped mappers"
+    assert sorted(p.stem for p in cards.glob("*.md") if p.name != "README.md") == [p.name for p in folders]
+    for folder in folders:
+        mapper = MapperModel.from_pretrained(folder)
+        evaluation = json.loads((folder / "evaluation.json").read_text())
+        rendered = str(render_card(mapper, evaluation, model_name=folder.name))
+        assert (folder / "README.md").read_text().strip() == rendered.strip(), folder.name
+        assert (cards / f"{folder.name}.md").read_text().strip() == rendered.strip(), folder.name

@@ -28,6 +28,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="also rewrite the results section of this README from the JSON"
+    )
     parser.set_defaults(func=run)
 
 
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import MapperModel, zoo
     from ..evaluation import Handoff, evaluate_tasks, measure_latency, tiny_family_tasks
-    from ..reporting import environment_info, write_json
+    from ..reporting import demo_markdown, environment_info, update_file_section, write_json
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, results)
         print(f"wrote {args.json}")
+    if args.readme:
+        if not args.json:
+            raise SystemExit("--readme renders from the JSON file: pass --json too.")
+        source_file = args.json.resolve().relative_to(args.readme.resolve().parent).as_posix()
+        update_file_section(args.readme, "demo-results", demo_markdown(results, source_file))
+        print(f"updated {args.readme}")
     if args.plot:
         plot_results(results, args.plot)
         print(f"wrote {args.plot}")

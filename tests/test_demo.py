@@ -1,0 +1,73 @@
+"""The main job: `hf-kvmap demo` on the shipped tiny family, the README it documents, and a quality floor."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from hf_kvmap import MappedCache, MapperModel, zoo
+from hf_kvmap.cli import main as cli_main
+from hf_kvmap.evaluation import Handoff, evaluate_items
+from hf_kvmap.reporting import demo_markdown
+from hf_kvmap.zoo import corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_short_demo_writes_every_task(tmp_path):
+    out, plot = tmp_path / "demo.json", tmp_path / "demo.png"
+    args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--json", str(out), "--plot", str(plot)]
+    assert cli_main(args) == 0
+    results = json.loads(out.read_text())
+    assert set(results["tasks"]) == {"recall", "arithmetic", "choice", "chat"}
+    for row in results["tasks"].values():
+        for key in ("source", "target", "mapped", "chance"):
+            assert math.isfinite(row[key])
+        assert "retention" in row and "floor_normalized_retention" in row
+    assert math.isfinite(results["perplexity"]["text"]["mapped"])
+    assert [row["tokens"] for row in results["latency"]] == [32, 64]
+    assert all(row["mapper_ms"] > 0 and row["prefill_ms"] > 0 for row in results["latency"])
+    assert plot.stat().st_size > 10_000
+
+
+def test_readme_results_are_generated_from_the_committed_json():
+    readme = (ROOT / "README.md").read_text()
+    results = json.loads((ROOT / "benchmarks" / "results" / "demo.json").read_text())
+    section = re.search(r"<!-- demo-results:start -->\n(.*?)<!-- demo-results:end -->", readme, re.DOTALL).group(1)
+    assert section.strip() == demo_markdown(results, "benchmarks/results/demo.json").strip()
+
+
+def test_readme_usage_snippet_runs():
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    assert isinstance(namespace["cache"], MappedCache)
+    assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 4
+
+
+def test_shipped_mapper_keeps_recall_above_source_alone():
+    """Quality floor: the context must survive the mapping (the source alone cannot recall what it read)."""
+    tokenizer = zoo.load_tokenizer(padding_side="left")
+    source, target = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l"))
+    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    items = corpus.make_eval_set("recall", 100, seed=99)
+    scores = {mode: evaluate_items(handoff, "exact_match", items, mode, stop="\n") for mode in ("source", "mapped")}
+    assert scores["mapped"] >= scores["source"] + 0.2, scores
+
+
+def test_shipped_mappers_match_their_models():
+    tokenizer = zoo.load_tokenizer()
+    for folder in sorted(zoo.MAPPERS_DIR.iterdir()):
+        source_name, target_name = folder.name.split("-to-")
+        mapper = MapperModel.from_pretrained(folder)  # verifies the content hash
+        assert mapper.check_compatible(zoo.load_model(source_name), zoo.load_model(target_name), tokenizer) == []
+        with torch.no_grad():
+            ids = torch.tensor([tokenizer("ab=123\ncd=456\n?ab=")["input_ids"]])
+            cache = MappedCache.from_source(zoo.load_model(source_name)(ids, use_cache=True).past_key_values, mapper)
+        assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
