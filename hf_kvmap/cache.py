@@ -211,7 +211,8 @@ class MappedCache(DynamicCache):
             check_finite (`bool`, *optional*, defaults to `True`): refuse a source cache holding NaN or inf.
 
         Returns:
-            `MappedCache` with `seq - hold_back` tokens in every layer.
+            `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
+            expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
         config = mapper.config
         source_kv = source_tensors(source_cache, config)

@@ -247,3 +247,25 @@ def test_config_validation(kwargs, fragment):
     side = summarize_model_config(SUPPORTED["qwen3"]())
     with pytest.raises(ValueError, match=fragment):
         MapperConfig(source_config=side, target_config=side, **kwargs)
+
+
+def test_identity_mapper_beam_search_matches():
+    config = SUPPORTED["llama"]()
+    model = build_model(config)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(8))
+    cache = MappedCache.from_source(prefill(model, ids), MapperModel.identity(config))
+    cache.batch_repeat_interleave(3)  # generate() does not expand a prefilled cache for beams (DynamicCache neither)
+    kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), model.generate(ids, **kwargs))
+
+
+def test_bfloat16_cache_and_mapper_dtypes():
+    config = SUPPORTED["qwen3"]()
+    model = build_model(config).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    source = prefill(model, ids)
+    cache = MappedCache.from_source(source, MapperModel.identity(config))  # float32 mapper, bf16 cache
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    torch.testing.assert_close(cache.layers[1].keys, source.layers[1].keys[:, :, :11], rtol=1e-2, atol=1e-2)
+    as_float = MappedCache.from_source(source, MapperModel.identity(config, dtype=torch.bfloat16), dtype=torch.float32)
+    assert as_float.layers[0].values.dtype == torch.float32
