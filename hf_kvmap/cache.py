@@ -128,10 +128,11 @@ class MappedLayer(DynamicLayer):
         values = values.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
         keys = target_rope.apply(keys.float())
         device = work_device if device is None else torch.device(device)
+        keys = keys.to(device=device, dtype=dtype).contiguous()
+        values = values.to(device=device, dtype=dtype).contiguous()
         layer = cls()
-        layer.lazy_initialization(keys.to(device, dtype), values.to(device, dtype))
-        layer.keys = keys.to(device=device, dtype=dtype).contiguous()
-        layer.values = values.to(device=device, dtype=dtype).contiguous()
+        layer.lazy_initialization(keys, values)  # records dtype/device the way DynamicLayer does
+        layer.keys, layer.values = keys, values
         return layer
 
 
