@@ -10,20 +10,26 @@ check_transformers_version()
 
 from .cache import MappedCache, MappedLayer  # noqa: E402
 from .configuration_mapper import MapperConfig  # noqa: E402
+from .fitting import LayerSelection, fit_mapper, mapper_from_statistics  # noqa: E402
 from .modeling_mapper import MapperModel  # noqa: E402
 from .placement import mapper_device_map, target_layer_devices  # noqa: E402
 from .rope import UnsupportedArchitectureError  # noqa: E402
+from .statistics import CalibrationStatistics  # noqa: E402
 
 AutoConfig.register(MapperConfig.model_type, MapperConfig, exist_ok=True)
 AutoModel.register(MapperConfig, MapperModel, exist_ok=True)
 
 __all__ = [
+    "CalibrationStatistics",
+    "LayerSelection",
     "MappedCache",
     "MappedLayer",
     "MapperConfig",
     "MapperModel",
     "UnsupportedArchitectureError",
     "__version__",
+    "fit_mapper",
     "mapper_device_map",
+    "mapper_from_statistics",
     "target_layer_devices",
 ]

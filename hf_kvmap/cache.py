@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ._compat import model_id, model_revision
 from .configuration_mapper import MapperConfig
 from .placement import execution_devices
 from .rope import RotaryTable, positions_from_attention_mask
@@ -282,8 +283,8 @@ class MappedCache(DynamicCache):
             for idx in range(num_target)
         ]
         info = {
-            "mapper": getattr(config, "_name_or_path", None) or None,
-            "mapper_revision": getattr(config, "_commit_hash", None),
+            "mapper": model_id(config),
+            "mapper_revision": model_revision(config),
             "kind": config.kind,
             "source_model_id": config.source_model_id,
             "target_model_id": config.target_model_id,

@@ -24,7 +24,7 @@ from transformers.utils import logging
 
 from .configuration_mapper import LAMBDA_CONVENTIONS, MapperConfig
 from .modeling_mapper import MapperModel
-from .statistics import CalibrationStatistics, _model_id
+from .statistics import CalibrationStatistics
 
 logger = logging.get_logger(__name__)
 
@@ -49,12 +49,15 @@ def _centered(stats: CalibrationStatistics, kind: str, rows: torch.Tensor | slic
     if n < 2:
         raise ValueError(f"The {kind} statistics hold {int(n)} positions; at least 2 are needed to fit anything.")
     sx = s.source_sum[rows].double()
-    gram = s.gram[rows][:, rows].double() if isinstance(rows, torch.Tensor) else s.gram[rows, rows].double()
+    if isinstance(rows, torch.Tensor):  # gather the sub-block directly, without copying whole rows first
+        gram = s.gram[rows[:, None], rows[None, :]].double()
+    else:
+        gram = s.gram[rows, rows].double()
     sxx = gram - torch.outer(sx, sx) / n
     if cols is None:
         return sxx, None, sx / n, None, None
     sy = s.target_sum[cols].double()
-    sxy = s.cross[rows][:, cols].double() - torch.outer(sx, sy) / n
+    sxy = s.cross[rows, cols].double() - torch.outer(sx, sy) / n
     ss_tot = s.target_sumsq[cols].double() - sy.square() / n
     return sxx, sxy, sx / n, sy / n, ss_tot
 
@@ -93,14 +96,17 @@ def r2_matrix(stats: CalibrationStatistics, *, eps: float = PROBE_EPS) -> dict[s
         for source_layer in range(src.num_layers):
             rows = slice(source_layer * src.layer_width, (source_layer + 1) * src.layer_width)
             sxx, sxy, _, _, ss_tot = _centered(stats, kind, rows, all_cols)
-            n_t, d_t, n_s, d_s = len(covered), tgt.head_dim, src.num_kv_heads, src.head_dim
-            ss_tot = ss_tot.view(n_t, tgt.num_kv_heads, d_t).sum(-1)  # (L_t', heads)
+            layers_t, heads_t, d_t = len(covered), tgt.num_kv_heads, tgt.head_dim
+            heads_s, d_s = src.num_kv_heads, src.head_dim
+            ss_tot = ss_tot.view(layers_t, heads_t, d_t).sum(-1)  # (L_t', heads)
             if per_head:
-                # (n, d_s, n, d_s) -> per-head diagonal blocks (n, d_s, d_s)
-                blocks = sxx.view(n_s, d_s, n_s, d_s).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-                # (n_s, d_s, L_t', n_t, d_t) -> head h rows x head h columns: (n, d_s, L_t' * d_t)
-                rhs = sxy.view(n_s, d_s, n_t, tgt.num_kv_heads, d_t).diagonal(dim1=0, dim2=3)  # (d_s, L_t', d_t, n)
-                rhs = rhs.permute(3, 0, 1, 2).reshape(n_s, d_s, n_t * d_t)
+                # (heads, d_s, heads, d_s) -> per-head diagonal blocks (heads, d_s, d_s)
+                blocks = sxx.view(heads_s, d_s, heads_s, d_s).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+                # (heads, d_s, L_t', heads, d_t) -> rows of head h x columns of head h: (heads, d_s, L_t' * d_t)
+                rhs = sxy.view(heads_s, d_s, layers_t, heads_t, d_t).diagonal(
+                    dim1=0, dim2=3
+                )  # (d_s, L_t', d_t, heads)
+                rhs = rhs.permute(3, 0, 1, 2).reshape(heads_s, d_s, layers_t * d_t)
             else:
                 blocks, rhs = sxx.unsqueeze(0), sxy.unsqueeze(0)
             dim = blocks.shape[-1]
@@ -109,9 +115,9 @@ def r2_matrix(stats: CalibrationStatistics, *, eps: float = PROBE_EPS) -> dict[s
             solution = _spd_solve(blocks + ridge[:, None, None] * eye, rhs)
             explained = (rhs * solution).sum(1)  # per target column
             if per_head:
-                explained = explained.view(n_s, n_t, d_t).sum(-1).T  # (L_t', heads)
+                explained = explained.view(heads_s, layers_t, d_t).sum(-1).T  # (L_t', heads)
             else:
-                explained = explained.view(n_t, tgt.num_kv_heads, d_t).sum(-1)
+                explained = explained.view(layers_t, heads_t, d_t).sum(-1)
             scores[covered, source_layer] = _r2(explained, ss_tot).mean(-1).cpu()
         out[kind] = scores
     return out
@@ -161,7 +167,11 @@ class LayerSelection:
 
     @classmethod
     def from_statistics(
-        cls, stats: CalibrationStatistics, top_k: int | None = 8, *, source_layers: Sequence[Sequence[int]] | None = None
+        cls,
+        stats: CalibrationStatistics,
+        top_k: int | None = 8,
+        *,
+        source_layers: Sequence[Sequence[int]] | None = None,
     ) -> LayerSelection:
         """Probe every layer pair of `stats` and keep the `top_k` best (or record the given `source_layers`)."""
         r2 = r2_matrix(stats)
@@ -266,6 +276,34 @@ def solve_layer(
     return weight.T.contiguous(), bias
 
 
+@torch.no_grad()
+def mapper_r2(stats: CalibrationStatistics, mapper: MapperModel) -> dict[str, torch.Tensor]:
+    """Calibration R^2 of a mapper's affine maps on `stats`, per kind: float64 `Tensor[L_t]` (NaN if not covered).
+
+    Per target head `1 - SS_res / SS_tot` summed over its dims, averaged over heads, as the selection probe; computed
+    from the statistics alone (`SS_res = SS_tot - 2 tr(W^T Sxy) + tr(W^T Sxx W)` for the centered residual, plus the
+    bias offset `N |mean_y - mean_x W - b|^2`).
+    """
+    tgt = stats.target_geometry
+    out = {}
+    for kind in stats.kinds:
+        scores = torch.full((tgt.num_layers,), float("nan"), dtype=torch.float64)
+        for layer in stats.covered_target_layers:
+            proj = getattr(mapper.layers[layer], "key_proj" if kind == "key" else "value_proj")
+            rows = stats.source_columns(mapper.config.source_layers[layer]).to(stats.device)
+            sxx, sxy, mean_x, mean_y, ss_tot = _centered(stats, kind, rows, stats.target_columns(layer))
+            weight = proj.weight.detach().to(sxx.device, torch.float64).T
+            bias = proj.bias.detach().to(sxx.device, torch.float64)
+            offset = mean_y - mean_x @ weight - bias
+            ss_res = ss_tot - 2 * (weight * sxy).sum(0) + (weight * (sxx @ weight)).sum(0)
+            ss_res = ss_res + stats.count(kind) * offset.square()
+            heads_tot = ss_tot.view(tgt.num_kv_heads, tgt.head_dim).sum(-1)
+            heads_res = ss_res.view(tgt.num_kv_heads, tgt.head_dim).sum(-1)
+            scores[layer] = _r2(heads_tot - heads_res, heads_tot).mean().cpu()
+        out[kind] = scores
+    return out
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of a tokenizer's vocabulary (sorted `(token, id)` pairs, JSON-encoded)."""
     vocab = sorted(tokenizer.get_vocab().items())
@@ -310,7 +348,7 @@ def mapper_from_statistics(
         source_layers (`list[list[int]]`, *optional*): explicit source layers per target layer (skips selection).
         selection (`LayerSelection`, *optional*): a precomputed selection (e.g. `LayerSelection.with_top_k`), to sweep
             `k` without re-probing.
-        tokenizer_fingerprint (`str`, *optional*): recorded in the config.
+        tokenizer_fingerprint (`str`, *optional*): recorded in the config (defaults to the one the statistics carry).
         config_kwargs: further `MapperConfig` fields (e.g. `source_model_id` to override the recorded one).
 
     Returns:
@@ -365,7 +403,7 @@ def mapper_from_statistics(
         "source_revision": first.source_revision,
         "target_model_id": first.target_model_id,
         "target_revision": first.target_revision,
-        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint or first.tokenizer_fingerprint,
     }
     config_fields.update(config_kwargs)
     config = MapperConfig(
@@ -437,8 +475,15 @@ def fit_mapper(
     ```
     """
     statistics_dtype = collect_kwargs.pop("statistics_dtype", torch.float64)
-    stats = CalibrationStatistics.collect(source_model, target_model, calibration, dtype=statistics_dtype, **collect_kwargs)
-    fingerprint = tokenizer_fingerprint_of(tokenizer) if tokenizer is not None else None
+    fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    stats = CalibrationStatistics.collect(
+        source_model,
+        target_model,
+        calibration,
+        dtype=statistics_dtype,
+        tokenizer_fingerprint=fingerprint,
+        **collect_kwargs,
+    )
     return mapper_from_statistics(
         stats,
         top_k=top_k,
@@ -446,21 +491,18 @@ def fit_mapper(
         lambda_convention=lambda_convention,
         dtype=dtype,
         source_layers=source_layers,
-        tokenizer_fingerprint=fingerprint,
     )
 
-
-tokenizer_fingerprint_of = tokenizer_fingerprint
 
 __all__ = [
     "LayerSelection",
     "combined_scores",
     "fit_mapper",
     "mapper_from_statistics",
+    "mapper_r2",
     "probe_kind",
     "r2_matrix",
     "select_top_k",
     "solve_layer",
     "tokenizer_fingerprint",
-    "_model_id",
 ]

@@ -26,6 +26,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
+from ._compat import model_id, model_revision
 from .configuration_mapper import summarize_model_config
 from .rope import KVGeometry, RotaryCodec, positions_from_attention_mask
 
@@ -54,9 +55,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _model_id(model_or_config) -> tuple[str | None, str | None]:
     config = getattr(model_or_config, "config", model_or_config)
-    name = getattr(config, "_name_or_path", None) or None
-    revision = getattr(config, "_commit_hash", None) or None
-    return name, revision
+    return model_id(config), model_revision(config)
 
 
 def _input_device(model) -> torch.device:
@@ -118,7 +117,16 @@ class KindStatistics:
 
     @torch.no_grad()
     def update(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Add feature rows `source` `(N, F_s)` and `target` `(N, F_t)` (already in the statistics dtype/device)."""
+        """Add feature rows `source` `(N, F_s)` and `target` `(N, F_t)` (already in the statistics dtype/device).
+
+        Raises `ValueError` (and adds nothing) if either holds NaN or inf, e.g. from a half-precision overflow.
+        """
+        for side, features in (("source", source), ("target", target)):
+            if not bool(torch.isfinite(features).all()):
+                raise ValueError(
+                    f"The {side} features of this batch contain NaN or inf; refusing to accumulate them (the "
+                    "statistics are unchanged). Check the model's dtype (fp16 overflow?) and the calibration batch."
+                )
         self.count += source.shape[0]
         self.source_sum += source.sum(0)
         self.target_sum += target.sum(0)
@@ -145,6 +153,8 @@ class CalibrationStatistics:
         dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype (float64 or float32).
         device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): where the sums live.
         source_model_id, source_revision, target_model_id, target_revision (`str`, *optional*): provenance.
+        tokenizer_fingerprint (`str`, *optional*): hash of the shared tokenizer's vocabulary
+            (`hf_kvmap.fitting.tokenizer_fingerprint`), passed on to the mapper config.
 
     Example:
 
@@ -175,6 +185,7 @@ class CalibrationStatistics:
         source_revision: str | None = None,
         target_model_id: str | None = None,
         target_revision: str | None = None,
+        tokenizer_fingerprint: str | None = None,
         _allocate: bool = True,
     ):
         self.source_config = summarize_model_config(source_config)
@@ -196,7 +207,10 @@ class CalibrationStatistics:
         self.source_revision = source_revision
         self.target_model_id = target_model_id
         self.target_revision = target_revision
+        self.tokenizer_fingerprint = tokenizer_fingerprint
         self.stats: dict[str, KindStatistics] = {}
+        # Wall-clock seconds spent by `accumulate` (not saved, not merged): forwards, feature extraction + sums.
+        self.timings = {"source_forward": 0.0, "target_forward": 0.0, "accumulate": 0.0}
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sequences = torch.zeros((), dtype=torch.int64, device=self.device)
         self.fingerprint_limbs = torch.zeros(_NUM_LIMBS, dtype=torch.int64, device=self.device)
@@ -317,13 +331,15 @@ class CalibrationStatistics:
         return estimate
 
     # ------------------------------------------------------------------------------------------------ accumulation
-    def _features(self, tensors, layers: Sequence[int], width: int, what: str) -> torch.Tensor:
+    def _features(self, tensors, layers: Sequence[int], num_layers: int, width: int, what: str) -> torch.Tensor:
         """`(N, len(layers) * layer_width)` features from per-layer `(B, n_kv, T, d)` tensors or a 2-D matrix."""
         if isinstance(tensors, torch.Tensor) and tensors.dim() == 2:
             if tensors.shape[1] != width:
                 raise ValueError(f"{what} features have width {tensors.shape[1]}; expected {width}.")
             return tensors.to(self.device, self.dtype)
         tensors = list(tensors)
+        if len(tensors) != num_layers:
+            raise ValueError(f"{what} come as {len(tensors)} per-layer tensors; the model has {num_layers} layers.")
         chosen = [tensors[layer] for layer in layers]
         first = chosen[0]
         rows = first.shape[0] * first.shape[2]
@@ -369,8 +385,9 @@ class CalibrationStatistics:
             source, target = pairs[kind]
             if source is None or target is None:
                 raise ValueError(f"These statistics accumulate {kind}s: pass both source and target {kind}s.")
-            x = self._features(source, range(self.source_geometry.num_layers), self.source_width, f"Source {kind}s")
-            y = self._features(target, self.covered_target_layers, self.target_width, f"Target {kind}s")
+            num_source, num_target = self.source_geometry.num_layers, self.target_geometry.num_layers
+            x = self._features(source, range(num_source), num_source, self.source_width, f"Source {kind}s")
+            y = self._features(target, self.covered_target_layers, num_target, self.target_width, f"Target {kind}s")
             if x.shape[0] != y.shape[0]:
                 raise ValueError(f"Source {kind}s give {x.shape[0]} positions but target {kind}s give {y.shape[0]}.")
             if keep is not None:
@@ -398,7 +415,9 @@ class CalibrationStatistics:
             )
 
     @staticmethod
-    def _unpack(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(input_ids, attention_mask or None)` of a calibration batch: a `(batch, seq)` (or `(seq,)`) LongTensor, a
+        dict with `input_ids` (and `attention_mask`), or an `(input_ids, attention_mask)` pair. Raises `ValueError`."""
         if isinstance(batch, Mapping):
             input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
         elif isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
@@ -422,7 +441,13 @@ class CalibrationStatistics:
         return input_ids.long(), attention_mask
 
     @staticmethod
-    def _run(model, codec: RotaryCodec, input_ids, attention_mask, position_ids, stride, kinds):
+    @torch.no_grad()
+    def model_features(
+        model, codec: RotaryCodec, input_ids, attention_mask, position_ids, stride: int, kinds: Sequence[str]
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Run `model` once on a batch; return its per-layer content-space keys and values at every `stride`-th
+        position, `(batch, n_kv, ceil(seq / stride), head_dim)` on each layer's device (`None` for a kind not in
+        `kinds`). Keys are RoPE-stripped with `codec` (the model's `RotaryCodec`) at `position_ids`."""
         device = _input_device(model)
         kwargs = {"use_cache": True}
         if attention_mask is not None:
@@ -435,6 +460,10 @@ class CalibrationStatistics:
         if "value" in kinds:
             values = [layer.values[:, :, ::stride] for layer in cache.layers]
         return keys, values
+
+    # Former private names (used by `hf_kvmap.mlp`).
+    _unpack = unpack_batch
+    _run = model_features
 
     @torch.no_grad()
     def accumulate(
@@ -449,22 +478,34 @@ class CalibrationStatistics:
 
         self._check_model(source_model, "source")
         self._check_model(target_model, "target")
+        for side, model in (("source", source_model), ("target", target_model)):
+            if getattr(model, "training", False):
+                logger.warning(
+                    f"The {side} model is in training mode (dropout active); call `.eval()` before fitting."
+                )
         source_codec, target_codec = RotaryCodec(source_model.config), RotaryCodec(target_model.config)
         total = len(calibration) if hasattr(calibration, "__len__") else None
         bar = tqdm(calibration, total=total, desc="calibration", unit="batch", disable=not progress)
+        clock = _Clock({_input_device(source_model), _input_device(target_model), self.device})
         for batch in bar:
-            input_ids, attention_mask = self._unpack(batch)
+            input_ids, attention_mask = self.unpack_batch(batch)
             size, length = input_ids.shape
             position_ids = positions_from_attention_mask(attention_mask, size, length, input_ids.device)
-            source_kv = self._run(
+            start = clock()
+            source_kv = self.model_features(
                 source_model, source_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
             )
-            target_kv = self._run(
+            middle = clock()
+            target_kv = self.model_features(
                 target_model, target_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
             )
+            end = clock()
             keep = None if attention_mask is None else attention_mask[:, :: self.stride].bool()
             self.update(*source_kv, *target_kv, keep=keep)
             self._record_sequences(input_ids, attention_mask)
+            self.timings["source_forward"] += middle - start
+            self.timings["target_forward"] += end - middle
+            self.timings["accumulate"] += clock() - end
             bar.set_postfix(positions=self.count(), refresh=False)
         return self
 
@@ -481,6 +522,7 @@ class CalibrationStatistics:
         target_layers: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         progress: bool = True,
+        tokenizer_fingerprint: str | None = None,
     ) -> CalibrationStatistics:
         r"""
         Collect statistics in one pass of `calibration` through both models.
@@ -499,6 +541,7 @@ class CalibrationStatistics:
             target_layers (`list[int]`, *optional*): restrict the target side (see `memory_estimate`).
             device (`torch.device`, *optional*): where the sums live; defaults to the source model's input device.
             progress (`bool`, *optional*, defaults to `True`): show a tqdm progress bar.
+            tokenizer_fingerprint (`str`, *optional*): recorded with the statistics (see the class docstring).
         """
         source_id, source_revision = _model_id(source_model)
         target_id, target_revision = _model_id(target_model)
@@ -514,6 +557,7 @@ class CalibrationStatistics:
             source_revision=source_revision,
             target_model_id=target_id,
             target_revision=target_revision,
+            tokenizer_fingerprint=tokenizer_fingerprint,
         )
         return stats.accumulate(source_model, target_model, calibration, progress=progress)
 
@@ -530,6 +574,7 @@ class CalibrationStatistics:
             "source_revision": self.source_revision,
             "target_model_id": self.target_model_id,
             "target_revision": self.target_revision,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
         }
 
     def check_compatible(self, other: CalibrationStatistics) -> None:
@@ -537,7 +582,7 @@ class CalibrationStatistics:
         mine, theirs = self._compatibility(), other._compatibility()
         for field, value in mine.items():
             other_value = theirs[field]
-            if field.endswith(("_model_id", "_revision")) and (value is None or other_value is None):
+            if field.endswith(("_model_id", "_revision", "_fingerprint")) and (value is None or other_value is None):
                 continue  # unknown provenance on one side does not block a merge
             if value != other_value:
                 raise ValueError(
@@ -557,6 +602,8 @@ class CalibrationStatistics:
                 attr = f"{side}_{field}"
                 if getattr(self, attr) is None:
                     setattr(self, attr, getattr(other, attr))
+        if self.tokenizer_fingerprint is None:
+            self.tokenizer_fingerprint = other.tokenizer_fingerprint
         return self
 
     @torch.no_grad()
@@ -646,6 +693,7 @@ class CalibrationStatistics:
             source_revision=meta.get("source_revision"),
             target_model_id=meta.get("target_model_id"),
             target_revision=meta.get("target_revision"),
+            tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
             _allocate=False,
         )
         state = load_file(tensors_path, device=str(torch.device(device)))
@@ -683,6 +731,20 @@ class CalibrationStatistics:
                 }
             )
         return shapes
+
+
+class _Clock:
+    """`time.perf_counter`, after synchronizing the CUDA devices involved (so per-stage timings are honest)."""
+
+    def __init__(self, devices):
+        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+
+    def __call__(self) -> float:
+        import time
+
+        for device in self.cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
 
 def _file_sha256(path: str | os.PathLike) -> str:

@@ -1,0 +1,192 @@
+"""`hf-kvmap fit`: collect calibration statistics through a source and a target model, and write a ridge mapper."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Iterator
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+_MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TEXT_BLOCK_CHARS = 1 << 16
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "fit",
+        help="Fit a ridge KV-cache mapper from a source model to a target model.",
+        description=(
+            "One streaming pass of calibration text through both models collects sufficient statistics; the mapper "
+            "(top-k source layers per target layer by the single-source probe, closed-form ridge) is solved from them "
+            "and saved with save_pretrained, together with selection.json (and selection.png with matplotlib)."
+        ),
+    )
+    parser.add_argument("--source", help="Source model: Hub id or local folder.")
+    parser.add_argument("--target", help="Target model: Hub id or local folder.")
+    parser.add_argument("--data", help="Calibration text: a .txt file, or .jsonl with a 'text' field.")
+    parser.add_argument("--out", required=True, help="Folder to write the mapper to.")
+    parser.add_argument("--top-k", default="8", help="Source layers per target layer, or 'all' (default: 8).")
+    parser.add_argument("--ridge-lambda", type=float, default=0.01, help="Ridge penalty (default: 0.01).")
+    parser.add_argument(
+        "--lambda-convention",
+        choices=("absolute", "per_token"),
+        default="absolute",
+        help="'absolute': X^T X + lambda I; 'per_token': X^T X + N lambda I (default: absolute).",
+    )
+    parser.add_argument("--seq-len", type=int, default=1024, help="Tokens per calibration sequence (default: 1024).")
+    parser.add_argument("--stride", type=int, default=4, help="Keep every stride-th position (default: 4).")
+    parser.add_argument("--max-sequences", type=int, default=500, help="Calibration sequences (default: 500).")
+    parser.add_argument("--batch-size", type=int, default=1, help="Sequences per forward pass (default: 1).")
+    parser.add_argument("--stats", default=None, help="Also save the calibration statistics to this folder.")
+    parser.add_argument(
+        "--from-stats",
+        default=None,
+        help="Solve from statistics saved with --stats instead of running the models (sweep --top-k/--ridge-lambda "
+        "for free); --source/--target/--data are then not needed.",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default="float64",
+        help="Accumulation dtype of the statistics (default: float64; solves are always float64).",
+    )
+    parser.add_argument("--model-dtype", choices=_MODEL_DTYPES, default="auto", help="dtype to load the models in.")
+    parser.add_argument("--mapper-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device-map", default=None, help="accelerate device_map for both models (e.g. 'auto').")
+    parser.add_argument("--statistics-device", default=None, help="Where the sums live (default: source's device).")
+    parser.add_argument("--no-progress", action="store_true", help="Hide progress bars.")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _texts(path: str) -> Iterator[str]:
+    """Documents of a .jsonl file (one per line, 'text' field), or blocks of whole lines of a .txt file."""
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if "text" not in record:
+                    raise SystemExit(f"hf-kvmap fit: {path} line {number} has no 'text' field.")
+                yield record["text"]
+        return
+    if not path.endswith(".txt"):
+        raise SystemExit(f"hf-kvmap fit: --data must be a .txt or .jsonl file, got {path}.")
+    block: list[str] = []
+    size = 0
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            block.append(line)
+            size += len(line)
+            if size >= _TEXT_BLOCK_CHARS:
+                yield "".join(block)
+                block, size = [], 0
+    if block:
+        yield "".join(block)
+
+
+def calibration_sequences(tokenizer, path: str, seq_len: int, max_sequences: int) -> list[list[int]]:
+    """Tokenize the data file and cut the token stream into `max_sequences` sequences of `seq_len` tokens.
+
+    .jsonl documents are separated by the tokenizer's EOS token (when it has one); a .txt file is one stream.
+    """
+    if seq_len < 2 or max_sequences < 1:
+        raise SystemExit(
+            f"hf-kvmap fit: need --seq-len >= 2 and --max-sequences >= 1 (got {seq_len}, {max_sequences})."
+        )
+    needed = seq_len * max_sequences
+    stream: list[int] = []
+    separator = [tokenizer.eos_token_id] if path.endswith(".jsonl") and tokenizer.eos_token_id is not None else []
+    for text in _texts(path):
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(separator)
+        if len(stream) >= needed:
+            break
+    count = min(max_sequences, len(stream) // seq_len)
+    if count == 0:
+        raise SystemExit(f"hf-kvmap fit: {path} holds {len(stream)} tokens, fewer than one sequence of {seq_len}.")
+    if count < max_sequences:
+        logger.warning(f"{path} yields only {count} sequences of {seq_len} tokens (asked for {max_sequences}).")
+    return [stream[i * seq_len : (i + 1) * seq_len] for i in range(count)]
+
+
+def _check_tokenizers(source_tokenizer, target: str) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        target_tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as err:
+        logger.warning(f"Could not load the target tokenizer from {target} ({err}); assuming it is the source's.")
+        return
+    if source_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise SystemExit(
+            f"hf-kvmap fit: the target tokenizer ({target}, {len(target_tokenizer.get_vocab())} tokens) differs from "
+            f"the source tokenizer ({len(source_tokenizer.get_vocab())} tokens): a KV-cache mapper needs one shared "
+            "tokenizer (models of one family)."
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..fitting import LayerSelection, mapper_from_statistics, tokenizer_fingerprint
+    from ..statistics import CalibrationStatistics
+
+    top_k = None if str(args.top_k).lower() == "all" else int(args.top_k)
+    if args.from_stats:
+        stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
+        sequences = int(stats.sequences)
+    else:
+        missing = [flag for flag in ("source", "target", "data") if not getattr(args, flag)]
+        if missing:
+            raise SystemExit(
+                f"hf-kvmap fit: pass {', '.join('--' + flag for flag in missing)} (or --from-stats DIR to solve from "
+                "saved statistics)."
+            )
+        tokenizer = AutoTokenizer.from_pretrained(args.source)
+        _check_tokenizers(tokenizer, args.target)
+        sequences = calibration_sequences(tokenizer, args.data, args.seq_len, args.max_sequences)
+        batches = list(torch.tensor(sequences, dtype=torch.long).split(max(1, args.batch_size)))
+        sequences = len(sequences)
+
+        load_kwargs = {"dtype": "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)}
+        if args.device_map:
+            load_kwargs["device_map"] = args.device_map
+        source = AutoModelForCausalLM.from_pretrained(args.source, **load_kwargs).eval()
+        target = AutoModelForCausalLM.from_pretrained(args.target, **load_kwargs).eval()
+        stats = CalibrationStatistics.collect(
+            source,
+            target,
+            batches,
+            stride=args.stride,
+            dtype=getattr(torch, args.dtype),
+            device=args.statistics_device,
+            progress=not args.no_progress,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        )
+        del source, target
+        if args.stats:
+            stats.save(args.stats)
+    selection = LayerSelection.from_statistics(stats, top_k)
+    mapper = mapper_from_statistics(
+        stats,
+        selection=selection,
+        ridge_lambda=args.ridge_lambda,
+        lambda_convention=args.lambda_convention,
+        dtype=getattr(torch, args.mapper_dtype),
+    )
+    os.makedirs(args.out, exist_ok=True)
+    mapper.save_pretrained(args.out)
+    selection.save_selection_json(os.path.join(args.out, "selection.json"))
+    selection.save_heatmap(os.path.join(args.out, "selection.png"))
+    print(
+        f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; top_k={top_k}; "
+        f"mapper written to {args.out}"
+    )
+    return 0
