@@ -81,6 +81,22 @@ def _check_finite(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} contains NaN or inf values; refusing to map a corrupted cache.")
 
 
+def _check_finite_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`_check_finite` for every layer at once: one `aminmax` pass per tensor (NaN propagates, +-inf shows in the
+    max/min) and a single host sync for the whole cache instead of one per tensor."""
+    extremes, home = [], None
+    for keys, values in pairs:
+        for tensor in (keys, values):
+            if tensor.device.type == "meta":
+                continue
+            home = tensor.device if home is None else home
+            extremes.append(torch.stack(torch.aminmax(tensor)).float().to(home, non_blocking=True))
+    if extremes and not torch.isfinite(torch.cat(extremes)).all():
+        for idx, (keys, values) in enumerate(pairs):  # slow path, only to name the layer
+            _check_finite(keys, f"Source cache layer {idx} keys")
+            _check_finite(values, f"Source cache layer {idx} values")
+
+
 class MappedLayer(DynamicLayer):
     """A `DynamicLayer` whose initial keys/values were produced by a mapper; it then grows like any dynamic layer."""
 
@@ -96,13 +112,17 @@ class MappedLayer(DynamicLayer):
         dtype: torch.dtype,
         work_device: torch.device,
         device: torch.device | None = None,
+        content_keys: dict | None = None,
     ) -> MappedLayer:
         """Map the first `length` source tokens into target layer `layer_idx`.
 
         Features of the selected source layers are written into one buffer (keys RoPE-stripped), multiplied by the
         layer's key and value maps at once for all target heads, reshaped to `(batch, n_kv, seq, head_dim)`, and
-        the keys re-rotated with the target's rope. Peak extra memory: one layer's features. The work happens on
-        `work_device` (where the mapper layer executes); the result is moved to `device` if given.
+        the keys re-rotated with the target's rope, written straight into contiguous cache tensors. Peak extra memory:
+        one layer's features (plus `content_keys`). The work happens on `work_device` (where the mapper layer
+        executes); the result is moved to `device` if given. `content_keys` (a dict shared by the layers of one
+        mapping, see `MappedCache.map_tensors`) keeps each source layer's RoPE-stripped keys, keyed by
+        `(source_layer, device)`, so that a source layer selected by several target layers is stripped once.
         """
         mapper_layer = mapper.layers[layer_idx]
         work_dtype = next(mapper_layer.parameters()).dtype
@@ -110,30 +130,40 @@ class MappedLayer(DynamicLayer):
         src, tgt = mapper.config.source_geometry, mapper.config.target_geometry
         batch = source_kv[0][0].shape[0]
 
+        content_keys = {} if content_keys is None else content_keys
         key_features = torch.empty(
             batch, length, len(selected), src.num_kv_heads, src.head_dim, dtype=work_dtype, device=work_device
         )
         value_features = torch.empty_like(key_features)
         for slot, source_layer in enumerate(selected):
             keys, values = source_kv[source_layer]
-            keys = keys[:, :, :length].to(work_device, non_blocking=True)
-            values = values[:, :, :length].to(work_device, non_blocking=True)
-            key_features[:, :, slot] = source_rope.strip(keys).transpose(1, 2)
-            value_features[:, :, slot] = values.transpose(1, 2)
+            content = content_keys.get((source_layer, work_device))
+            if content is None:
+                keys = keys[:, :, :length].to(work_device, non_blocking=True)
+                content = source_rope.strip(keys).transpose(1, 2).to(work_dtype)
+                content_keys[(source_layer, work_device)] = content
+            key_features[:, :, slot] = content
+            value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
         key_features = key_features.view(batch, length, -1)
         value_features = value_features.view(batch, length, -1)
 
         keys, values = mapper_layer(key_features, value_features)
         del key_features, value_features
+        shape = (batch, tgt.num_kv_heads, length, tgt.head_dim)
         keys = keys.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
         values = values.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
-        keys = target_rope.apply(keys.float())
+        mapped_keys = torch.empty(shape, dtype=dtype, device=keys.device)
+        mapped_values = torch.empty(shape, dtype=dtype, device=values.device)
+        if dtype == torch.float32:  # rotate straight into the contiguous cache tensor
+            target_rope.apply(keys.float(), out=mapped_keys)
+        else:  # rotate in float32, round once
+            mapped_keys.copy_(target_rope.apply(keys.float()))
+        mapped_values.copy_(values)
         device = work_device if device is None else torch.device(device)
-        keys = keys.to(device=device, dtype=dtype).contiguous()
-        values = values.to(device=device, dtype=dtype).contiguous()
+        mapped_keys, mapped_values = mapped_keys.to(device), mapped_values.to(device)
         layer = cls()
-        layer.lazy_initialization(keys, values)  # records dtype/device the way DynamicLayer does
-        layer.keys, layer.values = keys, values
+        layer.lazy_initialization(mapped_keys, mapped_values)  # records dtype/device the way DynamicLayer does
+        layer.keys, layer.values = mapped_keys, mapped_values
         return layer
 
 
@@ -237,9 +267,7 @@ class MappedCache(DynamicCache):
                     f"{name} has shape {tuple(tensor.shape)} but the source cache covers (batch, seq) = {(batch, seq)}."
                 )
         if check_finite:
-            for idx, (keys, values) in enumerate(source_kv):
-                _check_finite(keys, f"Source cache layer {idx} keys")
-                _check_finite(values, f"Source cache layer {idx} values")
+            _check_finite_pairs(source_kv)
         if position_ids is None:
             device = source_kv[0][0].device
             mask = attention_mask.to(device) if attention_mask is not None else None
@@ -268,20 +296,30 @@ class MappedCache(DynamicCache):
         source_rope = mapper.rotary("source").table(position_ids)
         target_rope = mapper.rotary("target").table(position_ids)
         work_devices = execution_devices(mapper, mapper.layers)
-        layers = [
-            MappedLayer.from_source(
-                mapper,
-                idx,
-                source_kv,
-                source_rope,
-                target_rope,
-                length,
-                dtype,
-                work_devices[idx],
-                None if devices is None else devices[idx],
+        # strip each source layer once per device; drop it after the last target layer that reads it there
+        last_use = {}
+        for idx, selected in enumerate(config.source_layers):
+            for source_layer in selected:
+                last_use[(source_layer, work_devices[idx])] = idx
+        content_keys: dict = {}
+        layers = []
+        for idx in range(num_target):
+            layers.append(
+                MappedLayer.from_source(
+                    mapper,
+                    idx,
+                    source_kv,
+                    source_rope,
+                    target_rope,
+                    length,
+                    dtype,
+                    work_devices[idx],
+                    None if devices is None else devices[idx],
+                    content_keys=content_keys,
+                )
             )
-            for idx in range(num_target)
-        ]
+            for key in [key for key, last in last_use.items() if last == idx]:
+                content_keys.pop(key, None)
         info = {
             "mapper": model_id(config),
             "mapper_revision": model_revision(config),

@@ -24,14 +24,28 @@ def _as_device(value) -> torch.device:
     return torch.device(value)
 
 
+def execution_device_map(device_map: dict) -> dict:
+    """Where each entry of an accelerate `device_map` runs.
+
+    accelerate's dispatch rule: when the map names any accelerator, modules mapped to `"cpu"` or `"disk"` are
+    offloaded there and *executed* on the main device (the first non-cpu/disk entry); only an all-CPU map runs on
+    the CPU. So a target layer offloaded to the CPU keeps its cache on the main device, and so must its mapped layer.
+    """
+    offloaded = ("cpu", "disk")
+    main = next((device for device in device_map.values() if device not in offloaded), "cpu")
+    return {name: main if device in offloaded else device for name, device in device_map.items()}
+
+
 def execution_devices(model: nn.Module, layers: nn.ModuleList) -> list[torch.device]:
     """The device each of `layers` (submodules of `model`) executes on.
 
-    Uses `hf_device_map` when accelerate dispatched the model (so offloaded layers report where they run, not the
-    `meta` placeholder of their parameters), otherwise the device of each layer's parameters.
+    Uses `hf_device_map` when accelerate dispatched the model (so offloaded layers report where they run, see
+    `execution_device_map`, not the `meta` placeholder of their parameters), otherwise the device of each layer's
+    parameters.
     """
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
+        device_map = execution_device_map(device_map)
         names = {id(module): name for name, module in model.named_modules()}
         devices = []
         for layer in layers:

@@ -73,6 +73,9 @@ def check_supported_layout(config: PretrainedConfig | dict) -> PretrainedConfig:
     return config
 
 
+_GEOMETRY_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """Shape of a model's KV cache: layers, KV heads, head dim."""
@@ -87,44 +90,65 @@ class KVGeometry:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig | dict) -> KVGeometry:
+        if isinstance(config, dict) and all(config.get(key) for key in _GEOMETRY_KEYS):
+            # a recorded summary (`summarize_model_config`) holds every field: rebuilding the config class costs
+            # ~0.5 ms, and `from_source` asks for the geometry of both sides for every target layer
+            return cls(int(config["num_hidden_layers"]), int(config["num_key_value_heads"]), int(config["head_dim"]))
         config = text_config(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(int(config.num_hidden_layers), int(num_kv), int(head_dim))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryTable:
     """cos/sin of one model's rotary embedding at fixed positions, float32, `(batch, 1, seq, head_dim)`.
 
-    Computed once and copied lazily to every device that asks for it, so all layers of a cache share it.
+    Computed once and copied lazily to every device that asks for it, so all layers of a cache share it. Both
+    directions are one multiply and one fused multiply-add on the half-swapped input (`x.roll(half, -1)`), with the
+    signs of `rotate_half` and the division by the squared attention scaling folded into the tables once.
     """
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self._by_device = {cos.device: (cos, sin, cos.square() + sin.square())}
+        half = cos.shape[-1] // 2
+        scale2 = cos.square() + sin.square()
+        # apply: x cos + rotate_half(x) sin = x cos + roll(x) [-sin_1, sin_2]
+        apply_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        # strip: (x cos - rotate_half(x) sin) / a^2 = x cos / a^2 + roll(x) [sin_1, -sin_2] / a^2
+        strip_cos = cos / scale2
+        strip_sin = torch.cat((sin[..., :half], -sin[..., half:]), dim=-1) / scale2
+        self._by_device = {cos.device: (cos, sin, scale2, apply_sin, strip_cos, strip_sin)}
+
+    def _tables(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        device = torch.device(device)
+        if device not in self._by_device:
+            self._by_device[device] = tuple(t.to(device) for t in next(iter(self._by_device.values())))
+        return self._by_device[device]
 
     def on(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(cos, sin, scale2)` on `device`, where `scale2 = cos^2 + sin^2` is the squared attention scaling."""
-        device = torch.device(device)
-        if device not in self._by_device:
-            cos, sin, scale2 = next(iter(self._by_device.values()))
-            self._by_device[device] = (cos.to(device), sin.to(device), scale2.to(device))
-        return self._by_device[device]
+        return self._tables(device)[:3]
 
-    def strip(self, keys: torch.Tensor) -> torch.Tensor:
-        """Cached (rotated) keys `(batch, heads, seq, head_dim)` -> content-space keys in float32."""
-        cos, sin, scale2 = self.on(keys.device)
-        keys = keys.float()
-        return (keys * cos - rotate_half(keys) * sin) / scale2
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        swapped = x.roll(x.shape[-1] // 2, dims=-1)
+        out = torch.mul(x, cos, out=out) if out is not None else x * cos
+        return out.addcmul_(swapped, sin)
 
-    def apply(self, keys: torch.Tensor) -> torch.Tensor:
-        """Content-space keys -> rotated keys as the model caches them (same dtype as `keys`)."""
-        cos, sin, _ = self.on(keys.device)
-        return keys * cos.to(keys.dtype) + rotate_half(keys) * sin.to(keys.dtype)
+    def strip(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Cached (rotated) keys `(batch, heads, seq, head_dim)` -> content-space keys in float32 (or into `out`)."""
+        _, _, _, _, cos, sin = self._tables(keys.device)
+        return self._rotate(keys.float(), cos, sin, out)
+
+    def apply(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Content-space keys -> rotated keys as the model caches them (same dtype as `keys`, or written to `out`).
+
+        `keys` and `out` may be any views of `(batch, heads, seq, head_dim)` (e.g. transposed), so the result can be
+        written straight into a contiguous cache tensor.
+        """
+        cos, _, _, sin, _, _ = self._tables(keys.device)
+        if out is None:
+            cos, sin = cos.to(keys.dtype), sin.to(keys.dtype)
+        return self._rotate(keys, cos, sin, out)
 
 
 class RotaryCodec:

@@ -29,14 +29,26 @@ def _target_on_two_devices(config):
 
 def test_device_map_derived_from_target():
     config = SUPPORTED["qwen3"]()
-    target = _target_on_two_devices(config)
-    assert target_layer_devices(target) == [torch.device("cpu"), torch.device("meta")]
-    assert mapper_device_map(target) == {"layers.0": "cpu", "layers.1": "meta"}
     cuda_target = build_model(config)
     cuda_target.hf_device_map = {"model": 0, "model.layers.1": 3, "lm_head": 3}
+    assert target_layer_devices(cuda_target) == [torch.device("cuda", 0), torch.device("cuda", 3)]
     assert mapper_device_map(cuda_target) == {"layers.0": 0, "layers.1": 3}
     plain = build_model(config)  # no hf_device_map: parameter devices
     assert mapper_device_map(plain) == {"layers.0": "cpu", "layers.1": "cpu"}
+    cpu_only = build_model(config)
+    cpu_only.hf_device_map = {"": "cpu"}
+    assert mapper_device_map(cpu_only) == {"layers.0": "cpu", "layers.1": "cpu"}
+
+
+def test_offloaded_target_layers_run_on_the_main_device():
+    """accelerate executes layers mapped to "cpu"/"disk" on the main device when the map has an accelerator."""
+    config = SUPPORTED["qwen3"]()
+    target = build_model(config)
+    target.hf_device_map = {"model.embed_tokens": 1, "model.layers.0": "cpu", "model.layers.1": "disk", "lm_head": 2}
+    assert target_layer_devices(target) == [torch.device("cuda", 1)] * 2
+    assert mapper_device_map(target) == {"layers.0": 1, "layers.1": 1}
+    two = _target_on_two_devices(config)  # cpu + meta: the cpu layer is offloaded and runs on meta
+    assert target_layer_devices(two) == [torch.device("meta")] * 2
 
 
 def test_mapped_layers_land_where_the_mapper_layers_run():
@@ -51,10 +63,7 @@ def test_mapped_layers_land_where_the_mapper_layers_run():
 
 def test_devices_argument_follows_target_layers():
     config = SUPPORTED["qwen3"]()
-    target = _target_on_two_devices(config)
-    cache = MappedCache.from_source(
-        _source_cache(config), MapperModel.identity(config), devices=target_layer_devices(target)
-    )
+    cache = MappedCache.from_source(_source_cache(config), MapperModel.identity(config), devices=["cpu", "meta"])
     assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta"]
     assert torch.isfinite(cache.layers[0].keys).all()
 
@@ -63,5 +72,10 @@ def test_mapper_loaded_with_target_device_map(tmp_path):
     config = SUPPORTED["qwen3"]()
     MapperModel.identity(config).save_pretrained(tmp_path)
     target = _target_on_two_devices(config)
-    mapper = MapperModel.from_pretrained(tmp_path, device_map=mapper_device_map(target))
-    assert mapper.hf_device_map == {"layers.0": "cpu", "layers.1": "meta"}
+    device_map = {"layers.0": "cpu", "layers.1": "meta"}
+    mapper = MapperModel.from_pretrained(tmp_path, device_map=device_map)
+    assert mapper.hf_device_map == device_map
+    # accelerate offloads the "cpu" layer and runs it on the main device (meta): so do its mapped tensors
+    cache = MappedCache.from_source(_source_cache(config), mapper)
+    assert [layer.keys.device.type for layer in cache.layers] == ["meta", "meta"]
+    assert mapper_device_map(target) == {"layers.0": "meta", "layers.1": "meta"}

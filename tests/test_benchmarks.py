@@ -1,0 +1,194 @@
+"""FLOP arithmetic (`hf_kvmap.flops`) against PAPER.md, and the benchmark scripts' CPU paths (fast, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SUPPORTED
+
+from hf_kvmap import MapperConfig, MapperModel
+from hf_kvmap.configuration_mapper import summarize_model_config
+from hf_kvmap.flops import (
+    attention_flops,
+    body_parameters,
+    flop_bound,
+    mapper_parameters,
+    prefill_flops,
+    ridge_mapper_parameters,
+)
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+# Public config.json of Qwen/Qwen3-14B and Qwen/Qwen3-32B (the fields that shape compute).
+QWEN3_14B = dict(
+    model_type="qwen3",
+    hidden_size=5120,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=17408,
+    vocab_size=151936,
+)
+QWEN3_32B = dict(
+    model_type="qwen3",
+    hidden_size=5120,
+    num_hidden_layers=64,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=25600,
+    vocab_size=151936,
+)
+
+
+def test_qwen3_body_parameters_match_published_non_embedding_counts():
+    # Qwen3 model cards: "Number of Parameters (Non-Embedding)": 13.2B (14B) and 31.2B (32B)
+    assert round(body_parameters(QWEN3_14B) / 1e9, 1) == 13.2
+    assert round(body_parameters(QWEN3_32B) / 1e9, 1) == 31.2
+
+
+def test_qwen3_14b_to_32b_mapper_size_matches_paper():
+    # PAPER.md: parameters = 2 * L_t * n_kv_t * (k * n_kv_s * d_s) * d_t; Qwen3 14B->32B at k=8: 1.07 B
+    params = ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8, bias=False)
+    assert params == 2 * 64 * 8 * (8 * 8 * 128) * 128
+    assert round(params / 1e9, 2) == 1.07
+    assert ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8) == params + 2 * 64 * 8 * 128
+
+
+def test_qwen3_14b_to_32b_bound_is_about_45x_at_32k():
+    bound = flop_bound(ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8), QWEN3_32B, 32768)
+    assert 40 < bound.ratio < 50  # PAPER.md: "about 45x"
+    assert bound.ratio == pytest.approx(45.06, abs=0.05)
+    # and the published 25x is then about 55 % of the bound
+    assert 25 / bound.ratio == pytest.approx(0.55, abs=0.01)
+    # the bound grows with context because attention is quadratic and the mapper linear
+    assert flop_bound(bound.mapper_parameters, QWEN3_32B, 8192).ratio < bound.ratio
+
+
+def test_attention_convention_is_causal_half_of_qk_plus_av():
+    # QK^T and AV each cost 2 * T^2 * heads * head_dim unmasked (4 together); causal halves: 2 * T^2 * h * d per layer
+    tokens = 1000
+    assert attention_flops(QWEN3_32B, tokens) == 64 * 2 * tokens**2 * 64 * 128
+    assert prefill_flops(QWEN3_32B, tokens) == 2 * tokens * body_parameters(QWEN3_32B) + attention_flops(
+        QWEN3_32B, tokens
+    )
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED))
+def test_body_parameters_match_built_models(arch):
+    from transformers import AutoModelForCausalLM
+
+    config = SUPPORTED[arch]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert body_parameters(config) == sum(p.numel() for p in model.get_decoder().layers.parameters())
+    assert body_parameters(config.to_dict()) == body_parameters(config)
+
+
+@pytest.mark.parametrize("kind", ["ridge", "mlp"])
+def test_mapper_parameters_match_mapper_model(kind):
+    source = SUPPORTED["qwen3"]()
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(**{**source.to_dict(), "num_hidden_layers": 3, "layer_types": None})
+    config = MapperConfig(
+        source_config=summarize_model_config(source),
+        target_config=summarize_model_config(target),
+        source_layers=[[0], [0, 1], [1]],
+        kind=kind,
+        mlp_hidden_size=24,
+    )
+    model = MapperModel(config)
+    assert mapper_parameters(config) == sum(p.numel() for p in model.parameters())
+    assert flop_bound(model, target, 10).mapper_flops == 2 * 10 * mapper_parameters(config)
+
+
+def _load_script(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_live_tensor_bytes_counts_peak_of_new_storages():
+    apply = _load_script("apply")
+    existing = torch.ones(1000, 1000)  # allocated before: never counted
+    with apply.LiveTensorBytes() as mode:
+        a = existing * 2  # 4 MB
+        view = a.view(-1)  # no allocation
+        b = a + 1  # 8 MB live
+        del a, view
+        a = b.add_(1)  # in place: no allocation
+        del b, a
+    assert mode.peak == 8_000_000
+    assert mode.live == 0
+
+
+def test_interleaved_medians_rotates_and_stops_on_budget():
+    apply = _load_script("apply")
+    calls = []
+    tasks = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    result = apply.interleaved_medians(tasks, "cpu", repeats=4, warmup=1)
+    assert calls[:6] == ["a", "b", "c", "b", "c", "a"]
+    assert all(len(result[name]["times_ms"]) == 4 for name in tasks)
+    calls.clear()
+    result = apply.interleaved_medians(tasks, "cpu", repeats=10, warmup=0, budget_s=0.0, min_repeats=3)
+    assert len(result["a"]["times_ms"]) == 3
+
+
+def test_apply_benchmark_quick_run_writes_json(tmp_path):
+    apply = _load_script("apply")
+    torch.set_num_threads(1)
+    out = tmp_path / "apply.json"
+    result = apply.main(
+        ["--quick", "--tokens", "16,24", "--random-weights", "--threads", "1", "--out", str(out), "--no-plot"]
+    )
+    written = json.loads(out.read_text())
+    assert written["rows"] and [row["tokens"] for row in written["rows"]] == [16, 24]
+    for row in result["rows"]:
+        assert row["mapper_ms"] > 0 and row["prefill_ms"] > 0 and row["bound"] > 1
+        assert row["fraction_of_bound"] == pytest.approx(row["speedup"] / row["bound"])
+        assert row["mapped_cache_bytes"] > 0 and row["mapper_peak_bytes"] >= row["mapped_cache_bytes"]
+    assert written["environment"]["torch"] == torch.__version__
+    assert written["run"]["target"]["weights"] == "random"
+
+
+def _run_script(name: str, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_gpu_shapes_dry_run(tmp_path):
+    out = tmp_path / "gpu_shapes.json"
+    proc = _run_script("gpu_shapes.py", "--dry-run", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["run"]["dry_run"] is True
+    assert {row["direction"] for row in result["rows"]} == {"14b-32b", "32b-14b"}
+    assert all(row["mapper_ms"] > 0 and row["bound"] > 1 for row in result["rows"])
+    assert "mapper / re-prefill (ms)" in proc.stdout
+    # the real shapes written in the script are the public Qwen3 configs used above
+    gpu_shapes = _load_script("gpu_shapes")
+    for name, expected in (("14B", QWEN3_14B), ("32B", QWEN3_32B)):
+        assert {key: gpu_shapes.QWEN3[name][key] for key in expected} == expected
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = _run_script("gpu_check.py", "--dry-run", "--out", str(out))
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # 1: a check failed, reported in the JSON
+    result = json.loads(out.read_text())
+    checks = {check["check"]: check["ok"] for check in result["checks"]}
+    assert checks["all cpu identity: identity mapper generates the same tokens"]
+    assert all(ok for name, ok in checks.items() if name.startswith("all cpu"))
+    assert any(name.startswith("cpu+meta") for name in checks)
