@@ -105,3 +105,24 @@ def write_json(path: str | Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+
+
+def performance_markdown(results: dict, source_file: str) -> str:
+    """The README block for one `benchmarks/apply.py` JSON: measured speedups next to the FLOP bound."""
+    run, env = results["run"], results["environment"]
+    lines = [
+        f"Generated from `{source_file}` by `benchmarks/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
+        f"{run['dtype']}, {env['device']}, {env['torch_threads']} torch threads, load average "
+        f"{env['loadavg_start'][0]:.1f} at start; medians of {run['repeats']} interleaved repeats).",
+        "",
+        "| context tokens | mapper (ms) | target re-prefill (ms) | speedup | FLOP bound | fraction of bound | "
+        "whole handoff to first token (ms) | handoff speedup | mapper peak memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['tokens']} | {row['mapper_ms']:.2f} | {row['prefill_ms']:.2f} | {row['speedup']:.1f}x | "
+            f"{row['bound']:.1f}x | {100 * row['fraction_of_bound']:.0f} % | {row['handoff_ms']:.2f} | "
+            f"{row['handoff_speedup']:.1f}x | {row['mapper_peak_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)

@@ -71,3 +71,12 @@ def test_shipped_mappers_match_their_models():
             ids = torch.tensor([tokenizer("ab=123\ncd=456\n?ab=")["input_ids"]])
             cache = MappedCache.from_source(zoo.load_model(source_name)(ids, use_cache=True).past_key_values, mapper)
         assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
+
+
+def test_readme_performance_is_generated_from_the_committed_json():
+    from hf_kvmap.reporting import performance_markdown
+
+    readme = (ROOT / "README.md").read_text()
+    results = json.loads((ROOT / "benchmarks" / "results" / "apply.json").read_text())
+    section = re.search(r"<!-- performance:start -->\n(.*?)<!-- performance:end -->", readme, re.DOTALL).group(1)
+    assert section.strip() == performance_markdown(results, "benchmarks/results/apply.json").strip()
