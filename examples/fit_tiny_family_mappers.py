@@ -24,7 +24,7 @@ from hf_kvmap.evaluation import Handoff, evaluate_tasks, tiny_family_tasks
 from hf_kvmap.reporting import environment_info
 from hf_kvmap.zoo import corpus
 
-DEFAULT_PAIRS = ("tiny-s:tiny-l", "tiny-l:tiny-s", "tiny-s:tiny-m", "tiny-m:tiny-l", "tiny-s:tiny-x", "tiny-x:tiny-l")
+DEFAULT_PAIRS = ("tiny-s:tiny-l", "tiny-l:tiny-s", "tiny-m:tiny-l", "tiny-x:tiny-l")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -446,10 +446,14 @@ def fit_mapper(
     dtype: torch.dtype = torch.float32,
     source_layers: Sequence[Sequence[int]] | None = None,
     tokenizer=None,
+    kind: str = "ridge",
     **collect_kwargs,
 ) -> MapperModel:
     r"""
     Fit a ridge mapper in one pass over `calibration`: `CalibrationStatistics.collect` + `mapper_from_statistics`.
+
+    With `kind="mlp"` the MLP mapper is trained instead (`hf_kvmap.mlp.fit_mlp_mapper`; its options, e.g.
+    `hidden_size`, `epochs`, `batch_tokens`, pass through `collect_kwargs`).
 
     Args:
         source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
@@ -474,6 +478,23 @@ def fit_mapper(
     [[0], [1]]
     ```
     """
+    if kind == "mlp":
+        from .mlp import fit_mlp_mapper
+
+        return fit_mlp_mapper(
+            source_model,
+            target_model,
+            calibration,
+            top_k=top_k,
+            ridge_lambda=ridge_lambda,
+            lambda_convention=lambda_convention,
+            dtype=dtype,
+            source_layers=source_layers,
+            tokenizer=tokenizer,
+            **collect_kwargs,
+        )
+    if kind != "ridge":
+        raise ValueError(f"kind={kind!r}; expected 'ridge' or 'mlp'.")
     statistics_dtype = collect_kwargs.pop("statistics_dtype", torch.float64)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     stats = CalibrationStatistics.collect(

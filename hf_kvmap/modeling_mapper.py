@@ -58,6 +58,11 @@ class MapperPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["MapperLayer"]
     supports_gradient_checkpointing = False
 
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if type(module).__name__ == "HeadwiseMLP":  # plain parameters that the generic init does not know
+            module.reset_parameters()
+
 
 class MapperModel(MapperPreTrainedModel):
     r"""

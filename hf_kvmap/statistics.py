@@ -462,8 +462,6 @@ class CalibrationStatistics:
         return keys, values
 
     # Former private names (used by `hf_kvmap.mlp`).
-    _unpack = unpack_batch
-    _run = model_features
 
     @torch.no_grad()
     def accumulate(

@@ -139,7 +139,9 @@ def test_forward_maps_tensors():
     model = build_model(config)
     ids = torch.randint(3, 128, (1, 8))
     source = prefill(model, ids)
-    out = MapperModel.identity(config)([layer.keys for layer in source.layers], [layer.values for layer in source.layers])
+    out = MapperModel.identity(config)(
+        [layer.keys for layer in source.layers], [layer.values for layer in source.layers]
+    )
     assert len(out) == 2
     torch.testing.assert_close(out[1][0], source.layers[1].keys, rtol=1e-5, atol=1e-5)
 

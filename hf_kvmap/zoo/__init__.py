@@ -1,1 +1,99 @@
-"""placeholder"""
+"""The tiny trained Qwen3 family that hf-kvmap ships (the default for the demo, examples and quality tests).
+
+Members (see :data:`FAMILY` and ``family/README.md``): ``tiny-s``, ``tiny-m``, ``tiny-l`` share KV geometry
+(2 KV heads of dim 32) at growing depth/width; ``tiny-x`` has mismatched KV geometry (4 KV heads of dim 16).
+All share one character-level tokenizer (``family/tokenizer``).
+
+    from hf_kvmap import zoo
+    tok = zoo.load_tokenizer()
+    small, large = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
+
+Importing this package loads neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .family import FAMILY, MATCHED, MISMATCHED
+
+__all__ = [
+    "FAMILY",
+    "FAMILY_DIR",
+    "MATCHED",
+    "MISMATCHED",
+    "list_models",
+    "load_model",
+    "load_tokenizer",
+    "model_path",
+    "tokenizer_path",
+]
+
+FAMILY_DIR = Path(__file__).resolve().parent / "family"
+
+
+def list_models(available_only: bool = False) -> list[str]:
+    """Member names, smallest matched member first; ``available_only`` keeps those whose weights are present."""
+    names = list(FAMILY)
+    if available_only:
+        names = [n for n in names if (FAMILY_DIR / n / "model.safetensors").exists()]
+    return names
+
+
+def model_path(name: str) -> Path:
+    """Folder holding member ``name`` (``config.json``, ``model.safetensors``, ``generation_config.json``)."""
+    if name not in FAMILY:
+        raise KeyError(f"unknown tiny-family member {name!r}; known: {', '.join(FAMILY)}")
+    return FAMILY_DIR / name
+
+
+def tokenizer_path() -> Path:
+    return FAMILY_DIR / "tokenizer"
+
+
+def load_model(name: str, dtype=None, **kwargs):
+    """``Qwen3ForCausalLM.from_pretrained(model_path(name), dtype=dtype or torch.float32)`` in eval mode."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from .._compat import set_model_revision
+
+    path = model_path(name)
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"weights of {name!r} are missing at {path}; train them with examples/train_tiny_family.py --members {name}"
+        )
+    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, **kwargs)
+    model.eval()
+    # A stable identity for the approval tuple: the member's name and a revision derived from its weights file.
+    model.config.name_or_path = f"hf_kvmap.zoo:{name}"
+    set_model_revision(model.config, weights_revision(name))
+    return model
+
+
+def weights_revision(name: str) -> str:
+    """The revision of a shipped member: the first 40 hex digits of the sha256 of its weights file."""
+    import hashlib
+
+    return hashlib.sha256((model_path(name) / "model.safetensors").read_bytes()).hexdigest()[:40]
+
+
+def load_tokenizer(padding_side: str = "right", **kwargs):
+    """The family's shared tokenizer (``AutoTokenizer.from_pretrained(tokenizer_path())``).
+
+    Use ``padding_side="left"`` for batched generation.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_path()), padding_side=padding_side, **kwargs)
+
+
+MAPPERS_DIR = Path(__file__).resolve().parent / "mappers"
+
+
+def mapper_path(source: str, target: str) -> Path:
+    """Folder of the shipped mapper from member ``source`` to member ``target`` (``mappers/<source>-to-<target>``)."""
+    for name in (source, target):
+        if name not in FAMILY:
+            raise KeyError(f"unknown tiny-family member {name!r}; known: {', '.join(FAMILY)}")
+    return MAPPERS_DIR / f"{source}-to-{target}"

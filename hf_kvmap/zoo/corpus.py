@@ -2,15 +2,19 @@
 
 Task shapes mirror the paper's evaluation suite at toy scale:
 
-* ``recall``     -- key-value lines (``xk=045``), later questions ``?xk=`` whose answer is an earlier value
-                    (long-context fact recall; exact match of the generated value).
-* ``arithmetic`` -- few-shot 1-2 digit additions ``23+45=68``; answered by generation (GSM8K analogue,
-                    exact match; the answer is followed by a newline).
+* ``recall``     -- key-value lines (``xk045``: a 2-letter key directly followed by a 3-digit value), later
+                    questions ``?xk`` whose answer is the value stated earlier (long-context fact recall;
+                    exact match of the generated value).
+* ``arithmetic`` -- few-shot additions of 1-3 digit numbers ``23+456=479``; answered by generation (GSM8K
+                    analogue, exact match; the answer is followed by a newline).
 * ``choice``     -- a short story (``mia has a blue hat.``) and the prefix ``so mia has a``; four
                     continuations scored by log-likelihood (HellaSwag/ARC analogue, chance 25 %).
 * ``text``       -- plain running text from a small grammar (perplexity).
 * ``chat``       -- conversations with ``<|user|>`` / ``<|assistant|>`` turns ending in ``<|end|>``, mixing
                     the tasks above, so a conversation can be handed between models mid-way.
+
+Training text also holds ``copy`` documents (random strings repeated later), which give tiny models the
+dense copying signal they need to form induction heads.
 
 Every function takes an explicit integer seed; the same arguments always give the same text.
 Training text and evaluation items come from disjoint seed streams (see :func:`_rng`).
@@ -68,17 +72,52 @@ def _rng(stream: str, seed: int, *parts) -> random.Random:
 # ------------------------------------------------------------------------------------------ vocab bits
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-NAMES = ["tom", "mia", "bob", "ann", "joe", "eva", "sam", "liz", "max", "zoe", "ben", "amy", "leo", "ivy",
-         "dan", "kim", "ted", "una", "rex", "fay"]
+# names end in distinct letters, so the last character identifies the name
+NAMES = [
+    "mia",
+    "bob",
+    "ted",
+    "joe",
+    "raj",
+    "zak",
+    "bil",
+    "tom",
+    "ann",
+    "leo",
+    "kip",
+    "dar",
+    "gus",
+    "kat",
+    "lev",
+    "max",
+    "amy",
+    "liz",
+    "ali",
+    "jeh",
+]
 COLORS = ["red", "blue", "green", "pink", "black", "white", "gray", "gold", "brown", "orange"]
-OBJECTS = ["hat", "cup", "box", "pen", "bag", "car", "kite", "lamp", "ring", "sock", "book", "fan", "key",
-           "drum", "bell"]
+OBJECTS = [
+    "hat",
+    "cup",
+    "box",
+    "pen",
+    "bag",
+    "car",
+    "kite",
+    "lamp",
+    "ring",
+    "sock",
+    "book",
+    "fan",
+    "key",
+    "drum",
+    "bell",
+]
 
 _DET = ["the", "a", "one", "that", "this"]
 _ADJ = ["small", "big", "old", "young", "quiet", "happy", "tired", "brave", "red", "green", "dark", "bright"]
 _NOUN_AN = ["dog", "cat", "bird", "fox", "horse", "child", "man", "woman", "farmer", "king", "girl", "boy"]
-_NOUN_PL = ["river", "tree", "house", "hill", "road", "garden", "field", "door", "table", "window", "boat",
-            "bridge"]
+_NOUN_PL = ["river", "tree", "house", "hill", "road", "garden", "field", "door", "table", "window", "boat", "bridge"]
 _VERB_I = ["sleeps", "sings", "runs", "waits", "smiles", "walks", "rests", "jumps", "laughs", "sits"]
 _VERB_T = ["sees", "likes", "finds", "follows", "watches", "helps", "hears", "calls", "meets", "greets"]
 _PREP = ["near", "under", "behind", "by", "in", "on", "over", "past"]
@@ -91,7 +130,7 @@ _CONJ = ["and then", "but", "so", "while", "because"]
 
 @dataclass(frozen=True)
 class RecallItem:
-    """``context`` ends with ``?key=``; the exact answer is the 3-digit ``answer`` stated earlier."""
+    """``context`` ends with ``?key``; the exact answer is the 3-digit ``answer`` stated earlier (``key+answer``)."""
 
     context: str
     answer: str
@@ -100,7 +139,7 @@ class RecallItem:
 
 @dataclass(frozen=True)
 class ArithmeticItem:
-    """``prompt`` ends with ``a+b=``; generation must produce exactly ``answer`` (then a newline)."""
+    """``prompt`` ends with ``a+b=``; generation must produce exactly ``answer`` (then ``stop``, a newline)."""
 
     prompt: str
     answer: str
@@ -167,23 +206,26 @@ def _recall_lines(r: random.Random, n_chars: int) -> list[str]:
         if pool and (len(facts) < 3 or r.random() < 0.45):
             k, v = pool.pop()
             facts.append((k, v))
-            line = f"{k}={v}"
+            line = f"{k}{v}"
         else:
             k, v = r.choice(facts)
-            line = f"?{k}={v}"
+            line = f"?{k}{v}"
         lines.append(line)
         size += len(line) + 1
     return lines
 
 
-def _addition(r: random.Random) -> tuple[int, int]:
+def _number(r: random.Random) -> int:
     u = r.random()
-    if u < 0.2:
-        return r.randrange(10), r.randrange(10)
+    if u < 0.1:
+        return r.randrange(10)
     if u < 0.45:
-        a, b = r.randrange(10, 100), r.randrange(10)
-        return (a, b) if r.random() < 0.5 else (b, a)
-    return r.randrange(10, 100), r.randrange(10, 100)
+        return r.randrange(10, 100)
+    return r.randrange(100, 1000)
+
+
+def _addition(r: random.Random) -> tuple[int, int]:
+    return _number(r), _number(r)
 
 
 def _arith_line(r: random.Random) -> str:
@@ -277,11 +319,11 @@ def _chat_turns(r: random.Random, n_turns: int) -> tuple[list[tuple[str, str]], 
         if pool and (not facts or u < 0.3):
             k, v = pool.pop()
             facts[k] = v
-            turns += [("user", f"{k}={v}"), ("assistant", "ok")]
+            turns += [("user", f"{k}{v}"), ("assistant", "ok")]
             kinds.append("fact")
         elif u < 0.6 and facts:
             k = r.choice(sorted(facts))
-            turns += [("user", f"?{k}="), ("assistant", facts[k])]
+            turns += [("user", f"?{k}"), ("assistant", facts[k])]
             kinds.append("recall")
         elif u < 0.8:
             a, b = _addition(r)
@@ -323,7 +365,7 @@ def make_document(task: str, r: random.Random, n_chars: int = 256) -> str:
         parts = []
         size = 0
         while size < n_chars:
-            story = _story(r, r.choice([3, 4, 4, 5]))
+            story = _story(r, r.choice([3, 4, 4, 5] if n_chars >= 128 else [2, 2, 3]))
             qs = [f"so {nm} has a {c} {o}." for nm, c, o in r.sample(story, min(len(story), 3))]
             block = _story_text(story) + " " + " ".join(qs) + "\n"
             parts.append(block)
@@ -331,6 +373,16 @@ def make_document(task: str, r: random.Random, n_chars: int = 256) -> str:
         return "".join(parts)
     if task == "text":
         return _plain(r, n_chars) + "\n"
+    if task == "copy":
+        chars = _LETTERS + "0123456789"
+        parts = []
+        size = 0
+        while size < n_chars:
+            seg = "".join(r.choice(chars) for _ in range(r.randrange(4, min(40, max(8, n_chars // 4)))))
+            block = f"{seg}\n{seg}\n"
+            parts.append(block)
+            size += len(block)
+        return "".join(parts)
     if task == "chat":
         turns, _ = _chat_turns(r, max(2, n_chars // 22))
         return format_chat(turns)
@@ -338,16 +390,19 @@ def make_document(task: str, r: random.Random, n_chars: int = 256) -> str:
 
 
 #: training mixture (task -> weight)
-MIXTURE = {"recall": 0.32, "arithmetic": 0.22, "choice": 0.2, "text": 0.14, "chat": 0.12}
+MIXTURE = {"recall": 0.3, "copy": 0.12, "arithmetic": 0.18, "choice": 0.18, "text": 0.12, "chat": 0.1}
 
 
-def training_documents(n_docs: int, seed: int = 0, n_chars: int = 256, start: int = 0) -> list[str]:
-    """Documents ``start .. start + n_docs - 1`` of the training stream (mixture of all tasks).
+def training_documents(
+    n_docs: int, seed: int = 0, n_chars: int = 256, start: int = 0, mixture: dict[str, float] | None = None
+) -> list[str]:
+    """Documents ``start .. start + n_docs - 1`` of the training stream (``mixture``: task -> weight,
+    default :data:`MIXTURE`).
 
-    Document ``i`` depends only on ``(seed, i, n_chars)``, so any slice of the stream is reproducible
-    and resuming a run at document ``i`` gives the same data as not stopping.
+    Document ``i`` depends only on ``(seed, i, n_chars, mixture)``, so any slice of the stream is
+    reproducible and resuming a run at document ``i`` gives the same data as not stopping.
     """
-    tasks, weights = zip(*MIXTURE.items())
+    tasks, weights = zip(*(mixture or MIXTURE).items())
     docs = []
     for i in range(start, start + n_docs):
         r = _rng("train", seed, i, n_chars)
@@ -386,11 +441,11 @@ def calibration_text(n_docs: int = 64, seed: int = 0, n_chars: int = 512) -> lis
 
 def _recall_item(r: random.Random, n_chars: int) -> RecallItem:
     lines = _recall_lines(r, n_chars)
-    stated = {ln.split("=")[0]: ln.split("=")[1] for ln in lines if not ln.startswith("?")}
+    stated = {ln[:2]: ln[2:] for ln in lines if not ln.startswith("?")}
     # ask about a fact stated at least a few lines back
-    early = [ln.split("=")[0] for ln in lines[: max(1, len(lines) * 2 // 3)] if not ln.startswith("?")]
+    early = [ln[:2] for ln in lines[: max(1, len(lines) * 2 // 3)] if not ln.startswith("?")]
     k = r.choice(early)
-    return RecallItem(context="\n".join(lines) + f"\n?{k}=", answer=stated[k], key=k)
+    return RecallItem(context="\n".join(lines) + f"\n?{k}", answer=stated[k], key=k)
 
 
 def _arith_item(r: random.Random, shots: int = 3) -> ArithmeticItem:
@@ -423,8 +478,12 @@ def _chat_item(r: random.Random, n_turns: int) -> ChatItem:
         if idx:
             i = idx[-1]
             kept = turns[: 2 * i + 1]
-            return ChatItem(context=format_chat(kept, add_generation_prompt=True), answer=turns[2 * i + 1][1],
-                            turns=kept, kind=kinds[i])
+            return ChatItem(
+                context=format_chat(kept, add_generation_prompt=True),
+                answer=turns[2 * i + 1][1],
+                turns=kept,
+                kind=kinds[i],
+            )
 
 
 def make_eval_set(task: str, n: int, seed: int = 0, n_chars: int = 192) -> list:

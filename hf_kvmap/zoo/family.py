@@ -4,15 +4,43 @@ from __future__ import annotations
 
 #: name -> geometry; ``kv_group`` says which members share KV geometry (same num_key_value_heads and head_dim)
 FAMILY: dict[str, dict] = {
-    "tiny-s": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=384, kv_group="kv2x32"),
-    "tiny-m": dict(num_hidden_layers=4, hidden_size=192, num_attention_heads=6, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=512, kv_group="kv2x32"),
-    "tiny-l": dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=768, kv_group="kv2x32"),
+    "tiny-s": dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        kv_group="kv2x32",
+    ),
+    "tiny-m": dict(
+        num_hidden_layers=4,
+        hidden_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=512,
+        kv_group="kv2x32",
+    ),
+    "tiny-l": dict(
+        num_hidden_layers=6,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=768,
+        kv_group="kv2x32",
+    ),
     # mismatched KV geometry: 4 KV heads of dim 16 (same KV width 64 per token and layer, different split)
-    "tiny-x": dict(num_hidden_layers=4, hidden_size=192, num_attention_heads=12, num_key_value_heads=4,
-                   head_dim=16, intermediate_size=512, kv_group="kv4x16"),
+    "tiny-x": dict(
+        num_hidden_layers=4,
+        hidden_size=192,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=512,
+        kv_group="kv4x16",
+    ),
 }
 
 #: members sharing the reference KV geometry (n_kv=2, head_dim=32), smallest first

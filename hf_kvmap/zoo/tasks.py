@@ -124,8 +124,7 @@ def generate_answers(model, tok, prompts: list[str], max_new_tokens: int, batch_
     try:
         for b in range(0, len(prompts), batch_size):
             enc = tok(prompts[b : b + batch_size], return_tensors="pt", padding=True)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
             outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=False)
     finally:
         tok.padding_side = side

@@ -27,10 +27,10 @@ FAMILY_DIR = Path(__file__).resolve().parent / "family"
 
 #: default schedule per member: steps, peak lr, batch size (sized for ~100 min on one CPU core in total)
 DEFAULTS = {
-    "tiny-l": dict(steps=1200, lr=2e-3, batch=16),
-    "tiny-x": dict(steps=1000, lr=3e-3, batch=16),
-    "tiny-m": dict(steps=1000, lr=3e-3, batch=16),
-    "tiny-s": dict(steps=1500, lr=4e-3, batch=16),
+    "tiny-l": dict(steps=800, lr=2e-3, batch=16),
+    "tiny-x": dict(steps=1200, lr=3e-3, batch=16),
+    "tiny-m": dict(steps=800, lr=3e-3, batch=16),
+    "tiny-s": dict(steps=800, lr=3e-3, batch=16),
 }
 
 
@@ -41,8 +41,15 @@ def _lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) 
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def _batch(tok, step: int, batch: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    docs = corpus.training_documents(batch, seed=seed, n_chars=seq_len, start=step * batch)
+#: warm-up phase (the first ``warm_frac`` of the steps): short windows of copy-heavy text. Attention at
+#: initialisation spreads over the whole window, so the gradient towards "attend to the earlier copy" is
+#: ~window-length times stronger in short windows; induction heads (needed for every in-context task)
+#: form there far sooner than in 256-token windows at the same number of tokens.
+WARM_MIXTURE = {"copy": 0.4, "recall": 0.35, "choice": 0.1, "arithmetic": 0.05, "text": 0.05, "chat": 0.05}
+
+
+def _batch(tok, step: int, batch: int, seq_len: int, seed: int, mixture=None):
+    docs = corpus.training_documents(batch, seed=seed, n_chars=seq_len, start=step * batch, mixture=mixture)
     seqs = [tok(d)["input_ids"][: seq_len + 1] for d in docs]
     n = max(len(s) for s in seqs)
     ids = torch.full((batch, n), tok.pad_token_id, dtype=torch.long)
@@ -56,11 +63,12 @@ def _batch(tok, step: int, batch: int, seq_len: int, seed: int) -> tuple[torch.T
     return ids, mask, labels
 
 
-def _save_ckpt(ckdir: Path, model, opt, step: int, elapsed: float) -> None:
+def _save_ckpt(ckdir: Path, model, opt, step: int, elapsed: float, recipe: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     ckdir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckdir / "model.tmp"))
+    # named_parameters() lists a tied weight once (lm_head shares embed_tokens)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(ckdir / "model.tmp"))
     names = {id(p): n for n, p in model.named_parameters()}
     ost = {}
     for group in opt.param_groups:
@@ -74,15 +82,20 @@ def _save_ckpt(ckdir: Path, model, opt, step: int, elapsed: float) -> None:
     save_file(ost, str(ckdir / "optim.tmp"))
     os.replace(ckdir / "model.tmp", ckdir / "model.safetensors")
     os.replace(ckdir / "optim.tmp", ckdir / "optim.safetensors")
-    (ckdir / "state.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+    (ckdir / "state.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed, "recipe": recipe}))
 
 
-def _load_ckpt(ckdir: Path, model, opt) -> tuple[int, float]:
+def _load_ckpt(ckdir: Path, model, opt, recipe: dict | None = None) -> tuple[int, float]:
     from safetensors.torch import load_file
 
     if not (ckdir / "state.json").exists():
         return 0, 0.0
     state = json.loads((ckdir / "state.json").read_text())
+    if recipe is not None and state.get("recipe") not in (None, recipe):
+        raise ValueError(
+            f"checkpoint in {ckdir} was written by a different recipe ({state['recipe']}) than this run "
+            f"({recipe}); resuming would mix two schedules. Delete or move {ckdir}, or pass matching arguments."
+        )
     model.load_state_dict(load_file(str(ckdir / "model.safetensors")), strict=False)
     ost = load_file(str(ckdir / "optim.safetensors"))
     for n, p in model.named_parameters():
@@ -127,10 +140,29 @@ def plot_curve(log_path: Path, png_path: Path, title: str) -> bool:
     return True
 
 
-def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 256, warmup: int = 60,
-                 seed: int = 0, eval_every: int = 100, ckpt_every: int = 100, n_eval: int = 48,
-                 runs_dir: Path = Path("runs/zoo"), family_dir: Path = FAMILY_DIR, weight_decay: float = 0.05,
-                 force: bool = False) -> dict:
+def train_member(
+    name: str,
+    steps: int,
+    lr: float,
+    batch: int,
+    seq_len: int = 256,
+    warmup: int = 60,
+    seed: int = 0,
+    eval_every: int = 100,
+    ckpt_every: int = 100,
+    n_eval: int = 48,
+    runs_dir: Path = Path("runs/zoo"),
+    family_dir: Path = FAMILY_DIR,
+    weight_decay: float = 0.05,
+    force: bool = False,
+    warm_frac: float = 0.5,
+    warm_seq_len: int = 64,
+    warm_batch: int = 64,
+    mid_frac: float = 0.2,
+) -> dict:
+    """Train one member. Three phases with the same number of tokens per step: ``warm_frac`` of the steps
+    in ``warm_seq_len`` windows on :data:`WARM_MIXTURE`, then ``mid_frac`` in ``2 * warm_seq_len``
+    windows, then ``seq_len`` windows, both on the full :data:`corpus.MIXTURE`."""
     out_dir = family_dir / name
     if (out_dir / "eval.json").exists() and not force:
         print(f"[{name}] already trained ({out_dir}); skipping (use --force to retrain)", flush=True)
@@ -144,11 +176,28 @@ def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 25
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     ckdir = runs_dir / name
     log_path = ckdir / "log.jsonl"
-    start, elapsed = _load_ckpt(ckdir, model, opt)
+    recipe = {
+        "steps": steps,
+        "lr": lr,
+        "batch": batch,
+        "seq_len": seq_len,
+        "warmup": warmup,
+        "seed": seed,
+        "warm_frac": warm_frac,
+        "warm_seq_len": warm_seq_len,
+        "warm_batch": warm_batch,
+        "mid_frac": mid_frac,
+        "weight_decay": weight_decay,
+    }
+    start, elapsed = _load_ckpt(ckdir, model, opt, recipe)
     if start:
         print(f"[{name}] resumed at step {start} ({elapsed:.0f}s so far)", flush=True)
         # drop log rows past the checkpoint (a crash after the last checkpoint)
@@ -172,18 +221,30 @@ def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 25
         cur = _lr_at(step, steps, lr, warmup)
         for g in opt.param_groups:
             g["lr"] = cur
-        ids, mask, labels = _batch(tok, step, batch, seq_len, seed)
+        if step < warm_frac * steps:
+            ids, mask, labels = _batch(tok, step, warm_batch, warm_seq_len, seed, WARM_MIXTURE)
+        elif step < (warm_frac + mid_frac) * steps:
+            ids, mask, labels = _batch(tok, step, warm_batch // 2, warm_seq_len * 2, seed)
+        else:
+            ids, mask, labels = _batch(tok, step, batch, seq_len, seed)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        run_loss += float(loss)
+        run_loss += float(loss.detach())
         run_n += 1
         s = step + 1
         if s % 25 == 0 or s == steps:
-            log({"step": s, "loss": round(run_loss / run_n, 4), "lr": round(cur, 6), "grad_norm": round(float(gn), 3),
-                 "time_s": round(time.time() - t0, 1)})
+            log(
+                {
+                    "step": s,
+                    "loss": round(run_loss / run_n, 4),
+                    "lr": round(cur, 6),
+                    "grad_norm": round(float(gn), 3),
+                    "time_s": round(time.time() - t0, 1),
+                }
+            )
             print(f"[{name}] step {s} loss {run_loss / run_n:.4f} lr {cur:.2e} {time.time() - t0:.0f}s", flush=True)
             run_loss, run_n = 0.0, 0
         if s % eval_every == 0 or s == steps:
@@ -191,7 +252,7 @@ def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 25
             log({"step": s, **{k: round(v, 4) for k, v in ev.items()}, "time_s": round(time.time() - t0, 1)})
             print(f"[{name}] eval {s}: {ev}", flush=True)
         if s % ckpt_every == 0 or s == steps:
-            _save_ckpt(ckdir, model, opt, s, time.time() - t0)
+            _save_ckpt(ckdir, model, opt, s, time.time() - t0, recipe)
 
     wall = time.time() - t0
     # final weights: float32 when small, bfloat16 otherwise (keeps the shipped family well under 30 MB)
@@ -200,18 +261,42 @@ def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 25
     model.eval()
     model.to(dtype)
     model.config.dtype = dtype
-    model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                                               pad_token_id=cfg.pad_token_id, do_sample=False, max_new_tokens=32)
+    end_id = tok.convert_tokens_to_ids(corpus.END)  # chat turns end with <|end|>: stop there too
+    model.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=[cfg.eos_token_id, end_id],
+        pad_token_id=cfg.pad_token_id,
+        do_sample=False,
+        max_new_tokens=32,
+    )
     model.save_pretrained(str(out_dir), safe_serialization=True)
     (out_dir / "training_log.jsonl").write_text(log_path.read_text())
-    plot_curve(out_dir / "training_log.jsonl", out_dir / "learning_curve.png",
-               f"{name}: {n_params / 1e6:.2f}M params, {steps} steps")
+    plot_curve(
+        out_dir / "training_log.jsonl",
+        out_dir / "learning_curve.png",
+        f"{name}: {n_params / 1e6:.2f}M params, {steps} steps",
+    )
     # final evaluation of the shipped weights (reloaded in float32), on the fixed report set (seed 0)
     reloaded = Qwen3ForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
     final = evaluate_model(reloaded, tok, n=200, seed=0)
-    result = {"name": name, "params": n_params, "steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr,
-              "seed": seed, "train_wall_s": round(wall, 1), "weights_dtype": str(dtype).replace("torch.", ""),
-              "eval_seed": 0, "eval_n": 200, "eval": {k: round(v, 4) for k, v in final.items()}}
+    result = {
+        "name": name,
+        "params": n_params,
+        "steps": steps,
+        "batch": batch,
+        "seq_len": seq_len,
+        "lr": lr,
+        "seed": seed,
+        "warm_frac": warm_frac,
+        "warm_seq_len": warm_seq_len,
+        "warm_batch": warm_batch,
+        "mid_frac": mid_frac,
+        "train_wall_s": round(wall, 1),
+        "weights_dtype": str(dtype).replace("torch.", ""),
+        "eval_seed": 0,
+        "eval_n": 200,
+        "eval": {k: round(v, 4) for k, v in final.items()},
+    }
     (out_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"[{name}] done in {wall:.0f}s: {result['eval']}", flush=True)
     return result
@@ -219,7 +304,7 @@ def train_member(name: str, steps: int, lr: float, batch: int, seq_len: int = 25
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--members", nargs="+", default=["tiny-l", "tiny-x", "tiny-m", "tiny-s"], choices=list(FAMILY))
+    ap.add_argument("--members", nargs="+", default=["tiny-s", "tiny-l", "tiny-x", "tiny-m"], choices=list(FAMILY))
     ap.add_argument("--steps", type=int, help="override the per-member step count")
     ap.add_argument("--lr", type=float, help="override the per-member peak learning rate")
     ap.add_argument("--batch", type=int, help="override the per-member batch size")
@@ -229,6 +314,10 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warm-frac", type=float, default=0.5, help="fraction of steps in the warm-up phase")
+    ap.add_argument("--warm-seq-len", type=int, default=64, help="window of the warm-up phase")
+    ap.add_argument("--warm-batch", type=int, default=64, help="batch size of the warm-up phase")
+    ap.add_argument("--mid-frac", type=float, default=0.2, help="fraction of steps in 2x warm-seq-len windows")
     ap.add_argument("--runs-dir", default="runs/zoo")
     ap.add_argument("--family-dir", default=str(FAMILY_DIR))
     ap.add_argument("--force", action="store_true", help="retrain members that already have final weights")
@@ -241,8 +330,22 @@ def main(argv=None) -> None:
         for k in ("steps", "lr", "batch"):
             if getattr(a, k) is not None:
                 d[k] = getattr(a, k)
-        train_member(name, seq_len=a.seq_len, warmup=a.warmup, seed=a.seed, eval_every=a.eval_every,
-                     ckpt_every=a.ckpt_every, runs_dir=Path(a.runs_dir), family_dir=family_dir, force=a.force, **d)
+        train_member(
+            name,
+            seq_len=a.seq_len,
+            warmup=a.warmup,
+            seed=a.seed,
+            eval_every=a.eval_every,
+            ckpt_every=a.ckpt_every,
+            warm_frac=a.warm_frac,
+            warm_seq_len=a.warm_seq_len,
+            warm_batch=a.warm_batch,
+            mid_frac=a.mid_frac,
+            runs_dir=Path(a.runs_dir),
+            family_dir=family_dir,
+            force=a.force,
+            **d,
+        )
 
 
 if __name__ == "__main__":
