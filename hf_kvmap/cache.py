@@ -98,7 +98,18 @@ def _check_finite_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> N
 
 
 class MappedLayer(DynamicLayer):
-    """A `DynamicLayer` whose initial keys/values were produced by a mapper; it then grows like any dynamic layer."""
+    """A `DynamicLayer` whose initial keys/values were produced by a mapper; it then grows like any dynamic layer.
+
+    The model that reads the layer decides its dtype and device: if the first states it appends differ (e.g. a
+    float32 source mapped for a bfloat16 target), the mapped tensors are converted to them before concatenation.
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and (self.keys.dtype, self.keys.device) != (key_states.dtype, key_states.device):
+            self.keys = self.keys.to(device=key_states.device, dtype=key_states.dtype)
+            self.values = self.values.to(device=value_states.device, dtype=value_states.dtype)
+            self.dtype, self.device = key_states.dtype, key_states.device
+        return super().update(key_states, value_states, *args, **kwargs)
 
     @classmethod
     def from_source(

@@ -271,3 +271,16 @@ def test_bfloat16_cache_and_mapper_dtypes():
     torch.testing.assert_close(cache.layers[1].keys, source.layers[1].keys[:, :, :11], rtol=1e-2, atol=1e-2)
     as_float = MappedCache.from_source(source, MapperModel.identity(config, dtype=torch.bfloat16), dtype=torch.float32)
     assert as_float.layers[0].values.dtype == torch.float32
+
+
+def test_mapped_cache_follows_the_reader_dtype():
+    """A float32 source cache handed to a bfloat16 target: the target's dtype wins, generation runs."""
+    config = SUPPORTED["qwen3"]()
+    source = build_model(config)
+    target = build_model(config).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(10))
+    cache = MappedCache.from_source(prefill(source, ids), MapperModel.identity(config))
+    assert cache.layers[0].keys.dtype == torch.float32
+    out = greedy(target, ids, cache=cache, new=4)
+    assert out.shape == (1, 16)
+    assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.get_seq_length() == 15
