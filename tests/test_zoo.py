@@ -7,10 +7,6 @@ import pytest
 from hf_kvmap import zoo
 from hf_kvmap.zoo import corpus
 
-# The family ships with the package: missing weights are a failure, never a skip.
-needs_weights = pytest.mark.usefixtures()
-
-
 # --------------------------------------------------------------------------------------------- corpus
 
 
@@ -104,7 +100,6 @@ def test_family_metadata():
         zoo.model_path("tiny-zz")
 
 
-@needs_weights
 @pytest.mark.parametrize("name", zoo.list_models())
 def test_member_loads_with_declared_geometry(name):
     import torch
@@ -130,7 +125,6 @@ def test_member_loads_with_declared_geometry(name):
     assert torch.isfinite(out.logits).all()
 
 
-@needs_weights
 def test_matched_members_share_kv_geometry_mismatched_differs():
     cfgs = {n: zoo.load_model(n).config for n in zoo.list_models()}
     kv = {n: (c.num_key_value_heads, c.head_dim) for n, c in cfgs.items()}
@@ -139,7 +133,6 @@ def test_matched_members_share_kv_geometry_mismatched_differs():
     assert len({cfgs[n].num_hidden_layers for n in zoo.MATCHED}) == len(zoo.MATCHED)
 
 
-@needs_weights
 def test_family_is_trained_and_larger_is_better():
     import json
 
@@ -153,7 +146,6 @@ def test_family_is_trained_and_larger_is_better():
         assert evals[n]["text_ppl"] < 2.0  # trained (a uniform guess over the characters is ~50)
 
 
-@needs_weights
 def test_recall_generation_large_member():
     from hf_kvmap.zoo.tasks import generate_answers
 
@@ -164,7 +156,6 @@ def test_recall_generation_large_member():
     assert sum(a == it.answer for a, it in zip(answers, items)) >= 13
 
 
-@needs_weights
 def test_generate_left_padded_batch():
     from hf_kvmap.zoo.tasks import generate_answers
 
