@@ -31,21 +31,8 @@ from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks
 from hf_kvmap.fitting import mapper_from_statistics, tokenizer_fingerprint
 from hf_kvmap.mlp import content_space_metrics, fit_mlp_mapper, gather_features
 from hf_kvmap.statistics import CalibrationStatistics
-from hf_kvmap.zoo import corpus
 
 DEFAULT_PAIRS = ("tiny-s:tiny-l", "tiny-s:tiny-x")
-
-
-def calibration_batches(tokenizer, docs: int, length: int, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
-    """Fixed-length token sequences cut from the family's calibration text (seed stream `seed`)."""
-    sequences = []
-    for text in corpus.calibration_text(n_docs=docs, seed=seed, n_chars=length + 16):
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= length:
-            sequences.append(ids[:length])
-    if not sequences:
-        raise SystemExit(f"No calibration document reached {length} tokens; lower --length.")
-    return list(torch.tensor(sequences).split(batch_size))
 
 
 def load_member(name: str, random_models: bool, seed: int, paths: dict[str, str] | None = None):
@@ -305,8 +292,8 @@ def main(argv=None) -> dict:
 
     started = time.perf_counter()
     tokenizer = zoo.load_tokenizer(padding_side="left")
-    calibration = calibration_batches(tokenizer, args.docs, args.length, batch_size=8, seed=0)
-    held_out = calibration_batches(tokenizer, args.held_out_docs, args.length, batch_size=8, seed=1)
+    calibration = zoo.calibration_batches(tokenizer, args.docs, args.length, batch_size=8, seed=0)
+    held_out = zoo.calibration_batches(tokenizer, args.held_out_docs, args.length, batch_size=8, seed=1)
     results = {"pairs": {}}
     for pair in args.pairs:
         results["pairs"][pair] = compare_pair(pair, args, tokenizer, calibration, held_out)

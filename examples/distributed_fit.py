@@ -18,10 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from hf_kvmap import CalibrationStatistics, mapper_from_statistics
+from hf_kvmap import CalibrationStatistics, mapper_from_statistics, zoo
 from hf_kvmap.commands._models import load_causal_lm, load_tokenizer
 from hf_kvmap.fitting import tokenizer_fingerprint
-from hf_kvmap.zoo import corpus
 
 
 def main(argv=None) -> None:
@@ -42,9 +41,7 @@ def main(argv=None) -> None:
 
     tokenizer = load_tokenizer(args.source)
     source, target = load_causal_lm(args.source).to(device), load_causal_lm(args.target).to(device)
-    sequences = [tokenizer(text)["input_ids"][: args.length] for text in corpus.calibration_text(args.docs)]
-    sequences = [ids for ids in sequences if len(ids) == args.length]
-    shard = torch.tensor(sequences[rank::world]).split(8)  # this rank's share of the batches
+    shard = zoo.calibration_batches(tokenizer, args.docs, args.length, batch_size=8)[rank::world]  # this rank's share
 
     stats = CalibrationStatistics.collect(
         source,

@@ -28,17 +28,6 @@ DEFAULT_PAIRS = ("tiny-s:tiny-l", "tiny-l:tiny-s", "tiny-m:tiny-l", "tiny-x:tiny
 REPO = Path(__file__).resolve().parents[1]
 
 
-def calibration_batches(tokenizer, docs: int, length: int, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
-    """Fixed-length token sequences cut from the family's calibration text."""
-    sequences = []
-    for text in corpus.calibration_text(n_docs=docs, seed=seed, n_chars=length + 16):
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= length:
-            sequences.append(ids[:length])
-    stacked = torch.tensor(sequences)
-    return list(stacked.split(batch_size))
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), help="source:target pairs")
@@ -54,7 +43,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
 
     tokenizer = zoo.load_tokenizer(padding_side="left")
-    batches = calibration_batches(tokenizer, args.docs, args.length, batch_size=16)
+    batches = zoo.calibration_batches(tokenizer, args.docs, args.length, batch_size=16)
     for pair in args.pairs:
         source_name, target_name = pair.split(":")
         started = time.perf_counter()

@@ -97,3 +97,22 @@ def mapper_path(source: str, target: str) -> Path:
         if name not in FAMILY:
             raise KeyError(f"unknown tiny-family member {name!r}; known: {', '.join(FAMILY)}")
     return MAPPERS_DIR / f"{source}-to-{target}"
+
+
+def calibration_batches(tokenizer, docs: int = 256, length: int = 512, batch_size: int = 16, seed: int = 0) -> list:
+    """Fixed-length `(batch, length)` token-id batches cut from the family's calibration text (seed stream `seed`).
+
+    Documents shorter than `length` tokens are dropped; raises `ValueError` when none is long enough.
+    """
+    import torch
+
+    from .corpus import calibration_text
+
+    sequences = []
+    for text in calibration_text(n_docs=docs, seed=seed, n_chars=length + 16):
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= length:
+            sequences.append(ids[:length])
+    if not sequences:
+        raise ValueError(f"No calibration document reached {length} tokens; use a smaller length.")
+    return list(torch.tensor(sequences).split(batch_size))
