@@ -9,11 +9,13 @@ per-head attention outputs (the input of `o_proj`) is averaged over query tokens
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from .cache import MappedCache
+from .evaluation import Handoff
 from .rope import RotaryCodec
 
 
@@ -131,3 +133,67 @@ def plot_diagnostics(diagnostics: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@dataclass
+class _SwapHandoff(Handoff):
+    """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`."""
+
+    layers: tuple = ()
+    parts: tuple = ("keys", "values")
+
+    def context_cache(self, mode: str, ids: torch.Tensor, mask: torch.Tensor | None = None):
+        if mode != "mapped":
+            return super().context_cache(mode, ids, mask)
+        reader, true = super().context_cache("target", ids, mask)
+        _, mapped = super().context_cache("mapped", ids, mask)
+        data = []
+        for idx, (own, other) in enumerate(zip(true.layers, mapped.layers)):
+            swap = idx in self.layers
+            keys = other.keys.to(own.keys) if swap and "keys" in self.parts else own.keys
+            values = other.values.to(own.values) if swap and "values" in self.parts else own.values
+            data.append((keys, values))
+        return reader, DynamicCache(ddp_cache_data=data)
+
+
+def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> dict:
+    """Which mapped layer (and whether its keys or values) breaks a task.
+
+    The target reads its own cache everywhere except one layer, which comes from the mapper; the task is scored for
+    each layer in turn, then with only the keys (only the values) of every layer mapped. A task that survives every
+    single swap but not the full mapping fails from accumulated error; one that collapses at one layer points at it.
+
+    Args:
+        handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer.
+        task ([`~hf_kvmap.evaluation.TaskSpec`]): the task to score (accuracy, or perplexity for `perplexity` tasks).
+        layers (iterable of `int`, *optional*): target layers to swap one at a time (default: all).
+
+    Returns:
+        `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`.
+    """
+    from .evaluation import evaluate_items
+
+    kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
+    num_layers = handoff.mapper.config.target_geometry.num_layers
+    layers = range(num_layers) if layers is None else layers
+
+    def score(mode: str, swap_layers=(), parts=("keys", "values")) -> float:
+        probe = _SwapHandoff(
+            handoff.source,
+            handoff.target,
+            handoff.mapper,
+            handoff.tokenizer,
+            handoff.hold_back,
+            layers=tuple(swap_layers),
+            parts=parts,
+        )
+        return evaluate_items(probe, task.kind, task.items, mode, **kwargs)
+
+    return {
+        "task": task.name,
+        "target": score("target"),
+        "mapped": evaluate_items(handoff, task.kind, task.items, "mapped", **kwargs),
+        "layers": {layer: score("mapped", (layer,)) for layer in layers},
+        "keys_only": score("mapped", tuple(range(num_layers)), ("keys",)),
+        "values_only": score("mapped", tuple(range(num_layers)), ("values",)),
+    }

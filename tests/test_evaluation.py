@@ -178,3 +178,21 @@ def test_jsonl_task_errors(tmp_path, row, fragment):
     _write_jsonl(path, [row])
     with pytest.raises(ValueError, match=fragment):
         load_jsonl_tasks(path)
+
+
+def test_layer_swap_points_at_the_damaged_layer(handoff):
+    from hf_kvmap.diagnostics import layer_swap
+
+    task = TaskSpec("text", "perplexity", corpus.make_eval_set("text", 3, seed=2, n_chars=96))
+    exact = layer_swap(handoff, task)  # identity mapper: every swap equals the target's own cache
+    assert exact["layers"][0] == pytest.approx(exact["target"], rel=1e-5)
+    assert exact["keys_only"] == pytest.approx(exact["target"], rel=1e-5)
+    damaged = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        damaged.layers[1].value_proj.weight.mul_(-1.0)
+    probe = Handoff(handoff.source, handoff.target, damaged, handoff.tokenizer)
+    result = layer_swap(probe, task)
+    assert result["layers"][0] == pytest.approx(result["target"], rel=1e-5)
+    assert result["keys_only"] == pytest.approx(result["target"], rel=1e-5)
+    assert result["layers"][1] != pytest.approx(result["target"], rel=1e-3)
+    assert result["values_only"] == pytest.approx(result["layers"][1], rel=1e-5)
