@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .reporting import fmt_number
+
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
 
 
@@ -25,12 +27,6 @@ def content_hash(tensors) -> str:
         digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return "sha256:" + digest.hexdigest()
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    return f"{value:.{digits}f}"
 
 
 def _side(config, side: str) -> dict[str, Any]:
@@ -113,31 +109,31 @@ def render_card(
         {
             "name": name,
             "kind": row.get("kind", ""),
-            "source": _fmt(row.get("source")),
-            "target": _fmt(row.get("target")),
-            "mapped": _fmt(row.get("mapped")),
-            "chance": _fmt(row.get("chance"), 2),
-            "retention": _fmt(row.get("retention")),
-            "floor": _fmt(row.get("floor_normalized_retention")),
+            "source": fmt_number(row.get("source")),
+            "target": fmt_number(row.get("target")),
+            "mapped": fmt_number(row.get("mapped")),
+            "chance": fmt_number(row.get("chance"), 2),
+            "retention": fmt_number(row.get("retention")),
+            "floor": fmt_number(row.get("floor_normalized_retention")),
         }
         for name, row in results.get("tasks", {}).items()
     ]
     perplexity_rows = [
-        {"name": name, **{mode: _fmt(row.get(mode)) for mode in ("source", "target", "mapped")}}
+        {"name": name, **{mode: fmt_number(row.get(mode)) for mode in ("source", "target", "mapped")}}
         for name, row in results.get("perplexity", {}).items()
     ]
     latency_rows = [
         {
             "tokens": row["tokens"],
-            "mapper_ms": _fmt(row["mapper_ms"], 2),
-            "prefill_ms": _fmt(row["prefill_ms"], 2),
-            "speedup": _fmt(row.get("speedup"), 2) + "x",
+            "mapper_ms": fmt_number(row["mapper_ms"], 2),
+            "prefill_ms": fmt_number(row["prefill_ms"], 2),
+            "speedup": fmt_number(row.get("speedup"), 2) + "x",
         }
         for row in results.get("latency", [])
     ]
     env = results.get("environment", {})
     diagnostics = [
-        f"{key}: {_fmt(value) if isinstance(value, float) else value}"
+        f"{key}: {fmt_number(value) if isinstance(value, float) else value}"
         for key, value in results.get("diagnostics_summary", {}).items()
     ]
     return ModelCard.from_template(

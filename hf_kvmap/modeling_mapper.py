@@ -177,30 +177,50 @@ class MapperModel(MapperPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------ artifacts
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args, evaluation: dict | None = None, **kwargs):
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        *args,
+        evaluation: dict | None = None,
+        repo_id: str | None = None,
+        **kwargs,
+    ):
         """`PreTrainedModel.save_pretrained` (safetensors, sharded by `max_shard_size`), plus the content hash in the
-        config and a model card (`README.md`), rewritten idempotently.
+        config and a model card (`README.md`, see `write_card`), rewritten idempotently.
 
         Args:
             evaluation (`dict`, *optional*): results JSON of `hf-kvmap eval`/`demo`; saved as `evaluation.json` and
                 rendered into the card. Without it, an `evaluation.json` already in the folder is used.
+            repo_id (`str`, *optional*): the Hub id the card names (defaults to the folder name).
         """
-        from .card import content_hash, render_card
+        from .card import content_hash
 
         if kwargs.get("safe_serialization") is False:
             raise ValueError("hf-kvmap saves safetensors only; drop `safe_serialization=False`.")
         self.config.content_hash = content_hash(self.state_dict())
         super().save_pretrained(save_directory, *args, **kwargs)
-        if not kwargs.get("is_main_process", True):
-            return
-        folder = Path(save_directory)
-        if evaluation is not None:
-            from .reporting import write_json
+        if kwargs.get("is_main_process", True):
+            self.write_card(save_directory, evaluation=evaluation, repo_id=repo_id)
 
+    def write_card(
+        self, folder: str | os.PathLike, evaluation: dict | None = None, repo_id: str | None = None
+    ) -> Path:
+        """(Re)render `folder/README.md` from the config and the evaluation results.
+
+        A given `evaluation` is stored as `folder/evaluation.json`; without it, the one already there (if any) is used.
+        The card is named after `repo_id` (or the folder). Returns the card's path.
+        """
+        from .card import render_card
+        from .reporting import write_json
+
+        folder = Path(folder)
+        if evaluation is not None:
             write_json(folder / EVALUATION_FILE, evaluation)
         elif (folder / EVALUATION_FILE).exists():
             evaluation = json.loads((folder / EVALUATION_FILE).read_text())
-        render_card(self, evaluation, model_name=folder.resolve().name).save(folder / "README.md")
+        model_name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+        render_card(self, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
+        return folder / "README.md"
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, verify: bool = True, **kwargs) -> MapperModel:
@@ -241,17 +261,7 @@ class MapperModel(MapperPreTrainedModel):
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder, max_shard_size=max_shard_size, evaluation=evaluation)
-            from .card import render_card
-
-            saved = (
-                json.loads((Path(folder) / EVALUATION_FILE).read_text())
-                if evaluation is None and (Path(folder) / EVALUATION_FILE).exists()
-                else evaluation
-            )
-            render_card(self, saved, model_name=repo_id.split("/")[-1], repo_id=repo_id).save(
-                Path(folder) / "README.md"
-            )
+            self.save_pretrained(folder, max_shard_size=max_shard_size, evaluation=evaluation, repo_id=repo_id)
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=folder,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def fmt_number(value, digits: int = 3) -> str:
+    """A number for a Markdown table; missing or non-finite values read `n/a`."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
 
 
 def demo_markdown(results: dict, source_file: str) -> str:
@@ -22,13 +26,13 @@ def demo_markdown(results: dict, source_file: str) -> str:
     ]
     for name, row in results["tasks"].items():
         lines.append(
-            f"| {name} | {_fmt(row['source'])} | {_fmt(row['target'])} | {_fmt(row['mapped'])} | "
-            f"{_fmt(row['chance'], 2)} | {_fmt(row['retention'])} | {_fmt(row['floor_normalized_retention'])} |"
+            f"| {name} | {fmt_number(row['source'])} | {fmt_number(row['target'])} | {fmt_number(row['mapped'])} | "
+            f"{fmt_number(row['chance'], 2)} | {fmt_number(row['retention'])} | {fmt_number(row['floor_normalized_retention'])} |"
         )
     for name, row in results.get("perplexity", {}).items():
         lines.append(
-            f"| {name} (perplexity, lower is better) | {_fmt(row['source'])} | {_fmt(row['target'])} | "
-            f"{_fmt(row['mapped'])} | | | |"
+            f"| {name} (perplexity, lower is better) | {fmt_number(row['source'])} | {fmt_number(row['target'])} | "
+            f"{fmt_number(row['mapped'])} | | | |"
         )
     if results.get("latency"):
         env = results.get("environment", {})
@@ -41,8 +45,8 @@ def demo_markdown(results: dict, source_file: str) -> str:
         ]
         for row in results["latency"]:
             lines.append(
-                f"| {row['tokens']} | {_fmt(row['mapper_ms'], 2)} | {_fmt(row['prefill_ms'], 2)} | "
-                f"{_fmt(row['speedup'], 2)}x |"
+                f"| {row['tokens']} | {fmt_number(row['mapper_ms'], 2)} | {fmt_number(row['prefill_ms'], 2)} | "
+                f"{fmt_number(row['speedup'], 2)}x |"
             )
     return "\n".join(lines)
 
@@ -88,8 +92,6 @@ def environment_info() -> dict:
 
 def json_safe(value):
     """Non-finite floats (e.g. retention against a target at chance) become null, so files are strict JSON."""
-    import math
-
     if isinstance(value, dict):
         return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

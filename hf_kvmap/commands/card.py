@@ -16,17 +16,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..card import render_card
-    from ..modeling_mapper import EVALUATION_FILE, MapperModel
+    from ..modeling_mapper import MapperModel
 
     mapper = MapperModel.from_pretrained(args.directory)
-    results = None
-    if args.results is not None:
-        results = json.loads(args.results.read_text())
-        (args.directory / EVALUATION_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    elif (args.directory / EVALUATION_FILE).exists():
-        results = json.loads((args.directory / EVALUATION_FILE).read_text())
-    name = args.name or args.directory.resolve().name
-    render_card(mapper, results, model_name=name, repo_id=args.name).save(args.directory / "README.md")
-    print(f"wrote {args.directory / 'README.md'}")
+    results = json.loads(args.results.read_text()) if args.results is not None else None
+    print(f"wrote {mapper.write_card(args.directory, evaluation=results, repo_id=args.name)}")
     return 0
