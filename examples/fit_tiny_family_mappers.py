@@ -7,6 +7,7 @@ Each mapper is fitted by the library's own one-pass closed-form ridge on calibra
 
     python examples/fit_tiny_family_mappers.py                      # every shipped direction
     python examples/fit_tiny_family_mappers.py --pairs tiny-s:tiny-l
+    python examples/fit_tiny_family_mappers.py --kind mlp --hidden-size 128 --out-root /tmp/mlp-mappers --no-cards
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def main(argv=None) -> None:
     parser.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), help="source:target pairs")
     parser.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
     parser.add_argument("--ridge-lambda", type=float, default=0.01)
+    parser.add_argument("--kind", choices=("ridge", "mlp"), default="ridge", help="mapper kind (default: ridge)")
+    parser.add_argument("--hidden-size", type=int, default=128, help="MLP hidden size (default: 128)")
+    parser.add_argument("--epochs", type=int, default=20, help="MLP epochs (default: 20)")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="MLP positions per Adam step (default: 4096)")
+    parser.add_argument("--out-root", type=Path, default=zoo.MAPPERS_DIR, help="where the mapper folders go")
+    parser.add_argument("--no-cards", dest="cards", action="store_false", help="do not copy cards to model_cards/")
     parser.add_argument("--docs", type=int, default=256, help="calibration sequences")
     parser.add_argument("--length", type=int, default=512, help="tokens per calibration sequence")
     parser.add_argument("--items", type=int, default=200, help="evaluation items per task")
@@ -48,8 +55,20 @@ def main(argv=None) -> None:
         source_name, target_name = pair.split(":")
         started = time.perf_counter()
         source, target = zoo.load_model(source_name), zoo.load_model(target_name)
+        mlp_options = (
+            {"hidden_size": args.hidden_size, "epochs": args.epochs, "batch_tokens": args.batch_tokens}
+            if args.kind == "mlp"
+            else {}
+        )
         mapper = MapperModel.fit(
-            source, target, batches, top_k=args.top_k, ridge_lambda=args.ridge_lambda, tokenizer=tokenizer
+            source,
+            target,
+            batches,
+            kind=args.kind,
+            top_k=args.top_k,
+            ridge_lambda=args.ridge_lambda,
+            tokenizer=tokenizer,
+            **mlp_options,
         )
         fit_seconds = time.perf_counter() - started
         handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
@@ -67,13 +86,15 @@ def main(argv=None) -> None:
             "items_per_task": args.items,
             "seed": args.seed,
             "fit_seconds": fit_seconds,
+            "kind": args.kind,
         }
         results["environment"] = environment_info()
-        out = zoo.mapper_path(source_name, target_name)
+        out = args.out_root / zoo.mapper_path(source_name, target_name).name
         mapper.save_pretrained(out, evaluation=results)
-        card_dir = REPO / "model_cards"
-        card_dir.mkdir(exist_ok=True)
-        shutil.copy(out / "README.md", card_dir / f"{out.name}.md")
+        if args.cards:
+            card_dir = REPO / "model_cards"
+            card_dir.mkdir(exist_ok=True)
+            shutil.copy(out / "README.md", card_dir / f"{out.name}.md")
         summary = ", ".join(f"{name} {row['retention']:.2f}" for name, row in results["tasks"].items())
         print(
             f"{pair}: fitted in {fit_seconds:.1f}s, retention {summary}, "

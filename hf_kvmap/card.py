@@ -80,6 +80,50 @@ def card_data(config, results: dict | None, model_name: str) -> ModelCardData:
     )
 
 
+_MLP_SETTINGS = (
+    "hidden_size",
+    "init",
+    "optimizer",
+    "lr",
+    "warmup_steps",
+    "epochs",
+    "batch_tokens",
+    "loss",
+    "split",
+    "val_fraction",
+    "patience",
+    "positions_train",
+    "positions_val",
+    "seed",
+    "torch_version",
+)
+
+
+def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
+    """The MLP training record of `config.calibration["mlp_training"]` as card rows: the settings, and per target
+    layer and K/V the held-out MSE and R^2 of the ridge (fitted on the same split) against the MLP kept."""
+    training = (config.calibration or {}).get("mlp_training") if config.kind == "mlp" else None
+    if not training:
+        return [], []
+    settings = [(key, training[key]) for key in _MLP_SETTINGS if training.get(key) is not None]
+    rows = []
+    for entry in training.get("layers", []):
+        for kind in ("key", "value"):
+            row = entry[kind]
+            rows.append(
+                {
+                    "layer": entry["layer"],
+                    "kind": kind,
+                    "ridge_mse": fmt_number(row.get("ridge_val_mse"), 5),
+                    "mlp_mse": fmt_number(row.get("val_mse"), 5),
+                    "ridge_r2": fmt_number(row.get("ridge_val_r2")),
+                    "mlp_r2": fmt_number(row.get("val_r2")),
+                    "epoch": f"{row.get('best_epoch')} / {row.get('epochs_run')}",
+                }
+            )
+    return settings, rows
+
+
 def render_card(
     mapper, results: dict | None = None, model_name: str | None = None, repo_id: str | None = None
 ) -> ModelCard:
@@ -131,6 +175,7 @@ def render_card(
         }
         for row in results.get("latency", [])
     ]
+    mlp_settings, mlp_rows = _mlp_training(config)
     env = results.get("environment", {})
     diagnostics = [
         f"{key}: {fmt_number(value) if isinstance(value, float) else value}"
@@ -156,6 +201,8 @@ def render_card(
         ridge_lambda=config.ridge_lambda,
         lambda_convention=config.lambda_convention,
         calibration=calibration,
+        mlp_settings=mlp_settings,
+        mlp_rows=mlp_rows,
         library_version=config.library_version,
         retention_rows=retention_rows,
         perplexity_rows=perplexity_rows,

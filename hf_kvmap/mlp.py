@@ -998,6 +998,55 @@ def fit_mlp_mapper(
     return model
 
 
+def plot_training_curves(config, path) -> bool:
+    """Learning curves of an MLP mapper: validation MSE per epoch relative to the ridge on the same split, one line
+    per target layer, keys and values side by side (read from `config.calibration["mlp_training"]`).
+
+    Epoch 0 is the ridge itself (1.0 with `init="ridge"`); a line below 1 is an MLP that beats the ridge, and the dot
+    marks the epoch whose weights were kept. Returns `False` without writing anything when matplotlib is not installed
+    (`pip install hf-kvmap[plot]`) or the config holds no MLP training record with a validation split.
+    """
+    training = (config.calibration or {}).get("mlp_training")
+    if not training or not training.get("layers"):
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed; skipping the MLP training curves.")
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    drawn = False
+    for ax, kind in zip(axes, ("key", "value")):
+        for entry in training["layers"]:
+            row = entry[kind]
+            ridge = row.get("ridge_val_mse")
+            history = [v for v in row.get("val_mse_history", []) if v is not None]
+            if not ridge or not history:
+                continue
+            curve = [1.0] + [value / ridge for value in history]
+            (line,) = ax.plot(range(len(curve)), curve, label=f"layer {entry['layer']}", linewidth=1.2)
+            best = row.get("best_epoch", 0)
+            if best < len(curve):
+                ax.plot([best], [curve[best]], "o", color=line.get_color(), markersize=4)
+            drawn = True
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{kind}s")
+        ax.set_xlabel("epoch (0 = ridge)")
+    if not drawn:
+        plt.close(fig)
+        return False
+    axes[0].set_ylabel("validation MSE / ridge's")
+    axes[1].legend(fontsize="small", ncol=2)
+    fig.suptitle(f"MLP mapper training (hidden {training.get('hidden_size')}, dot = weights kept)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 __all__ = [
     "CalibrationFeatures",
     "HeadwiseMLP",
@@ -1006,6 +1055,7 @@ __all__ = [
     "feature_bytes_per_position",
     "fit_mlp_mapper",
     "gather_features",
+    "plot_training_curves",
     "regression_metrics",
     "ridge_solve",
     "split_rows",

@@ -484,6 +484,38 @@ def test_cli_fit_writes_loadable_mapper(tmp_path):
         main(["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--out", str(out)])
 
 
+def test_cli_fit_kind_mlp(tmp_path):
+    from hf_kvmap.cli import main
+    from hf_kvmap.mlp import HeadwiseMLP
+
+    tokenizer = _tiny_tokenizer()
+    for name, seed, layers in (("src", 0, 2), ("tgt", 1, 3)):
+        tiny_model(seed=seed, layers=layers, vocab=32).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
+    (tmp_path / "data.txt").write_text("\n".join(lines))
+    models = ["--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--data", str(tmp_path / "data.txt")]
+    options = ["--kind", "mlp", "--top-k", "2", "--hidden-size", "48", "--epochs", "2", "--batch-tokens", "32"]
+    options += ["--seq-len", "16", "--max-sequences", "8", "--batch-size", "4", "--stride", "1", "--seed", "5"]
+    out = tmp_path / "mlp"
+    assert main(["fit", *models, *options, "--out", str(out), "--no-progress"]) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert mapper.config.kind == "mlp" and mapper.config.mlp_hidden_size == 48
+    assert isinstance(mapper.layers[0].key_proj, HeadwiseMLP)
+    assert mapper.config.source_layers == [[0, 1]] * 3
+    assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    training = mapper.config.calibration["mlp_training"]
+    assert (training["epochs"], training["batch_tokens"], training["seed"]) == (2, 32, 5)
+    assert training["positions_train"] + training["positions_val"] == 8 * 16
+    assert (out / "selection.json").exists() and "## MLP training" in (out / "README.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (out / "training_curves.png").exists()
+
+    with pytest.raises(SystemExit, match="drop --from-stats"):
+        main(["fit", "--kind", "mlp", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+
+
 def test_cli_refuses_different_tokenizers(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

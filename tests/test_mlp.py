@@ -17,6 +17,7 @@ from hf_kvmap.mlp import (
     feature_bytes_per_position,
     fit_mlp_mapper,
     gather_features,
+    plot_training_curves,
     regression_metrics,
     ridge_solve,
     split_rows,
@@ -347,3 +348,30 @@ def test_fit_with_given_statistics_and_features_without_validation(pair, calibra
             epochs=1,
             progress=False,
         )
+
+
+def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):
+    mapper, _ = fitted
+    mapper.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "tags:\n- hf-kvmap\n- kv-cache\n- mapper-mlp" in card
+    assert "| kind | `mlp` (hidden size 32) |" in card
+    assert "| ridge lambda (of the ridge the MLP starts from) | 0.01 (absolute) |" in card
+    section = card.split("## MLP training", 1)[1].split("\n## ", 1)[0]
+    assert "| epochs | 2 |" in section and "| init | ridge |" in section and "| batch_tokens | 64 |" in section
+    rows = [line for line in section.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |"))]
+    training = mapper.config.calibration["mlp_training"]
+    assert len(rows) == 6  # 3 target layers x (key, value)
+    for line, (entry, kind) in zip(rows, [(e, k) for e in training["layers"] for k in ("key", "value")]):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        record = entry[kind]
+        assert cells[:2] == [str(entry["layer"]), kind]
+        assert cells[2] == f"{record['ridge_val_mse']:.5f}" and cells[3] == f"{record['val_mse']:.5f}"
+        assert cells[6] == f"{record['best_epoch']} / {record['epochs_run']}"
+
+    pytest.importorskip("matplotlib")
+    assert plot_training_curves(mapper.config, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ridge_config = copy.deepcopy(mapper.config)
+    ridge_config.calibration = {k: v for k, v in ridge_config.calibration.items() if k != "mlp_training"}
+    assert not plot_training_curves(ridge_config, tmp_path / "none.png") and not (tmp_path / "none.png").exists()

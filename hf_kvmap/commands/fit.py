@@ -1,4 +1,5 @@
-"""`hf-kvmap fit`: collect calibration statistics through a source and a target model, and write a ridge mapper."""
+"""`hf-kvmap fit`: collect calibration statistics through a source and a target model, and write a ridge or MLP
+mapper."""
 
 from __future__ import annotations
 
@@ -18,17 +19,23 @@ _TEXT_BLOCK_CHARS = 1 << 16
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "fit",
-        help="Fit a ridge KV-cache mapper from a source model to a target model.",
+        help="Fit a ridge or MLP KV-cache mapper from a source model to a target model.",
         description=(
             "One streaming pass of calibration text through both models collects sufficient statistics; the mapper "
             "(top-k source layers per target layer by the single-source probe, closed-form ridge) is solved from them "
-            "and saved with save_pretrained, together with selection.json (and selection.png with matplotlib)."
+            "and saved with save_pretrained, together with selection.json (and selection.png with matplotlib). "
+            "With --kind mlp a second pass keeps the features of the selected layers in memory and trains one MLP "
+            "per target layer, KV head and K/V on them (MSE, Adam, early stopping on held-out sequences), starting "
+            "from the ridge solution; training_curves.png shows its learning curves."
         ),
     )
     parser.add_argument("--source", help="Source model: Hub id or local folder.")
     parser.add_argument("--target", help="Target model: Hub id or local folder.")
     parser.add_argument("--data", help="Calibration text: a .txt file, or .jsonl with a 'text' field.")
     parser.add_argument("--out", required=True, help="Folder to write the mapper to.")
+    parser.add_argument(
+        "--kind", choices=("ridge", "mlp"), default="ridge", help="Mapper kind (default: ridge, closed form)."
+    )
     parser.add_argument("--top-k", default="8", help="Source layers per target layer, or 'all' (default: 8).")
     parser.add_argument("--ridge-lambda", type=float, default=0.01, help="Ridge penalty (default: 0.01).")
     parser.add_argument(
@@ -53,6 +60,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=("float64", "float32"),
         default="float64",
         help="Accumulation dtype of the statistics (default: float64; solves are always float64).",
+    )
+    mlp = parser.add_argument_group("MLP training (--kind mlp)")
+    mlp.add_argument("--hidden-size", type=int, default=1024, help="Width of both hidden layers (default: 1024).")
+    mlp.add_argument("--epochs", type=int, default=20, help="Maximum passes over the training split (default: 20).")
+    mlp.add_argument("--batch-tokens", type=int, default=4096, help="Positions per Adam step (default: 4096).")
+    mlp.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3).")
+    mlp.add_argument("--warmup-steps", type=int, default=50, help="Linear learning-rate warmup (default: 50).")
+    mlp.add_argument(
+        "--val-fraction", type=float, default=0.1, help="Share of sequences held out for early stopping (default: 0.1)."
+    )
+    mlp.add_argument(
+        "--patience", type=int, default=3, help="Epochs without a better validation MSE before stopping (default: 3)."
+    )
+    mlp.add_argument(
+        "--init", choices=("ridge", "random"), default="ridge", help="Start from the ridge solution (default) or random."
+    )
+    mlp.add_argument("--seed", type=int, default=0, help="Seed of the initialization and shuffling (default: 0).")
+    mlp.add_argument(
+        "--max-feature-memory",
+        type=float,
+        default=16.0,
+        help="GiB of calibration features the MLP training may keep in memory (default: 16).",
     )
     parser.add_argument("--model-dtype", choices=_MODEL_DTYPES, default="auto", help="dtype to load the models in.")
     parser.add_argument("--mapper-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -139,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
     from ..statistics import CalibrationStatistics
 
     top_k = None if str(args.top_k).lower() == "all" else int(args.top_k)
+    if args.kind == "mlp" and args.from_stats:
+        raise SystemExit(
+            "hf-kvmap fit: --from-stats solves a ridge from saved statistics, but an MLP mapper trains on features "
+            "streamed through both models; drop --from-stats and pass --source, --target and --data."
+        )
     if args.from_stats:
         stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
         sequences = int(stats.sequences)
@@ -170,23 +204,53 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         )
-        del source, target
         if args.stats:
             stats.save(args.stats)
-    selection = LayerSelection.from_statistics(stats, top_k)
-    mapper = mapper_from_statistics(
-        stats,
-        selection=selection,
-        ridge_lambda=args.ridge_lambda,
-        lambda_convention=args.lambda_convention,
-        dtype=getattr(torch, args.mapper_dtype),
-    )
+    if args.kind == "mlp":
+        from ..mlp import fit_mlp_mapper, plot_training_curves
+
+        mapper = fit_mlp_mapper(
+            source,
+            target,
+            batches,
+            statistics=stats,
+            top_k=top_k,
+            hidden_size=args.hidden_size,
+            epochs=args.epochs,
+            batch_tokens=args.batch_tokens,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            val_fraction=args.val_fraction,
+            patience=args.patience,
+            init=args.init,
+            seed=args.seed,
+            stride=args.stride,
+            ridge_lambda=args.ridge_lambda,
+            lambda_convention=args.lambda_convention,
+            device=args.statistics_device,
+            dtype=getattr(torch, args.mapper_dtype),
+            max_memory_bytes=int(args.max_feature_memory * 2**30),
+            tokenizer=tokenizer,
+            progress=not args.no_progress,
+        )
+        selection = mapper.selection
+    else:
+        selection = LayerSelection.from_statistics(stats, top_k)
+        mapper = mapper_from_statistics(
+            stats,
+            selection=selection,
+            ridge_lambda=args.ridge_lambda,
+            lambda_convention=args.lambda_convention,
+            dtype=getattr(torch, args.mapper_dtype),
+        )
     os.makedirs(args.out, exist_ok=True)
     mapper.save_pretrained(args.out)
     selection.save_selection_json(os.path.join(args.out, "selection.json"))
     selection.save_heatmap(os.path.join(args.out, "selection.png"))
+    if args.kind == "mlp":
+        plot_training_curves(mapper.config, os.path.join(args.out, "training_curves.png"))
     print(
-        f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; top_k={top_k}; "
+        f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; kind={args.kind}; top_k={top_k}; "
         f"mapper written to {args.out}"
     )
     return 0
