@@ -495,7 +495,14 @@ def test_cli_fit_kind_mlp(tmp_path):
     generator = torch.Generator().manual_seed(0)
     lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
     (tmp_path / "data.txt").write_text("\n".join(lines))
-    models = ["--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--data", str(tmp_path / "data.txt")]
+    models = [
+        "--source",
+        str(tmp_path / "src"),
+        "--target",
+        str(tmp_path / "tgt"),
+        "--data",
+        str(tmp_path / "data.txt"),
+    ]
     options = ["--kind", "mlp", "--top-k", "2", "--hidden-size", "48", "--epochs", "2", "--batch-tokens", "32"]
     options += ["--seq-len", "16", "--max-sequences", "8", "--batch-size", "4", "--stride", "1", "--seed", "5"]
     out = tmp_path / "mlp"

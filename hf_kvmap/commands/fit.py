@@ -68,13 +68,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mlp.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3).")
     mlp.add_argument("--warmup-steps", type=int, default=50, help="Linear learning-rate warmup (default: 50).")
     mlp.add_argument(
-        "--val-fraction", type=float, default=0.1, help="Share of sequences held out for early stopping (default: 0.1)."
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="Share of sequences held out for early stopping (default: 0.1).",
     )
     mlp.add_argument(
         "--patience", type=int, default=3, help="Epochs without a better validation MSE before stopping (default: 3)."
     )
     mlp.add_argument(
-        "--init", choices=("ridge", "random"), default="ridge", help="Start from the ridge solution (default) or random."
+        "--init",
+        choices=("ridge", "random"),
+        default="ridge",
+        help="Start from the ridge solution (default) or random.",
     )
     mlp.add_argument("--seed", type=int, default=0, help="Seed of the initialization and shuffling (default: 0).")
     mlp.add_argument(
