@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ._compat import model_id, model_revision
 from .configuration_mapper import MapperConfig
+from .modeling_mapper import mapper_inputs
 from .placement import execution_devices
 from .rope import RotaryTable, positions_from_attention_mask
 
@@ -124,6 +125,7 @@ class MappedLayer(DynamicLayer):
         work_device: torch.device,
         device: torch.device | None = None,
         content_keys: dict | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> MappedLayer:
         """Map the first `length` source tokens into target layer `layer_idx`.
 
@@ -134,6 +136,7 @@ class MappedLayer(DynamicLayer):
         executes); the result is moved to `device` if given. `content_keys` (a dict shared by the layers of one
         mapping, see `MappedCache.map_tensors`) keeps each source layer's RoPE-stripped keys, keyed by
         `(source_layer, device)`, so that a source layer selected by several target layers is stripped once.
+        `position_ids` `(batch, length)` locate each sequence's first token for a mapper with a `context_window`.
         """
         mapper_layer = mapper.layers[layer_idx]
         work_dtype = next(mapper_layer.parameters()).dtype
@@ -155,9 +158,9 @@ class MappedLayer(DynamicLayer):
                 content_keys[(source_layer, work_device)] = content
             key_features[:, :, slot] = content
             value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
-        key_features = key_features.view(batch, length, -1)
-        value_features = value_features.view(batch, length, -1)
-
+        key_features, value_features = mapper_inputs(
+            mapper.config, key_features.view(batch, length, -1), value_features.view(batch, length, -1), position_ids
+        )
         keys, values = mapper_layer(key_features, value_features)
         del key_features, value_features
         shape = (batch, tgt.num_kv_heads, length, tgt.head_dim)
@@ -327,6 +330,7 @@ class MappedCache(DynamicCache):
                     work_devices[idx],
                     None if devices is None else devices[idx],
                     content_keys=content_keys,
+                    position_ids=position_ids if config.context_window else None,
                 )
             )
             for key in [key for key, last in last_use.items() if last == idx]:

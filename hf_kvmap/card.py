@@ -196,6 +196,8 @@ def render_card(
         workload=workload,
         kind=config.kind,
         mlp_hidden_size=config.mlp_hidden_size,
+        input_kinds=config.input_kinds,
+        context_window=config.context_window,
         top_k=", ".join(sorted({str(len(layers)) for layers in config.source_layers})),
         num_parameters=num_parameters,
         ridge_lambda=config.ridge_lambda,

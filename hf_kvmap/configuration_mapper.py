@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 MAPPER_KINDS = ("ridge", "mlp")
+INPUT_KINDS = ("same", "both")
 LAMBDA_CONVENTIONS = ("absolute", "per_token")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
@@ -57,6 +58,14 @@ class MapperConfig(PretrainedConfig):
             target layer, KV head and K/V, an MLP `d_in -> h -> h -> head_dim` (ReLU) on the same inputs.
         mlp_hidden_size (`int`, *optional*, defaults to 1024):
             `h` of the `"mlp"` kind.
+        input_kinds (`str`, *optional*, defaults to `"same"`):
+            What each map reads from the selected source layers. `"same"` (the paper's): the key map reads source
+            keys, the value map source values. `"both"`: both maps read the source keys and values.
+        context_window (`int`, *optional*, defaults to 0):
+            How many earlier positions each map also reads: the inputs at position `t` are the features of `t`,
+            `t - 1`, ..., `t - context_window` (zeros before the first token). 0 is the paper's per-position map. A
+            target layer whose keys depend on the preceding tokens (an induction layer) needs them: a source cache
+            holds that information only in a form no per-position linear map recovers.
         ridge_lambda (`float`, *optional*, defaults to 0.01):
             The ridge penalty the weights were fitted with.
         lambda_convention (`str`, *optional*, defaults to `"absolute"`):
@@ -93,6 +102,8 @@ class MapperConfig(PretrainedConfig):
         ridge_lambda: float = 0.01,
         lambda_convention: str = "absolute",
         mlp_hidden_size: int = 1024,
+        input_kinds: str = "same",
+        context_window: int = 0,
         source_model_id: str | None = None,
         source_revision: str | None = None,
         target_model_id: str | None = None,
@@ -113,6 +124,8 @@ class MapperConfig(PretrainedConfig):
         self.ridge_lambda = float(ridge_lambda)
         self.lambda_convention = lambda_convention
         self.mlp_hidden_size = int(mlp_hidden_size)
+        self.input_kinds = input_kinds
+        self.context_window = context_window
         self.source_model_id = source_model_id
         self.source_revision = source_revision
         self.target_model_id = target_model_id
@@ -143,8 +156,15 @@ class MapperConfig(PretrainedConfig):
         return KVGeometry.from_config(self.target_config)
 
     def input_width(self, target_layer: int) -> int:
-        """Width of the features feeding `target_layer`: k selected layers x KV heads x head dim of the source."""
-        return len(self.source_layers[target_layer]) * self.source_geometry.layer_width
+        """Width of the features feeding `target_layer`'s maps: k selected layers x KV heads x head dim of the
+        source, times 2 with `input_kinds="both"`, times `1 + context_window` positions."""
+        parts = 2 if self.input_kinds == "both" else 1
+        return (
+            len(self.source_layers[target_layer])
+            * self.source_geometry.layer_width
+            * parts
+            * (1 + self.context_window)
+        )
 
     def validate(self) -> None:
         """Raise `ValueError` naming the bad value if the config is inconsistent."""
@@ -152,6 +172,16 @@ class MapperConfig(PretrainedConfig):
             raise ValueError(f"kind={self.kind!r} is not a mapper kind; expected one of {MAPPER_KINDS}.")
         if self.lambda_convention not in LAMBDA_CONVENTIONS:
             raise ValueError(f"lambda_convention={self.lambda_convention!r} is not one of {LAMBDA_CONVENTIONS}.")
+        if self.input_kinds not in INPUT_KINDS:
+            raise ValueError(f"input_kinds={self.input_kinds!r} is not one of {INPUT_KINDS}.")
+        if (
+            isinstance(self.context_window, bool)
+            or not isinstance(self.context_window, int)
+            or self.context_window < 0
+        ):
+            raise ValueError(
+                f"context_window={self.context_window!r} must be a non-negative integer (0: per position)."
+            )
         if self.mlp_hidden_size < 1:
             raise ValueError(f"mlp_hidden_size={self.mlp_hidden_size} must be a positive integer.")
         if self.ridge_lambda < 0:

@@ -447,13 +447,17 @@ def fit_mapper(
     source_layers: Sequence[Sequence[int]] | None = None,
     tokenizer=None,
     kind: str = "ridge",
+    input_kinds: str = "same",
+    context_window: int = 0,
     **collect_kwargs,
 ) -> MapperModel:
     r"""
     Fit a ridge mapper in one pass over `calibration`: `CalibrationStatistics.collect` + `mapper_from_statistics`.
 
-    With `kind="mlp"` the MLP mapper is trained instead (`hf_kvmap.mlp.fit_mlp_mapper`; its options, e.g.
-    `hidden_size`, `epochs`, `batch_tokens`, pass through `collect_kwargs`).
+    With `kind="mlp"`, or with inputs the statistics do not cover (`input_kinds="both"`, `context_window > 0`, see
+    `MapperConfig`), the mapper is fitted on calibration features kept in memory instead
+    (`hf_kvmap.mlp.fit_feature_mapper`; its options, e.g. `hidden_size`, `epochs`, `max_memory_bytes`, pass through
+    `collect_kwargs`).
 
     Args:
         source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
@@ -478,13 +482,18 @@ def fit_mapper(
     [[0], [1]]
     ```
     """
-    if kind == "mlp":
-        from .mlp import fit_mlp_mapper
+    if kind not in ("ridge", "mlp"):
+        raise ValueError(f"kind={kind!r}; expected 'ridge' or 'mlp'.")
+    if kind == "mlp" or input_kinds != "same" or context_window:
+        from .mlp import fit_feature_mapper
 
-        return fit_mlp_mapper(
+        return fit_feature_mapper(
             source_model,
             target_model,
             calibration,
+            kind=kind,
+            input_kinds=input_kinds,
+            context_window=context_window,
             top_k=top_k,
             ridge_lambda=ridge_lambda,
             lambda_convention=lambda_convention,
@@ -493,8 +502,6 @@ def fit_mapper(
             tokenizer=tokenizer,
             **collect_kwargs,
         )
-    if kind != "ridge":
-        raise ValueError(f"kind={kind!r}; expected 'ridge' or 'mlp'.")
     statistics_dtype = collect_kwargs.pop("statistics_dtype", torch.float64)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     stats = CalibrationStatistics.collect(

@@ -538,13 +538,15 @@ class CalibrationFeatures:
     Content-space features of a calibration set kept in memory, as [`gather_features`] returns them.
 
     Attributes:
-        source (`dict[str, torch.Tensor]`): kind -> `(N, len(source_layers) * n_kv_s * d_s)` float32, the source
+        source (`dict[str, torch.Tensor]`): kind -> `(N, (1 + context_window) * len(source_layers) * n_kv_s * d_s)`
+            float32: for position `t`, then `t - 1`, ... (see `hf_kvmap.modeling_mapper.window_features`), the source
             layers in `source_layers` order, each flattened over `(kv_head, dim)` (keys RoPE-stripped).
         target (`dict[str, torch.Tensor]`): kind -> `(N, L_t * n_kv_t * d_t)` float32, every target layer.
         source_layers (`list[int]`): the source layers held, in column order.
         groups (`torch.Tensor`): `(N,)` int64, the calibration sequence each position comes from.
         source_width, target_width (`int`): `n_kv * head_dim` of one layer of each side.
         provenance (`dict`): tokens, sequences, positions, stride and bytes held.
+        context_window (`int`): earlier positions held beside each position (0: none).
     """
 
     source: dict[str, torch.Tensor]
@@ -554,22 +556,48 @@ class CalibrationFeatures:
     source_width: int
     target_width: int
     provenance: dict[str, Any]
+    context_window: int = 0
 
     @property
     def num_positions(self) -> int:
         return int(self.groups.shape[0])
 
-    def inputs(self, kind: str, layers: Sequence[int], rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`(N, len(layers) * source_width)` features of source `layers` (in that order) for `kind`."""
+    def inputs(
+        self,
+        kind: str,
+        layers: Sequence[int],
+        rows: torch.Tensor | None = None,
+        input_kinds: str = "same",
+        context_window: int | None = None,
+    ) -> torch.Tensor:
+        """The inputs of a `kind` map reading source `layers` (in that order), laid out as
+        `hf_kvmap.modeling_mapper.mapper_inputs` lays them out: for each position `t, t - 1, ..., t - context_window`
+        (default: all held), the layers' features of `kind`, or of keys then values with `input_kinds="both"`."""
         missing = [layer for layer in layers if layer not in self.source_layers]
         if missing:
             raise ValueError(f"Source layers {missing} were not gathered (held: {self.source_layers}).")
-        width = self.source_width
-        cols = torch.cat(
-            [torch.arange(i * width, (i + 1) * width) for i in (self.source_layers.index(layer) for layer in layers)]
-        ).to(self.source[kind].device)
-        data = self.source[kind] if rows is None else self.source[kind][rows]
-        return data.index_select(1, cols)
+        window = self.context_window if context_window is None else context_window
+        if window > self.context_window:
+            raise ValueError(
+                f"context_window={window}, but the features hold {self.context_window} earlier positions."
+            )
+        parts = ("key", "value") if input_kinds == "both" else (kind,)
+        missing = [part for part in parts if part not in self.source]
+        if missing:
+            raise ValueError(f"The {missing} features were not gathered (held: {list(self.source)}).")
+        width, held = self.source_width, len(self.source_layers)
+        pieces = []
+        for shift in range(window + 1):
+            cols = torch.cat(
+                [
+                    torch.arange(start, start + width)
+                    for start in ((shift * held + self.source_layers.index(layer)) * width for layer in layers)
+                ]
+            )
+            for part in parts:
+                data = self.source[part] if rows is None else self.source[part][rows]
+                pieces.append(data.index_select(1, cols.to(data.device)))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def outputs(self, kind: str, layer: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`(N, target_width)` content-space targets of target `layer` for `kind`."""
@@ -577,13 +605,16 @@ class CalibrationFeatures:
         return data[:, layer * self.target_width : (layer + 1) * self.target_width]
 
 
-def feature_bytes_per_position(source_config, target_config, num_source_layers: int, kinds=("key", "value")) -> int:
+def feature_bytes_per_position(
+    source_config, target_config, num_source_layers: int, kinds=("key", "value"), context_window: int = 0
+) -> int:
     """Bytes per calibration position that [`gather_features`] keeps: float32 source features of
-    `num_source_layers` layers and of every target layer, per kind."""
+    `num_source_layers` layers (at `1 + context_window` positions) and of every target layer, per kind."""
     from .rope import KVGeometry
 
     source, target = KVGeometry.from_config(source_config), KVGeometry.from_config(target_config)
-    return 4 * len(kinds) * (num_source_layers * source.layer_width + target.num_layers * target.layer_width)
+    source_width = (1 + context_window) * num_source_layers * source.layer_width
+    return 4 * len(kinds) * (source_width + target.num_layers * target.layer_width)
 
 
 def _count_positions(batches: Sequence, stride: int) -> int:
@@ -608,6 +639,7 @@ def gather_features(
     source_layers: Sequence[int] | None = None,
     stride: int = 1,
     kinds: Sequence[str] = ("key", "value"),
+    context_window: int = 0,
     device: torch.device | str = "cpu",
     max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
     progress: bool = True,
@@ -628,17 +660,23 @@ def gather_features(
         source_layers (`list[int]`, *optional*): the source layers to keep (all when `None`), in column order.
         stride (`int`, *optional*, defaults to 1): keep every `stride`-th position.
         kinds (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`).
+        context_window (`int`, *optional*, defaults to 0): also keep, beside each kept position, the source features
+            of the `context_window` positions before it (computed before striding, zeros before the first token),
+            as a mapper with that `context_window` reads them.
         device (*optional*, defaults to `"cpu"`): where the features live.
         max_memory_bytes (`int`, *optional*, defaults to 16 GiB): refuse larger feature sets; `None`: no bound.
         progress (`bool`, *optional*, defaults to `True`): tqdm progress bar.
     """
     from tqdm.auto import tqdm
 
+    from .modeling_mapper import window_features
     from .rope import KVGeometry, RotaryCodec, positions_from_attention_mask
     from .statistics import CalibrationStatistics
 
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride={stride!r} must be a positive integer.")
+    if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 0:
+        raise ValueError(f"context_window={context_window!r} must be a non-negative integer.")
     kinds = tuple(kind for kind in ("key", "value") if kind in tuple(kinds))
     if not kinds:
         raise ValueError("kinds must include 'key' and/or 'value'.")
@@ -655,7 +693,9 @@ def gather_features(
         )
     batches = list(calibration)
     positions = _count_positions(batches, stride)
-    per_position = feature_bytes_per_position(source_model.config, target_model.config, len(source_layers), kinds)
+    per_position = feature_bytes_per_position(
+        source_model.config, target_model.config, len(source_layers), kinds, context_window
+    )
     needed = per_position * positions
     if max_memory_bytes is not None and needed > max_memory_bytes:
         raise MemoryError(
@@ -672,7 +712,8 @@ def gather_features(
     )
     device = torch.device(device)
     src_width, tgt_width = source_geometry.layer_width, target_geometry.layer_width
-    source = {kind: torch.empty(positions, len(source_layers) * src_width, device=device) for kind in kinds}
+    source_columns = (1 + context_window) * len(source_layers) * src_width
+    source = {kind: torch.empty(positions, source_columns, device=device) for kind in kinds}
     target = {kind: torch.empty(positions, target_geometry.num_layers * tgt_width, device=device) for kind in kinds}
     groups = torch.empty(positions, dtype=torch.int64, device=device)
     source_codec, target_codec = RotaryCodec(source_model.config), RotaryCodec(target_model.config)
@@ -686,8 +727,9 @@ def gather_features(
         input_ids, attention_mask = CalibrationStatistics.unpack_batch(batch)
         size, length = input_ids.shape
         position_ids = positions_from_attention_mask(attention_mask, size, length, input_ids.device)
+        # a context window reaches the positions between the kept ones: take every position, stride afterwards
         source_kv = CalibrationStatistics.model_features(
-            source_model, source_codec, input_ids, attention_mask, position_ids, stride, kinds
+            source_model, source_codec, input_ids, attention_mask, position_ids, 1 if context_window else stride, kinds
         )
         target_kv = CalibrationStatistics.model_features(
             target_model, target_codec, input_ids, attention_mask, position_ids, stride, kinds
@@ -704,7 +746,12 @@ def gather_features(
         for index, kind in enumerate(("key", "value")):
             if kind not in kinds:
                 continue
-            src = flatten(source_kv[index], source_layers, src_width).to(device)
+            if context_window:
+                src = torch.cat([source_kv[index][layer].transpose(1, 2).float() for layer in source_layers], dim=2)
+                src = window_features(src.flatten(3).reshape(size, length, -1), context_window, position_ids)
+                src = src[:, ::stride].reshape(size * kept, -1).to(device)
+            else:
+                src = flatten(source_kv[index], source_layers, src_width).to(device)
             tgt = flatten(target_kv[index], range(target_geometry.num_layers), tgt_width).to(device)
             for side, values in (("source", src), ("target", tgt)):
                 if not bool(torch.isfinite(values[keep]).all()):
@@ -724,7 +771,9 @@ def gather_features(
         "stride": stride,
         "feature_bytes": needed,
     }
-    return CalibrationFeatures(source, target, source_layers, groups, src_width, tgt_width, provenance)
+    return CalibrationFeatures(
+        source, target, source_layers, groups, src_width, tgt_width, provenance, context_window=context_window
+    )
 
 
 def split_rows(
@@ -788,13 +837,21 @@ def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------ mapper
-def fit_mlp_mapper(
+def fit_mlp_mapper(source_model, target_model, calibration: Iterable, **kwargs):
+    """Fit a `MapperModel` of kind `"mlp"`: [`fit_feature_mapper`] with `kind="mlp"` (see it for the arguments)."""
+    return fit_feature_mapper(source_model, target_model, calibration, kind="mlp", **kwargs)
+
+
+def fit_feature_mapper(
     source_model,
     target_model,
     calibration: Iterable,
     *,
+    kind: str = "mlp",
     top_k: int | None = 8,
     source_layers: Sequence[Sequence[int]] | None = None,
+    input_kinds: str = "same",
+    context_window: int = 0,
     hidden_size: int = 1024,
     epochs: int = 20,
     batch_tokens: int = 4096,
@@ -817,32 +874,45 @@ def fit_mlp_mapper(
     progress: bool = True,
 ):
     r"""
-    Fit a `MapperModel` of kind `"mlp"`: layer selection as the ridge does, then MSE training of every head's MLPs.
+    Fit a `MapperModel` on calibration features kept in memory: layer selection as the ridge does, then per target
+    layer and K/V a ridge solve (`kind="ridge"`) or MSE training of every head's MLP (`kind="mlp"`).
+
+    This is the path of the MLP kind and of any mapper whose inputs the sufficient statistics do not cover
+    (`input_kinds="both"`, `context_window > 0`); a plain ridge is fitted from statistics alone by
+    `hf_kvmap.fitting.mapper_from_statistics`, which gives the same weights without keeping features.
 
     1. Statistics: `statistics` (a `CalibrationStatistics` covering every target layer), or collected now with
        `CalibrationStatistics.collect(..., stride=stride)` (one pass).
     2. Selection: `LayerSelection.from_statistics(statistics, top_k, source_layers=...)` (the single-source probe).
     3. Features: one more streaming pass ([`gather_features`]) keeps the content-space K/V of the selected source
-       layers (their union) and of all target layers in memory as float32, i.e. `feature_bytes_per_position` x
-       positions bytes (refused with `MemoryError` over `max_memory_bytes`); pass `features` to reuse a gathered set.
-    4. Training: per target layer and K/V, [`train_headwise_mlp`] (all heads batched) on a held-out split by whole
-       calibration sequences (`val_fraction`), early stopping on the validation MSE, best weights kept.
+       layers (their union, with `context_window` earlier positions) and of all target layers in memory as float32,
+       i.e. `feature_bytes_per_position` x positions bytes (refused with `MemoryError` over `max_memory_bytes`);
+       pass `features` to reuse a gathered set.
+    4. Per target layer and K/V, on the inputs `hf_kvmap.modeling_mapper.mapper_inputs` defines: with
+       `kind="ridge"`, the centered ridge on every position ([`ridge_solve`], float64); with `kind="mlp"`,
+       [`train_headwise_mlp`] (all heads batched) on a held-out split by whole calibration sequences
+       (`val_fraction`), early stopping on the validation MSE, best weights kept.
 
     Args:
         source_model, target_model (`PreTrainedModel`): causal LMs of one family.
         calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids`/`attention_mask`);
             it is iterated twice when `statistics` is `None`, so it is materialized into a list.
+        kind (`str`, *optional*, defaults to `"mlp"`): `"mlp"` or `"ridge"`.
         top_k (`int`, *optional*, defaults to 8), source_layers (`list[list[int]]`, *optional*): as for the ridge.
+        input_kinds (`str`, *optional*, defaults to `"same"`), context_window (`int`, *optional*, defaults to 0):
+            what each map reads (`MapperConfig`).
         hidden_size (`int`, *optional*, defaults to 1024): `h` (`config.mlp_hidden_size`).
         epochs, batch_tokens, lr, patience, seed, init, ridge_lambda, lambda_convention, warmup_steps: see
             [`train_headwise_mlp`]; the seed of target layer `l` and kind `K/V` is derived from `seed`, so every MLP
-            is reproducible alone.
-        val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out.
+            is reproducible alone. `ridge_lambda` and `lambda_convention` are the ridge's penalty with
+            `kind="ridge"`.
+        val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out (MLP only).
         stride (`int`, *optional*, defaults to 1): keep every `stride`-th position (statistics and features).
         statistics (`CalibrationStatistics`, *optional*): precomputed statistics for the selection.
         statistics_dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype when the
             statistics are collected here.
-        features (`CalibrationFeatures`, *optional*): precomputed features (must hold the selected source layers).
+        features (`CalibrationFeatures`, *optional*): precomputed features (must hold the selected source layers
+            and at least `context_window` earlier positions).
         device (*optional*): where the statistics and features live and training runs; defaults to the source
             model's input device.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the returned mapper.
@@ -851,23 +921,29 @@ def fit_mlp_mapper(
         progress (`bool`, *optional*, defaults to `True`): tqdm progress bars.
 
     Returns:
-        [`MapperModel`] with `config.kind == "mlp"`; `config.calibration` holds the calibration provenance and
-        `config.calibration["mlp_training"]` the hyper-parameters and the final train/val MSE (and the ridge's, on the
-        same split) of every target layer and kind. `model.selection` is the `LayerSelection`.
+        [`MapperModel`] of `config.kind == kind`; `config.calibration` holds the calibration provenance, and for
+        the MLP `config.calibration["mlp_training"]` the hyper-parameters and the final train/val MSE (and the
+        ridge's, on the same split) of every target layer and kind. `model.selection` is the `LayerSelection`.
     """
     from tqdm.auto import tqdm
 
-    from .configuration_mapper import MapperConfig
+    from .configuration_mapper import INPUT_KINDS, MapperConfig
     from .fitting import LayerSelection
     from .fitting import tokenizer_fingerprint as _tokenizer_fingerprint
     from .modeling_mapper import MapperModel
     from .rope import KVGeometry
     from .statistics import CalibrationStatistics
 
+    if kind not in ("ridge", "mlp"):
+        raise ValueError(f"kind={kind!r}; expected 'ridge' or 'mlp'.")
     if init not in INITS:
         raise ValueError(f"init={init!r}; expected one of {INITS}.")
+    if input_kinds not in INPUT_KINDS:
+        raise ValueError(f"input_kinds={input_kinds!r}; expected one of {INPUT_KINDS}.")
+    if lambda_convention not in ("absolute", "per_token"):
+        raise ValueError(f"lambda_convention={lambda_convention!r} is not 'absolute' or 'per_token'.")
     target_geometry = KVGeometry.from_config(target_model.config)
-    if init == "ridge" and hidden_size < 2 * target_geometry.head_dim:
+    if kind == "mlp" and init == "ridge" and hidden_size < 2 * target_geometry.head_dim:
         raise ValueError(
             f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * target_geometry.head_dim} (got {hidden_size}); "
             "pass init='random' or a larger hidden_size."
@@ -893,8 +969,8 @@ def fit_mlp_mapper(
         )
     if statistics.target_layers is not None:
         raise ValueError(
-            f"The statistics cover target layers {statistics.target_layers} only; an MLP mapper needs the selection "
-            "of every target layer. Collect statistics with target_layers=None."
+            f"The statistics cover target layers {statistics.target_layers} only; fitting on features needs the "
+            "selection of every target layer. Collect statistics with target_layers=None."
         )
     selection = LayerSelection.from_statistics(statistics, top_k, source_layers=source_layers)
     needed = sorted({layer for layers in selection.source_layers for layer in layers})
@@ -905,77 +981,91 @@ def fit_mlp_mapper(
             calibration,
             source_layers=needed,
             stride=stride,
+            context_window=context_window,
             device=device,
             max_memory_bytes=max_memory_bytes,
             progress=progress,
         )
-    train_rows, val_rows = split_rows(features.num_positions, val_fraction, seed, features.groups)
-    train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
     num_target = target_geometry.num_layers
-    bar = tqdm(total=2 * num_target * epochs, desc="training MLP mapper", unit="epoch", disable=not progress)
-    trained: dict[tuple[int, str], HeadwiseMLP] = {}
-    report: list[dict[str, Any]] = []
-    for layer_idx in range(num_target):
-        chosen = selection.source_layers[layer_idx]
-        entry: dict[str, Any] = {"layer": layer_idx}
-        for kind_idx, kind in enumerate(("key", "value")):
-            bar.set_description(f"training MLP mapper (layer {layer_idx} {kind})")
-            x = features.inputs(kind, chosen)
-            y = features.outputs(kind, layer_idx)
-            mlp, result = train_headwise_mlp(
-                x[train_rows],
-                y[train_rows],
-                x[val_rows],
-                y[val_rows],
-                num_heads=target_geometry.num_kv_heads,
-                head_dim=target_geometry.head_dim,
-                hidden_size=hidden_size,
-                epochs=epochs,
-                batch_tokens=batch_tokens,
-                lr=lr,
-                patience=patience,
-                seed=seed * 1_000_003 + 2 * layer_idx + kind_idx,
-                init=init,
-                ridge_lambda=ridge_lambda,
-                lambda_convention=lambda_convention,
-                warmup_steps=warmup_steps,
-                bar=bar,
-            )
-            trained[layer_idx, kind] = mlp
-            entry[kind] = result.to_dict()
-        report.append(entry)
-    bar.close()
-
+    maps: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     provenance = statistics.provenance()
     provenance["target_layers"] = None
     provenance.update(probe=selection.probe, top_k=selection.top_k)
-    provenance["mlp_training"] = {
-        "hidden_size": hidden_size,
-        "epochs": epochs,
-        "batch_tokens": batch_tokens,
-        "optimizer": "adam",
-        "lr": lr,
-        "loss": "mse (content space)",
-        "val_fraction": val_fraction,
-        "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
-        "patience": patience,
-        "seed": seed,
-        "init": init,
-        "ridge_lambda": ridge_lambda,
-        "lambda_convention": lambda_convention,
-        "warmup_steps": warmup_steps,
-        "positions_train": int(train_rows.numel()),
-        "positions_val": int(val_rows.numel()),
-        "features": features.provenance,
-        "torch_version": torch.__version__,
-        "layers": report,
-    }
+    if kind == "ridge":
+        penalty = ridge_lambda * (features.num_positions if lambda_convention == "per_token" else 1.0)
+        bar = tqdm(total=2 * num_target, desc="solving ridge maps", unit="map", disable=not progress)
+        for layer_idx in range(num_target):
+            for map_kind in ("key", "value"):
+                x = features.inputs(map_kind, selection.source_layers[layer_idx], None, input_kinds, context_window)
+                weight, bias = ridge_solve(x, features.outputs(map_kind, layer_idx), penalty)
+                maps[layer_idx, map_kind] = {"weight": weight, "bias": bias}
+                bar.update(1)
+        bar.close()
+        provenance["features"] = features.provenance
+    else:
+        train_rows, val_rows = split_rows(features.num_positions, val_fraction, seed, features.groups)
+        train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
+        bar = tqdm(total=2 * num_target * epochs, desc="training MLP mapper", unit="epoch", disable=not progress)
+        report: list[dict[str, Any]] = []
+        for layer_idx in range(num_target):
+            chosen = selection.source_layers[layer_idx]
+            entry: dict[str, Any] = {"layer": layer_idx}
+            for kind_idx, map_kind in enumerate(("key", "value")):
+                bar.set_description(f"training MLP mapper (layer {layer_idx} {map_kind})")
+                x = features.inputs(map_kind, chosen, None, input_kinds, context_window)
+                y = features.outputs(map_kind, layer_idx)
+                mlp, result = train_headwise_mlp(
+                    x[train_rows],
+                    y[train_rows],
+                    x[val_rows],
+                    y[val_rows],
+                    num_heads=target_geometry.num_kv_heads,
+                    head_dim=target_geometry.head_dim,
+                    hidden_size=hidden_size,
+                    epochs=epochs,
+                    batch_tokens=batch_tokens,
+                    lr=lr,
+                    patience=patience,
+                    seed=seed * 1_000_003 + 2 * layer_idx + kind_idx,
+                    init=init,
+                    ridge_lambda=ridge_lambda,
+                    lambda_convention=lambda_convention,
+                    warmup_steps=warmup_steps,
+                    bar=bar,
+                )
+                maps[layer_idx, map_kind] = mlp.state_dict()
+                entry[map_kind] = result.to_dict()
+            report.append(entry)
+        bar.close()
+        provenance["mlp_training"] = {
+            "hidden_size": hidden_size,
+            "epochs": epochs,
+            "batch_tokens": batch_tokens,
+            "optimizer": "adam",
+            "lr": lr,
+            "loss": "mse (content space)",
+            "val_fraction": val_fraction,
+            "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
+            "patience": patience,
+            "seed": seed,
+            "init": init,
+            "ridge_lambda": ridge_lambda,
+            "lambda_convention": lambda_convention,
+            "warmup_steps": warmup_steps,
+            "positions_train": int(train_rows.numel()),
+            "positions_val": int(val_rows.numel()),
+            "features": features.provenance,
+            "torch_version": torch.__version__,
+            "layers": report,
+        }
     config = MapperConfig(
         source_config=statistics.source_config,
         target_config=statistics.target_config,
         source_layers=selection.source_layers,
-        kind="mlp",
+        kind=kind,
         mlp_hidden_size=hidden_size,
+        input_kinds=input_kinds,
+        context_window=context_window,
         ridge_lambda=ridge_lambda,
         lambda_convention=lambda_convention,
         calibration=provenance,
@@ -991,8 +1081,8 @@ def fit_mlp_mapper(
     model = model.to_empty(device="cpu").to(dtype)
     with torch.no_grad():
         for layer_idx, layer in enumerate(model.layers):
-            for kind, proj in (("key", layer.key_proj), ("value", layer.value_proj)):
-                proj.load_state_dict({k: v.to("cpu", dtype) for k, v in trained[layer_idx, kind].state_dict().items()})
+            for map_kind, proj in (("key", layer.key_proj), ("value", layer.value_proj)):
+                proj.load_state_dict({k: v.to("cpu", dtype) for k, v in maps[layer_idx, map_kind].items()})
     model.eval()
     model.selection = selection
     return model
@@ -1053,6 +1143,7 @@ __all__ = [
     "MLPTrainingResult",
     "content_space_metrics",
     "feature_bytes_per_position",
+    "fit_feature_mapper",
     "fit_mlp_mapper",
     "gather_features",
     "plot_training_curves",

@@ -21,6 +21,63 @@ logger = logging.get_logger(__name__)
 EVALUATION_FILE = "evaluation.json"
 
 
+def window_features(
+    features: torch.Tensor, context_window: int, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    r"""
+    The features of each position followed by those of the `context_window` positions before it.
+
+    Args:
+        features (`torch.Tensor`): `(batch, seq, F)`.
+        context_window (`int`): `w`, the number of earlier positions appended.
+        position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions of the tokens. A shift `s` at a token
+            whose position is below `s` reaches before the sequence's first token (left padding) and is zero.
+            Without them the tokens are at `0 .. seq - 1`.
+
+    Returns:
+        `(batch, seq, (w + 1) * F)`: `[x_t, x_{t-1}, ..., x_{t-w}]`, zeros where `t - s` is not a token.
+    """
+    if context_window == 0:
+        return features
+    batch, length, width = features.shape
+    out = features.new_zeros(batch, length, context_window + 1, width)
+    out[:, :, 0] = features
+    for shift in range(1, min(context_window, length - 1) + 1):
+        out[:, shift:, shift] = features[:, :-shift]
+    if position_ids is not None:
+        shifts = torch.arange(1, context_window + 1, device=features.device)
+        reaches_before = position_ids.to(features.device).unsqueeze(-1) < shifts  # (batch, seq, w)
+        out[:, :, 1:].masked_fill_(reaches_before.unsqueeze(-1), 0)
+    return out.view(batch, length, (context_window + 1) * width)
+
+
+def mapper_inputs(
+    config: MapperConfig,
+    key_features: torch.Tensor,
+    value_features: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    The inputs of one target layer's key and value maps, from the content-space features of its selected source
+    layers. The one definition of the input layout, shared by fitting and by `MappedCache.from_source`.
+
+    Args:
+        config ([`MapperConfig`]): its `input_kinds` and `context_window` decide the layout.
+        key_features, value_features (`torch.Tensor`): `(batch, seq, k * n_kv_src * head_dim_src)` RoPE-stripped
+            source keys and source values of the selected layers (layer-major, then head, then dim).
+        position_ids (`torch.Tensor`, *optional*): `(batch, seq)` token positions (see [`window_features`]).
+
+    Returns:
+        `(key_inputs, value_inputs)`, each `(batch, seq, config.input_width(layer))`, laid out as
+        `[position t, t - 1, ..., t - w]`, each `[keys, values]` with `input_kinds="both"` (else its own kind).
+    """
+    window = config.context_window
+    if config.input_kinds == "both":
+        both = window_features(torch.cat([key_features, value_features], dim=-1), window, position_ids)
+        return both, both
+    return window_features(key_features, window, position_ids), window_features(value_features, window, position_ids)
+
+
 def _build_map(config: MapperConfig, in_features: int) -> nn.Module:
     target = config.target_geometry
     if config.kind == "ridge":
@@ -35,7 +92,8 @@ class MapperLayer(nn.Module):
 
     `key_proj` takes the content-space keys of the selected source layers, concatenated in the order of
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
-    of every target KV head, flattened the same way. `value_proj` does the same for values. For `kind="ridge"` each
+    of every target KV head, flattened the same way. `value_proj` does the same for values. (With
+    `config.input_kinds="both"` or a `config.context_window`, both read the wider inputs of [`mapper_inputs`].) For `kind="ridge"` each
     is one `nn.Linear`; for `kind="mlp"` a `HeadwiseMLP` (one MLP per target head, batched).
     """
 
@@ -129,10 +187,13 @@ class MapperModel(MapperPreTrainedModel):
             )
         config = MapperConfig(source_config=source, target_config=target, ridge_lambda=0.0, **config_kwargs)
         model = cls(config)
+        # position t of the same kind: the first block of the inputs, or the second (values) with input_kinds="both"
+        value_offset = source_geometry.layer_width if config.input_kinds == "both" else 0
         with torch.no_grad():
             for layer in model.layers:
-                for proj in (layer.key_proj, layer.value_proj):
-                    proj.weight.copy_(torch.eye(proj.out_features, proj.in_features))
+                for proj, offset in ((layer.key_proj, 0), (layer.value_proj, value_offset)):
+                    proj.weight.zero_()
+                    proj.weight[:, offset : offset + proj.out_features] = torch.eye(proj.out_features)
                     proj.bias.zero_()
         return model.to(dtype)
 

@@ -521,6 +521,18 @@ def test_cli_fit_kind_mlp(tmp_path):
 
     with pytest.raises(SystemExit, match="drop --from-stats"):
         main(["fit", "--kind", "mlp", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="drop --from-stats"):
+        main(["fit", "--context-window", "2", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+
+    # a windowed ridge reading keys and values
+    out = tmp_path / "windowed"
+    window = ["--top-k", "1", "--context-window", "2", "--input-kinds", "both", "--seq-len", "16"]
+    window += ["--max-sequences", "8", "--batch-size", "4", "--stride", "2"]
+    assert main(["fit", *models, *window, "--out", str(out), "--no-progress"]) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert (mapper.config.kind, mapper.config.context_window, mapper.config.input_kinds) == ("ridge", 2, "both")
+    assert mapper.layers[0].key_proj.weight.shape[1] == 3 * 2 * mapper.config.source_geometry.layer_width
+    assert "| context window (earlier positions read) | 2 |" in (out / "README.md").read_text()
 
 
 def test_cli_refuses_different_tokenizers(tmp_path):

@@ -36,6 +36,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--kind", choices=("ridge", "mlp"), default="ridge", help="Mapper kind (default: ridge, closed form)."
     )
+    parser.add_argument(
+        "--context-window",
+        type=int,
+        default=0,
+        help="Earlier positions each map also reads (default: 0, the paper's per-position map). Fitted on features "
+        "kept in memory (see --max-feature-memory).",
+    )
+    parser.add_argument(
+        "--input-kinds",
+        choices=("same", "both"),
+        default="same",
+        help="'same': keys map from source keys, values from source values (default); 'both': each map reads both.",
+    )
     parser.add_argument("--top-k", default="8", help="Source layers per target layer, or 'all' (default: 8).")
     parser.add_argument("--ridge-lambda", type=float, default=0.01, help="Ridge penalty (default: 0.01).")
     parser.add_argument(
@@ -87,7 +100,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--max-feature-memory",
         type=float,
         default=16.0,
-        help="GiB of calibration features the MLP training may keep in memory (default: 16).",
+        help="GiB of calibration features an MLP or windowed mapper may keep in memory (default: 16).",
     )
     parser.add_argument("--model-dtype", choices=_MODEL_DTYPES, default="auto", help="dtype to load the models in.")
     parser.add_argument("--mapper-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -174,11 +187,15 @@ def run(args: argparse.Namespace) -> int:
     from ..statistics import CalibrationStatistics
 
     top_k = None if str(args.top_k).lower() == "all" else int(args.top_k)
-    if args.kind == "mlp" and args.from_stats:
+    on_features = args.kind == "mlp" or args.context_window > 0 or args.input_kinds != "same"
+    if on_features and args.from_stats:
         raise SystemExit(
-            "hf-kvmap fit: --from-stats solves a ridge from saved statistics, but an MLP mapper trains on features "
-            "streamed through both models; drop --from-stats and pass --source, --target and --data."
+            "hf-kvmap fit: --from-stats solves a plain ridge from saved statistics, but an MLP mapper, a "
+            "--context-window or --input-kinds both is fitted on features streamed through both models; drop "
+            "--from-stats and pass --source, --target and --data."
         )
+    if args.context_window < 0:
+        raise SystemExit(f"hf-kvmap fit: --context-window must be >= 0, got {args.context_window}.")
     if args.from_stats:
         stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
         sequences = int(stats.sequences)
@@ -212,13 +229,16 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.stats:
             stats.save(args.stats)
-    if args.kind == "mlp":
-        from ..mlp import fit_mlp_mapper, plot_training_curves
+    if on_features:
+        from ..mlp import fit_feature_mapper
 
-        mapper = fit_mlp_mapper(
+        mapper = fit_feature_mapper(
             source,
             target,
             batches,
+            kind=args.kind,
+            input_kinds=args.input_kinds,
+            context_window=args.context_window,
             statistics=stats,
             top_k=top_k,
             hidden_size=args.hidden_size,
@@ -254,9 +274,12 @@ def run(args: argparse.Namespace) -> int:
     selection.save_selection_json(os.path.join(args.out, "selection.json"))
     selection.save_heatmap(os.path.join(args.out, "selection.png"))
     if args.kind == "mlp":
+        from ..mlp import plot_training_curves
+
         plot_training_curves(mapper.config, os.path.join(args.out, "training_curves.png"))
     print(
         f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; kind={args.kind}; top_k={top_k}; "
+        f"context_window={args.context_window}; input_kinds={args.input_kinds}; "
         f"mapper written to {args.out}"
     )
     return 0
