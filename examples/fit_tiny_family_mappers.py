@@ -35,6 +35,9 @@ def main(argv=None) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
     parser.add_argument("--ridge-lambda", type=float, default=0.01)
     parser.add_argument("--kind", choices=("ridge", "mlp"), default="ridge", help="mapper kind (default: ridge)")
+    parser.add_argument("--context-window", type=int, default=0, help="earlier positions each map reads")
+    parser.add_argument("--input-kinds", choices=("same", "both"), default="same", help="what each map reads")
+    parser.add_argument("--stride", type=int, default=1, help="keep every stride-th calibration position")
     parser.add_argument("--hidden-size", type=int, default=128, help="MLP hidden size (default: 128)")
     parser.add_argument("--epochs", type=int, default=20, help="MLP epochs (default: 20)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="MLP positions per Adam step (default: 4096)")
@@ -65,6 +68,9 @@ def main(argv=None) -> None:
             target,
             batches,
             kind=args.kind,
+            context_window=args.context_window,
+            input_kinds=args.input_kinds,
+            stride=args.stride,
             top_k=args.top_k,
             ridge_lambda=args.ridge_lambda,
             tokenizer=tokenizer,

@@ -993,14 +993,23 @@ def fit_feature_mapper(
     provenance.update(probe=selection.probe, top_k=selection.top_k)
     if kind == "ridge":
         penalty = ridge_lambda * (features.num_positions if lambda_convention == "per_token" else 1.0)
-        bar = tqdm(total=2 * num_target, desc="solving ridge maps", unit="map", disable=not progress)
+        # Maps that read the same inputs (same selected layers; with input_kinds="both" keys and values alike) share
+        # one Gram: solve them together, their targets side by side.
+        groups: dict[tuple, list[tuple[int, str]]] = {}
         for layer_idx in range(num_target):
             for map_kind in ("key", "value"):
-                x = features.inputs(map_kind, selection.source_layers[layer_idx], None, input_kinds, context_window)
-                weight, bias = ridge_solve(x, features.outputs(map_kind, layer_idx), penalty)
-                maps[layer_idx, map_kind] = {"weight": weight, "bias": bias}
-                bar.update(1)
-        bar.close()
+                reads = "both" if input_kinds == "both" else map_kind
+                groups.setdefault((reads, tuple(selection.source_layers[layer_idx])), []).append((layer_idx, map_kind))
+        width = target_geometry.layer_width
+        for (_, chosen), members in tqdm(
+            groups.items(), desc="solving ridge maps", unit="input set", disable=not progress
+        ):
+            x = features.inputs(members[0][1], list(chosen), None, input_kinds, context_window)
+            y = torch.cat([features.outputs(map_kind, layer_idx) for layer_idx, map_kind in members], dim=1)
+            weight, bias = ridge_solve(x, y, penalty)
+            for slot, member in enumerate(members):
+                columns = slice(slot * width, (slot + 1) * width)
+                maps[member] = {"weight": weight[columns].contiguous(), "bias": bias[columns].contiguous()}
         provenance["features"] = features.provenance
     else:
         train_rows, val_rows = split_rows(features.num_positions, val_fraction, seed, features.groups)

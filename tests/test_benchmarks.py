@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -192,3 +193,33 @@ def test_gpu_check_dry_run(tmp_path):
     assert checks["all cpu identity: identity mapper generates the same tokens"]
     assert all(ok for name, ok in checks.items() if name.startswith("all cpu"))
     assert any(name.startswith("cpu+meta") for name in checks)
+
+
+def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
+    """The variant comparison copies numbers from each evaluation.json; nothing is computed or typed in."""
+    from hf_kvmap import zoo
+
+    shipped = zoo.MAPPERS_DIR / "tiny-s-to-tiny-l" / "evaluation.json"
+    evaluation = json.loads(shipped.read_text())
+    other = json.loads(shipped.read_text())
+    other["tasks"]["recall"]["mapped"] = 0.5
+    other["perplexity"]["text"]["mapped"] = 1.7
+    for name, data in (("a", evaluation), ("b", other)):
+        (tmp_path / name / "tiny-s-to-tiny-l").mkdir(parents=True)
+        (tmp_path / name / "tiny-s-to-tiny-l" / "evaluation.json").write_text(json.dumps(data))
+    spec = importlib.util.spec_from_file_location("mapper_variants", BENCHMARKS / "mapper_variants.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "variants.json"
+    args = ["--json", str(out), "--keep", str(tmp_path / "k"), "--markdown", str(tmp_path / "table.md")]
+    script.main([*args, "--variant", f"a={tmp_path / 'a'}", "--variant", f"b={tmp_path / 'b'}"])
+    result = json.loads(out.read_text())
+    rows = result["directions"]["tiny-s-to-tiny-l"]
+    assert rows["a"]["tasks"]["recall"]["mapped"] == evaluation["tasks"]["recall"]["mapped"]
+    assert rows["b"]["tasks"]["recall"]["mapped"] == 0.5 and rows["b"]["perplexity"]["text"]["mapped"] == 1.7
+    assert rows["a"]["attention_cosine"] == evaluation["diagnostics_summary"]["mean_attention_cosine"]
+    table = (tmp_path / "table.md").read_text()
+    assert "| b | 0.500 |" in table
+    assert json.loads((tmp_path / "k" / "b" / "tiny-s-to-tiny-l.json").read_text()) == other
+    with pytest.raises(SystemExit, match="no <source>-to-<target>/evaluation.json"):
+        script.main(["--variant", f"c={tmp_path / 'none'}"])

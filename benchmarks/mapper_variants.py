@@ -1,0 +1,154 @@
+"""Compare mapper variants (ridge, MLP, context window, ...) fitted for the same directions of the tiny family.
+
+Each variant is a folder of mapper folders named `<source>-to-<target>`, each holding the `evaluation.json` that
+`examples/fit_tiny_family_mappers.py` writes (the same tasks, items and seed for every variant). This script reads
+them, writes one JSON (`--json`) with every task's mapped score, retention, perplexity and attention cosine per
+direction and variant, a Markdown table (`--markdown`) and a bar chart (`--plot`), and copies each evaluation into
+`--keep` so the numbers stay traceable after the candidate mappers are deleted. Nothing is fitted here.
+
+    python benchmarks/mapper_variants.py \\
+        --variant ridge=hf_kvmap/zoo/mappers --variant mlp=/tmp/mlp-mappers \\
+        --json benchmarks/results/mapper_variants.json --plot benchmarks/results/mapper_variants.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from hf_kvmap.reporting import environment_info, fmt_number, write_json
+
+
+def load_variants(specs: list[str]) -> dict[str, dict[str, dict]]:
+    """`{variant: {direction: evaluation}}` from `NAME=FOLDER` specs."""
+    variants: dict[str, dict[str, dict]] = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise SystemExit(f"--variant takes NAME=FOLDER, got {spec!r}.")
+        name, folder = spec.split("=", 1)
+        found = {
+            path.parent.name: json.loads(path.read_text())
+            for path in sorted(Path(folder).glob("*-to-*/evaluation.json"))
+        }
+        if not found:
+            raise SystemExit(f"--variant {name}: no <source>-to-<target>/evaluation.json under {folder}.")
+        variants[name] = found
+    return variants
+
+
+def summarize(evaluation: dict) -> dict:
+    """The numbers compared: per task source/target/mapped and retention, perplexity, diagnostics, fit settings."""
+    tasks = {
+        name: {key: row.get(key) for key in ("source", "target", "mapped", "retention", "n_items")}
+        for name, row in evaluation.get("tasks", {}).items()
+    }
+    perplexity = {
+        name: {key: row.get(key) for key in ("source", "target", "mapped")}
+        for name, row in evaluation.get("perplexity", {}).items()
+    }
+    return {
+        "tasks": tasks,
+        "perplexity": perplexity,
+        "attention_cosine": evaluation.get("diagnostics_summary", {}).get("mean_attention_cosine"),
+        "min_layer_attention_cosine": evaluation.get("diagnostics_summary", {}).get("min_layer_attention_cosine"),
+        "run": evaluation.get("run", {}),
+    }
+
+
+def markdown(table: dict) -> str:
+    """One row per direction and variant: mapped score of every task (target alone in the header row)."""
+    lines = []
+    for direction, variants in table.items():
+        first = next(iter(variants.values()))
+        tasks = list(first["tasks"])
+        texts = list(first["perplexity"])
+        header = [f"{task} (target {fmt_number(first['tasks'][task]['target'])})" for task in tasks]
+        header += [f"ppl {text} (target {fmt_number(first['perplexity'][text]['target'])})" for text in texts]
+        lines.append(
+            f"**{direction}** (mapped scores; source alone: "
+            + ", ".join(f"{task} {fmt_number(first['tasks'][task]['source'])}" for task in tasks)
+            + ")\n"
+        )
+        lines.append("| variant | " + " | ".join(header) + " | attention cosine |")
+        lines.append("|---" * (len(header) + 2) + "|")
+        for name, row in variants.items():
+            cells = [fmt_number(row["tasks"][task]["mapped"]) for task in tasks]
+            cells += [fmt_number(row["perplexity"][text]["mapped"]) for text in texts]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(table: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    directions = list(table)
+    fig, axes = plt.subplots(1, len(directions), figsize=(4.2 * len(directions), 3.6), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        variants = table[direction]
+        first = next(iter(variants.values()))
+        tasks = list(first["tasks"])
+        width = 0.8 / (len(variants) + 1)
+        for slot, name in enumerate(["target alone", *variants]):
+            values = [
+                (first["tasks"][t]["target"] if name == "target alone" else variants[name]["tasks"][t]["mapped"]) or 0
+                for t in tasks
+            ]
+            ax.bar([i + slot * width for i in range(len(tasks))], values, width, label=name)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tasks))], tasks, rotation=30)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(direction)
+    axes[0][0].set_ylabel("accuracy (handoff; target alone for reference)")
+    axes[0][-1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", action="append", required=True, help="NAME=FOLDER of <src>-to-<tgt> mappers")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/mapper_variants.json"))
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG, needs matplotlib)")
+    parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
+    args = parser.parse_args(argv)
+
+    variants = load_variants(args.variant)
+    directions = sorted({d for found in variants.values() for d in found})
+    table = {
+        direction: {name: summarize(found[direction]) for name, found in variants.items() if direction in found}
+        for direction in directions
+    }
+    if args.keep:
+        for spec in args.variant:
+            name, folder = spec.split("=", 1)
+            for path in sorted(Path(folder).glob("*-to-*/evaluation.json")):
+                destination = args.keep / name / f"{path.parent.name}.json"
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, destination)
+    result = {
+        "run": {"script": "benchmarks/mapper_variants.py", "variants": args.variant},
+        "directions": table,
+        "environment": environment_info(),
+    }
+    write_json(args.json, result)
+    text = markdown(table)
+    if args.markdown:
+        args.markdown.write_text(text + "\n", encoding="utf-8")
+    if args.plot:
+        plot(table, args.plot)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
