@@ -119,18 +119,16 @@ def ridge_mapper_parameters(
 
 def mapper_parameters(config: Any) -> int:
     """Parameters of the `MapperModel` a `MapperConfig` describes (ridge: one affine map per target layer and K/V;
-    mlp: per target layer, KV head and K/V, `d_in -> h -> h -> head_dim`)."""
-    source, target = config.source_geometry, config.target_geometry
-    if config.kind == "ridge":
-        return ridge_mapper_parameters(
-            (source.num_layers, source.num_kv_heads, source.head_dim),
-            (target.num_layers, target.num_kv_heads, target.head_dim),
-            config.source_layers,
-        )
-    hidden, out = config.mlp_hidden_size, target.head_dim
+    mlp: per target layer, KV head and K/V, `d_in -> h -> h -> head_dim`), `d_in` being `config.input_width(layer)`
+    (which grows with `input_kinds="both"` and a `context_window`)."""
+    target = config.target_geometry
     total = 0
     for layer in range(target.num_layers):
         width = config.input_width(layer)
+        if config.kind == "ridge":
+            total += 2 * (width * target.layer_width + target.layer_width)
+            continue
+        hidden, out = config.mlp_hidden_size, target.head_dim
         per_head = width * hidden + hidden + hidden * hidden + hidden + hidden * out + out
         total += 2 * target.num_kv_heads * per_head
     return total

@@ -94,7 +94,8 @@ def test_body_parameters_match_built_models(arch):
 
 
 @pytest.mark.parametrize("kind", ["ridge", "mlp"])
-def test_mapper_parameters_match_mapper_model(kind):
+@pytest.mark.parametrize("window,inputs", [(0, "same"), (2, "both")])
+def test_mapper_parameters_match_mapper_model(kind, window, inputs):
     source = SUPPORTED["qwen3"]()
     from transformers import Qwen3Config
 
@@ -105,8 +106,12 @@ def test_mapper_parameters_match_mapper_model(kind):
         source_layers=[[0], [0, 1], [1]],
         kind=kind,
         mlp_hidden_size=24,
+        context_window=window,
+        input_kinds=inputs,
     )
     model = MapperModel(config)
+    if kind == "ridge" and window == 0:
+        assert mapper_parameters(config) == ridge_mapper_parameters((2, 2, 16), (3, 2, 16), config.source_layers)
     assert mapper_parameters(config) == sum(p.numel() for p in model.parameters())
     assert flop_bound(model, target, 10).mapper_flops == 2 * 10 * mapper_parameters(config)
 
