@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from hf_kvmap.reporting import environment_info, fmt_number, write_json
+from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
 
 
 def load_variants(specs: list[str]) -> dict[str, dict[str, dict]]:
@@ -119,6 +119,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/mapper_variants.json"))
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG, needs matplotlib)")
+    parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     args = parser.parse_args(argv)
 
@@ -146,6 +147,9 @@ def main(argv=None) -> dict:
         args.markdown.write_text(text + "\n", encoding="utf-8")
     if args.plot:
         plot(table, args.plot)
+    if args.readme:
+        source = args.json.as_posix()
+        update_file_section(args.readme, "mapper-variants", f"Generated from `{source}`.\n\n{text}")
     print(text)
     return result
 

@@ -319,6 +319,38 @@ def _as_list(statistics) -> list[CalibrationStatistics]:
     return parts
 
 
+def selection_config(
+    statistics: CalibrationStatistics,
+    selection: LayerSelection,
+    *,
+    tokenizer_fingerprint: str | None = None,
+    calibration: dict[str, Any] | None = None,
+    **fields,
+) -> MapperConfig:
+    """The `MapperConfig` of a mapper fitted on `statistics` with `selection`: both models' configs, ids and
+    revisions, the tokenizer fingerprint, the selected layers and their scores, and the calibration provenance (plus
+    `calibration`, e.g. the MLP training record). `fields` are the remaining `MapperConfig` arguments (kind, ...)."""
+    provenance = statistics.provenance()
+    provenance["target_layers"] = None
+    provenance.update(probe=selection.probe, top_k=selection.top_k, **(calibration or {}))
+    fields = {
+        "source_model_id": statistics.source_model_id,
+        "source_revision": statistics.source_revision,
+        "target_model_id": statistics.target_model_id,
+        "target_revision": statistics.target_revision,
+        "tokenizer_fingerprint": tokenizer_fingerprint or statistics.tokenizer_fingerprint,
+        **fields,
+    }
+    return MapperConfig(
+        source_config=statistics.source_config,
+        target_config=statistics.target_config,
+        source_layers=selection.source_layers,
+        calibration=provenance,
+        selection_scores=selection.selected_scores(),
+        **fields,
+    )
+
+
 @torch.no_grad()
 def mapper_from_statistics(
     statistics: CalibrationStatistics | Sequence[CalibrationStatistics],
@@ -395,27 +427,14 @@ def mapper_from_statistics(
     elif source_layers is not None:
         raise ValueError("Pass either `source_layers` or `selection`, not both.")
 
-    calibration = first.provenance()
-    calibration["target_layers"] = None
-    calibration.update(probe=selection.probe, top_k=selection.top_k)
-    config_fields = {
-        "source_model_id": first.source_model_id,
-        "source_revision": first.source_revision,
-        "target_model_id": first.target_model_id,
-        "target_revision": first.target_revision,
-        "tokenizer_fingerprint": tokenizer_fingerprint or first.tokenizer_fingerprint,
-    }
-    config_fields.update(config_kwargs)
-    config = MapperConfig(
-        source_config=first.source_config,
-        target_config=first.target_config,
-        source_layers=selection.source_layers,
+    config = selection_config(
+        first,
+        selection,
+        tokenizer_fingerprint=tokenizer_fingerprint,
         kind="ridge",
         ridge_lambda=ridge_lambda,
         lambda_convention=lambda_convention,
-        calibration=calibration,
-        selection_scores=selection.selected_scores(),
-        **config_fields,
+        **config_kwargs,
     )
     model = MapperModel(config).to(dtype)
     for layer_idx, layer in enumerate(model.layers):
@@ -531,6 +550,7 @@ __all__ = [
     "probe_kind",
     "r2_matrix",
     "select_top_k",
+    "selection_config",
     "solve_layer",
     "tokenizer_fingerprint",
 ]

@@ -927,8 +927,8 @@ def fit_feature_mapper(
     """
     from tqdm.auto import tqdm
 
-    from .configuration_mapper import INPUT_KINDS, MapperConfig
-    from .fitting import LayerSelection
+    from .configuration_mapper import INPUT_KINDS
+    from .fitting import LayerSelection, selection_config
     from .fitting import tokenizer_fingerprint as _tokenizer_fingerprint
     from .modeling_mapper import MapperModel
     from .rope import KVGeometry
@@ -988,9 +988,7 @@ def fit_feature_mapper(
         )
     num_target = target_geometry.num_layers
     maps: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    provenance = statistics.provenance()
-    provenance["target_layers"] = None
-    provenance.update(probe=selection.probe, top_k=selection.top_k)
+    extra: dict[str, Any] = {}
     if kind == "ridge":
         penalty = ridge_lambda * (features.num_positions if lambda_convention == "per_token" else 1.0)
         # Maps that read the same inputs (same selected layers; with input_kinds="both" keys and values alike) share
@@ -1010,7 +1008,7 @@ def fit_feature_mapper(
             for slot, member in enumerate(members):
                 columns = slice(slot * width, (slot + 1) * width)
                 maps[member] = {"weight": weight[columns].contiguous(), "bias": bias[columns].contiguous()}
-        provenance["features"] = features.provenance
+        extra["features"] = features.provenance
     else:
         train_rows, val_rows = split_rows(features.num_positions, val_fraction, seed, features.groups)
         train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
@@ -1046,7 +1044,7 @@ def fit_feature_mapper(
                 entry[map_kind] = result.to_dict()
             report.append(entry)
         bar.close()
-        provenance["mlp_training"] = {
+        extra["mlp_training"] = {
             "hidden_size": hidden_size,
             "epochs": epochs,
             "batch_tokens": batch_tokens,
@@ -1067,23 +1065,17 @@ def fit_feature_mapper(
             "torch_version": torch.__version__,
             "layers": report,
         }
-    config = MapperConfig(
-        source_config=statistics.source_config,
-        target_config=statistics.target_config,
-        source_layers=selection.source_layers,
+    config = selection_config(
+        statistics,
+        selection,
+        tokenizer_fingerprint=fingerprint,
+        calibration=extra,
         kind=kind,
         mlp_hidden_size=hidden_size,
         input_kinds=input_kinds,
         context_window=context_window,
         ridge_lambda=ridge_lambda,
         lambda_convention=lambda_convention,
-        calibration=provenance,
-        selection_scores=selection.selected_scores(),
-        source_model_id=statistics.source_model_id,
-        source_revision=statistics.source_revision,
-        target_model_id=statistics.target_model_id,
-        target_revision=statistics.target_revision,
-        tokenizer_fingerprint=fingerprint or getattr(statistics, "tokenizer_fingerprint", None),
     )
     with torch.device("meta"):  # the weights are all copied in below; skip the random init
         model = MapperModel(config)
