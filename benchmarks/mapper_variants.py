@@ -41,7 +41,10 @@ def load_variants(specs: list[str]) -> dict[str, dict[str, dict]]:
 def summarize(evaluation: dict) -> dict:
     """The numbers compared: per task source/target/mapped and retention, perplexity, diagnostics, fit settings."""
     tasks = {
-        name: {key: row.get(key) for key in ("source", "target", "mapped", "retention", "n_items")}
+        name: {
+            key: row.get(key)
+            for key in ("source", "target", "mapped", "chance", "retention", "floor_normalized_retention", "n_items")
+        }
         for name, row in evaluation.get("tasks", {}).items()
     }
     perplexity = {
@@ -57,7 +60,53 @@ def summarize(evaluation: dict) -> dict:
     }
 
 
-def markdown(table: dict) -> str:
+#: A task decides the choice only if the target alone beats chance by this much (the others measure noise).
+SKILL_MARGIN = 0.2
+
+
+def choose(variants: dict[str, dict]) -> dict:
+    """The variant to ship for one direction, by a fixed rule: the highest mean floor-normalized retention over the
+    tasks the target can do (target alone above chance by `SKILL_MARGIN`); ties, or no such task, go to the lower
+    mapped perplexity. Returns `{"variant", "rule", "tasks", "scores"}`."""
+    first = next(iter(variants.values()))
+    tasks = [
+        name
+        for name, row in first["tasks"].items()
+        if row.get("target") is not None and row["target"] - (row.get("chance") or 0.0) >= SKILL_MARGIN
+    ]
+
+    def perplexity(row):
+        values = [r["mapped"] for r in row["perplexity"].values() if r.get("mapped") is not None]
+        return sum(values) / len(values) if values else float("inf")
+
+    scores = {}
+    for name, row in variants.items():
+        retained = [
+            (row["tasks"][task]["mapped"] - (row["tasks"][task].get("chance") or 0.0))
+            / (row["tasks"][task]["target"] - (row["tasks"][task].get("chance") or 0.0))
+            for task in tasks
+        ]
+        scores[name] = {
+            "mean_floor_normalized_retention": sum(retained) / len(retained) if retained else None,
+            "mean_mapped_perplexity": perplexity(row),
+        }
+    best = max(
+        variants,
+        key=lambda name: (
+            round(scores[name]["mean_floor_normalized_retention"] or 0.0, 6),
+            -scores[name]["mean_mapped_perplexity"],
+        ),
+    )
+    return {
+        "variant": best,
+        "rule": f"mean floor-normalized retention over tasks the target does (target - chance >= {SKILL_MARGIN}), "
+        "then lower mapped perplexity",
+        "tasks": tasks,
+        "scores": scores,
+    }
+
+
+def markdown(table: dict, choices: dict | None = None) -> str:
     """One row per direction and variant: mapped score of every task (target alone in the header row)."""
     lines = []
     for direction, variants in table.items():
@@ -73,10 +122,12 @@ def markdown(table: dict) -> str:
         )
         lines.append("| variant | " + " | ".join(header) + " | attention cosine |")
         lines.append("|---" * (len(header) + 2) + "|")
+        chosen = (choices or {}).get(direction, {}).get("variant")
         for name, row in variants.items():
             cells = [fmt_number(row["tasks"][task]["mapped"]) for task in tasks]
             cells += [fmt_number(row["perplexity"][text]["mapped"]) for text in texts]
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
+            label = f"**{name}** (chosen)" if name == chosen else name
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -136,13 +187,15 @@ def main(argv=None) -> dict:
                 destination = args.keep / name / f"{path.parent.name}.json"
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, destination)
+    choices = {direction: choose(variants) for direction, variants in table.items()}
     result = {
         "run": {"script": "benchmarks/mapper_variants.py", "variants": args.variant},
         "directions": table,
+        "choice": choices,
         "environment": environment_info(),
     }
     write_json(args.json, result)
-    text = markdown(table)
+    text = markdown(table, choices)
     if args.markdown:
         args.markdown.write_text(text + "\n", encoding="utf-8")
     if args.plot:

@@ -223,8 +223,14 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     assert rows["a"]["tasks"]["recall"]["mapped"] == evaluation["tasks"]["recall"]["mapped"]
     assert rows["b"]["tasks"]["recall"]["mapped"] == 0.5 and rows["b"]["perplexity"]["text"]["mapped"] == 1.7
     assert rows["a"]["attention_cosine"] == evaluation["diagnostics_summary"]["mean_attention_cosine"]
+    # recall and chat are the tasks the target does; b retains more recall at the same chat score
+    choice = result["choice"]["tiny-s-to-tiny-l"]
+    assert choice["tasks"] == ["recall", "chat"] and choice["variant"] == "b"
+    recall, chat = evaluation["tasks"]["recall"], evaluation["tasks"]["chat"]
+    expected = ((0.5 - recall["chance"]) / (recall["target"] - recall["chance"]) + chat["floor_normalized_retention"]) / 2
+    assert choice["scores"]["b"]["mean_floor_normalized_retention"] == pytest.approx(expected)
     table = (tmp_path / "table.md").read_text()
-    assert "| b | 0.500 |" in table
+    assert "| **b** (chosen) | 0.500 |" in table
     assert json.loads((tmp_path / "k" / "b" / "tiny-s-to-tiny-l.json").read_text()) == other
     with pytest.raises(SystemExit, match="no <source>-to-<target>/evaluation.json"):
         script.main(["--variant", f"c={tmp_path / 'none'}"])
