@@ -41,6 +41,12 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden-size", type=int, default=128, help="MLP hidden size (default: 128)")
     parser.add_argument("--epochs", type=int, default=20, help="MLP epochs (default: 20)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="MLP positions per Adam step (default: 4096)")
+    parser.add_argument(
+        "--save-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype the mapper is evaluated and saved in (bfloat16 halves the shipped size)",
+    )
     parser.add_argument("--out-root", type=Path, default=zoo.MAPPERS_DIR, help="where the mapper folders go")
     parser.add_argument("--no-cards", dest="cards", action="store_false", help="do not copy cards to model_cards/")
     parser.add_argument("--docs", type=int, default=256, help="calibration sequences")
@@ -77,6 +83,7 @@ def main(argv=None) -> None:
             **mlp_options,
         )
         fit_seconds = time.perf_counter() - started
+        mapper = mapper.to(getattr(torch, args.save_dtype))  # evaluate exactly what is saved
         handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
         results = evaluate_tasks(handoff, tiny_family_tasks(args.items, args.seed))
         held_out = corpus.make_eval_set("text", 16, seed=args.seed + 1, n_chars=256)
@@ -93,6 +100,7 @@ def main(argv=None) -> None:
             "seed": args.seed,
             "fit_seconds": fit_seconds,
             "kind": args.kind,
+            "dtype": args.save_dtype,
         }
         results["environment"] = environment_info()
         out = args.out_root / zoo.mapper_path(source_name, target_name).name

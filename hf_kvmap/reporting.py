@@ -14,12 +14,24 @@ def fmt_number(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
+def _mapper_summary(config: dict | None) -> str:
+    """` (ridge, k=6, context window 3, keys and values)` for a demo run's `mapper_config` (empty when unknown)."""
+    if not config:
+        return ""
+    parts = [config.get("kind", "?"), f"k={config.get('top_k')}"]
+    if config.get("context_window"):
+        parts.append(f"context window {config['context_window']}")
+    if config.get("input_kinds") == "both":
+        parts.append("keys and values")
+    return " (" + ", ".join(parts) + ")"
+
+
 def demo_markdown(results: dict, source_file: str) -> str:
     """The README block for one `hf-kvmap demo` JSON: per-task table, perplexity and latency."""
     run = results["run"]
     lines = [
-        f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`, "
-        f"{run['items_per_task']} items per task, seed {run['seed']}).",
+        f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`"
+        f"{_mapper_summary(run.get('mapper_config'))}, {run['items_per_task']} items per task, seed {run['seed']}).",
         "",
         "| task | source alone | target alone | handoff (mapped) | chance | retention | floor-normalized |",
         "|---|---|---|---|---|---|---|",
