@@ -227,7 +227,9 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     choice = result["choice"]["tiny-s-to-tiny-l"]
     assert choice["tasks"] == ["recall", "chat"] and choice["variant"] == "b"
     recall, chat = evaluation["tasks"]["recall"], evaluation["tasks"]["chat"]
-    expected = ((0.5 - recall["chance"]) / (recall["target"] - recall["chance"]) + chat["floor_normalized_retention"]) / 2
+    expected = (
+        (0.5 - recall["chance"]) / (recall["target"] - recall["chance"]) + chat["floor_normalized_retention"]
+    ) / 2
     assert choice["scores"]["b"]["mean_floor_normalized_retention"] == pytest.approx(expected)
     table = (tmp_path / "table.md").read_text()
     assert "| **b** (chosen) | 0.500 |" in table

@@ -194,3 +194,23 @@ def test_windowed_self_fit_recovers_the_identity(tmp_path):
     )
     mapper.save_pretrained(tmp_path)
     assert MapperModel.from_pretrained(tmp_path).config.context_window == 2
+
+
+def test_windowed_mlp_mapper_trains_and_maps():
+    from hf_kvmap.mlp import HeadwiseMLP, fit_mlp_mapper
+
+    source, target = tiny_model(seed=0, layers=2), tiny_model(seed=1, layers=3)
+    calibration = batches(seed=6, count=2, size=4, length=32)
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, progress=False)
+    mapper = fit_mlp_mapper(source, target, calibration, context_window=2, input_kinds="both", **kwargs)
+    width = source.config.num_key_value_heads * source.config.head_dim
+    assert (mapper.config.kind, mapper.config.context_window, mapper.config.input_kinds) == ("mlp", 2, "both")
+    assert isinstance(mapper.layers[0].key_proj, HeadwiseMLP)
+    assert mapper.layers[0].key_proj.in_features == mapper.config.input_width(0) == 3 * 2 * 2 * width
+    for entry in mapper.config.calibration["mlp_training"]["layers"]:
+        for kind in ("key", "value"):  # starts at the (windowed) ridge and keeps the best
+            assert entry[kind]["val_mse"] <= entry[kind]["ridge_val_mse"] * (1 + 1e-4)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = MappedCache.from_source(source(ids, use_cache=True).past_key_values, mapper)
+    assert all(torch.isfinite(layer.keys).all() and layer.keys.shape[2] == 19 for layer in cache.layers)
+    assert torch.isfinite(target(ids[:, -1:], past_key_values=cache).logits).all()
