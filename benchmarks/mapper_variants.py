@@ -4,7 +4,10 @@ Each variant is a folder of mapper folders named `<source>-to-<target>`, each ho
 `examples/fit_tiny_family_mappers.py` writes (the same tasks, items and seed for every variant). This script reads
 them, writes one JSON (`--json`) with every task's mapped score, retention, perplexity and attention cosine per
 direction and variant, a Markdown table (`--markdown`) and a bar chart (`--plot`), and copies each evaluation into
-`--keep` so the numbers stay traceable after the candidate mappers are deleted. Nothing is fitted here.
+`--keep` so the numbers stay traceable after the candidate mappers are deleted. Nothing is fitted here. With
+`--latency-tokens`, every variant's mapper (the folder beside its evaluation.json) is also timed against the target's
+re-prefill (`hf_kvmap.evaluation.measure_latency`, interleaved in this run), since a better mapper that is slower
+than re-reading the context defeats its purpose.
 
     python benchmarks/mapper_variants.py \\
         --variant ridge=hf_kvmap/zoo/mappers --variant mlp=/tmp/mlp-mappers \\
@@ -57,7 +60,26 @@ def summarize(evaluation: dict) -> dict:
         "attention_cosine": evaluation.get("diagnostics_summary", {}).get("mean_attention_cosine"),
         "min_layer_attention_cosine": evaluation.get("diagnostics_summary", {}).get("min_layer_attention_cosine"),
         "run": evaluation.get("run", {}),
+        "latency": [],
     }
+
+
+def measure(variants: dict[str, dict[str, dict]], folders: dict[str, Path], direction: str, tokens, repeats: int):
+    """`{variant: latency rows}` for one direction: each variant's mapper vs the target's re-prefill."""
+    import torch
+
+    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap.evaluation import Handoff, measure_latency
+
+    source_name, target_name = direction.split("-to-")
+    source, target = zoo.load_model(source_name), zoo.load_model(target_name)
+    rows = {}
+    for name in variants:
+        mapper = MapperModel.from_pretrained(folders[name] / direction)
+        handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=None)
+        with torch.no_grad():
+            rows[name] = measure_latency(handoff, tokens, repeats=repeats)
+    return rows
 
 
 #: A task decides the choice only if the target alone beats chance by this much (the others measure noise).
@@ -120,12 +142,15 @@ def markdown(table: dict, choices: dict | None = None) -> str:
             + ", ".join(f"{task} {fmt_number(first['tasks'][task]['source'])}" for task in tasks)
             + ")\n"
         )
+        latency_tokens = [row["tokens"] for row in first.get("latency", [])]
+        header += [f"speedup @{n}" for n in latency_tokens]
         lines.append("| variant | " + " | ".join(header) + " | attention cosine |")
         lines.append("|---" * (len(header) + 2) + "|")
         chosen = (choices or {}).get(direction, {}).get("variant")
         for name, row in variants.items():
             cells = [fmt_number(row["tasks"][task]["mapped"]) for task in tasks]
             cells += [fmt_number(row["perplexity"][text]["mapped"]) for text in texts]
+            cells += [f"{fmt_number(r['speedup'], 1)}x" for r in row.get("latency", [])]
             label = f"**{name}** (chosen)" if name == chosen else name
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
         lines.append("")
@@ -170,6 +195,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/mapper_variants.json"))
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG, needs matplotlib)")
+    parser.add_argument(
+        "--latency-tokens", default="", help="also time each mapper vs re-prefill at these lengths (e.g. 256,1024)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per length (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the timing")
     parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     args = parser.parse_args(argv)
@@ -180,6 +210,16 @@ def main(argv=None) -> dict:
         direction: {name: summarize(found[direction]) for name, found in variants.items() if direction in found}
         for direction in directions
     }
+    tokens = [int(n) for n in args.latency_tokens.split(",") if n]
+    if tokens:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        folders = {spec.split("=", 1)[0]: Path(spec.split("=", 1)[1]) for spec in args.variant}
+        for direction, rows in table.items():
+            for name, latency in measure(rows, folders, direction, tokens, args.repeats).items():
+                rows[name]["latency"] = latency
     if args.keep:
         for spec in args.variant:
             name, folder = spec.split("=", 1)
@@ -189,7 +229,12 @@ def main(argv=None) -> dict:
                 shutil.copyfile(path, destination)
     choices = {direction: choose(variants) for direction, variants in table.items()}
     result = {
-        "run": {"script": "benchmarks/mapper_variants.py", "variants": args.variant},
+        "run": {
+            "script": "benchmarks/mapper_variants.py",
+            "variants": args.variant,
+            "latency_tokens": tokens,
+            "repeats": args.repeats,
+        },
         "directions": table,
         "choice": choices,
         "environment": environment_info(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,13 +211,14 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     other["tasks"]["recall"]["mapped"] = 0.5
     other["perplexity"]["text"]["mapped"] = 1.7
     for name, data in (("a", evaluation), ("b", other)):
-        (tmp_path / name / "tiny-s-to-tiny-l").mkdir(parents=True)
+        shutil.copytree(shipped.parent, tmp_path / name / "tiny-s-to-tiny-l")
         (tmp_path / name / "tiny-s-to-tiny-l" / "evaluation.json").write_text(json.dumps(data))
     spec = importlib.util.spec_from_file_location("mapper_variants", BENCHMARKS / "mapper_variants.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "variants.json"
     args = ["--json", str(out), "--keep", str(tmp_path / "k"), "--markdown", str(tmp_path / "table.md")]
+    args += ["--latency-tokens", "24", "--repeats", "1"]
     script.main([*args, "--variant", f"a={tmp_path / 'a'}", "--variant", f"b={tmp_path / 'b'}"])
     result = json.loads(out.read_text())
     rows = result["directions"]["tiny-s-to-tiny-l"]
@@ -231,8 +233,12 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
         (0.5 - recall["chance"]) / (recall["target"] - recall["chance"]) + chat["floor_normalized_retention"]
     ) / 2
     assert choice["scores"]["b"]["mean_floor_normalized_retention"] == pytest.approx(expected)
+    for name in ("a", "b"):  # the mapper beside each evaluation was timed against the target's re-prefill
+        (latency,) = rows[name]["latency"]
+        assert latency["tokens"] == 24 and latency["speedup"] == latency["prefill_ms"] / latency["mapper_ms"]
+    assert result["run"]["latency_tokens"] == [24]
     table = (tmp_path / "table.md").read_text()
-    assert "| **b** (chosen) | 0.500 |" in table
+    assert "speedup @24" in table and "| **b** (chosen) | 0.500 |" in table
     assert json.loads((tmp_path / "k" / "b" / "tiny-s-to-tiny-l.json").read_text()) == other
     with pytest.raises(SystemExit, match="no <source>-to-<target>/evaluation.json"):
         script.main(["--variant", f"c={tmp_path / 'none'}"])
