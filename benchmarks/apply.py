@@ -289,8 +289,9 @@ def load_mapper(args, source, target, dtype, device):
         if (shipped / "config.json").exists():
             path = str(shipped)
     if path is not None and not args.random_weights:
-        mapper = MapperModel.from_pretrained(path, dtype=dtype).to(device).eval()
-        return mapper, {"mapper": path, "weights": "fitted"}
+        mapper_dtype = dtype if args.mapper_dtype == "models" else getattr(torch, args.mapper_dtype)
+        mapper = MapperModel.from_pretrained(path, dtype=mapper_dtype).to(device).eval()
+        return mapper, {"mapper": path, "weights": "fitted", "dtype": str(mapper.dtype).removeprefix("torch.")}
     mapper = random_mapper(source.config, target.config, args.k, dtype, device)
     return mapper, {"mapper": None, "weights": "random", "k": min(args.k, source.config.num_hidden_layers)}
 
@@ -503,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--mapper-dtype",
+        default="models",
+        choices=("models", "float32", "bfloat16", "float16"),
+        help="dtype of a fitted mapper (default: the models' --dtype)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "apply.json")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
