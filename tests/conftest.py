@@ -123,3 +123,12 @@ def left_padded_batch(lengths=(9, 14), vocab=128, seed=1):
         ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small GEMMs: one thread is faster than two and immune to a busy second core (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,13 +16,7 @@ from hf_kvmap.modeling_mapper import mapper_inputs, window_features
 from hf_kvmap.rope import RotaryCodec
 from hf_kvmap.statistics import CalibrationStatistics
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_window_features_shift_and_stop_at_the_first_token():

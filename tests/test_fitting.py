@@ -418,17 +418,23 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 
 
-def test_cli_fit_writes_loadable_mapper(tmp_path):
-    from hf_kvmap.cli import main
-
+def _cli_pair(tmp_path):
+    """A 2-layer source and a 3-layer target saved with one tokenizer, and 20 lines of calibration text
+    (`data.txt`); returns `(tokenizer, lines)`."""
     tokenizer = _tiny_tokenizer()
     for name, seed, layers in (("src", 0, 2), ("tgt", 1, 3)):
-        model = tiny_model(seed=seed, layers=layers, vocab=32)
-        model.save_pretrained(tmp_path / name)
+        tiny_model(seed=seed, layers=layers, vocab=32).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     generator = torch.Generator().manual_seed(0)
     lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
     (tmp_path / "data.txt").write_text("\n".join(lines))
+    return tokenizer, lines
+
+
+def test_cli_fit_writes_loadable_mapper(tmp_path):
+    from hf_kvmap.cli import main
+
+    tokenizer, lines = _cli_pair(tmp_path)
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"text": line}) for line in lines))
     for data in ("data.txt", "data.jsonl"):
         out = tmp_path / f"mapper-{data}"
@@ -488,13 +494,7 @@ def test_cli_fit_kind_mlp(tmp_path):
     from hf_kvmap.cli import main
     from hf_kvmap.mlp import HeadwiseMLP
 
-    tokenizer = _tiny_tokenizer()
-    for name, seed, layers in (("src", 0, 2), ("tgt", 1, 3)):
-        tiny_model(seed=seed, layers=layers, vocab=32).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    generator = torch.Generator().manual_seed(0)
-    lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
-    (tmp_path / "data.txt").write_text("\n".join(lines))
+    tokenizer, _ = _cli_pair(tmp_path)
     models = [
         "--source",
         str(tmp_path / "src"),

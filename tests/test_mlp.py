@@ -24,6 +24,8 @@ from hf_kvmap.mlp import (
     train_headwise_mlp,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _config(layers: int, kv_heads: int = 2, head_dim: int = 16, hidden: int = 64) -> Qwen3Config:
     return Qwen3Config(
@@ -59,15 +61,6 @@ def _mlp_mapper(source_config, target_config, hidden: int = 32, top_k: int = 2, 
     )
     torch.manual_seed(seed)
     return MapperModel(config)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small GEMMs: one thread is faster than two and immune to a busy second core (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
