@@ -19,7 +19,6 @@ It writes one self-describing JSON and prints a table. Until the family's weight
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -27,9 +26,11 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import zoo
-from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks
+from hf_kvmap.diagnostics import diagnose
+from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks, tiny_family_tasks
 from hf_kvmap.fitting import mapper_from_statistics, tokenizer_fingerprint
 from hf_kvmap.mlp import content_space_metrics, fit_mlp_mapper, gather_features
+from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.statistics import CalibrationStatistics
 
 DEFAULT_PAIRS = ("tiny-s:tiny-l", "tiny-s:tiny-x")
@@ -66,17 +67,9 @@ def floor_normalized_retention(mapped: float, target: float, chance: float) -> f
     return (mapped - chance) / (target - chance) if target != chance else float("nan")
 
 
-def build_tasks(items: int, seed: int):
-    try:
-        from hf_kvmap.evaluation import tiny_family_tasks
-    except ImportError:  # older tree: the demo's task set
-        from hf_kvmap.commands.demo import build_tasks as tiny_family_tasks
-    return tiny_family_tasks(items, seed)
-
-
 def task_retention(source, target, ridge, mlp, tokenizer, items: int, seed: int) -> dict:
     """Every task three ways with the ridge (source/target once), then the MLP's mapped mode on the same items."""
-    tasks = build_tasks(items, seed)
+    tasks = tiny_family_tasks(items, seed)
     results = evaluate_tasks(Handoff(source=source, target=target, mapper=ridge, tokenizer=tokenizer), tasks)
     mlp_handoff = Handoff(source=source, target=target, mapper=mlp, tokenizer=tokenizer)
     table = {}
@@ -155,17 +148,12 @@ def compare_pair(pair: str, args, tokenizer, calibration, held_out) -> dict:
     timings["held_out_eval_s"] = time.perf_counter() - started
     diagnostics = None
     if args.diagnostics:
-        try:
-            from hf_kvmap.diagnostics import diagnose
-        except ImportError:
-            diagnose = None
-        if diagnose is not None:
-            started = time.perf_counter()
-            diagnostics = {
-                name: diagnose(source, target, mapper, held_out)["summary"]
-                for name, mapper in (("ridge", ridge), ("mlp", mlp))
-            }
-            timings["diagnostics_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        diagnostics = {
+            name: diagnose(source, target, mapper, held_out)["summary"]
+            for name, mapper in (("ridge", ridge), ("mlp", mlp))
+        }
+        timings["diagnostics_s"] = time.perf_counter() - started
     training = mlp.config.calibration["mlp_training"]
 
     def split_mean(key: str) -> float:
@@ -244,16 +232,6 @@ def _fmt(value) -> str:
     return "n/a" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.3f}"
 
 
-def _json_safe(value):
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), help="source:target directions")
@@ -298,12 +276,6 @@ def main(argv=None) -> dict:
     for pair in args.pairs:
         results["pairs"][pair] = compare_pair(pair, args, tokenizer, calibration, held_out)
         print(format_table({"pairs": {pair: results["pairs"][pair]}}), flush=True)
-    try:
-        from hf_kvmap.reporting import environment_info
-
-        environment = environment_info()
-    except ImportError:
-        environment = {"torch": torch.__version__}
     results["run"] = {
         "script": "examples/compare_ridge_mlp.py",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -311,9 +283,8 @@ def main(argv=None) -> dict:
         "held_out_sequences": sum(b.shape[0] for b in held_out),
         "seconds": time.perf_counter() - started,
     }
-    results["environment"] = environment
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(_json_safe(results), indent=2) + "\n", encoding="utf-8")
+    results["environment"] = environment_info()
+    write_json(args.json, results)
     print(f"wrote {args.json}")
     return results
 
