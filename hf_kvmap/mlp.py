@@ -586,6 +586,7 @@ class CalibrationFeatures:
         if missing:
             raise ValueError(f"The {missing} features were not gathered (held: {list(self.source)}).")
         width, held = self.source_width, len(self.source_layers)
+        data = {part: self.source[part] if rows is None else self.source[part][rows] for part in parts}
         pieces = []
         for shift in range(window + 1):
             cols = torch.cat(
@@ -595,8 +596,7 @@ class CalibrationFeatures:
                 ]
             )
             for part in parts:
-                data = self.source[part] if rows is None else self.source[part][rows]
-                pieces.append(data.index_select(1, cols.to(data.device)))
+                pieces.append(data[part].index_select(1, cols.to(data[part].device)))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def outputs(self, kind: str, layer: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -748,7 +748,7 @@ def gather_features(
                 continue
             if context_window:
                 src = torch.cat([source_kv[index][layer].transpose(1, 2).float() for layer in source_layers], dim=2)
-                src = window_features(src.flatten(3).reshape(size, length, -1), context_window, position_ids)
+                src = window_features(src.reshape(size, length, -1), context_window, position_ids)
                 src = src[:, ::stride].reshape(size * kept, -1).to(device)
             else:
                 src = flatten(source_kv[index], source_layers, src_width).to(device)
