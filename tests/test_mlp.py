@@ -359,7 +359,7 @@ def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         record = entry[kind]
         assert cells[:2] == [str(entry["layer"]), kind]
-        assert cells[2] == f"{record['ridge_val_mse']:.5f}" and cells[3] == f"{record['val_mse']:.5f}"
+        assert cells[2] == f"{record['ridge_val_mse']:.3g}" and cells[3] == f"{record['val_mse']:.3g}"
         assert cells[6] == f"{record['best_epoch']} / {record['epochs_run']}"
 
     pytest.importorskip("matplotlib")
