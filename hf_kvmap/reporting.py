@@ -126,7 +126,8 @@ def performance_markdown(results: dict, source_file: str) -> str:
     run, env = results["run"], results["environment"]
     lines = [
         f"Generated from `{source_file}` by `benchmarks/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
-        f"{run['dtype']}, {env['device']}, {env['torch_threads']} torch threads, load average "
+        f"models in {run['dtype']}, mapper in {run.get('mapper', {}).get('dtype', run['dtype'])}, {env['device']}, "
+        f"{env['torch_threads']} torch threads, load average "
         f"{env['loadavg_start'][0]:.1f} at start; medians of {run['repeats']} interleaved repeats).",
         "",
         "| context tokens | mapper (ms) | target re-prefill (ms) | speedup | FLOP bound | fraction of bound | "
