@@ -87,9 +87,13 @@ SKILL_MARGIN = 0.2
 
 
 def choose(variants: dict[str, dict]) -> dict:
-    """The variant to ship for one direction, by a fixed rule: the highest mean floor-normalized retention over the
-    tasks the target can do (target alone above chance by `SKILL_MARGIN`); ties, or no such task, go to the lower
-    mapped perplexity. Returns `{"variant", "rule", "tasks", "scores"}`."""
+    """The variant to ship for one direction, by a fixed rule: among the variants faster than the target's own
+    re-prefill at every timed length (when timed), the highest mean floor-normalized retention over the tasks the
+    target can do (target alone above chance by `SKILL_MARGIN`); ties, or no such task, go to the lower mapped
+    perplexity. Returns `{"variant", "rule", "tasks", "scores", "excluded"}`."""
+    excluded = sorted(name for name, row in variants.items() if any(r["speedup"] < 1 for r in row.get("latency", [])))
+    if len(excluded) < len(variants):
+        variants = {name: row for name, row in variants.items() if name not in excluded}
     first = next(iter(variants.values()))
     tasks = [
         name
@@ -121,8 +125,9 @@ def choose(variants: dict[str, dict]) -> dict:
     )
     return {
         "variant": best,
-        "rule": f"mean floor-normalized retention over tasks the target does (target - chance >= {SKILL_MARGIN}), "
-        "then lower mapped perplexity",
+        "rule": "faster than re-prefill at every timed length; then mean floor-normalized retention over the tasks "
+        f"the target does (target - chance >= {SKILL_MARGIN}); then lower mapped perplexity",
+        "excluded": excluded,
         "tasks": tasks,
         "scores": scores,
     }
