@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -94,3 +95,21 @@ def test_readme_performance_is_generated_from_the_committed_json():
     results = json.loads((ROOT / "benchmarks" / "results" / "apply.json").read_text())
     section = re.search(r"<!-- performance:start -->\n(.*?)<!-- performance:end -->", readme, re.DOTALL).group(1)
     assert section.strip() == performance_markdown(results, "benchmarks/results/apply.json").strip()
+
+
+def test_shipped_mappers_are_the_chosen_variants():
+    """Each shipped mapper is the variant `benchmarks/mapper_variants.py` chose for its direction: its evaluation is
+    the one kept for that variant, and the README's variant table is generated from the committed JSON."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants.json").read_text())
+    assert sorted(results["choice"]) == sorted(p.name for p in zoo.MAPPERS_DIR.iterdir() if p.is_dir())
+    for direction, choice in results["choice"].items():
+        kept = ROOT / "benchmarks" / "results" / "variants" / choice["variant"] / f"{direction}.json"
+        shipped = zoo.MAPPERS_DIR / direction / "evaluation.json"
+        assert json.loads(kept.read_text()) == json.loads(shipped.read_text()), direction
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"<!-- mapper-variants:start -->\n(.*?)<!-- mapper-variants:end -->", readme, re.DOTALL)
+    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = script.markdown(results["directions"], results["choice"])
+    assert section.group(1).strip() == f"Generated from `benchmarks/results/mapper_variants.json`.\n\n{table}".strip()
