@@ -246,3 +246,26 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     assert json.loads((tmp_path / "k" / "b" / "tiny-s-to-tiny-l.json").read_text()) == other
     with pytest.raises(SystemExit, match="no <source>-to-<target>/evaluation.json"):
         script.main(["--variant", f"c={tmp_path / 'none'}"])
+
+
+def test_cli_benchmark_times_the_shipped_mapper_beside_its_bound(tmp_path):
+    from hf_kvmap import zoo
+    from hf_kvmap.cli import main
+    from hf_kvmap.flops import flop_bound
+
+    out = tmp_path / "bench.json"
+    args = ["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--tokens", "16,32", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l"))
+    assert result["run"]["mapper_parameters"] == sum(p.numel() for p in mapper.parameters())
+    assert [row["tokens"] for row in result["rows"]] == [16, 32]
+    for row in result["rows"]:
+        assert row["speedup"] == pytest.approx(row["prefill_ms"] / row["mapper_ms"])
+        bound = flop_bound(mapper, zoo.load_model("tiny-l").config, row["tokens"] - 1).ratio
+        assert row["flop_bound"] == pytest.approx(bound)
+        assert row["fraction_of_bound"] == pytest.approx(row["speedup"] / bound)
+    with pytest.raises(SystemExit, match="exceeds the models' max_position_embeddings"):
+        main(["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--tokens", "4096"])
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        main(["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--tokens", "a,b"])
