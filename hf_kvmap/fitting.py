@@ -454,6 +454,12 @@ def mapper_from_statistics(
     return model
 
 
+def fits_on_features(kind: str, input_kinds: str = "same", context_window: int = 0) -> bool:
+    """Whether a mapper of this kind and inputs is fitted on features kept in memory (`hf_kvmap.mlp`): the MLP, and
+    any input the sufficient statistics do not cover; only the per-position ridge is solved from statistics."""
+    return kind == "mlp" or input_kinds != "same" or context_window > 0
+
+
 def fit_mapper(
     source_model,
     target_model,
@@ -503,7 +509,7 @@ def fit_mapper(
     """
     if kind not in ("ridge", "mlp"):
         raise ValueError(f"kind={kind!r}; expected 'ridge' or 'mlp'.")
-    if kind == "mlp" or input_kinds != "same" or context_window:
+    if fits_on_features(kind, input_kinds, context_window):
         from .mlp import fit_feature_mapper
 
         return fit_feature_mapper(
@@ -545,6 +551,7 @@ __all__ = [
     "LayerSelection",
     "combined_scores",
     "fit_mapper",
+    "fits_on_features",
     "mapper_from_statistics",
     "mapper_r2",
     "probe_kind",

@@ -183,11 +183,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..fitting import LayerSelection, mapper_from_statistics, tokenizer_fingerprint
+    from ..fitting import LayerSelection, fits_on_features, mapper_from_statistics, tokenizer_fingerprint
     from ..statistics import CalibrationStatistics
 
     top_k = None if str(args.top_k).lower() == "all" else int(args.top_k)
-    on_features = args.kind == "mlp" or args.context_window > 0 or args.input_kinds != "same"
+    on_features = fits_on_features(args.kind, args.input_kinds, args.context_window)
     if on_features and args.from_stats:
         raise SystemExit(
             "hf-kvmap fit: --from-stats solves a plain ridge from saved statistics, but an MLP mapper, a "
@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         )
+        if not on_features:  # the ridge is solved from the statistics alone: free the models first
+            del source, target
         if args.stats:
             stats.save(args.stats)
     if on_features:
