@@ -99,13 +99,6 @@ _MLP_SETTINGS = (
 )
 
 
-def _significant(value) -> str:
-    """Three significant digits (MSEs span orders of magnitude across layers); `n/a` when missing."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    return f"{value:.3g}"
-
-
 def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
     """The MLP training record of `config.calibration["mlp_training"]` as card rows: the settings, and per target
     layer and K/V the held-out MSE and R^2 of the ridge (fitted on the same split) against the MLP kept."""
@@ -121,8 +114,9 @@ def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
                 {
                     "layer": entry["layer"],
                     "kind": kind,
-                    "ridge_mse": _significant(row.get("ridge_val_mse")),
-                    "mlp_mse": _significant(row.get("val_mse")),
+                    # MSEs span orders of magnitude across layers: significant digits
+                    "ridge_mse": fmt_number(row.get("ridge_val_mse"), 3, "g"),
+                    "mlp_mse": fmt_number(row.get("val_mse"), 3, "g"),
                     "ridge_r2": fmt_number(row.get("ridge_val_r2")),
                     "mlp_r2": fmt_number(row.get("val_r2")),
                     "epoch": f"{row.get('best_epoch')} / {row.get('epochs_run')}",

@@ -7,11 +7,12 @@ import re
 from pathlib import Path
 
 
-def fmt_number(value, digits: int = 3) -> str:
-    """A number for a Markdown table; missing or non-finite values read `n/a`."""
+def fmt_number(value, digits: int = 3, style: str = "f") -> str:
+    """A number for a Markdown table (`digits` decimals, or significant digits with `style="g"`); missing or
+    non-finite values read `n/a`."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
-    return f"{value:.{digits}f}"
+    return f"{value:.{digits}{style}}"
 
 
 def _mapper_summary(config: dict | None) -> str:
