@@ -24,17 +24,22 @@ from pathlib import Path
 from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
 
 
-def load_variants(specs: list[str]) -> dict[str, dict[str, dict]]:
-    """`{variant: {direction: evaluation}}` from `NAME=FOLDER` specs."""
-    variants: dict[str, dict[str, dict]] = {}
+def variant_folders(specs: list[str]) -> dict[str, Path]:
+    """`{variant: folder}` from `NAME=FOLDER` specs."""
+    folders = {}
     for spec in specs:
         if "=" not in spec:
             raise SystemExit(f"--variant takes NAME=FOLDER, got {spec!r}.")
         name, folder = spec.split("=", 1)
-        found = {
-            path.parent.name: json.loads(path.read_text())
-            for path in sorted(Path(folder).glob("*-to-*/evaluation.json"))
-        }
+        folders[name] = Path(folder)
+    return folders
+
+
+def load_variants(folders: dict[str, Path]) -> dict[str, dict[str, Path]]:
+    """`{variant: {direction: path of its evaluation.json}}`; a folder without any is refused."""
+    variants = {}
+    for name, folder in folders.items():
+        found = {path.parent.name: path for path in sorted(folder.glob("*-to-*/evaluation.json"))}
         if not found:
             raise SystemExit(f"--variant {name}: no <source>-to-<target>/evaluation.json under {folder}.")
         variants[name] = found
@@ -209,10 +214,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     args = parser.parse_args(argv)
 
-    variants = load_variants(args.variant)
+    folders = variant_folders(args.variant)
+    variants = load_variants(folders)
     directions = sorted({d for found in variants.values() for d in found})
     table = {
-        direction: {name: summarize(found[direction]) for name, found in variants.items() if direction in found}
+        direction: {
+            name: summarize(json.loads(found[direction].read_text()))
+            for name, found in variants.items()
+            if direction in found
+        }
         for direction in directions
     }
     tokens = [int(n) for n in args.latency_tokens.split(",") if n]
@@ -221,15 +231,13 @@ def main(argv=None) -> dict:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        folders = {spec.split("=", 1)[0]: Path(spec.split("=", 1)[1]) for spec in args.variant}
         for direction, rows in table.items():
             for name, latency in measure(rows, folders, direction, tokens, args.repeats).items():
                 rows[name]["latency"] = latency
     if args.keep:
-        for spec in args.variant:
-            name, folder = spec.split("=", 1)
-            for path in sorted(Path(folder).glob("*-to-*/evaluation.json")):
-                destination = args.keep / name / f"{path.parent.name}.json"
+        for name, found in variants.items():
+            for direction, path in found.items():
+                destination = args.keep / name / f"{direction}.json"
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, destination)
     choices = {direction: choose(variants) for direction, variants in table.items()}
