@@ -1,19 +1,19 @@
 """hf-kvmap: map a source model's KV cache into the cache a larger (or smaller) model of the same family expects."""
 
-__version__ = "0.1.0.dev0"
+from transformers import AutoConfig, AutoModel
 
-from transformers import AutoConfig, AutoModel  # noqa: E402
-
-from ._compat import check_transformers_version  # noqa: E402
+from ._compat import check_transformers_version
+from ._version import __version__
 
 check_transformers_version()
 
 from .cache import MappedCache, MappedLayer  # noqa: E402
-from .configuration_mapper import MapperConfig  # noqa: E402
-from .fitting import LayerSelection, fit_mapper, mapper_from_statistics  # noqa: E402
-from .modeling_mapper import MapperModel  # noqa: E402
+from .configuration_mapper import FitOptions, MapperConfig  # noqa: E402
+from .fitting import FittedMapper  # noqa: E402
+from .geometry import UnsupportedArchitectureError  # noqa: E402
+from .modeling_mapper import MapperModel, fit_mapper, mapper_from_statistics  # noqa: E402
 from .placement import mapper_device_map, target_layer_devices  # noqa: E402
-from .rope import UnsupportedArchitectureError  # noqa: E402
+from .selection import LayerSelection  # noqa: E402
 from .statistics import CalibrationStatistics  # noqa: E402
 
 AutoConfig.register(MapperConfig.model_type, MapperConfig, exist_ok=True)
@@ -21,6 +21,8 @@ AutoModel.register(MapperConfig, MapperModel, exist_ok=True)
 
 __all__ = [
     "CalibrationStatistics",
+    "FitOptions",
+    "FittedMapper",
     "LayerSelection",
     "MappedCache",
     "MappedLayer",

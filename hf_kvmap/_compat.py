@@ -11,6 +11,7 @@ import transformers
 from packaging import version
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
 
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 MIN_TRANSFORMERS = version.parse("5.23.0")
@@ -64,3 +65,22 @@ def model_revision(config: PretrainedConfig) -> str | None:
 def set_model_revision(config: PretrainedConfig, revision: str) -> None:
     """Record a revision on a config the way transformers does for Hub models (see `model_revision`)."""
     config._commit_hash = revision
+
+
+def init_cache_with_layers(cache: Cache, layers: list) -> None:
+    """Initialize a `DynamicCache` subclass around layers already built.
+
+    `DynamicCache.__init__` (5.23) builds its layers only from `ddp_cache_data` or a model config; the base `Cache`
+    takes ready layers, so a cache holding mapped layers is initialized through it.
+    """
+    Cache.__init__(cache, layers=layers)
+
+
+def unhooked_forward(module: nn.Module):
+    """`module.forward` without the hook accelerate's `dispatch_model` wraps around it.
+
+    A model dispatched with a `device_map` gets a top-level `AlignDevicesHook` that moves the inputs to the main device
+    and the outputs back to the inputs' device. A mapper's outputs must instead stay where each mapper layer ran
+    (beside the target layer that reads them); the layers' own hooks still place their computation.
+    """
+    return type(module).forward.__get__(module)

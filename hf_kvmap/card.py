@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import Any
 
-import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .reporting import fmt_number
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
-
-
-def content_hash(tensors) -> str:
-    """sha256 over every tensor, sorted by name: name, dtype, shape, raw bytes as stored.
-
-    `tensors` is a mapping (e.g. a state dict) or anything with `keys()` and `__getitem__` that loads lazily, so
-    a large artifact is hashed one tensor at a time.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(tensors.keys()):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return "sha256:" + digest.hexdigest()
 
 
 def _side(config, side: str) -> dict[str, Any]:
@@ -108,12 +92,12 @@ def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
     settings = [(key, training[key]) for key in _MLP_SETTINGS if training.get(key) is not None]
     rows = []
     for entry in training.get("layers", []):
-        for kind in ("key", "value"):
-            row = entry[kind]
+        for part in ("key", "value"):
+            row = entry[part]
             rows.append(
                 {
                     "layer": entry["layer"],
-                    "kind": kind,
+                    "part": part,
                     # MSEs span orders of magnitude across layers: significant digits
                     "ridge_mse": fmt_number(row.get("ridge_val_mse"), 3, "g"),
                     "mlp_mse": fmt_number(row.get("val_mse"), 3, "g"),
@@ -153,7 +137,8 @@ def render_card(
     retention_rows = [
         {
             "name": name,
-            "kind": row.get("kind", ""),
+            # "kind": results written before the task type had its own name
+            "task_type": row.get("task_type", row.get("kind", "")),
             "source": fmt_number(row.get("source")),
             "target": fmt_number(row.get("target")),
             "mapped": fmt_number(row.get("mapped")),

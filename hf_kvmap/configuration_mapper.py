@@ -1,15 +1,25 @@
-"""`MapperConfig`: everything needed to apply a KV-cache mapper without guessing."""
+"""`MapperConfig`: everything needed to apply a KV-cache mapper without guessing; `FitOptions`: how one is fitted.
+
+Every default of fitting (`ridge_lambda`, `top_k`, the mapper kinds, the MLP training settings) and its validation
+live here, once: the library's functions, `MapperModel.fit` and the command line all take them from `FitOptions`.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
+
+from ._version import __version__
+from .geometry import KVGeometry, text_config
 
 MAPPER_KINDS = ("ridge", "mlp")
 INPUT_KINDS = ("same", "both")
 LAMBDA_CONVENTIONS = ("absolute", "per_token")
+MLP_INITS = ("ridge", "random")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
 _MODEL_CONFIG_KEYS = (
@@ -31,13 +41,118 @@ _MODEL_CONFIG_KEYS = (
 
 def summarize_model_config(config: PretrainedConfig | dict) -> dict[str, Any]:
     """The subset of a (text) model config that a `MapperConfig` records for one side."""
-    from .rope import text_config
-
     config = text_config(config)
     full = config.to_dict()
     summary = {key: copy.deepcopy(full[key]) for key in _MODEL_CONFIG_KEYS if key in full}
     summary["model_type"] = config.model_type
     return summary
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Raise `ValueError` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}.")
+
+
+def check_int(name: str, value, minimum: int, *, allow_none: bool = False, meaning: str = "") -> None:
+    """Raise `ValueError` unless `value` is an integer (not a bool) `>= minimum` (or `None` with `allow_none`)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {what}{meaning}.")
+
+
+def check_number(name: str, value, minimum: float, *, strict: bool = False, below: float | None = None) -> None:
+    """Raise `ValueError` unless `value` is a real number `>= minimum` (`> minimum` with `strict`, `< below`)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > minimum if strict else value >= minimum) and (below is None or value < below)
+    if not ok:
+        bound = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below is not None else "")
+        raise ValueError(f"{name}={value!r} must be a number {bound}.")
+
+
+@dataclasses.dataclass
+class FitOptions:
+    r"""
+    How a mapper is fitted (the one home of every fitting default and its validation).
+
+    Args:
+        kind (`str`, *optional*, defaults to `"ridge"`): the mapper kind, one of `MAPPER_KINDS`.
+        top_k (`int`, *optional*, defaults to 8): source layers per target layer, chosen by the single-source probe
+            (`None`: all). Ignored when `source_layers` is given.
+        source_layers (`list[list[int]]`, *optional*): explicit source layers per target layer (skips selection).
+        ridge_lambda (`float`, *optional*, defaults to 0.01): ridge penalty (of the ridge kind, of the MLP's ridge
+            initialization and of its comparison ridge).
+        lambda_convention (`str`, *optional*, defaults to `"absolute"`): `"absolute"` adds `lambda I`,
+            `"per_token"` adds `N lambda I` with `N` calibration positions.
+        input_kinds (`str`, *optional*, defaults to `"same"`), context_window (`int`, *optional*, defaults to 0): what
+            each map reads (see `MapperConfig`).
+        hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
+        epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
+            `hf_kvmap.training.train_headwise_mlp`).
+        val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out (MLP only).
+        stride (`int`, *optional*, defaults to 1): keep every `stride`-th calibration position.
+        statistics_dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype.
+        max_memory_bytes (`int`, *optional*, defaults to 16 GiB): bound on calibration features kept in memory.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the fitted mapper's weights.
+    """
+
+    kind: str = "ridge"
+    top_k: int | None = 8
+    source_layers: list[list[int]] | None = None
+    ridge_lambda: float = 0.01
+    lambda_convention: str = "absolute"
+    input_kinds: str = "same"
+    context_window: int = 0
+    hidden_size: int = 1024
+    epochs: int = 20
+    batch_tokens: int = 4096
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    val_fraction: float = 0.1
+    patience: int | None = 3
+    init: str = "ridge"
+    seed: int = 0
+    stride: int = 1
+    statistics_dtype: torch.dtype = torch.float64
+    max_memory_bytes: int | None = 16 * 2**30
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first bad value."""
+        check_choice("kind", self.kind, MAPPER_KINDS)
+        check_choice("init", self.init, MLP_INITS)
+        check_choice("input_kinds", self.input_kinds, INPUT_KINDS)
+        check_choice("lambda_convention", self.lambda_convention, LAMBDA_CONVENTIONS)
+        check_int("top_k", self.top_k, 1, allow_none=True, meaning=", or None for all source layers")
+        check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
+        check_number("ridge_lambda", self.ridge_lambda, 0)
+        check_int("hidden_size", self.hidden_size, 1)
+        check_int("epochs", self.epochs, 0)
+        check_int("batch_tokens", self.batch_tokens, 1)
+        check_number("lr", self.lr, 0, strict=True)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_number("val_fraction", self.val_fraction, 0, below=1)
+        check_int("patience", self.patience, 0, allow_none=True)
+        check_int("stride", self.stride, 1)
+        check_int("max_memory_bytes", self.max_memory_bytes, 1, allow_none=True)
+
+    @property
+    def fits_on_features(self) -> bool:
+        """Whether the mapper is fitted on calibration features kept in memory: the MLP, and any input the
+        sufficient statistics do not cover; only the per-position ridge is solved from statistics alone."""
+        return self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0
+
+    def replace(self, **changes) -> FitOptions:
+        """A copy with `changes` (validated); unknown names raise `TypeError` naming them."""
+        unknown = sorted(set(changes) - {field.name for field in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"Unknown fitting options {unknown}; see `hf_kvmap.FitOptions` for the known ones.")
+        return dataclasses.replace(self, **changes)
 
 
 class MapperConfig(PretrainedConfig):
@@ -116,8 +231,6 @@ class MapperConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         **kwargs,
     ):
-        from . import __version__
-
         self.source_config = dict(source_config) if source_config is not None else None
         self.target_config = dict(target_config) if target_config is not None else None
         self.kind = kind
@@ -144,15 +257,11 @@ class MapperConfig(PretrainedConfig):
 
     # Geometry of each side, derived from the recorded model configs.
     @property
-    def source_geometry(self):
-        from .rope import KVGeometry
-
+    def source_geometry(self) -> KVGeometry:
         return KVGeometry.from_config(self.source_config)
 
     @property
-    def target_geometry(self):
-        from .rope import KVGeometry
-
+    def target_geometry(self) -> KVGeometry:
         return KVGeometry.from_config(self.target_config)
 
     def input_width(self, target_layer: int) -> int:
@@ -168,24 +277,12 @@ class MapperConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise `ValueError` naming the bad value if the config is inconsistent."""
-        if self.kind not in MAPPER_KINDS:
-            raise ValueError(f"kind={self.kind!r} is not a mapper kind; expected one of {MAPPER_KINDS}.")
-        if self.lambda_convention not in LAMBDA_CONVENTIONS:
-            raise ValueError(f"lambda_convention={self.lambda_convention!r} is not one of {LAMBDA_CONVENTIONS}.")
-        if self.input_kinds not in INPUT_KINDS:
-            raise ValueError(f"input_kinds={self.input_kinds!r} is not one of {INPUT_KINDS}.")
-        if (
-            isinstance(self.context_window, bool)
-            or not isinstance(self.context_window, int)
-            or self.context_window < 0
-        ):
-            raise ValueError(
-                f"context_window={self.context_window!r} must be a non-negative integer (0: per position)."
-            )
-        if self.mlp_hidden_size < 1:
-            raise ValueError(f"mlp_hidden_size={self.mlp_hidden_size} must be a positive integer.")
-        if self.ridge_lambda < 0:
-            raise ValueError(f"ridge_lambda={self.ridge_lambda} must be >= 0.")
+        check_choice("kind", self.kind, MAPPER_KINDS)
+        check_choice("lambda_convention", self.lambda_convention, LAMBDA_CONVENTIONS)
+        check_choice("input_kinds", self.input_kinds, INPUT_KINDS)
+        check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
+        check_int("mlp_hidden_size", self.mlp_hidden_size, 1)
+        check_number("ridge_lambda", self.ridge_lambda, 0)
         if self.source_config is None or self.target_config is None:
             return  # a bare config (e.g. `MapperConfig()` while loading) is completed by `from_dict`
         for side, summary in (("source_config", self.source_config), ("target_config", self.target_config)):

@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from .cache import MappedCache
-from .evaluation import Handoff
+from .evaluation import Handoff, evaluate_items
+from .regression import r2_score
 from .rope import RotaryCodec
 
 
@@ -26,7 +27,7 @@ def _r2_per_head(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
     flat_pred = predicted.transpose(0, 1).reshape(true.shape[1], -1, true.shape[-1])
     ss_res = (flat_pred - flat_true).square().sum(dim=(1, 2))
     ss_tot = (flat_true - flat_true.mean(dim=1, keepdim=True)).square().sum(dim=(1, 2))
-    return 1 - ss_res / ss_tot
+    return r2_score(ss_res, ss_tot)
 
 
 def _attention_inputs(model, layer_idx: int, ids, cache):
@@ -114,27 +115,6 @@ def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_toke
     }
 
 
-def plot_diagnostics(diagnostics: dict, path) -> None:
-    """Heat maps (layer x head) of key R^2, value R^2 and attention cosine, saved as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = ("key_r2", "value_r2", "attention_cosine")
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    for ax, key in zip(axes, keys):
-        data = [layer[key] for layer in diagnostics["layers"]]
-        image = ax.imshow(data, aspect="auto", vmin=min(0.0, min(map(min, data))), vmax=1.0, cmap="viridis")
-        ax.set_title(key.replace("_", " "))
-        ax.set_xlabel("head")
-        ax.set_ylabel("target layer")
-        fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 @dataclass
 class _SwapHandoff(Handoff):
     """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`."""
@@ -171,9 +151,7 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
     Returns:
         `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`.
     """
-    from .evaluation import evaluate_items
-
-    kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
+    kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
     num_layers = handoff.mapper.config.target_geometry.num_layers
     layers = range(num_layers) if layers is None else layers
 
@@ -187,12 +165,12 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
             layers=tuple(swap_layers),
             parts=parts,
         )
-        return evaluate_items(probe, task.kind, task.items, mode, **kwargs)
+        return evaluate_items(probe, task.task_type, task.items, mode, **kwargs)
 
     return {
         "task": task.name,
         "target": score("target"),
-        "mapped": evaluate_items(handoff, task.kind, task.items, "mapped", **kwargs),
+        "mapped": evaluate_items(handoff, task.task_type, task.items, "mapped", **kwargs),
         "layers": {layer: score("mapped", (layer,)) for layer in layers},
         "keys_only": score("mapped", tuple(range(num_layers)), ("keys",)),
         "values_only": score("mapped", tuple(range(num_layers)), ("values",)),

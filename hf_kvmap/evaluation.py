@@ -19,6 +19,7 @@ from .cache import MappedCache
 from .rope import positions_from_attention_mask
 
 MODES = ("source", "target", "mapped")
+TASK_TYPES = ("exact_match", "choice", "perplexity")
 
 
 @dataclass
@@ -138,37 +139,38 @@ def _accuracy(flags: Sequence[bool]) -> float:
     return sum(map(bool, flags)) / max(len(flags), 1)
 
 
-def evaluate_items(handoff: Handoff, kind: str, items: Sequence, mode: str, **kwargs) -> float:
-    """Score `items` of one task kind under `mode`.
+def evaluate_items(handoff: Handoff, task_type: str, items: Sequence, mode: str, **kwargs) -> float:
+    """Score `items` of one task type under `mode`.
 
-    `kind`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`),
+    `task_type`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`),
     `"choice"` (`.context`, `.choices`, `.label`) -> accuracy; `"perplexity"` (`.text`) -> perplexity.
     """
-    if kind == "exact_match":
+    if task_type == "exact_match":
         prompts = [getattr(item, "prompt", "") or item.context for item in items]
         stop = kwargs.get("stop", getattr(items[0], "stop", ""))
         return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stop))
-    if kind == "choice":
+    if task_type == "choice":
         hits = []
         for item in items:
             scores = handoff.choice_logprobs(mode, item.context, item.choices)
             hits.append(max(range(len(scores)), key=scores.__getitem__) == item.label)
         return _accuracy(hits)
-    if kind == "perplexity":
+    if task_type == "perplexity":
         total, count = 0.0, 0
         for item in items:
             nll, n = handoff.continuation_nll(mode, item.text)
             total, count = total + nll, count + n
         return math.exp(total / count)
-    raise ValueError(f"kind={kind!r}; expected 'exact_match', 'choice' or 'perplexity'.")
+    raise ValueError(f"task_type={task_type!r}; expected one of {TASK_TYPES}.")
 
 
 @dataclass
 class TaskSpec:
-    """One evaluation task: its items, how they are scored, the chance level, and the stop string for generation."""
+    """One evaluation task: its items, how they are scored (`task_type`, one of `TASK_TYPES`), the chance level, and
+    the stop string for generation."""
 
     name: str
-    kind: str
+    task_type: str
     items: Sequence
     chance: float = 0.0
     stop: str = ""
@@ -185,9 +187,6 @@ class JsonlItem:
     label: int = -1
     text: str = ""
     stop: str = ""
-
-
-TASK_KINDS = ("exact_match", "choice", "perplexity")
 
 
 def load_jsonl_tasks(path) -> list[TaskSpec]:
@@ -211,20 +210,20 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from None
-        name, kind = row.get("task"), row.get("type", "exact_match")
+        name, task_type = row.get("task"), row.get("type", "exact_match")
         if not name:
             raise ValueError(f"{path}:{number}: every line needs a `task` name.")
-        if kind not in TASK_KINDS:
-            raise ValueError(f"{path}:{number}: type={kind!r}; expected one of {TASK_KINDS}.")
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"{path}:{number}: type={task_type!r}; expected one of {TASK_TYPES}.")
         required = {
             "exact_match": ("prompt", "answer"),
             "choice": ("context", "choices", "label"),
             "perplexity": ("text",),
         }
-        missing = [field for field in required[kind] if field not in row]
+        missing = [field for field in required[task_type] if field not in row]
         if missing:
-            raise ValueError(f"{path}:{number}: a {kind} item needs {missing}.")
-        if kind == "choice" and not 0 <= int(row["label"]) < len(row["choices"]):
+            raise ValueError(f"{path}:{number}: a {task_type} item needs {missing}.")
+        if task_type == "choice" and not 0 <= int(row["label"]) < len(row["choices"]):
             raise ValueError(
                 f"{path}:{number}: label {row['label']} is out of range for {len(row['choices'])} choices."
             )
@@ -238,27 +237,14 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
             stop=row.get("stop", ""),
         )
         if name not in tasks:
-            chance = row.get("chance", 1 / len(item.choices) if kind == "choice" else 0.0)
-            tasks[name] = TaskSpec(name, kind, [], chance=float(chance), stop=item.stop)
-        elif tasks[name].kind != kind:
-            raise ValueError(f"{path}:{number}: task {name!r} mixes types {tasks[name].kind} and {kind}.")
+            chance = row.get("chance", 1 / len(item.choices) if task_type == "choice" else 0.0)
+            tasks[name] = TaskSpec(name, task_type, [], chance=float(chance), stop=item.stop)
+        elif tasks[name].task_type != task_type:
+            raise ValueError(f"{path}:{number}: task {name!r} mixes types {tasks[name].task_type} and {task_type}.")
         tasks[name].items.append(item)
     if not tasks:
         raise ValueError(f"{path} holds no task items.")
     return list(tasks.values())
-
-
-def tiny_family_tasks(items: int = 200, seed: int = 1234) -> list[TaskSpec]:
-    """The task set of the shipped tiny family (`hf_kvmap.zoo.corpus`), as the demo and the cards use it."""
-    from .zoo import corpus
-
-    return [
-        TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", items, seed=seed), stop="\n"),
-        TaskSpec("arithmetic", "exact_match", corpus.make_eval_set("arithmetic", items, seed=seed), stop="\n"),
-        TaskSpec("choice", "choice", corpus.make_eval_set("choice", items, seed=seed), chance=0.25),
-        TaskSpec("chat", "exact_match", corpus.make_eval_set("chat", items, seed=seed), stop=corpus.END),
-        TaskSpec("text", "perplexity", corpus.make_eval_set("text", max(items // 4, 4), seed=seed, n_chars=384)),
-    ]
 
 
 def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:
@@ -274,17 +260,17 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
     for task in tasks:
         scores = {}
         for mode in MODES:
-            kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
-            scores[mode] = evaluate_items(handoff, task.kind, task.items, mode, **kwargs)
+            kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
+            scores[mode] = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
             bar.update(1)
-        if task.kind == "perplexity":
+        if task.task_type == "perplexity":
             results["perplexity"][task.name] = {**scores, "n_items": len(task.items)}
         else:
             results["tasks"][task.name] = {
                 **scores,
                 "chance": task.chance,
                 "n_items": len(task.items),
-                "kind": task.kind,
+                "task_type": task.task_type,
             }
     bar.close()
     scored = results["tasks"]
@@ -295,7 +281,9 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
             references=[scored[n]["target"] for n in names],
             chance=[scored[n]["chance"] for n in names],
             task_names=names,
-            generation_tasks=[n for n in names if scored[n]["kind"] == "exact_match" and scored[n]["chance"] == 0],
+            generation_tasks=[
+                n for n in names if scored[n]["task_type"] == "exact_match" and scored[n]["chance"] == 0
+            ],
         )
         for name in names:
             scored[name].update(metric["per_task"][name])

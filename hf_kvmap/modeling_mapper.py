@@ -1,10 +1,16 @@
-"""`MapperModel`: a fitted map from a source model's KV cache to a target model's, packaged as a `PreTrainedModel`."""
+"""`MapperModel`: a fitted map from a source model's KV cache to a target model's, packaged as a `PreTrainedModel`.
+
+The model computes: `MapperModel.forward` is the whole mapping (RoPE strip with the source's rotary embedding, the
+input features of `hf_kvmap.features.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
+`MappedCache.from_source` validates a cache, calls it, and stores the result. What a map is depends on the mapper
+kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -12,97 +18,129 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from ._compat import model_id, model_revision
+from . import fitting
+from .artifacts import EVALUATION_FILE, content_hash, side_mismatches, stored_content_hash, tokenizer_mismatch
+from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
-from .rope import KVGeometry, RotaryCodec, check_supported_layout
+from .features import mapper_inputs
+from .geometry import KVGeometry, check_supported_layout
+from .modeling_mlp import HeadwiseMLP
+from .placement import execution_devices
+from .reporting import write_json
+from .rope import RotaryCodec, RotaryTable
 
 logger = logging.get_logger(__name__)
 
-EVALUATION_FILE = "evaluation.json"
+
+# ------------------------------------------------------------------------------------------------ kinds
+def _ridge_map(config: MapperConfig, in_features: int) -> nn.Module:
+    """`"ridge"`: one affine map, all target KV heads at once."""
+    return nn.Linear(in_features, config.target_geometry.layer_width, bias=True)
 
 
-def window_features(
-    features: torch.Tensor, context_window: int, position_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    r"""
-    The features of each position followed by those of the `context_window` positions before it.
-
-    Args:
-        features (`torch.Tensor`): `(batch, seq, F)`.
-        context_window (`int`): `w`, the number of earlier positions appended.
-        position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions of the tokens. A shift `s` at a token
-            whose position is below `s` reaches before the sequence's first token (left padding) and is zero.
-            Without them the tokens are at `0 .. seq - 1`.
-
-    Returns:
-        `(batch, seq, (w + 1) * F)`: `[x_t, x_{t-1}, ..., x_{t-w}]`, zeros where `t - s` is not a token.
-    """
-    if context_window == 0:
-        return features
-    batch, length, width = features.shape
-    out = features.new_zeros(batch, length, context_window + 1, width)
-    out[:, :, 0] = features
-    for shift in range(1, min(context_window, length - 1) + 1):
-        out[:, shift:, shift] = features[:, :-shift]
-    if position_ids is not None:
-        shifts = torch.arange(1, context_window + 1, device=features.device)
-        reaches_before = position_ids.to(features.device).unsqueeze(-1) < shifts  # (batch, seq, w)
-        out[:, :, 1:].masked_fill_(reaches_before.unsqueeze(-1), 0)
-    return out.view(batch, length, (context_window + 1) * width)
-
-
-def mapper_inputs(
-    config: MapperConfig,
-    key_features: torch.Tensor,
-    value_features: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""
-    The inputs of one target layer's key and value maps, from the content-space features of its selected source
-    layers. The one definition of the input layout, shared by fitting and by `MappedCache.from_source`.
-
-    Args:
-        config ([`MapperConfig`]): its `input_kinds` and `context_window` decide the layout.
-        key_features, value_features (`torch.Tensor`): `(batch, seq, k * n_kv_src * head_dim_src)` RoPE-stripped
-            source keys and source values of the selected layers (layer-major, then head, then dim).
-        position_ids (`torch.Tensor`, *optional*): `(batch, seq)` token positions (see [`window_features`]).
-
-    Returns:
-        `(key_inputs, value_inputs)`, each `(batch, seq, config.input_width(layer))`, laid out as
-        `[position t, t - 1, ..., t - w]`, each `[keys, values]` with `input_kinds="both"` (else its own kind).
-    """
-    window = config.context_window
-    if config.input_kinds == "both":
-        both = window_features(torch.cat([key_features, value_features], dim=-1), window, position_ids)
-        return both, both
-    return window_features(key_features, window, position_ids), window_features(value_features, window, position_ids)
-
-
-def _build_map(config: MapperConfig, in_features: int) -> nn.Module:
+def _mlp_map(config: MapperConfig, in_features: int) -> nn.Module:
+    """`"mlp"`: one MLP per target KV head, batched (`HeadwiseMLP`)."""
     target = config.target_geometry
-    if config.kind == "ridge":
-        return nn.Linear(in_features, target.layer_width, bias=True)
-    from .mlp import HeadwiseMLP
-
     return HeadwiseMLP(in_features, config.mlp_hidden_size, target.num_kv_heads, target.head_dim)
 
 
+#: The module of one map per mapper kind: `(config, in_features) -> nn.Module` taking `(..., in_features)` to
+#: `(..., n_kv_target * head_dim_target)`. A new kind is one entry here and one in `hf_kvmap.fitting.FEATURE_FITTERS`
+#: (and its name in `configuration_mapper.MAPPER_KINDS`).
+MAP_MODULES: dict[str, Callable[[MapperConfig, int], nn.Module]] = {"ridge": _ridge_map, "mlp": _mlp_map}
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def check_source_tensors(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], config: MapperConfig
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer `(keys, values)` of a source cache as a list, checked against the mapper config.
+
+    Raises `ValueError` naming the mismatch (layer count, KV heads, head dim, sequence lengths, dtype).
+    """
+    geometry = config.source_geometry
+    pairs = [tuple(pair) for pair in pairs]
+    if len(pairs) != geometry.num_layers:
+        raise ValueError(
+            f"The source cache has {len(pairs)} layers but the mapper expects {geometry.num_layers} "
+            f"(source model {config.source_model_id or config.source_config.get('model_type')}). "
+            "Pass the cache of the source model the mapper was fitted for."
+        )
+    expected = None
+    for idx, pair in enumerate(pairs):
+        if len(pair) != 2 or pair[0] is None or pair[1] is None:
+            raise ValueError(f"Source cache layer {idx} is empty: prefill the source model before mapping its cache.")
+        keys, values = pair
+        for name, tensor, dim in (("keys", keys, geometry.head_dim), ("values", values, geometry.head_dim)):
+            if tensor.dim() != 4:
+                raise ValueError(
+                    f"Source cache layer {idx} {name} have shape {tuple(tensor.shape)}; expected 4 dims "
+                    "(batch, num_kv_heads, seq, head_dim)."
+                )
+            if tensor.shape[1] != geometry.num_kv_heads:
+                raise ValueError(
+                    f"Source cache layer {idx} {name} have {tensor.shape[1]} KV heads but the mapper expects "
+                    f"{geometry.num_kv_heads}."
+                )
+            if tensor.shape[3] != dim:
+                raise ValueError(
+                    f"Source cache layer {idx} {name} have head_dim {tensor.shape[3]} but the mapper expects {dim}."
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"Source cache layer {idx} {name} have dtype {tensor.dtype}; expected a float dtype.")
+        if keys.shape != values.shape:
+            raise ValueError(
+                f"Source cache layer {idx} keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape."
+            )
+        if expected is None:
+            expected = keys.shape
+        elif keys.shape[0] != expected[0] or keys.shape[2] != expected[2]:
+            raise ValueError(
+                f"Source cache layer {idx} has batch x seq {tuple(keys.shape[::2][:2])}, layer 0 has "
+                f"{(expected[0], expected[2])}: all layers must cover the same tokens."
+            )
+    return pairs
+
+
+def _check_finite(tensor: torch.Tensor, what: str) -> None:
+    if tensor.device.type != "meta" and not torch.isfinite(tensor).all():
+        raise ValueError(f"{what} contains NaN or inf values; refusing to map a corrupted cache.")
+
+
+def check_finite_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`_check_finite` for every layer at once: one `aminmax` pass per tensor (NaN propagates, +-inf shows in the
+    max/min) and a single host sync for the whole cache instead of one per tensor."""
+    extremes, home = [], None
+    for keys, values in pairs:
+        for tensor in (keys, values):
+            if tensor.device.type == "meta":
+                continue
+            home = tensor.device if home is None else home
+            extremes.append(torch.stack(torch.aminmax(tensor)).float().to(home, non_blocking=True))
+    if extremes and not torch.isfinite(torch.cat(extremes)).all():
+        for idx, (keys, values) in enumerate(pairs):  # slow path, only to name the layer
+            _check_finite(keys, f"Source cache layer {idx} keys")
+            _check_finite(values, f"Source cache layer {idx} values")
+
+
+# ------------------------------------------------------------------------------------------------ modules
 class MapperLayer(nn.Module):
     """The maps that produce one target layer: keys and values, all target KV heads at once.
 
     `key_proj` takes the content-space keys of the selected source layers, concatenated in the order of
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
     of every target KV head, flattened the same way. `value_proj` does the same for values. (With
-    `config.input_kinds="both"` or a `config.context_window`, both read the wider inputs of [`mapper_inputs`].) For `kind="ridge"` each
-    is one `nn.Linear`; for `kind="mlp"` a `HeadwiseMLP` (one MLP per target head, batched).
+    `config.input_kinds="both"` or a `config.context_window`, both read the wider inputs of [`mapper_inputs`].) The
+    module of each map comes from `MAP_MODULES[config.kind]`.
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         in_features = config.input_width(layer_idx)
-        self.key_proj = _build_map(config, in_features)
-        self.value_proj = _build_map(config, in_features)
+        build = MAP_MODULES[config.kind]
+        self.key_proj = build(config, in_features)
+        self.value_proj = build(config, in_features)
 
     def forward(self, key_features: torch.Tensor, value_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(..., in_features)` features -> `(..., n_kv_target * head_dim_target)` keys and values."""
@@ -118,7 +156,7 @@ class MapperPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if type(module).__name__ == "HeadwiseMLP":  # plain parameters that the generic init does not know
+        if isinstance(module, HeadwiseMLP):  # plain parameters that the generic init does not know
             module.reset_parameters()
 
 
@@ -197,44 +235,180 @@ class MapperModel(MapperPreTrainedModel):
                     proj.bias.zero_()
         return model.to(dtype)
 
+    # ------------------------------------------------------------------------------------------ mapping
     @torch.no_grad()
     def forward(
         self,
         source_keys: Sequence[torch.Tensor],
         source_values: Sequence[torch.Tensor],
         position_ids: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        devices: Sequence[torch.device | str] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Map per-layer source keys/values `(batch, n_kv_src, seq, head_dim_src)` to target ones.
+        r"""
+        Map per-layer source keys/values into the target's, built layer by layer (peak extra memory: one layer's
+        features plus the RoPE-stripped keys of the source layers still to be read).
 
-        Returns one `(keys, values)` pair per target layer, `(batch, n_kv_tgt, seq, head_dim_tgt)`, on the device of
-        the mapper layer that produced it. `position_ids` `(batch, seq)` default to `arange(seq)`.
+        Per target layer, the features of its selected source layers are written into one buffer (keys stripped of
+        the source's rope, each source layer once per device), laid out by [`mapper_inputs`], multiplied by the
+        layer's key and value maps at once for all target heads, and the keys re-rotated with the target's rope,
+        written straight into contiguous cache tensors.
+
+        Args:
+            source_keys, source_values (sequence of `torch.Tensor`): one `(batch, n_kv_src, seq, head_dim_src)`
+                tensor per source layer (keys as the source caches them, i.e. rotated).
+            position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions of the tokens (for both ropes and a
+                context window's first token); default `arange(seq)`.
+            dtype (`torch.dtype`, *optional*): dtype of the mapped tensors; defaults to the source's.
+            devices (sequence of devices, *optional*): where each target layer's tensors go; defaults to the device
+                of the mapper layer that produces it.
+
+        Returns:
+            One `(keys, values)` pair per target layer, `(batch, n_kv_tgt, seq, head_dim_tgt)`.
         """
-        from .cache import MappedCache, source_tensors
-
-        source_kv = source_tensors(list(zip(source_keys, source_values)), self.config)
+        config = self.config
+        source_kv = check_source_tensors(list(zip(source_keys, source_values)), config)
         batch, _, length, _ = source_kv[0][0].shape
         if position_ids is None:
             position_ids = torch.arange(length, device=source_kv[0][0].device).expand(batch, length)
-        cache = MappedCache.map_tensors(source_kv, self, position_ids)
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        num_target = len(config.source_layers)
+        if devices is not None and len(devices) != num_target:
+            raise ValueError(f"devices has {len(devices)} entries; the target has {num_target} layers.")
+        dtype = dtype or source_kv[0][0].dtype
+        source_rope = self.rotary("source").table(position_ids)
+        target_rope = self.rotary("target").table(position_ids)
+        work_devices = execution_devices(self, self.layers)
+        # strip each source layer once per device; drop it after the last target layer that reads it there
+        last_use = {}
+        for idx, selected in enumerate(config.source_layers):
+            for source_layer in selected:
+                last_use[(source_layer, work_devices[idx])] = idx
+        content_keys: dict = {}
+        mapped = []
+        for idx in range(num_target):
+            keys, values = self._map_layer(
+                idx,
+                source_kv,
+                source_rope,
+                target_rope,
+                length,
+                dtype,
+                work_devices[idx],
+                content_keys,
+                position_ids if config.context_window else None,
+            )
+            device = work_devices[idx] if devices is None else torch.device(devices[idx])
+            mapped.append((keys.to(device), values.to(device)))
+            for key in [key for key, last in last_use.items() if last == idx]:
+                content_keys.pop(key, None)
+        return mapped
+
+    def _map_layer(
+        self,
+        layer_idx: int,
+        source_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        source_rope: RotaryTable,
+        target_rope: RotaryTable,
+        length: int,
+        dtype: torch.dtype,
+        work_device: torch.device,
+        content_keys: dict,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target layer `layer_idx` from the first `length` source tokens, computed on `work_device`.
+
+        `content_keys` (shared by the layers of one mapping) keeps each source layer's RoPE-stripped keys, keyed by
+        `(source_layer, device)`, so that a source layer selected by several target layers is stripped once.
+        """
+        mapper_layer = self.layers[layer_idx]
+        work_dtype = next(mapper_layer.parameters()).dtype
+        selected = self.config.source_layers[layer_idx]
+        src, tgt = self.config.source_geometry, self.config.target_geometry
+        batch = source_kv[0][0].shape[0]
+
+        content_keys = {} if content_keys is None else content_keys
+        key_features = torch.empty(
+            batch, length, len(selected), src.num_kv_heads, src.head_dim, dtype=work_dtype, device=work_device
+        )
+        value_features = torch.empty_like(key_features)
+        for slot, source_layer in enumerate(selected):
+            keys, values = source_kv[source_layer]
+            content = content_keys.get((source_layer, work_device))
+            if content is None:
+                keys = keys[:, :, :length].to(work_device, non_blocking=True)
+                content = source_rope.strip(keys).transpose(1, 2).to(work_dtype)
+                content_keys[(source_layer, work_device)] = content
+            key_features[:, :, slot] = content
+            value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
+        key_features, value_features = mapper_inputs(
+            self.config, key_features.view(batch, length, -1), value_features.view(batch, length, -1), position_ids
+        )
+        keys, values = mapper_layer(key_features, value_features)
+        del key_features, value_features
+        shape = (batch, tgt.num_kv_heads, length, tgt.head_dim)
+        keys = keys.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
+        values = values.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
+        mapped_keys = torch.empty(shape, dtype=dtype, device=keys.device)
+        mapped_values = torch.empty(shape, dtype=dtype, device=values.device)
+        if dtype == torch.float32:  # rotate straight into the contiguous cache tensor
+            target_rope.apply(keys.float(), out=mapped_keys)
+        else:  # rotate in float32, round once
+            mapped_keys.copy_(target_rope.apply(keys.float()))
+        mapped_values.copy_(values)
+        return mapped_keys, mapped_values
+
+    # ------------------------------------------------------------------------------------------ fitting
+    @classmethod
+    def from_fitted(cls, fitted: fitting.FittedMapper) -> MapperModel:
+        """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
+        dtype it was fitted for."""
+        with torch.device("meta"):  # every weight is copied in below; skip the random init
+            model = cls(fitted.config)
+        model = model.to_empty(device="cpu").to(fitted.dtype)
+        with torch.no_grad():
+            model.load_state_dict({name: t.to("cpu", fitted.dtype) for name, t in fitted.state_dict.items()})
+        return model.eval()
 
     @classmethod
-    def from_statistics(
-        cls, statistics, *, top_k: int | None = 8, ridge_lambda: float = 0.01, **kwargs
-    ) -> MapperModel:
-        """Closed-form ridge mapper from `CalibrationStatistics` (selection + solve); see `hf_kvmap.fitting`."""
-        from .fitting import mapper_from_statistics
+    def fit(cls, source_model, target_model, calibration, **kwargs) -> MapperModel:
+        r"""
+        Fit a mapper on calibration data through both models (`hf_kvmap.fitting.fit`, then `from_fitted`).
 
-        return mapper_from_statistics(statistics, top_k=top_k, ridge_lambda=ridge_lambda, **kwargs)
+        The per-position ridge is solved from sufficient statistics collected in one pass; the MLP kind and wider
+        inputs are fitted on features kept in memory (a second pass).
+
+        Args:
+            source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
+            calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
+                `attention_mask`).
+            kwargs: the `FitOptions` fields (`kind`, `top_k`, `ridge_lambda`, `context_window`, `hidden_size`,
+                `epochs`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, and the other arguments of
+                `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`).
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> from hf_kvmap import MapperModel
+        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        >>> model = Qwen3ForCausalLM(config)
+        >>> batches = [torch.randint(0, 64, (4, 32)) for _ in range(4)]
+        >>> mapper = MapperModel.fit(model, model, batches, top_k=1, ridge_lambda=1e-6, progress=False)
+        >>> mapper.config.source_layers
+        [[0], [1]]
+        ```
+        """
+        return cls.from_fitted(fitting.fit(source_model, target_model, calibration, **kwargs))
 
     @classmethod
-    def fit(
-        cls, source_model, target_model, calibration, *, top_k: int | None = 8, ridge_lambda: float = 0.01, **kwargs
-    ) -> MapperModel:
-        """Collect calibration statistics in one pass through both models, then solve; see `hf_kvmap.fitting`."""
-        from .fitting import fit_mapper
-
-        return fit_mapper(source_model, target_model, calibration, top_k=top_k, ridge_lambda=ridge_lambda, **kwargs)
+    def from_statistics(cls, statistics, **kwargs) -> MapperModel:
+        """The closed-form ridge mapper from `CalibrationStatistics` (or several covering disjoint target layers):
+        selection and solve, no pass over data (`hf_kvmap.fitting.fit` with `statistics=`; `kwargs` as for
+        [`~MapperModel.fit`], plus `selection=` to reuse a `LayerSelection`)."""
+        return cls.from_fitted(fitting.fit(statistics=statistics, **kwargs))
 
     # ------------------------------------------------------------------------------------------ artifacts
 
@@ -254,8 +428,6 @@ class MapperModel(MapperPreTrainedModel):
                 rendered into the card. Without it, an `evaluation.json` already in the folder is used.
             repo_id (`str`, *optional*): the Hub id the card names (defaults to the folder name).
         """
-        from .card import content_hash
-
         if kwargs.get("safe_serialization") is False:
             raise ValueError("hf-kvmap saves safetensors only; drop `safe_serialization=False`.")
         self.config.content_hash = content_hash(self.state_dict())
@@ -271,9 +443,6 @@ class MapperModel(MapperPreTrainedModel):
         A given `evaluation` is stored as `folder/evaluation.json`; without it, the one already there (if any) is used.
         The card is named after `repo_id` (or the folder). Returns the card's path.
         """
-        from .card import render_card
-        from .reporting import write_json
-
         folder = Path(folder)
         if evaluation is not None:
             write_json(folder / EVALUATION_FILE, evaluation)
@@ -342,16 +511,8 @@ class MapperModel(MapperPreTrainedModel):
         for side, model in (("source", source_model), ("target", target_model)):
             if model is None:
                 continue
-            problems += _side_mismatches(self.config, side, model.config)
-        if tokenizer is not None and self.config.tokenizer_fingerprint:
-            from .fitting import tokenizer_fingerprint
-
-            found = tokenizer_fingerprint(tokenizer)
-            if found != self.config.tokenizer_fingerprint:
-                problems.append(
-                    f"tokenizer: the mapper was fitted with fingerprint {self.config.tokenizer_fingerprint}, "
-                    f"the tokenizer in hand has {found}"
-                )
+            problems += side_mismatches(self.config, side, model.config)
+        problems += tokenizer_mismatch(self.config, tokenizer)
         if problems:
             message = "The mapper does not match the models in hand:\n- " + "\n- ".join(problems)
             if not allow_mismatch:
@@ -360,67 +521,11 @@ class MapperModel(MapperPreTrainedModel):
         return problems
 
 
-def _side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
-    from .rope import text_config
-
-    recorded = getattr(config, f"{side}_config")
-    found = summarize_model_config(model_config)
-    problems = []
-    if found["model_type"] != recorded["model_type"]:
-        problems.append(f"{side} model_type: mapper expects {recorded['model_type']}, model is {found['model_type']}")
-    expected_geometry, found_geometry = KVGeometry.from_config(recorded), KVGeometry.from_config(found)
-    if expected_geometry != found_geometry:
-        problems.append(f"{side} geometry: mapper expects {expected_geometry}, model has {found_geometry}")
-    if recorded.get("rope_parameters") != found.get("rope_parameters"):
-        problems.append(
-            f"{side} rope_parameters: mapper expects {recorded.get('rope_parameters')}, "
-            f"model has {found.get('rope_parameters')}"
-        )
-    text = text_config(model_config)
-    for what, expected, actual in (
-        ("revision", getattr(config, f"{side}_revision"), model_revision(text) or model_revision(model_config)),
-        ("id", getattr(config, f"{side}_model_id"), model_id(model_config)),
-    ):
-        if expected and actual and expected != actual:
-            problems.append(f"{side} {what}: mapper expects {expected}, model has {actual}")
-    return problems
+def fit_mapper(source_model, target_model, calibration, **kwargs) -> MapperModel:
+    """`MapperModel.fit` as a function (see it for the arguments)."""
+    return MapperModel.fit(source_model, target_model, calibration, **kwargs)
 
 
-def _weight_files(pretrained_model_name_or_path, **kwargs) -> list[Path]:
-    path = Path(pretrained_model_name_or_path)
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        path = Path(
-            snapshot_download(
-                str(pretrained_model_name_or_path),
-                revision=kwargs.get("revision"),
-                cache_dir=kwargs.get("cache_dir"),
-                local_files_only=kwargs.get("local_files_only", False),
-                token=kwargs.get("token"),
-                allow_patterns=["*.safetensors", "*.json"],
-            )
-        )
-    subfolder = kwargs.get("subfolder") or ""
-    return sorted((path / subfolder).glob("*.safetensors"))
-
-
-def stored_content_hash(pretrained_model_name_or_path, **kwargs) -> str:
-    """The content hash of the safetensors weights of a saved mapper, read one tensor at a time as stored."""
-    from contextlib import ExitStack
-
-    from safetensors import safe_open
-
-    from .card import content_hash
-
-    with ExitStack() as stack:
-        handles = {}
-        for file in _weight_files(pretrained_model_name_or_path, **kwargs):
-            handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            handles.update(dict.fromkeys(handle.keys(), handle))
-
-        class _Lazy(dict):
-            def __getitem__(self, name):
-                return handles[name].get_tensor(name)
-
-        return content_hash(_Lazy(handles))
+def mapper_from_statistics(statistics, **kwargs) -> MapperModel:
+    """`MapperModel.from_statistics` as a function (see it for the arguments)."""
+    return MapperModel.from_statistics(statistics, **kwargs)

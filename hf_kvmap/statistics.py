@@ -1,6 +1,6 @@
 """Sufficient statistics for closed-form KV-cache mappers, collected in one streaming pass over calibration text.
 
-For every kind (`"key"`, `"value"`) a `CalibrationStatistics` holds, over all calibration positions kept:
+For every part (`"key"`, `"value"`) a `CalibrationStatistics` holds, over all calibration positions kept:
 
 - `count`: the number of positions `N`;
 - `source_sum` `(F_s,)` and the Gram `X^T X` `(F_s, F_s)` of the features of *all* source layers and KV heads;
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +27,13 @@ from transformers import PretrainedConfig
 from transformers.utils import logging
 
 from ._compat import model_id, model_revision
+from .artifacts import file_sha256
 from .configuration_mapper import summarize_model_config
-from .rope import KVGeometry, RotaryCodec, positions_from_attention_mask
+from .features import PARTS, batch_features, input_device
+from .geometry import KVGeometry
 
 logger = logging.get_logger(__name__)
 
-KINDS = ("key", "value")
 STATISTICS_FILE = "statistics.safetensors"
 METADATA_FILE = "statistics.json"
 FORMAT_VERSION = 1
@@ -41,7 +42,7 @@ FORMAT_VERSION = 1
 # that it adds like every other statistic (merge, all_reduce) and does not depend on the order of the sequences.
 _LIMB_BITS = 16
 _NUM_LIMBS = 256 // _LIMB_BITS
-_PER_KIND = ("count", "source_sum", "target_sum", "target_sumsq", "gram", "cross")
+_PER_PART = ("count", "source_sum", "target_sum", "target_sumsq", "gram", "cross")
 _SHARED = ("tokens", "sequences", "fingerprint_limbs")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -56,13 +57,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _model_id(model_or_config) -> tuple[str | None, str | None]:
     config = getattr(model_or_config, "config", model_or_config)
     return model_id(config), model_revision(config)
-
-
-def _input_device(model) -> torch.device:
-    embeddings = model.get_input_embeddings()
-    if embeddings is not None:
-        return embeddings.weight.device
-    return next(model.parameters()).device
 
 
 def _normalize_target_layers(target_layers, num_layers: int) -> list[int] | None:
@@ -88,8 +82,8 @@ def _limbs(value: int) -> torch.Tensor:
 
 
 @dataclass
-class KindStatistics:
-    """The running sums of one kind (`"key"` or `"value"`); see the module docstring for the meaning of each."""
+class PartStatistics:
+    """The running sums of one part (`"key"` or `"value"`); see the module docstring for the meaning of each."""
 
     count: torch.Tensor  # () int64
     source_sum: torch.Tensor  # (F_s,)
@@ -99,7 +93,7 @@ class KindStatistics:
     cross: torch.Tensor  # (F_s, F_t)
 
     @classmethod
-    def zeros(cls, source_width: int, target_width: int, dtype: torch.dtype, device) -> KindStatistics:
+    def zeros(cls, source_width: int, target_width: int, dtype: torch.dtype, device) -> PartStatistics:
         def z(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
@@ -113,7 +107,7 @@ class KindStatistics:
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in _PER_KIND}
+        return {name: getattr(self, name) for name in _PER_PART}
 
     @torch.no_grad()
     def update(self, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -146,7 +140,7 @@ class CalibrationStatistics:
     Args:
         source_config (`PretrainedConfig` or `dict`): the source model config (or its `summarize_model_config`).
         target_config (`PretrainedConfig` or `dict`): the same for the target model.
-        kinds (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`): which caches to accumulate.
+        parts (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`): which caches to accumulate.
         target_layers (`list[int]`, *optional*): restrict the target side to these layers (all when `None`). The
             cross moments shrink accordingly; a mapper can then only be solved for those layers.
         stride (`int`, *optional*, defaults to 1): keep every `stride`-th position of each sequence.
@@ -176,7 +170,7 @@ class CalibrationStatistics:
         source_config: PretrainedConfig | dict,
         target_config: PretrainedConfig | dict,
         *,
-        kinds: Sequence[str] = KINDS,
+        parts: Sequence[str] = PARTS,
         target_layers: Sequence[int] | None = None,
         stride: int = 1,
         dtype: torch.dtype = torch.float64,
@@ -192,10 +186,10 @@ class CalibrationStatistics:
         self.target_config = summarize_model_config(target_config)
         self.source_geometry = KVGeometry.from_config(self.source_config)
         self.target_geometry = KVGeometry.from_config(self.target_config)
-        kinds = tuple(kinds)
-        if not kinds or any(kind not in KINDS for kind in kinds) or len(set(kinds)) != len(kinds):
-            raise ValueError(f"kinds={kinds!r}: expected a non-empty subset of {KINDS} without repeats.")
-        self.kinds = tuple(kind for kind in KINDS if kind in kinds)
+        parts = tuple(parts)
+        if not parts or any(part not in PARTS for part in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"parts={parts!r}: expected a non-empty subset of {PARTS} without repeats.")
+        self.parts = tuple(part for part in PARTS if part in parts)
         self.target_layers = _normalize_target_layers(target_layers, self.target_geometry.num_layers)
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride={stride!r} must be a positive integer.")
@@ -208,15 +202,15 @@ class CalibrationStatistics:
         self.target_model_id = target_model_id
         self.target_revision = target_revision
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.stats: dict[str, KindStatistics] = {}
+        self.stats: dict[str, PartStatistics] = {}
         # Wall-clock seconds spent by `accumulate` (not saved, not merged): forwards, feature extraction + sums.
         self.timings = {"source_forward": 0.0, "target_forward": 0.0, "accumulate": 0.0}
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sequences = torch.zeros((), dtype=torch.int64, device=self.device)
         self.fingerprint_limbs = torch.zeros(_NUM_LIMBS, dtype=torch.int64, device=self.device)
         if _allocate:
-            for kind in self.kinds:
-                self.stats[kind] = KindStatistics.zeros(self.source_width, self.target_width, dtype, self.device)
+            for part in self.parts:
+                self.stats[part] = PartStatistics.zeros(self.source_width, self.target_width, dtype, self.device)
 
     # ------------------------------------------------------------------------------------------------ geometry
     @property
@@ -250,14 +244,14 @@ class CalibrationStatistics:
         start = covered.index(layer) * width
         return slice(start, start + width)
 
-    def __getitem__(self, kind: str) -> KindStatistics:
-        if kind not in self.stats:
-            raise KeyError(f"These statistics hold kinds {self.kinds}, not {kind!r}.")
-        return self.stats[kind]
+    def __getitem__(self, part: str) -> PartStatistics:
+        if part not in self.stats:
+            raise KeyError(f"These statistics hold parts {self.parts}, not {part!r}.")
+        return self.stats[part]
 
-    def count(self, kind: str | None = None) -> int:
-        """Number of positions accumulated (for `kind`, or the first kind)."""
-        return int(self[kind or self.kinds[0]].count)
+    def count(self, part: str | None = None) -> int:
+        """Number of positions accumulated (for `part`, or the first part)."""
+        return int(self[part or self.parts[0]].count)
 
     @property
     def fingerprint(self) -> str:
@@ -273,14 +267,14 @@ class CalibrationStatistics:
             "positions": self.count(),
             "stride": self.stride,
             "fingerprint": self.fingerprint,
-            "kinds": list(self.kinds),
+            "parts": list(self.parts),
             "target_layers": self.target_layers,
             "statistics_dtype": _dtype_name(self.dtype),
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the object by name (`"key.gram"`, ..., `"tokens"`, `"sequences"`, `"fingerprint_limbs"`)."""
-        state = {f"{kind}.{name}": t for kind in self.kinds for name, t in self.stats[kind].tensors().items()}
+        state = {f"{part}.{name}": t for part in self.parts for name, t in self.stats[part].tensors().items()}
         state.update(tokens=self.tokens, sequences=self.sequences, fingerprint_limbs=self.fingerprint_limbs)
         return state
 
@@ -290,9 +284,30 @@ class CalibrationStatistics:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(source={self.source_geometry}, target={self.target_geometry}, kinds={self.kinds}, "
+            f"{type(self).__name__}(source={self.source_geometry}, target={self.target_geometry}, parts={self.parts}, "
             f"target_layers={self.target_layers}, positions={self.count()}, stride={self.stride}, dtype={self.dtype})"
         )
+
+    def centered(self, part: str, rows: torch.Tensor | slice, cols: torch.Tensor | slice | None):
+        """Float64 centered `(Sxx, Sxy, mean_x, mean_y, ss_tot)` of `part` on the source sub-block `rows` x target
+        `cols` (`Sxy` and `ss_tot` are `None` without `cols`): `Xc^T Xc = G - s_x s_x^T / N`, `Xc^T Yc = C - s_x s_y^T /
+        N`, `SS_tot = sum(y^2) - s_y^2 / N`."""
+        s = self[part]
+        n = float(s.count)
+        if n < 2:
+            raise ValueError(f"The {part} statistics hold {int(n)} positions; at least 2 are needed to fit anything.")
+        sx = s.source_sum[rows].double()
+        if isinstance(rows, torch.Tensor):  # gather the sub-block directly, without copying whole rows first
+            gram = s.gram[rows[:, None], rows[None, :]].double()
+        else:
+            gram = s.gram[rows, rows].double()
+        sxx = gram - torch.outer(sx, sx) / n
+        if cols is None:
+            return sxx, None, sx / n, None, None
+        sy = s.target_sum[cols].double()
+        sxy = s.cross[rows, cols].double() - torch.outer(sx, sy) / n
+        ss_tot = s.target_sumsq[cols].double() - sy.square() / n
+        return sxx, sxy, sx / n, sy / n, ss_tot
 
     # ------------------------------------------------------------------------------------------------ memory
     @classmethod
@@ -301,15 +316,15 @@ class CalibrationStatistics:
         source_config: PretrainedConfig | dict,
         target_config: PretrainedConfig | dict,
         *,
-        kinds: Sequence[str] = KINDS,
+        parts: Sequence[str] = PARTS,
         target_layers: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float64,
     ) -> dict[str, int]:
         """Bytes the statistics of this pair will hold, from the two configs alone (no model needed).
 
-        Returns a dict with the bytes of each kind, `"shared"` (provenance counters), `"total"`, the feature widths
+        Returns a dict with the bytes of each part, `"shared"` (provenance counters), `"total"`, the feature widths
         `"source_features"`/`"target_features"`, and `"per_position_features"`: the bytes per kept position of the
-        per-batch feature buffers that `collect` adds on top while a batch is processed (per kind, not summed).
+        per-batch feature buffers that `collect` adds on top while a batch is processed (per part, not summed).
         """
         source = KVGeometry.from_config(summarize_model_config(source_config))
         target = KVGeometry.from_config(summarize_model_config(target_config))
@@ -317,13 +332,13 @@ class CalibrationStatistics:
         n_target = target.num_layers if layers is None else len(layers)
         f_s, f_t = source.num_layers * source.layer_width, n_target * target.layer_width
         item = torch.empty((), dtype=dtype).element_size()
-        per_kind = 8 + item * (f_s + 2 * f_t + f_s * f_s + f_s * f_t)
-        kinds = [kind for kind in KINDS if kind in tuple(kinds)]
+        per_part = 8 + item * (f_s + 2 * f_t + f_s * f_s + f_s * f_t)
+        parts = [part for part in PARTS if part in tuple(parts)]
         shared = 8 * (2 + _NUM_LIMBS)
-        estimate = {kind: per_kind for kind in kinds}
+        estimate = {part: per_part for part in parts}
         estimate.update(
             shared=shared,
-            total=per_kind * len(kinds) + shared,
+            total=per_part * len(parts) + shared,
             source_features=f_s,
             target_features=f_t,
             per_position_features=item * (f_s + f_t),
@@ -374,26 +389,26 @@ class CalibrationStatistics:
         Each argument is either a sequence with one `(batch, n_kv, seq, head_dim)` tensor per layer (keys already
         RoPE-stripped; positions already subsampled; all target layers, the restriction to `target_layers` is applied
         here), or a 2-D feature matrix `(N, F)` already flattened as `layer * n_kv * head_dim + head * head_dim + dim`
-        (the target matrix restricted to `target_layers`). Arguments of a kind that is not accumulated may be `None`.
+        (the target matrix restricted to `target_layers`). Arguments of a part that is not accumulated may be `None`.
 
         Args:
             keep (`torch.Tensor`, *optional*): boolean `(N,)` (rows in `(batch, seq)` order) selecting the positions
                 to accumulate, e.g. to drop padding.
         """
         pairs = {"key": (source_keys, target_keys), "value": (source_values, target_values)}
-        for kind in self.kinds:
-            source, target = pairs[kind]
+        for part in self.parts:
+            source, target = pairs[part]
             if source is None or target is None:
-                raise ValueError(f"These statistics accumulate {kind}s: pass both source and target {kind}s.")
+                raise ValueError(f"These statistics accumulate {part}s: pass both source and target {part}s.")
             num_source, num_target = self.source_geometry.num_layers, self.target_geometry.num_layers
-            x = self._features(source, range(num_source), num_source, self.source_width, f"Source {kind}s")
-            y = self._features(target, self.covered_target_layers, num_target, self.target_width, f"Target {kind}s")
+            x = self._features(source, range(num_source), num_source, self.source_width, f"Source {part}s")
+            y = self._features(target, self.covered_target_layers, num_target, self.target_width, f"Target {part}s")
             if x.shape[0] != y.shape[0]:
-                raise ValueError(f"Source {kind}s give {x.shape[0]} positions but target {kind}s give {y.shape[0]}.")
+                raise ValueError(f"Source {part}s give {x.shape[0]} positions but target {part}s give {y.shape[0]}.")
             if keep is not None:
                 keep_rows = keep.reshape(-1).to(self.device, torch.bool)
                 x, y = x[keep_rows], y[keep_rows]
-            self.stats[kind].update(x, y)
+            self.stats[part].update(x, y)
 
     def _record_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         for row in range(input_ids.shape[0]):
@@ -414,55 +429,6 @@ class CalibrationStatistics:
                 f"rope {expected.get('rope_parameters')})."
             )
 
-    @staticmethod
-    def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(input_ids, attention_mask or None)` of a calibration batch: a `(batch, seq)` (or `(seq,)`) LongTensor, a
-        dict with `input_ids` (and `attention_mask`), or an `(input_ids, attention_mask)` pair. Raises `ValueError`."""
-        if isinstance(batch, Mapping):
-            input_ids, attention_mask = batch["input_ids"], batch.get("attention_mask")
-        elif isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
-            input_ids, attention_mask = batch
-        else:
-            input_ids, attention_mask = batch, None
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                "Each calibration batch must be a LongTensor (batch, seq) of token ids, or a dict with `input_ids` "
-                f"(and optionally `attention_mask`); got {type(input_ids).__name__}."
-            )
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
-            attention_mask = None if attention_mask is None else attention_mask.reshape(1, -1)
-        if input_ids.dim() != 2:
-            raise ValueError(f"Calibration input_ids have shape {tuple(input_ids.shape)}; expected (batch, seq).")
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids have {tuple(input_ids.shape)}."
-            )
-        return input_ids.long(), attention_mask
-
-    @staticmethod
-    @torch.no_grad()
-    def model_features(
-        model, codec: RotaryCodec, input_ids, attention_mask, position_ids, stride: int, kinds: Sequence[str]
-    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Run `model` once on a batch; return its per-layer content-space keys and values at every `stride`-th
-        position, `(batch, n_kv, ceil(seq / stride), head_dim)` on each layer's device (`None` for a kind not in
-        `kinds`). Keys are RoPE-stripped with `codec` (the model's `RotaryCodec`) at `position_ids`."""
-        device = _input_device(model)
-        kwargs = {"use_cache": True}
-        if attention_mask is not None:
-            kwargs.update(attention_mask=attention_mask.to(device), position_ids=position_ids.to(device))
-        cache = model(input_ids.to(device), **kwargs).past_key_values
-        keys, values = None, None
-        if "key" in kinds:
-            table = codec.table(position_ids[:, ::stride])
-            keys = [table.strip(layer.keys[:, :, ::stride]) for layer in cache.layers]
-        if "value" in kinds:
-            values = [layer.values[:, :, ::stride] for layer in cache.layers]
-        return keys, values
-
-    # Former private names (used by `hf_kvmap.mlp`).
-
     @torch.no_grad()
     def accumulate(
         self, source_model, target_model, calibration: Iterable, *, progress: bool = True
@@ -472,8 +438,6 @@ class CalibrationStatistics:
         Batches are `(batch, seq)` LongTensors of token ids, or dicts with `input_ids` and `attention_mask` (left or
         right padding: padded positions are skipped and positions follow the mask as `generate` derives them).
         """
-        from tqdm.auto import tqdm
-
         self._check_model(source_model, "source")
         self._check_model(target_model, "target")
         for side, model in (("source", source_model), ("target", target_model)):
@@ -481,30 +445,20 @@ class CalibrationStatistics:
                 logger.warning(
                     f"The {side} model is in training mode (dropout active); call `.eval()` before fitting."
                 )
-        source_codec, target_codec = RotaryCodec(source_model.config), RotaryCodec(target_model.config)
-        total = len(calibration) if hasattr(calibration, "__len__") else None
-        bar = tqdm(calibration, total=total, desc="calibration", unit="batch", disable=not progress)
-        clock = _Clock({_input_device(source_model), _input_device(target_model), self.device})
-        for batch in bar:
-            input_ids, attention_mask = self.unpack_batch(batch)
-            size, length = input_ids.shape
-            position_ids = positions_from_attention_mask(attention_mask, size, length, input_ids.device)
-            start = clock()
-            source_kv = self.model_features(
-                source_model, source_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
-            )
-            middle = clock()
-            target_kv = self.model_features(
-                target_model, target_codec, input_ids, attention_mask, position_ids, self.stride, self.kinds
-            )
-            end = clock()
-            keep = None if attention_mask is None else attention_mask[:, :: self.stride].bool()
-            self.update(*source_kv, *target_kv, keep=keep)
-            self._record_sequences(input_ids, attention_mask)
-            self.timings["source_forward"] += middle - start
-            self.timings["target_forward"] += end - middle
-            self.timings["accumulate"] += clock() - end
-            bar.set_postfix(positions=self.count(), refresh=False)
+        for batch in batch_features(
+            source_model,
+            target_model,
+            calibration,
+            stride=self.stride,
+            parts=self.parts,
+            timings=self.timings,
+            devices=(self.device,),
+            progress=progress,
+            postfix=lambda: {"positions": self.count()},
+        ):
+            keep = None if batch.attention_mask is None else batch.attention_mask[:, :: self.stride].bool()
+            self.update(*batch.source, *batch.target, keep=keep)
+            self._record_sequences(batch.input_ids, batch.attention_mask)
         return self
 
     @classmethod
@@ -516,7 +470,7 @@ class CalibrationStatistics:
         *,
         stride: int = 1,
         dtype: torch.dtype = torch.float64,
-        kinds: Sequence[str] = KINDS,
+        parts: Sequence[str] = PARTS,
         target_layers: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         progress: bool = True,
@@ -535,7 +489,7 @@ class CalibrationStatistics:
                 `attention_mask`).
             stride (`int`, *optional*, defaults to 1): keep every `stride`-th position.
             dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype.
-            kinds (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`).
+            parts (`tuple[str, ...]`, *optional*, defaults to `("key", "value")`).
             target_layers (`list[int]`, *optional*): restrict the target side (see `memory_estimate`).
             device (`torch.device`, *optional*): where the sums live; defaults to the source model's input device.
             progress (`bool`, *optional*, defaults to `True`): show a tqdm progress bar.
@@ -546,11 +500,11 @@ class CalibrationStatistics:
         stats = cls(
             source_model.config,
             target_model.config,
-            kinds=kinds,
+            parts=parts,
             target_layers=target_layers,
             stride=stride,
             dtype=dtype,
-            device=device if device is not None else _input_device(source_model),
+            device=device if device is not None else input_device(source_model),
             source_model_id=source_id,
             source_revision=source_revision,
             target_model_id=target_id,
@@ -564,7 +518,7 @@ class CalibrationStatistics:
         return {
             "source_config": self.source_config,
             "target_config": self.target_config,
-            "kinds": list(self.kinds),
+            "parts": list(self.parts),
             "target_layers": self.target_layers,
             "stride": self.stride,
             "dtype": _dtype_name(self.dtype),
@@ -585,7 +539,7 @@ class CalibrationStatistics:
             if value != other_value:
                 raise ValueError(
                     f"Cannot merge calibration statistics: {field} differs ({value!r} here, {other_value!r} in the "
-                    "other). Statistics only add up for the same model pair, kinds, target_layers, stride and dtype."
+                    "other). Statistics only add up for the same model pair, parts, target_layers, stride and dtype."
                 )
 
     @torch.no_grad()
@@ -656,7 +610,7 @@ class CalibrationStatistics:
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
         save_file(state, tensors_path, metadata={"format": "pt"})
         metadata = self.metadata()
-        metadata["sha256"] = _file_sha256(tensors_path)
+        metadata["sha256"] = file_sha256(tensors_path)
         with open(os.path.join(path, METADATA_FILE), "w", encoding="utf-8") as handle:
             json.dump(metadata, handle, indent=2, sort_keys=True)
             handle.write("\n")
@@ -675,14 +629,14 @@ class CalibrationStatistics:
                 f"{path}: statistics format_version {meta.get('format_version')} is not {FORMAT_VERSION}."
             )
         tensors_path = os.path.join(path, STATISTICS_FILE)
-        if verify and meta.get("sha256") != _file_sha256(tensors_path):
+        if verify and meta.get("sha256") != file_sha256(tensors_path):
             raise ValueError(
                 f"{tensors_path} does not match the sha256 recorded in {METADATA_FILE}: refusing to load it."
             )
         stats = cls(
             meta["source_config"],
             meta["target_config"],
-            kinds=meta["kinds"],
+            parts=meta["parts"] if "parts" in meta else meta["kinds"],  # "kinds": files written before 0.1
             target_layers=meta["target_layers"],
             stride=meta["stride"],
             dtype=_DTYPES[meta["dtype"]],
@@ -703,8 +657,8 @@ class CalibrationStatistics:
                 raise ValueError(
                     f"{tensors_path}: {name} is {tuple(state[name].shape)} {state[name].dtype}; expected {shape} {dtype}."
                 )
-        for kind in stats.kinds:
-            stats.stats[kind] = KindStatistics(**{name: state[f"{kind}.{name}"] for name in _PER_KIND})
+        for part in stats.parts:
+            stats.stats[part] = PartStatistics(**{name: state[f"{part}.{name}"] for name in _PER_PART})
         stats.tokens, stats.sequences = state["tokens"], state["sequences"]
         stats.fingerprint_limbs = state["fingerprint_limbs"]
         return stats
@@ -717,40 +671,18 @@ class CalibrationStatistics:
             "sequences": ((), torch.int64),
             "fingerprint_limbs": ((_NUM_LIMBS,), torch.int64),
         }
-        for kind in stats.kinds:
+        for part in stats.parts:
             shapes.update(
                 {
-                    f"{kind}.count": ((), torch.int64),
-                    f"{kind}.source_sum": ((f_s,), dtype),
-                    f"{kind}.target_sum": ((f_t,), dtype),
-                    f"{kind}.target_sumsq": ((f_t,), dtype),
-                    f"{kind}.gram": ((f_s, f_s), dtype),
-                    f"{kind}.cross": ((f_s, f_t), dtype),
+                    f"{part}.count": ((), torch.int64),
+                    f"{part}.source_sum": ((f_s,), dtype),
+                    f"{part}.target_sum": ((f_t,), dtype),
+                    f"{part}.target_sumsq": ((f_t,), dtype),
+                    f"{part}.gram": ((f_s, f_s), dtype),
+                    f"{part}.cross": ((f_s, f_t), dtype),
                 }
             )
         return shapes
 
 
-class _Clock:
-    """`time.perf_counter`, after synchronizing the CUDA devices involved (so per-stage timings are honest)."""
-
-    def __init__(self, devices):
-        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-
-    def __call__(self) -> float:
-        import time
-
-        for device in self.cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-
-def _file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-__all__ = ["CalibrationStatistics", "KindStatistics"]
+__all__ = ["CalibrationStatistics", "PartStatistics"]

@@ -91,29 +91,47 @@ REFUSED = {
 }
 
 
-def build_model(config, seed: int = 0):
+VOCAB = 128
+
+
+def tiny_config(layers=2, kv_heads=2, head_dim=16, heads=4, hidden=64, vocab=VOCAB, **fields) -> Qwen3Config:
+    """A tiny Qwen3 config (the default architecture of the tests); `fields` are further config fields."""
+    return _qwen3(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        **fields,
+    )
+
+
+def make_model(config=None, *, seed: int = 0, sharpen: bool = True, **config_fields):
+    """A randomly initialized causal LM in eval mode, from `config` or from `tiny_config(**config_fields)`.
+
+    With `sharpen`, the output embeddings are scaled by 20: a random init is near-uniform, and greedy decoding should
+    not be decided by rounding noise.
+    """
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(**config_fields) if config is None else config
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    # Random init is near-uniform; sharpen the output so greedy decoding is not decided by rounding noise.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
+    if sharpen:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(20.0)
     return model
 
 
-@pytest.fixture(params=sorted(SUPPORTED))
-def arch(request):
-    return request.param
+def make_batches(seed=1, count=4, size=4, length=48, vocab=VOCAB) -> list[torch.Tensor]:
+    """`count` random `(size, length)` token-id batches."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (size, length), generator=generator) for _ in range(count)]
 
 
-@pytest.fixture
-def model_and_config(arch):
-    config = SUPPORTED[arch]()
-    return build_model(config), config
-
-
-def left_padded_batch(lengths=(9, 14), vocab=128, seed=1):
+def make_left_padded_batch(lengths=(9, 14), vocab=VOCAB, seed=1):
     """Token ids and attention mask for a left-padded batch of random prompts."""
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -123,6 +141,71 @@ def left_padded_batch(lengths=(9, 14), vocab=128, seed=1):
         ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def run_prefill(model, ids, mask=None):
+    """The cache of `ids` (positions from the mask, as `generate` derives them, for a padded batch)."""
+    kwargs = {}
+    if mask is not None:
+        position_ids = mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(mask == 0, 1)
+        kwargs = {"attention_mask": mask, "position_ids": position_ids}
+    with torch.no_grad():
+        return model(ids, use_cache=True, **kwargs).past_key_values
+
+
+def run_greedy(model, ids, mask=None, cache=None, new=8):
+    """Greedy `generate` of `new` tokens, on top of `cache` when given."""
+    return model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0
+    )
+
+
+class Helpers:
+    """What the tests share, handed out by the `tiny` fixture (test modules never import each other)."""
+
+    COMMON = COMMON
+    SUPPORTED = SUPPORTED
+    REFUSED = REFUSED
+    VOCAB = VOCAB
+    config = staticmethod(tiny_config)
+    model = staticmethod(make_model)
+    batches = staticmethod(make_batches)
+    left_padded_batch = staticmethod(make_left_padded_batch)
+    prefill = staticmethod(run_prefill)
+    greedy = staticmethod(run_greedy)
+
+    @staticmethod
+    def arch_config(name: str = "qwen3"):
+        """A fresh config of a registered architecture."""
+        return SUPPORTED[name]()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The one tiny-model factory and its companions: `tiny.model(config=None, seed=0, sharpen=True, **fields)`,
+    `tiny.config(...)`, `tiny.batches(...)`, `tiny.left_padded_batch(...)`, `tiny.prefill`, `tiny.greedy`, and the
+    architecture registries `tiny.SUPPORTED` / `tiny.REFUSED`."""
+    return Helpers
+
+
+@pytest.fixture(params=sorted(SUPPORTED))
+def arch(request):
+    """The name of every supported architecture in turn."""
+    return request.param
+
+
+@pytest.fixture
+def model_and_config(arch):
+    config = SUPPORTED[arch]()
+    return make_model(config), config
+
+
+@pytest.fixture(params=sorted(REFUSED))
+def refused(request):
+    """`(config, message fragment)` of every layout that must be refused."""
+    make, fragment = REFUSED[request.param]
+    return make(), fragment
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SUPPORTED
 
 from hf_kvmap import MapperConfig, MapperModel
 from hf_kvmap.configuration_mapper import summarize_model_config
@@ -83,11 +82,10 @@ def test_attention_convention_is_causal_half_of_qk_plus_av():
     )
 
 
-@pytest.mark.parametrize("arch", sorted(SUPPORTED))
-def test_body_parameters_match_built_models(arch):
+def test_body_parameters_match_built_models(arch, tiny):
     from transformers import AutoModelForCausalLM
 
-    config = SUPPORTED[arch]()
+    config = tiny.SUPPORTED[arch]()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert body_parameters(config) == sum(p.numel() for p in model.get_decoder().layers.parameters())
@@ -96,8 +94,8 @@ def test_body_parameters_match_built_models(arch):
 
 @pytest.mark.parametrize("kind", ["ridge", "mlp"])
 @pytest.mark.parametrize("window,inputs", [(0, "same"), (2, "both")])
-def test_mapper_parameters_match_mapper_model(kind, window, inputs):
-    source = SUPPORTED["qwen3"]()
+def test_mapper_parameters_match_mapper_model(kind, window, inputs, tiny):
+    source = tiny.SUPPORTED["qwen3"]()
     from transformers import Qwen3Config
 
     target = Qwen3Config(**{**source.to_dict(), "num_hidden_layers": 3, "layer_types": None})

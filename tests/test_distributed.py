@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_kvmap.fitting import mapper_from_statistics
+from hf_kvmap import mapper_from_statistics
 from hf_kvmap.statistics import CalibrationStatistics
 
 WORLD_SIZE = 2

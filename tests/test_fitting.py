@@ -1,28 +1,27 @@
-"""Fitting: calibration statistics, source-layer selection, closed-form ridge, and the `fit` command."""
+"""Fitting: planted maps recovered, self-maps exact, one statistics object for every k, features vs statistics."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_kvmap import MappedCache, MapperModel
-from hf_kvmap.fitting import (
+from hf_kvmap import (
+    CalibrationStatistics,
     LayerSelection,
+    MappedCache,
+    MapperModel,
     fit_mapper,
     mapper_from_statistics,
-    mapper_r2,
-    r2_matrix,
-    select_top_k,
-    tokenizer_fingerprint,
 )
+from hf_kvmap.features import gather_features
+from hf_kvmap.fitting import mapper_r2
+from hf_kvmap.modeling_mlp import HeadwiseMLP
 from hf_kvmap.rope import RotaryCodec
-from hf_kvmap.statistics import CalibrationStatistics
+from hf_kvmap.selection import r2_matrix
 
-VOCAB = 128
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
@@ -32,32 +31,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> No
     assert error <= rel * scale, f"max error {error:.3e} > {rel:g} * {scale:.3e}"
 
 
-def tiny_config(layers=3, kv_heads=2, head_dim=16, heads=4, hidden=64, vocab=VOCAB) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-    )
-
-
-def tiny_model(seed=0, **kwargs) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_config(**kwargs)).eval()
-
-
-def batches(seed=1, count=4, size=4, length=48, vocab=VOCAB):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (size, length), generator=generator) for _ in range(count)]
-
-
 @pytest.fixture(scope="module")
-def self_model():
-    model = tiny_model(seed=0)
+def self_model(tiny):
+    model = tiny.model(sharpen=False, layers=3, seed=0)
     # Random init is near-uniform; sharpen the output so greedy decoding is not decided by rounding noise.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20.0)
@@ -65,21 +41,20 @@ def self_model():
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tiny):
     """A source and a deeper target with the same KV geometry (independent random weights)."""
-    return tiny_model(seed=0, layers=4), tiny_model(seed=1, layers=3)
+    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
 
 
 @pytest.fixture(scope="module")
-def pair_stats(pair):
+def pair_stats(tiny, pair):
     source, target = pair
-    return CalibrationStatistics.collect(source, target, batches(seed=2), stride=2, progress=False)
+    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
 
 
-# ------------------------------------------------------------------------------------------------ planted relation
-def test_planted_relation_recovered_exactly():
-    source_config = tiny_config(layers=4, kv_heads=2, head_dim=4, heads=2, hidden=8)
-    target_config = tiny_config(layers=3, kv_heads=2, head_dim=4, heads=2, hidden=8)
+def test_planted_relation_recovered_exactly(tiny):
+    source_config = tiny.config(layers=4, kv_heads=2, head_dim=4, heads=2, hidden=8)
+    target_config = tiny.config(layers=3, kv_heads=2, head_dim=4, heads=2, hidden=8)
     stats = CalibrationStatistics(source_config, target_config)
     width = 8  # n_kv * head_dim on both sides
     planted = [[0, 2], [1, 3], [2, 3]]
@@ -119,19 +94,11 @@ def test_planted_relation_recovered_exactly():
         assert torch.all(r2 > 1 - 1e-9), (kind, r2)
 
 
-def test_select_top_k_rules():
-    scores = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.7, 0.2]])
-    assert select_top_k(scores, 1) == [[1], [0]]  # ties go to the lower layer
-    assert select_top_k(scores, 2) == [[1, 2], [0, 1]]  # ascending
-    assert select_top_k(scores, None) == select_top_k(scores, 7) == [[0, 1, 2]] * 2
-    with pytest.raises(ValueError, match="top_k"):
-        select_top_k(scores, 0)
-
-
-# ------------------------------------------------------------------------------------------------ self map
-def test_self_map_selects_diagonal_and_generates_identically(self_model, tmp_path):
+def test_self_map_selects_diagonal_and_generates_identically(tiny, self_model, tmp_path):
     model = self_model
-    stats = CalibrationStatistics.collect(model, model, batches(seed=3, count=4, size=4, length=64), progress=False)
+    stats = CalibrationStatistics.collect(
+        model, model, tiny.batches(seed=3, count=4, size=4, length=64), progress=False
+    )
     mapper = MapperModel.from_statistics(stats, top_k=1, ridge_lambda=1e-8)
     assert mapper.config.source_layers == [[0], [1], [2]]
     for kind, r2 in mapper_r2(stats, mapper).items():
@@ -140,7 +107,7 @@ def test_self_map_selects_diagonal_and_generates_identically(self_model, tmp_pat
     for kind in probe:
         assert torch.all(probe[kind].diagonal() > 0.999)
 
-    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
+    ids = torch.randint(0, tiny.VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
     reference = model.generate(ids, max_new_tokens=8, do_sample=False)
     source_cache = model(ids, use_cache=True).past_key_values
     cache = MappedCache.from_source(source_cache, mapper)
@@ -156,17 +123,18 @@ def test_self_map_selects_diagonal_and_generates_identically(self_model, tmp_pat
     assert torch.equal(loaded.layers[1].key_proj.weight, mapper.layers[1].key_proj.weight)
 
 
-def test_self_fit_every_architecture(model_and_config):
+def test_self_fit_every_architecture(tiny, model_and_config):
     """Every supported rope type / architecture (conftest registry): collect, probe and a near-exact self-map."""
     model, config = model_and_config
-    stats = CalibrationStatistics.collect(model, model, batches(seed=7, count=2, size=4, length=48), progress=False)
+    stats = CalibrationStatistics.collect(
+        model, model, tiny.batches(seed=7, count=2, size=4, length=48), progress=False
+    )
     mapper = mapper_from_statistics(stats, top_k=1, ridge_lambda=1e-8)
     assert mapper.config.source_layers == [[layer] for layer in range(config.num_hidden_layers)]
     for kind, r2 in mapper_r2(stats, mapper).items():
         assert torch.all(r2 > 0.999), (kind, r2)
 
 
-# ------------------------------------------------------------------------------------------------ one object, any k
 def _direct_features(model, data, stride):
     """Per-layer content-space key and value features `(N, n_kv * d)` computed without CalibrationStatistics."""
     codec = RotaryCodec(model.config)
@@ -197,9 +165,9 @@ def _direct_ridge(x, y, lam):
     return w.T, my - mx @ w
 
 
-def test_one_statistics_object_serves_every_k(pair, pair_stats):
+def test_one_statistics_object_serves_every_k(tiny, pair, pair_stats):
     source, target = pair
-    data = batches(seed=2)
+    data = tiny.batches(seed=2)
     src_k, src_v = _direct_features(source, data, stride=2)
     tgt_k, tgt_v = _direct_features(target, data, stride=2)
     selection = LayerSelection.from_statistics(pair_stats, None)
@@ -244,16 +212,17 @@ def test_per_token_lambda_convention(pair_stats):
     assert torch.allclose(absolute.layers[0].key_proj.weight, per_token.layers[0].key_proj.weight, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------------------------ mismatched geometry
-def test_mismatched_geometry_beats_mean_predictor():
-    source = tiny_model(seed=0, layers=3, kv_heads=2, head_dim=16, heads=4)
-    target = tiny_model(seed=5, layers=4, kv_heads=4, head_dim=8, heads=8)
-    stats = CalibrationStatistics.collect(source, target, batches(seed=4, count=6, size=4, length=64), progress=False)
+def test_mismatched_geometry_beats_mean_predictor(tiny):
+    source = tiny.model(sharpen=False, seed=0, layers=3, kv_heads=2, head_dim=16, heads=4)
+    target = tiny.model(sharpen=False, seed=5, layers=4, kv_heads=4, head_dim=8, heads=8)
+    stats = CalibrationStatistics.collect(
+        source, target, tiny.batches(seed=4, count=6, size=4, length=64), progress=False
+    )
     mapper = mapper_from_statistics(stats, top_k=2, ridge_lambda=1.0)
     assert mapper.config.calibration["probe"] == "whole_layer"
     assert tuple(mapper.layers[0].key_proj.weight.shape) == (32, 64)
 
-    held_out = batches(seed=99, count=1, size=2, length=40)[0]
+    held_out = tiny.batches(seed=99, count=1, size=2, length=40)[0]
     with torch.no_grad():
         source_cache = source(held_out, use_cache=True).past_key_values
         target_cache = target(held_out, use_cache=True).past_key_values
@@ -275,89 +244,9 @@ def test_mismatched_geometry_beats_mean_predictor():
     assert mapped_err < mean_err
 
 
-# ------------------------------------------------------------------------------------------------ statistics object
-def test_save_load_round_trip_exact(pair_stats, tmp_path):
-    pair_stats.save(tmp_path / "stats")
-    assert sorted(os.listdir(tmp_path / "stats")) == ["statistics.json", "statistics.safetensors"]
-    meta = json.loads((tmp_path / "stats" / "statistics.json").read_text())
-    assert meta["calibration"]["fingerprint"] == pair_stats.fingerprint and meta["stride"] == 2
-    assert meta["source_config"]["num_hidden_layers"] == 4
-    loaded = CalibrationStatistics.load(tmp_path / "stats")
-    assert loaded.kinds == pair_stats.kinds and loaded.provenance() == pair_stats.provenance()
-    for name, tensor in pair_stats.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
-
-    with open(tmp_path / "stats" / "statistics.safetensors", "r+b") as handle:  # tamper with one byte
-        handle.seek(-3, os.SEEK_END)
-        byte = handle.read(1)
-        handle.seek(-3, os.SEEK_END)
-        handle.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(ValueError, match="sha256"):
-        CalibrationStatistics.load(tmp_path / "stats")
-
-
-def test_merge_halves_equals_whole_and_rejects_incompatible(pair):
+def test_restricted_target_layers(tiny, pair, pair_stats):
     source, target = pair
-    data = batches(seed=2)
-    whole = CalibrationStatistics.collect(source, target, data, stride=2, progress=False)
-    first = CalibrationStatistics.collect(source, target, data[2:], stride=2, progress=False)
-    second = CalibrationStatistics.collect(source, target, data[:2], stride=2, progress=False)
-    merged = first.merge(second)
-    assert merged.fingerprint == whole.fingerprint  # order independent
-    for name, tensor in whole.state_dict().items():
-        assert torch.allclose(merged.state_dict()[name], tensor, rtol=1e-12, atol=1e-9), name
-
-    other_stride = CalibrationStatistics.collect(source, target, data[:1], stride=3, progress=False)
-    with pytest.raises(ValueError, match="stride differs"):
-        whole.merge(other_stride)
-    restricted = CalibrationStatistics(source.config, target.config, stride=2, target_layers=[1])
-    with pytest.raises(ValueError, match="target_layers differs"):
-        whole.merge(restricted)
-    swapped = CalibrationStatistics(target.config, source.config, stride=2)
-    with pytest.raises(ValueError, match="source_config differs"):
-        whole.merge(swapped)
-
-
-@pytest.mark.parametrize(
-    "kinds,target_layers,dtype",
-    [(("key", "value"), None, torch.float64), (("key",), [2], torch.float32), (("value",), [0, 2], torch.float64)],
-)
-def test_memory_estimate_matches_collected(pair, kinds, target_layers, dtype):
-    source, target = pair
-    stats = CalibrationStatistics.collect(
-        source,
-        target,
-        batches(count=1, size=1, length=8),
-        kinds=kinds,
-        target_layers=target_layers,
-        dtype=dtype,
-        progress=False,
-    )
-    estimate = CalibrationStatistics.memory_estimate(
-        source.config, target.config, kinds=kinds, target_layers=target_layers, dtype=dtype
-    )
-    assert estimate["total"] == stats.nbytes()
-    assert set(kinds) <= set(estimate)
-    assert all(stats[kind].gram.dtype == dtype for kind in kinds)
-
-
-def test_padded_batches_match_unpadded(self_model):
-    model = self_model
-    data = batches(seed=6, count=1, size=2, length=20)[0]
-    plain = CalibrationStatistics.collect(model, model, [data[0:1], data[1:2, 5:]], progress=False)
-    ids = data.clone()
-    mask = torch.ones_like(ids)
-    ids[1, :5], mask[1, :5] = 0, 0  # left padding of the second row
-    padded = CalibrationStatistics.collect(model, model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
-    assert padded.count() == plain.count() == 35
-    assert padded.fingerprint == plain.fingerprint and int(padded.tokens) == 35
-    for name, tensor in plain.state_dict().items():
-        assert torch.allclose(padded.state_dict()[name], tensor, rtol=1e-5, atol=1e-4), name
-
-
-def test_restricted_target_layers(pair, pair_stats):
-    source, target = pair
-    data = batches(seed=2)
+    data = tiny.batches(seed=2)
     low = CalibrationStatistics.collect(source, target, data, stride=2, target_layers=[0, 1], progress=False)
     high = CalibrationStatistics.collect(source, target, data, stride=2, target_layers=[2], progress=False)
     with pytest.raises(ValueError, match=r"target layers \[2\] are missing"):
@@ -372,193 +261,159 @@ def test_restricted_target_layers(pair, pair_stats):
         assert torch.allclose(a, b, rtol=0, atol=1e-10)
 
 
-def test_update_rejects_bad_shapes(pair):
-    source, target = pair
-    stats = CalibrationStatistics(source.config, target.config)
-    with pytest.raises(ValueError, match="width"):
-        stats.update(torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5))
-    with pytest.raises(ValueError, match="values"):
-        stats.update(torch.zeros(3, stats.source_width), None, torch.zeros(3, stats.target_width), None)
-    layer = torch.zeros(1, 2, 5, 16)
-    with pytest.raises(ValueError, match="model has 4 layers"):
-        stats.update([layer] * 3, [layer] * 3, [layer] * 3, [layer] * 3)
-    with pytest.raises(ValueError, match="n_kv \\* head_dim = 32"):
-        stats.update([layer] * 4, [layer] * 4, [torch.zeros(1, 2, 5, 8)] * 3, [layer] * 3)
-
-
-def test_non_finite_features_are_refused(pair):
-    source, target = pair
-    stats = CalibrationStatistics(source.config, target.config, kinds=("key",))
-    bad = torch.zeros(3, stats.target_width)
-    bad[1, 2] = float("nan")
-    with pytest.raises(ValueError, match="NaN or inf"):
-        stats.update(torch.zeros(3, stats.source_width), None, bad, None)
-    assert stats.count() == 0 and not stats["key"].gram.any()
-
-
-def test_selection_json_and_heatmap(pair_stats, tmp_path):
-    selection = LayerSelection.from_statistics(pair_stats, 2)
-    selection.save_selection_json(tmp_path / "selection.json")
-    data = json.loads((tmp_path / "selection.json").read_text())
-    assert data["source_layers"] == selection.source_layers and data["probe"] == "per_head"
-    assert len(data["scores"]) == 3 and len(data["scores"][0]) == 4 and set(data["r2"]) == {"key", "value"}
-    pytest.importorskip("matplotlib")
-    assert selection.save_heatmap(tmp_path / "selection.png")
-    assert (tmp_path / "selection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-# ------------------------------------------------------------------------------------------------ command line
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-
-
-def _cli_pair(tmp_path):
-    """A 2-layer source and a 3-layer target saved with one tokenizer, and 20 lines of calibration text
-    (`data.txt`); returns `(tokenizer, lines)`."""
-    tokenizer = _tiny_tokenizer()
-    for name, seed, layers in (("src", 0, 2), ("tgt", 1, 3)):
-        tiny_model(seed=seed, layers=layers, vocab=32).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    generator = torch.Generator().manual_seed(0)
-    lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
-    (tmp_path / "data.txt").write_text("\n".join(lines))
-    return tokenizer, lines
-
-
-def test_cli_fit_writes_loadable_mapper(tmp_path):
-    from hf_kvmap.cli import main
-
-    tokenizer, lines = _cli_pair(tmp_path)
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"text": line}) for line in lines))
-    for data in ("data.txt", "data.jsonl"):
-        out = tmp_path / f"mapper-{data}"
-        code = main(
-            [
-                "fit",
-                "--source",
-                str(tmp_path / "src"),
-                "--target",
-                str(tmp_path / "tgt"),
-                "--data",
-                str(tmp_path / data),
-                "--top-k",
-                "1",
-                "--ridge-lambda",
-                "0.1",
-                "--seq-len",
-                "32",
-                "--stride",
-                "2",
-                "--max-sequences",
-                "12",
-                "--batch-size",
-                "4",
-                "--out",
-                str(out),
-                "--stats",
-                str(tmp_path / f"stats-{data}"),
-                "--no-progress",
-            ]
-        )
-        assert code == 0
-        mapper = MapperModel.from_pretrained(out)
-        assert len(mapper.config.source_layers) == 3 and all(len(s) == 1 for s in mapper.config.source_layers)
-        assert mapper.config.source_model_id == str(tmp_path / "src")
-        assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
-        assert mapper.config.calibration["sequences"] == 12 and mapper.config.calibration["stride"] == 2
-        assert (out / "selection.json").exists()
-        stats = CalibrationStatistics.load(tmp_path / f"stats-{data}")
-        assert stats.count() == 12 * 16
-        assert stats.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
-
-    # Re-solve from the saved statistics with another k, without the models.
-    out = tmp_path / "mapper-k2"
-    assert main(["fit", "--from-stats", str(tmp_path / "stats-data.txt"), "--top-k", "all", "--out", str(out)]) == 0
-    mapper = MapperModel.from_pretrained(out)
-    assert all(layers == [0, 1] for layers in mapper.config.source_layers)
-    assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
-    assert (
-        mapper.config.calibration["fingerprint"] == CalibrationStatistics.load(tmp_path / "stats-data.txt").fingerprint
+def test_feature_ridge_equals_statistics_ridge_without_a_window(tiny):
+    source, target = tiny.model(sharpen=False, seed=0, layers=3), tiny.model(sharpen=False, seed=1, layers=2)
+    calibration = tiny.batches(seed=5, count=3, size=4, length=32)
+    stats = CalibrationStatistics.collect(source, target, calibration, progress=False)
+    closed = mapper_from_statistics(stats, top_k=2, ridge_lambda=0.01, dtype=torch.float64)
+    streamed = fit_mapper(
+        source, target, calibration, kind="ridge", statistics=stats, top_k=2, dtype=torch.float64, progress=False
     )
-    with pytest.raises(SystemExit, match="--data"):
-        main(["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--out", str(out)])
+    assert streamed.config.kind == "ridge" and streamed.config.source_layers == closed.config.source_layers
+    for name, tensor in closed.state_dict().items():
+        torch.testing.assert_close(streamed.state_dict()[name], tensor, rtol=1e-7, atol=1e-8)
 
 
-def test_cli_fit_kind_mlp(tmp_path):
-    from hf_kvmap.cli import main
-    from hf_kvmap.mlp import HeadwiseMLP
+def test_windowed_self_fit_recovers_the_identity(tiny, tmp_path):
+    """Fitting reads inputs in the layout the cache builds them: a self-map with a window and both kinds puts the
+    identity on position t's own kind and generates the model's own tokens."""
+    model = tiny.model(sharpen=False, layers=3, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    mapper = fit_mapper(
+        model,
+        model,
+        tiny.batches(seed=3, count=4, size=4, length=64),
+        top_k=1,
+        ridge_lambda=1e-8,
+        context_window=2,
+        input_kinds="both",
+        progress=False,
+    )
+    assert (mapper.config.context_window, mapper.config.input_kinds) == (2, "both")
+    width = model.config.num_key_value_heads * model.config.head_dim
+    for layer in mapper.layers:
+        for proj, offset in ((layer.key_proj, 0), (layer.value_proj, width)):
+            expected = torch.zeros_like(proj.weight)
+            expected[:, offset : offset + width] = torch.eye(width)
+            torch.testing.assert_close(proj.weight, expected, rtol=0, atol=2e-3)
+    ids = torch.randint(0, tiny.VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
+    cache = MappedCache.from_source(model(ids, use_cache=True).past_key_values, mapper)
+    assert torch.equal(
+        model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False),
+        model.generate(ids, max_new_tokens=8, do_sample=False),
+    )
+    mapper.save_pretrained(tmp_path)
+    assert MapperModel.from_pretrained(tmp_path).config.context_window == 2
 
-    tokenizer, _ = _cli_pair(tmp_path)
-    models = [
-        "--source",
-        str(tmp_path / "src"),
-        "--target",
-        str(tmp_path / "tgt"),
-        "--data",
-        str(tmp_path / "data.txt"),
-    ]
-    options = ["--kind", "mlp", "--top-k", "2", "--hidden-size", "48", "--epochs", "2", "--batch-tokens", "32"]
-    options += ["--seq-len", "16", "--max-sequences", "8", "--batch-size", "4", "--stride", "1", "--seed", "5"]
-    out = tmp_path / "mlp"
-    assert main(["fit", *models, *options, "--out", str(out), "--no-progress"]) == 0
-    mapper = MapperModel.from_pretrained(out)
-    assert mapper.config.kind == "mlp" and mapper.config.mlp_hidden_size == 48
+
+def fit_mlp(source, target, calibration, **kwargs):
+    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
+
+
+def test_windowed_mlp_mapper_trains_and_maps(tiny):
+    source, target = tiny.model(sharpen=False, seed=0, layers=2), tiny.model(sharpen=False, seed=1, layers=3)
+    calibration = tiny.batches(seed=6, count=2, size=4, length=32)
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, progress=False)
+    mapper = fit_mlp(source, target, calibration, context_window=2, input_kinds="both", **kwargs)
+    width = source.config.num_key_value_heads * source.config.head_dim
+    assert (mapper.config.kind, mapper.config.context_window, mapper.config.input_kinds) == ("mlp", 2, "both")
     assert isinstance(mapper.layers[0].key_proj, HeadwiseMLP)
-    assert mapper.config.source_layers == [[0, 1]] * 3
-    assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    assert mapper.layers[0].key_proj.in_features == mapper.config.input_width(0) == 3 * 2 * 2 * width
+    for entry in mapper.config.calibration["mlp_training"]["layers"]:
+        for kind in ("key", "value"):  # starts at the (windowed) ridge and keeps the best
+            assert entry[kind]["val_mse"] <= entry[kind]["ridge_val_mse"] * (1 + 1e-4)
+    ids = torch.randint(0, tiny.VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = MappedCache.from_source(source(ids, use_cache=True).past_key_values, mapper)
+    assert all(torch.isfinite(layer.keys).all() and layer.keys.shape[2] == 19 for layer in cache.layers)
+    assert torch.isfinite(target(ids[:, -1:], past_key_values=cache).logits).all()
+
+
+@pytest.fixture(scope="module")
+def mlp_pair(tiny):
+    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
+    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
+        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def fitted(mlp_pair, calibration):
+    source, target = mlp_pair
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
+    return fit_mlp(source, target, calibration, **kwargs), kwargs
+
+
+def test_fit_mlp_mapper_records_training_and_is_reproducible(mlp_pair, calibration, fitted):
+    mapper, kwargs = fitted
+    config = mapper.config
+    assert config.kind == "mlp" and config.mlp_hidden_size == 32
+    assert config.source_layers == [[0, 1]] * 3 and len(config.selection_scores) == 3
+    assert isinstance(mapper.layers[0].key_proj, HeadwiseMLP)
+    training = config.calibration["mlp_training"]
+    assert training["epochs"] == 2 and training["lr"] == 1e-3 and training["init"] == "ridge"
+    assert training["split"] == "sequences" and training["positions_val"] == 2 * 48
+    assert config.calibration["positions"] == 8 * 48 and config.calibration["fingerprint"]
+    assert [entry["layer"] for entry in training["layers"]] == [0, 1, 2]
+    for entry in training["layers"]:
+        for kind in ("key", "value"):
+            row = entry[kind]
+            assert row["train_mse"] > 0 and row["val_mse"] > 0
+            assert row["val_mse"] <= row["ridge_val_mse"] * (1 + 1e-4)  # starts at the ridge, keeps the best
+    json.dumps(config.to_dict())  # the config stays JSON-serializable
+
+    again = fit_mlp(*mlp_pair, calibration, **kwargs)
+    for name, tensor in mapper.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+
+
+def test_random_init_and_bad_arguments_are_refused(mlp_pair, calibration):
+    source, target = mlp_pair
+    with pytest.raises(ValueError, match="init='ridge' needs hidden_size >= 2 \\* head_dim = 16"):
+        fit_mlp(source, target, calibration, hidden_size=8, progress=False)
+    with pytest.raises(ValueError, match="init="):
+        fit_mlp(source, target, calibration, init="zeros", progress=False)
+
+
+def test_fit_with_given_statistics_and_features_without_validation(mlp_pair, calibration):
+    from hf_kvmap.statistics import CalibrationStatistics
+
+    source, target = mlp_pair
+    stats = CalibrationStatistics.collect(source, target, calibration, progress=False)
+    features = gather_features(source, target, calibration, source_layers=[1], progress=False)
+    mapper = fit_mlp(
+        source,
+        target,
+        calibration,
+        source_layers=[[1]] * 3,
+        statistics=stats,
+        features=features,
+        hidden_size=8,
+        epochs=1,
+        batch_tokens=128,
+        val_fraction=0.0,
+        init="random",
+        progress=False,
+    )
     training = mapper.config.calibration["mlp_training"]
-    assert (training["epochs"], training["batch_tokens"], training["seed"]) == (2, 32, 5)
-    assert training["positions_train"] + training["positions_val"] == 8 * 16
-    assert (out / "selection.json").exists() and "## MLP training" in (out / "README.md").read_text()
-    pytest.importorskip("matplotlib")
-    assert (out / "training_curves.png").exists()
-
-    with pytest.raises(SystemExit, match="drop --from-stats"):
-        main(["fit", "--kind", "mlp", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
-    with pytest.raises(SystemExit, match="drop --from-stats"):
-        main(["fit", "--context-window", "2", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
-
-    # a windowed ridge reading keys and values
-    out = tmp_path / "windowed"
-    window = ["--top-k", "1", "--context-window", "2", "--input-kinds", "both", "--seq-len", "16"]
-    window += ["--max-sequences", "8", "--batch-size", "4", "--stride", "2"]
-    assert main(["fit", *models, *window, "--out", str(out), "--no-progress"]) == 0
-    mapper = MapperModel.from_pretrained(out)
-    assert (mapper.config.kind, mapper.config.context_window, mapper.config.input_kinds) == ("ridge", 2, "both")
-    assert mapper.layers[0].key_proj.weight.shape[1] == 3 * 2 * mapper.config.source_geometry.layer_width
-    assert "| context window (earlier positions read) | 2 |" in (out / "README.md").read_text()
-
-
-def test_cli_refuses_different_tokenizers(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from hf_kvmap.cli import main
-
-    other = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
-    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    for name, tokenizer in (("src", _tiny_tokenizer()), ("tgt", PreTrainedTokenizerFast(tokenizer_object=other))):
-        tiny_model(layers=1, vocab=32).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    (tmp_path / "data.txt").write_text("w1 w2 w3 " * 50)
-    with pytest.raises(SystemExit, match="tokenizer"):
-        main(
-            [
-                "fit",
-                "--source",
-                str(tmp_path / "src"),
-                "--target",
-                str(tmp_path / "tgt"),
-                "--data",
-                str(tmp_path / "data.txt"),
-                "--out",
-                str(tmp_path / "out"),
-                "--no-progress",
-            ]
+    assert mapper.config.source_layers == [[1]] * 3 and training["positions_val"] == 0
+    row = training["layers"][0]["key"]
+    assert row["val_mse"] is None and row["best_epoch"] == 1 and row["ridge_val_mse"] is None
+    assert row["train_mse"] > 0 and len(row["train_mse_history"]) == 1
+    with pytest.raises(ValueError, match="Source layers \\[0\\] were not gathered"):
+        fit_mlp(
+            source,
+            target,
+            calibration,
+            source_layers=[[0]] * 3,
+            statistics=stats,
+            features=features,
+            epochs=1,
+            progress=False,
         )

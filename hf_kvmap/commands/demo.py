@@ -55,47 +55,12 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = list(results["tasks"])
-    fig, (ax_acc, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.27
-    for offset, mode in zip((-width, 0, width), ("source", "target", "mapped")):
-        values = [results["tasks"][t][mode] for t in tasks]
-        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=mode)
-    for i, task in enumerate(tasks):
-        ax_acc.hlines(results["tasks"][task]["chance"], i - 1.5 * width, i + 1.5 * width, colors="k", linestyles=":")
-    ax_acc.set_xticks(range(len(tasks)), tasks)
-    ax_acc.set_ylabel("accuracy")
-    ax_acc.set_ylim(0, 1)
-    run = results["run"]
-    ax_acc.set_title(f"{run['source']} -> {run['target']}: accuracy (dotted: chance)")
-    ax_acc.legend()
-    if results.get("latency"):
-        tokens = [row["tokens"] for row in results["latency"]]
-        ax_lat.plot(tokens, [row["mapper_ms"] for row in results["latency"]], "o-", label="mapper (from_source)")
-        ax_lat.plot(tokens, [row["prefill_ms"] for row in results["latency"]], "s-", label="target re-prefill")
-        ax_lat.set_xscale("log")
-        ax_lat.set_yscale("log")
-        ax_lat.set_xlabel("context tokens")
-        ax_lat.set_ylabel("ms (median)")
-        ax_lat.set_title("latency")
-        ax_lat.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import MapperModel, zoo
-    from ..evaluation import Handoff, evaluate_tasks, measure_latency, tiny_family_tasks
+    from ..evaluation import Handoff, evaluate_tasks, measure_latency
+    from ..plotting import plot_demo
     from ..reporting import demo_markdown, environment_info, update_file_section, write_json
 
     if args.threads:
@@ -106,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     mapper = MapperModel.from_pretrained(args.mapper or str(zoo.mapper_path(args.source, args.target)))
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
-    results = evaluate_tasks(handoff, tiny_family_tasks(args.items, args.seed))
+    results = evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed))
     lengths = [int(n) for n in str(args.lengths).split(",") if n]
     results["latency"] = measure_latency(handoff, lengths, repeats=args.repeats) if lengths else []
     results["run"] = {
@@ -137,6 +102,6 @@ def run(args: argparse.Namespace) -> int:
         update_file_section(args.readme, "demo-results", demo_markdown(results, source_file))
         print(f"updated {args.readme}")
     if args.plot:
-        plot_results(results, args.plot)
+        plot_demo(results, args.plot)
         print(f"wrote {args.plot}")
     return 0

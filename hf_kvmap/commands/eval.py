@@ -42,9 +42,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import MapperModel
-    from ..card import content_hash
-    from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks, tiny_family_tasks
+    from .. import MapperModel, zoo
+    from ..artifacts import content_hash
+    from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
     from ..reporting import environment_info, write_json
     from ._models import load_causal_lm, load_tokenizer, resolve_mapper
 
@@ -55,13 +55,12 @@ def run(args: argparse.Namespace) -> int:
     mapper = MapperModel.from_pretrained(mapper_name)
     mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
     if args.tasks == "tiny-family":
-        tasks = tiny_family_tasks(args.items, args.seed)
+        tasks = zoo.tiny_family_tasks(args.items, args.seed)
     else:
         tasks = load_jsonl_tasks(args.tasks)
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     results = evaluate_tasks(handoff, tasks)
     if args.diagnostics:
-        from .. import zoo
         from ..diagnostics import diagnose
         from ..zoo import corpus
 
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         results["diagnostics"] = diagnose(source, target, mapper, batches)
         results["diagnostics_summary"] = results["diagnostics"]["summary"]
         if args.plot:
-            from ..diagnostics import plot_diagnostics
+            from ..plotting import plot_diagnostics
 
             plot_diagnostics(results["diagnostics"], args.plot)
     results["run"] = {

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 from transformers.utils import logging
 
+from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, MLP_INITS, FitOptions
+
 logger = logging.get_logger(__name__)
 
 _MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -34,27 +36,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--data", help="Calibration text: a .txt file, or .jsonl with a 'text' field.")
     parser.add_argument("--out", required=True, help="Folder to write the mapper to.")
     parser.add_argument(
-        "--kind", choices=("ridge", "mlp"), default="ridge", help="Mapper kind (default: ridge, closed form)."
+        "--kind", choices=MAPPER_KINDS, default=FitOptions.kind, help="Mapper kind (default: ridge, closed form)."
     )
     parser.add_argument(
         "--context-window",
         type=int,
-        default=0,
+        default=FitOptions.context_window,
         help="Earlier positions each map also reads (default: 0, the paper's per-position map). Fitted on features "
         "kept in memory (see --max-feature-memory).",
     )
     parser.add_argument(
         "--input-kinds",
-        choices=("same", "both"),
-        default="same",
+        choices=INPUT_KINDS,
+        default=FitOptions.input_kinds,
         help="'same': keys map from source keys, values from source values (default); 'both': each map reads both.",
     )
-    parser.add_argument("--top-k", default="8", help="Source layers per target layer, or 'all' (default: 8).")
-    parser.add_argument("--ridge-lambda", type=float, default=0.01, help="Ridge penalty (default: 0.01).")
+    parser.add_argument(
+        "--top-k", default=str(FitOptions.top_k), help="Source layers per target layer, or 'all' (default: 8)."
+    )
+    parser.add_argument(
+        "--ridge-lambda", type=float, default=FitOptions.ridge_lambda, help="Ridge penalty (default: 0.01)."
+    )
     parser.add_argument(
         "--lambda-convention",
-        choices=("absolute", "per_token"),
-        default="absolute",
+        choices=LAMBDA_CONVENTIONS,
+        default=FitOptions.lambda_convention,
         help="'absolute': X^T X + lambda I; 'per_token': X^T X + N lambda I (default: absolute).",
     )
     parser.add_argument("--seq-len", type=int, default=1024, help="Tokens per calibration sequence (default: 1024).")
@@ -75,31 +81,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="Accumulation dtype of the statistics (default: float64; solves are always float64).",
     )
     mlp = parser.add_argument_group("MLP training (--kind mlp)")
-    mlp.add_argument("--hidden-size", type=int, default=1024, help="Width of both hidden layers (default: 1024).")
-    mlp.add_argument("--epochs", type=int, default=20, help="Maximum passes over the training split (default: 20).")
-    mlp.add_argument("--batch-tokens", type=int, default=4096, help="Positions per Adam step (default: 4096).")
-    mlp.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3).")
-    mlp.add_argument("--warmup-steps", type=int, default=50, help="Linear learning-rate warmup (default: 50).")
+    mlp.add_argument("--hidden-size", type=int, default=FitOptions.hidden_size, help="Width of both hidden layers.")
+    mlp.add_argument("--epochs", type=int, default=FitOptions.epochs, help="Maximum passes over the training split.")
+    mlp.add_argument("--batch-tokens", type=int, default=FitOptions.batch_tokens, help="Positions per Adam step.")
+    mlp.add_argument("--lr", type=float, default=FitOptions.lr, help="Adam learning rate.")
+    mlp.add_argument("--warmup-steps", type=int, default=FitOptions.warmup_steps, help="Linear learning-rate warmup.")
     mlp.add_argument(
         "--val-fraction",
         type=float,
-        default=0.1,
+        default=FitOptions.val_fraction,
         help="Share of sequences held out for early stopping (default: 0.1).",
     )
     mlp.add_argument(
-        "--patience", type=int, default=3, help="Epochs without a better validation MSE before stopping (default: 3)."
+        "--patience",
+        type=int,
+        default=FitOptions.patience,
+        help="Epochs without a better validation MSE before stopping (default: 3).",
     )
     mlp.add_argument(
         "--init",
-        choices=("ridge", "random"),
-        default="ridge",
+        choices=MLP_INITS,
+        default=FitOptions.init,
         help="Start from the ridge solution (default) or random.",
     )
-    mlp.add_argument("--seed", type=int, default=0, help="Seed of the initialization and shuffling (default: 0).")
+    mlp.add_argument(
+        "--seed", type=int, default=FitOptions.seed, help="Seed of the initialization and shuffling (default: 0)."
+    )
     mlp.add_argument(
         "--max-feature-memory",
         type=float,
-        default=16.0,
+        default=FitOptions.max_memory_bytes / 2**30,
         help="GiB of calibration features an MLP or windowed mapper may keep in memory (default: 16).",
     )
     parser.add_argument("--model-dtype", choices=_MODEL_DTYPES, default="auto", help="dtype to load the models in.")
@@ -183,19 +194,43 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..fitting import LayerSelection, fits_on_features, mapper_from_statistics, tokenizer_fingerprint
+    from .. import MapperModel
+    from ..artifacts import tokenizer_fingerprint
+    from ..fitting import fit
+    from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
 
-    top_k = None if str(args.top_k).lower() == "all" else int(args.top_k)
-    on_features = fits_on_features(args.kind, args.input_kinds, args.context_window)
-    if on_features and args.from_stats:
+    try:
+        options = FitOptions(
+            kind=args.kind,
+            top_k=None if str(args.top_k).lower() == "all" else int(args.top_k),
+            ridge_lambda=args.ridge_lambda,
+            lambda_convention=args.lambda_convention,
+            input_kinds=args.input_kinds,
+            context_window=args.context_window,
+            hidden_size=args.hidden_size,
+            epochs=args.epochs,
+            batch_tokens=args.batch_tokens,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            val_fraction=args.val_fraction,
+            patience=args.patience,
+            init=args.init,
+            seed=args.seed,
+            stride=args.stride,
+            statistics_dtype=getattr(torch, args.dtype),
+            max_memory_bytes=int(args.max_feature_memory * 2**30),
+            dtype=getattr(torch, args.mapper_dtype),
+        )
+    except ValueError as err:
+        raise SystemExit(f"hf-kvmap fit: {err}") from None
+    if options.fits_on_features and args.from_stats:
         raise SystemExit(
             "hf-kvmap fit: --from-stats solves a plain ridge from saved statistics, but an MLP mapper, a "
             "--context-window or --input-kinds both is fitted on features streamed through both models; drop "
             "--from-stats and pass --source, --target and --data."
         )
-    if args.context_window < 0:
-        raise SystemExit(f"hf-kvmap fit: --context-window must be >= 0, got {args.context_window}.")
+    source = target = batches = tokenizer = None
     if args.from_stats:
         stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
         sequences = int(stats.sequences)
@@ -221,67 +256,36 @@ def run(args: argparse.Namespace) -> int:
             source,
             target,
             batches,
-            stride=args.stride,
-            dtype=getattr(torch, args.dtype),
+            stride=options.stride,
+            dtype=options.statistics_dtype,
             device=args.statistics_device,
             progress=not args.no_progress,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         )
-        if not on_features:  # the ridge is solved from the statistics alone: free the models first
-            del source, target
         if args.stats:
             stats.save(args.stats)
-    if on_features:
-        from ..mlp import fit_feature_mapper
-
-        mapper = fit_feature_mapper(
-            source,
-            target,
-            batches,
-            kind=args.kind,
-            input_kinds=args.input_kinds,
-            context_window=args.context_window,
-            statistics=stats,
-            top_k=top_k,
-            hidden_size=args.hidden_size,
-            epochs=args.epochs,
-            batch_tokens=args.batch_tokens,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            val_fraction=args.val_fraction,
-            patience=args.patience,
-            init=args.init,
-            seed=args.seed,
-            stride=args.stride,
-            ridge_lambda=args.ridge_lambda,
-            lambda_convention=args.lambda_convention,
-            device=args.statistics_device,
-            dtype=getattr(torch, args.mapper_dtype),
-            max_memory_bytes=int(args.max_feature_memory * 2**30),
-            tokenizer=tokenizer,
-            progress=not args.no_progress,
-        )
-        selection = mapper.selection
-    else:
-        selection = LayerSelection.from_statistics(stats, top_k)
-        mapper = mapper_from_statistics(
-            stats,
-            selection=selection,
-            ridge_lambda=args.ridge_lambda,
-            lambda_convention=args.lambda_convention,
-            dtype=getattr(torch, args.mapper_dtype),
-        )
+        if not options.fits_on_features:  # the ridge is solved from the statistics alone: free the models first
+            source = target = batches = None
+    fitted = fit(
+        source,
+        target,
+        batches,
+        options=options,
+        statistics=stats,
+        tokenizer=tokenizer,
+        device=args.statistics_device,
+        progress=not args.no_progress,
+    )
+    mapper = MapperModel.from_fitted(fitted)
     os.makedirs(args.out, exist_ok=True)
     mapper.save_pretrained(args.out)
-    selection.save_selection_json(os.path.join(args.out, "selection.json"))
-    selection.save_heatmap(os.path.join(args.out, "selection.png"))
-    if args.kind == "mlp":
-        from ..mlp import plot_training_curves
-
+    fitted.selection.save_selection_json(os.path.join(args.out, "selection.json"))
+    plot_selection(fitted.selection, os.path.join(args.out, "selection.png"))
+    if options.kind == "mlp":
         plot_training_curves(mapper.config, os.path.join(args.out, "training_curves.png"))
     print(
-        f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; kind={args.kind}; top_k={top_k}; "
-        f"context_window={args.context_window}; input_kinds={args.input_kinds}; "
+        f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; kind={options.kind}; "
+        f"top_k={options.top_k}; context_window={options.context_window}; input_kinds={options.input_kinds}; "
         f"mapper written to {args.out}"
     )
     return 0

@@ -14,6 +14,7 @@ Importing this package loads neither torch nor transformers.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .family import FAMILY, MATCHED, MISMATCHED
 
@@ -23,11 +24,15 @@ __all__ = [
     "MATCHED",
     "MISMATCHED",
     "list_models",
+    "tiny_family_tasks",
     "load_model",
     "load_tokenizer",
     "model_path",
     "tokenizer_path",
 ]
+
+if TYPE_CHECKING:
+    from ..evaluation import TaskSpec
 
 FAMILY_DIR = Path(__file__).resolve().parent / "family"
 
@@ -116,3 +121,17 @@ def calibration_batches(tokenizer, docs: int = 256, length: int = 512, batch_siz
     if not sequences:
         raise ValueError(f"No calibration document reached {length} tokens; use a smaller length.")
     return list(torch.tensor(sequences).split(batch_size))
+
+
+def tiny_family_tasks(items: int = 200, seed: int = 1234) -> list[TaskSpec]:
+    """The task set of the shipped tiny family (`hf_kvmap.zoo.corpus`), as the demo and the cards use it."""
+    from ..evaluation import TaskSpec
+    from . import corpus
+
+    return [
+        TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", items, seed=seed), stop="\n"),
+        TaskSpec("arithmetic", "exact_match", corpus.make_eval_set("arithmetic", items, seed=seed), stop="\n"),
+        TaskSpec("choice", "choice", corpus.make_eval_set("choice", items, seed=seed), chance=0.25),
+        TaskSpec("chat", "exact_match", corpus.make_eval_set("chat", items, seed=seed), stop=corpus.END),
+        TaskSpec("text", "perplexity", corpus.make_eval_set("text", max(items // 4, 4), seed=seed, n_chars=384)),
+    ]

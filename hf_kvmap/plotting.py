@@ -1,0 +1,150 @@
+"""Every plot hf-kvmap draws, from results already computed (matplotlib is optional: `pip install hf-kvmap[plot]`).
+
+Compute modules never import this one; the command line and the scripts call it with what they computed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+def pyplot(what: str):
+    """`matplotlib.pyplot` on the non-interactive backend, or `None` (logged) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info(f"matplotlib is not installed; skipping {what}.")
+        return None
+    return plt
+
+
+def plot_selection(selection, path) -> bool:
+    """The probe scores of a `LayerSelection` (target layer vs source layer, selected cells marked) as a PNG.
+
+    Returns `False` without writing anything when matplotlib is not installed.
+    """
+    plt = pyplot("the selection heat map")
+    if plt is None:
+        return False
+    scores = selection.scores.numpy()
+    height, width = scores.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.25 * width + 2), max(3.0, 0.25 * height + 1.5)))
+    image = ax.imshow(scores, origin="lower", aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    for target_layer, layers in enumerate(selection.source_layers):
+        ax.scatter(layers, [target_layer] * len(layers), marker="s", s=12, facecolors="none", edgecolors="red")
+    ax.set_xlabel("source layer")
+    ax.set_ylabel("target layer")
+    ax.set_title(f"probe R$^2$ (K/V mean, {selection.probe}), top_k={selection.top_k}")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_training_curves(config, path) -> bool:
+    """Learning curves of an MLP mapper: validation MSE per epoch relative to the ridge on the same split, one line
+    per target layer, keys and values side by side (read from `config.calibration["mlp_training"]`).
+
+    Epoch 0 is the ridge itself (1.0 with `init="ridge"`); a line below 1 is an MLP that beats the ridge, and the dot
+    marks the epoch whose weights were kept. Returns `False` without writing anything when matplotlib is not installed
+    or the config holds no MLP training record with a validation split.
+    """
+    training = (config.calibration or {}).get("mlp_training")
+    if not training or not training.get("layers"):
+        return False
+    plt = pyplot("the MLP training curves")
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    drawn = False
+    for ax, part in zip(axes, ("key", "value")):
+        for entry in training["layers"]:
+            row = entry[part]
+            ridge = row.get("ridge_val_mse")
+            history = [v for v in row.get("val_mse_history", []) if v is not None]
+            if not ridge or not history:
+                continue
+            curve = [1.0] + [value / ridge for value in history]
+            (line,) = ax.plot(range(len(curve)), curve, label=f"layer {entry['layer']}", linewidth=1.2)
+            best = row.get("best_epoch", 0)
+            if best < len(curve):
+                ax.plot([best], [curve[best]], "o", color=line.get_color(), markersize=4)
+            drawn = True
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{part}s")
+        ax.set_xlabel("epoch (0 = ridge)")
+    if not drawn:
+        plt.close(fig)
+        return False
+    axes[0].set_ylabel("validation MSE / ridge's")
+    axes[1].legend(fontsize="small", ncol=2)
+    fig.suptitle(f"MLP mapper training (hidden {training.get('hidden_size')}, dot = weights kept)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_diagnostics(diagnostics: dict, path) -> bool:
+    """Heat maps (layer x head) of key R^2, value R^2 and attention cosine (`hf_kvmap.diagnostics.diagnose`)."""
+    plt = pyplot("the diagnostics heat maps")
+    if plt is None:
+        return False
+    keys = ("key_r2", "value_r2", "attention_cosine")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key in zip(axes, keys):
+        data = [layer[key] for layer in diagnostics["layers"]]
+        image = ax.imshow(data, aspect="auto", vmin=min(0.0, min(map(min, data))), vmax=1.0, cmap="viridis")
+        ax.set_title(key.replace("_", " "))
+        ax.set_xlabel("head")
+        ax.set_ylabel("target layer")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def plot_demo(results: dict, path: Path) -> bool:
+    """Accuracy per task and mode (chance dotted) and the latency curves of an `hf-kvmap demo` results dict."""
+    plt = pyplot("the demo plot")
+    if plt is None:
+        return False
+    tasks = list(results["tasks"])
+    fig, (ax_acc, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.27
+    for offset, mode in zip((-width, 0, width), ("source", "target", "mapped")):
+        values = [results["tasks"][t][mode] for t in tasks]
+        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=mode)
+    for i, task in enumerate(tasks):
+        ax_acc.hlines(results["tasks"][task]["chance"], i - 1.5 * width, i + 1.5 * width, colors="k", linestyles=":")
+    ax_acc.set_xticks(range(len(tasks)), tasks)
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_ylim(0, 1)
+    run = results["run"]
+    ax_acc.set_title(f"{run['source']} -> {run['target']}: accuracy (dotted: chance)")
+    ax_acc.legend()
+    if results.get("latency"):
+        tokens = [row["tokens"] for row in results["latency"]]
+        ax_lat.plot(tokens, [row["mapper_ms"] for row in results["latency"]], "o-", label="mapper (from_source)")
+        ax_lat.plot(tokens, [row["prefill_ms"] for row in results["latency"]], "s-", label="target re-prefill")
+        ax_lat.set_xscale("log")
+        ax_lat.set_yscale("log")
+        ax_lat.set_xlabel("context tokens")
+        ax_lat.set_ylabel("ms (median)")
+        ax_lat.set_title("latency")
+        ax_lat.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+__all__ = ["plot_demo", "plot_diagnostics", "plot_selection", "plot_training_curves", "pyplot"]

@@ -1,0 +1,93 @@
+"""Artifact integrity: content hashes, truncation, the compatibility check, Hub ids offline."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_kvmap import (
+    MapperModel,
+)
+from hf_kvmap.artifacts import tokenizer_fingerprint
+from hf_kvmap.zoo import load_tokenizer
+
+
+@pytest.fixture
+def mapper(tiny):
+    config = tiny.SUPPORTED["qwen3"]()
+    return MapperModel.identity(
+        config,
+        source_model_id="org/small",
+        source_revision="a" * 40,
+        target_model_id="org/large",
+        target_revision="b" * 40,
+        tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
+        calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
+    )
+
+
+def test_tampered_weights_are_refused(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["layers.0.key_proj.bias"][0] += 1.0
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="was modified or mixed"):
+        MapperModel.from_pretrained(tmp_path)
+    assert MapperModel.from_pretrained(tmp_path, verify=False) is not None
+
+
+def test_truncated_weights_are_refused(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(Exception, match="(?i)safetensors|incomplete|invalid|deserializ|header|truncat|size"):
+        MapperModel.from_pretrained(tmp_path)
+
+
+def test_check_compatible(tiny, mapper):
+    config = tiny.SUPPORTED["qwen3"]()
+    model = tiny.model(config)
+    assert mapper.check_compatible(model, model, load_tokenizer()) == []
+    other = type(config)(**{**config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}})
+    with pytest.raises(ValueError, match="target rope_parameters: mapper expects .*10000.* model has .*5.0"):
+        mapper.check_compatible(model, tiny.model(other))
+    from transformers import PreTrainedTokenizerFast
+
+    wrong = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer().backend_tokenizer)
+    wrong.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="tokenizer: the mapper was fitted with fingerprint"):
+        mapper.check_compatible(tokenizer=wrong)
+    revised = tiny.model(config)
+    revised.config._commit_hash = "c" * 40
+    with pytest.raises(ValueError, match="source revision: mapper expects a+, model has c+"):
+        mapper.check_compatible(source_model=revised)
+    problems = mapper.check_compatible(source_model=revised, allow_mismatch=True)
+    assert len(problems) == 1
+
+
+def test_hub_id_resolves_offline_from_cache(tmp_path, monkeypatch, mapper):
+    """A Hub id loads from a cache laid out the way huggingface_hub lays it out, with HF_HUB_OFFLINE=1."""
+    import huggingface_hub.constants as hub_constants
+
+    saved = tmp_path / "saved"
+    mapper.save_pretrained(saved)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--small-to-large"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in saved.iterdir():
+        blob = repo / "blobs" / f"{file.name}.blob"
+        blob.parent.mkdir(exist_ok=True)
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(blob)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    loaded = MapperModel.from_pretrained("org/small-to-large", cache_dir=str(tmp_path / "hub"))
+    assert loaded.config.content_hash == mapper.config.content_hash
+    for a, b in zip(mapper.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)

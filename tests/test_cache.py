@@ -1,0 +1,149 @@
+"""`MappedCache`: what `from_source` refuses, how much it holds back, and the reader's dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3Config
+
+from hf_kvmap import (
+    MappedCache,
+    MapperModel,
+    fit_mapper,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _mapper_and_cache(tiny, config=None, tokens=12):
+    config = config or tiny.SUPPORTED["qwen3"]()
+    model = tiny.model(config)
+    ids = torch.randint(3, 128, (1, tokens))
+    return MapperModel.identity(config), tiny.prefill(model, ids)
+
+
+def test_sliding_window_cache_layers_are_refused(tiny):
+    mapper, _ = _mapper_and_cache(tiny)
+    config = Qwen3Config(
+        **{
+            **tiny.COMMON,
+            "head_dim": 16,
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "sliding_attention"],
+        }
+    )
+    cache = DynamicCache(config=config)
+    for idx in range(2):
+        cache.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), idx)
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        MappedCache.from_source(cache, mapper)
+
+
+def test_wrong_layer_count_is_refused(tiny):
+    mapper, cache = _mapper_and_cache(tiny)
+    with pytest.raises(ValueError, match="has 1 layers but the mapper expects 2"):
+        MappedCache.from_source([(cache.layers[0].keys, cache.layers[0].values)], mapper)
+
+
+@pytest.mark.parametrize(
+    "shape,fragment", [((1, 4, 12, 16), "4 KV heads but the mapper expects 2"), ((1, 2, 12, 8), "head_dim 8")]
+)
+def test_wrong_head_geometry_is_refused(tiny, shape, fragment):
+    mapper, _ = _mapper_and_cache(tiny)
+    bad = [(torch.zeros(shape), torch.zeros(shape))] * 2
+    with pytest.raises(ValueError, match=fragment):
+        MappedCache.from_source(bad, mapper)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_cache_is_refused(tiny, value):
+    mapper, cache = _mapper_and_cache(tiny)
+    cache.layers[1].values[0, 0, 3, 0] = value
+    with pytest.raises(ValueError, match="NaN or inf"):
+        MappedCache.from_source(cache, mapper)
+
+
+@pytest.mark.parametrize("hold_back,fragment", [(0, "at least the final prompt token"), (12, "leaves nothing")])
+def test_bad_hold_back_is_refused(tiny, hold_back, fragment):
+    mapper, cache = _mapper_and_cache(tiny, tokens=12)
+    with pytest.raises(ValueError, match=fragment):
+        MappedCache.from_source(cache, mapper, hold_back=hold_back)
+
+
+def test_hold_back_several_tokens(tiny):
+    config = tiny.SUPPORTED["qwen3"]()
+    model = tiny.model(config)
+    ids = torch.randint(3, 128, (1, 15))
+    cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config), hold_back=4)
+    assert cache.get_seq_length() == 11 and cache.mapping_info["hold_back"] == 4
+    assert torch.equal(tiny.greedy(model, ids, cache=cache), tiny.greedy(model, ids))
+
+
+def test_attention_mask_shape_is_checked(tiny):
+    mapper, cache = _mapper_and_cache(tiny, tokens=12)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        MappedCache.from_source(cache, mapper, attention_mask=torch.ones(1, 11, dtype=torch.long))
+
+
+def test_mapped_cache_follows_the_reader_dtype(tiny):
+    """A float32 source cache handed to a bfloat16 target: the target's dtype wins, generation runs."""
+    config = tiny.SUPPORTED["qwen3"]()
+    source = tiny.model(config)
+    target = tiny.model(config).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(10))
+    cache = MappedCache.from_source(tiny.prefill(source, ids), MapperModel.identity(config))
+    assert cache.layers[0].keys.dtype == torch.float32
+    out = tiny.greedy(target, ids, cache=cache, new=4)
+    assert out.shape == (1, 16)
+    assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.get_seq_length() == 15
+
+
+@pytest.fixture(scope="module")
+def mlp_pair(tiny):
+    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
+    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
+        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
+
+
+def fit_mlp(source, target, calibration, **kwargs):
+    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fitted(mlp_pair, calibration):
+    source, target = mlp_pair
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
+    return fit_mlp(source, target, calibration, **kwargs), kwargs
+
+
+def test_mapped_cache_from_mlp_mapper_shapes_and_devices(mlp_pair, fitted):
+    source, target = mlp_pair
+    mapper, _ = fitted
+    ids = torch.randint(3, 64, (2, 12))
+    source_cache = source(ids, use_cache=True).past_key_values
+    cache = MappedCache.from_source(source_cache, mapper)
+    assert cache.mapping_info["kind"] == "mlp"
+    assert len(cache.layers) == 3
+    for layer in cache.layers:
+        assert layer.keys.shape == layer.values.shape == (2, 4, 11, 8)
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+    # the target reads it (a forward with the held-back token)
+    out = target(ids[:, -1:], past_key_values=cache)
+    assert torch.isfinite(out.logits).all()
+
+    placed = copy.deepcopy(mapper)  # the module-scoped fitted mapper stays on the CPU
+    placed.layers[1].to("meta")
+    cache = MappedCache.from_source(source_cache, placed)
+    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
+    assert [layer.values.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
+    assert cache.layers[1].keys.shape == (2, 4, 11, 8)

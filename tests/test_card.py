@@ -1,0 +1,196 @@
+"""Model cards: the approval tuple in the YAML, unknowns left out, idempotent saves, MLP training rows."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard
+
+from hf_kvmap import (
+    MapperModel,
+    fit_mapper,
+)
+from hf_kvmap.artifacts import tokenizer_fingerprint
+from hf_kvmap.cli import main as cli_main
+from hf_kvmap.plotting import plot_training_curves
+from hf_kvmap.zoo import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+RESULTS = {
+    "tasks": {
+        "recall": {
+            "source": 0.1,
+            "target": 0.9,
+            "mapped": 0.8,
+            "chance": 0.0,
+            "retention": 0.8 / 0.9,
+            "floor_normalized_retention": 0.8 / 0.9,
+            "task_type": "exact_match",
+        },
+        "choice": {
+            "source": 0.3,
+            "target": 0.75,
+            "mapped": 0.5,
+            "chance": 0.25,
+            "retention": 2 / 3,
+            "floor_normalized_retention": 0.5,
+            "task_type": "choice",
+        },
+    },
+    "perplexity": {"text": {"source": 2.0, "target": 1.5, "mapped": 1.6}},
+    "latency": [{"tokens": 256, "mapper_ms": 1.0, "prefill_ms": 5.0, "speedup": 5.0}],
+    "run": {"task_set": "tiny-family", "items_per_task": 10, "seed": 3},
+    "environment": {"device": "cpu", "threads": 2, "torch": torch.__version__},
+}
+
+
+@pytest.fixture
+def mapper(tiny):
+    config = tiny.SUPPORTED["qwen3"]()
+    return MapperModel.identity(
+        config,
+        source_model_id="org/small",
+        source_revision="a" * 40,
+        target_model_id="org/large",
+        target_revision="b" * 40,
+        tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
+        calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
+    )
+
+
+def _front_matter(text: str) -> dict:
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_card_yaml_holds_the_approval_tuple(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path, evaluation=RESULTS)
+    text = (tmp_path / "README.md").read_text()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "hf-kvmap"
+    assert meta["base_model"] == ["org/small", "org/large"]
+    assert "mapper-ridge" in meta["tags"]
+    metrics = {
+        (r["dataset"]["name"], m["type"]): m["value"] for r in meta["model-index"][0]["results"] for m in r["metrics"]
+    }
+    assert metrics[("choice", "floor_normalized_retention")] == 0.5
+    assert metrics[("recall", "retention")] == pytest.approx(0.8889, abs=1e-4)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.library_name == "hf-kvmap"
+    body = card.text
+    for needle in (
+        "`org/small` @ `" + "a" * 40,
+        "`org/large` @ `" + "b" * 40,
+        mapper.config.tokenizer_fingerprint,
+        mapper.config.content_hash,
+        "| calibration tokens | 1234 |",
+        "| choice | choice | 0.300 | 0.750 |",
+        "| 256 | 1.00 | 5.00 | 5.00x |",
+    ):
+        assert needle in body, needle
+    assert "More Information Needed" not in text and "None" not in body
+
+
+def test_card_without_evaluation_omits_unknowns(tiny, tmp_path):
+    MapperModel.identity(tiny.SUPPORTED["llama"]()).save_pretrained(tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert "## Retention" not in text and "## Latency" not in text and "revision" not in text.split("## How")[0]
+    assert "More Information Needed" not in text and "None" not in text
+    assert "model-index" not in _front_matter(text)
+
+
+def test_save_is_idempotent_and_keeps_evaluation(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path, evaluation=RESULTS)
+    first = (tmp_path / "README.md").read_text()
+    mapper.save_pretrained(tmp_path)  # evaluation.json already there is reused
+    assert (tmp_path / "README.md").read_text() == first
+    assert json.loads((tmp_path / "evaluation.json").read_text())["run"]["seed"] == 3
+
+
+def test_push_to_hub_uploads_weights_config_and_generated_card(tmp_path, monkeypatch, mapper):
+    uploaded = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return type("Url", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            for file in sorted(__import__("pathlib").Path(folder_path).iterdir()):
+                uploaded[file.name] = file.read_bytes()
+            return "ok"
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    assert mapper.push_to_hub("org/small-to-large", evaluation=RESULTS) == "ok"
+    assert sorted(uploaded) == ["README.md", "config.json", "evaluation.json", "model.safetensors"]
+    card = uploaded["README.md"].decode()
+    assert 'MapperModel.from_pretrained("org/small-to-large"' in card and "## Retention" in card
+
+
+@pytest.fixture(scope="module")
+def mlp_pair(tiny):
+    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
+    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
+        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
+
+
+def fit_mlp(source, target, calibration, **kwargs):
+    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fitted(mlp_pair, calibration):
+    source, target = mlp_pair
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
+    return fit_mlp(source, target, calibration, **kwargs), kwargs
+
+
+def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):
+    mapper, _ = fitted
+    mapper.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "tags:\n- hf-kvmap\n- kv-cache\n- mapper-mlp" in card
+    assert "| kind | `mlp` (hidden size 32) |" in card
+    assert "| ridge lambda (of the ridge the MLP starts from) | 0.01 (absolute) |" in card
+    section = card.split("## MLP training", 1)[1].split("\n## ", 1)[0]
+    assert "| epochs | 2 |" in section and "| init | ridge |" in section and "| batch_tokens | 64 |" in section
+    rows = [line for line in section.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |"))]
+    training = mapper.config.calibration["mlp_training"]
+    assert len(rows) == 6  # 3 target layers x (key, value)
+    for line, (entry, kind) in zip(rows, [(e, k) for e in training["layers"] for k in ("key", "value")]):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        record = entry[kind]
+        assert cells[:2] == [str(entry["layer"]), kind]
+        assert cells[2] == f"{record['ridge_val_mse']:.3g}" and cells[3] == f"{record['val_mse']:.3g}"
+        assert cells[6] == f"{record['best_epoch']} / {record['epochs_run']}"
+
+    pytest.importorskip("matplotlib")
+    assert plot_training_curves(mapper.config, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ridge_config = copy.deepcopy(mapper.config)
+    ridge_config.calibration = {k: v for k, v in ridge_config.calibration.items() if k != "mlp_training"}
+    assert not plot_training_curves(ridge_config, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+
+
+def test_card_command_rerenders(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(RESULTS))
+    assert cli_main(["card", str(tmp_path), "--results", str(results), "--name", "org/small-to-large"]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "## Retention" in text and 'MapperModel.from_pretrained("org/small-to-large"' in text

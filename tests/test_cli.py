@@ -1,0 +1,188 @@
+"""The command line: `fit` (ridge, MLP, windows, from statistics), `card`, `demo`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hf_kvmap import (
+    CalibrationStatistics,
+    MapperModel,
+)
+from hf_kvmap.artifacts import tokenizer_fingerprint
+from hf_kvmap.cli import main as cli_main
+from hf_kvmap.modeling_mlp import HeadwiseMLP
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def _cli_pair(tiny, tmp_path):
+    """A 2-layer source and a 3-layer target saved with one tokenizer, and 20 lines of calibration text
+    (`data.txt`); returns `(tokenizer, lines)`."""
+    tokenizer = _tiny_tokenizer()
+    for name, seed, layers in (("src", 0, 2), ("tgt", 1, 3)):
+        tiny.model(sharpen=False, seed=seed, layers=layers, vocab=32).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(f"w{i}" for i in torch.randint(0, 30, (40,), generator=generator).tolist()) for _ in range(20)]
+    (tmp_path / "data.txt").write_text("\n".join(lines))
+    return tokenizer, lines
+
+
+def test_cli_fit_writes_loadable_mapper(tiny, tmp_path):
+    from hf_kvmap.cli import main
+
+    tokenizer, lines = _cli_pair(tiny, tmp_path)
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"text": line}) for line in lines))
+    for data in ("data.txt", "data.jsonl"):
+        out = tmp_path / f"mapper-{data}"
+        code = main(
+            [
+                "fit",
+                "--source",
+                str(tmp_path / "src"),
+                "--target",
+                str(tmp_path / "tgt"),
+                "--data",
+                str(tmp_path / data),
+                "--top-k",
+                "1",
+                "--ridge-lambda",
+                "0.1",
+                "--seq-len",
+                "32",
+                "--stride",
+                "2",
+                "--max-sequences",
+                "12",
+                "--batch-size",
+                "4",
+                "--out",
+                str(out),
+                "--stats",
+                str(tmp_path / f"stats-{data}"),
+                "--no-progress",
+            ]
+        )
+        assert code == 0
+        mapper = MapperModel.from_pretrained(out)
+        assert len(mapper.config.source_layers) == 3 and all(len(s) == 1 for s in mapper.config.source_layers)
+        assert mapper.config.source_model_id == str(tmp_path / "src")
+        assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+        assert mapper.config.calibration["sequences"] == 12 and mapper.config.calibration["stride"] == 2
+        assert (out / "selection.json").exists()
+        stats = CalibrationStatistics.load(tmp_path / f"stats-{data}")
+        assert stats.count() == 12 * 16
+        assert stats.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+
+    # Re-solve from the saved statistics with another k, without the models.
+    out = tmp_path / "mapper-k2"
+    assert main(["fit", "--from-stats", str(tmp_path / "stats-data.txt"), "--top-k", "all", "--out", str(out)]) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert all(layers == [0, 1] for layers in mapper.config.source_layers)
+    assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    assert (
+        mapper.config.calibration["fingerprint"] == CalibrationStatistics.load(tmp_path / "stats-data.txt").fingerprint
+    )
+    with pytest.raises(SystemExit, match="--data"):
+        main(["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--out", str(out)])
+
+
+def test_cli_fit_kind_mlp(tiny, tmp_path):
+    from hf_kvmap.cli import main
+
+    tokenizer, _ = _cli_pair(tiny, tmp_path)
+    models = [
+        "--source",
+        str(tmp_path / "src"),
+        "--target",
+        str(tmp_path / "tgt"),
+        "--data",
+        str(tmp_path / "data.txt"),
+    ]
+    options = ["--kind", "mlp", "--top-k", "2", "--hidden-size", "48", "--epochs", "2", "--batch-tokens", "32"]
+    options += ["--seq-len", "16", "--max-sequences", "8", "--batch-size", "4", "--stride", "1", "--seed", "5"]
+    out = tmp_path / "mlp"
+    assert main(["fit", *models, *options, "--out", str(out), "--no-progress"]) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert mapper.config.kind == "mlp" and mapper.config.mlp_hidden_size == 48
+    assert isinstance(mapper.layers[0].key_proj, HeadwiseMLP)
+    assert mapper.config.source_layers == [[0, 1]] * 3
+    assert mapper.config.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    training = mapper.config.calibration["mlp_training"]
+    assert (training["epochs"], training["batch_tokens"], training["seed"]) == (2, 32, 5)
+    assert training["positions_train"] + training["positions_val"] == 8 * 16
+    assert (out / "selection.json").exists() and "## MLP training" in (out / "README.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (out / "training_curves.png").exists()
+
+    with pytest.raises(SystemExit, match="drop --from-stats"):
+        main(["fit", "--kind", "mlp", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="drop --from-stats"):
+        main(["fit", "--context-window", "2", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+
+    # a windowed ridge reading keys and values
+    out = tmp_path / "windowed"
+    window = ["--top-k", "1", "--context-window", "2", "--input-kinds", "both", "--seq-len", "16"]
+    window += ["--max-sequences", "8", "--batch-size", "4", "--stride", "2"]
+    assert main(["fit", *models, *window, "--out", str(out), "--no-progress"]) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert (mapper.config.kind, mapper.config.context_window, mapper.config.input_kinds) == ("ridge", 2, "both")
+    assert mapper.layers[0].key_proj.weight.shape[1] == 3 * 2 * mapper.config.source_geometry.layer_width
+    assert "| context window (earlier positions read) | 2 |" in (out / "README.md").read_text()
+
+
+def test_cli_refuses_different_tokenizers(tiny, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_kvmap.cli import main
+
+    other = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    for name, tokenizer in (("src", _tiny_tokenizer()), ("tgt", PreTrainedTokenizerFast(tokenizer_object=other))):
+        tiny.model(sharpen=False, layers=1, vocab=32).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    (tmp_path / "data.txt").write_text("w1 w2 w3 " * 50)
+    with pytest.raises(SystemExit, match="tokenizer"):
+        main(
+            [
+                "fit",
+                "--source",
+                str(tmp_path / "src"),
+                "--target",
+                str(tmp_path / "tgt"),
+                "--data",
+                str(tmp_path / "data.txt"),
+                "--out",
+                str(tmp_path / "out"),
+                "--no-progress",
+            ]
+        )
+
+
+def test_short_demo_writes_every_task(tmp_path):
+    out, plot = tmp_path / "demo.json", tmp_path / "demo.png"
+    args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--json", str(out), "--plot", str(plot)]
+    assert cli_main(args) == 0
+    results = json.loads(out.read_text())
+    assert set(results["tasks"]) == {"recall", "arithmetic", "choice", "chat"}
+    for row in results["tasks"].values():
+        for key in ("source", "target", "mapped", "chance"):
+            assert math.isfinite(row[key])
+        assert "retention" in row and "floor_normalized_retention" in row
+    assert math.isfinite(results["perplexity"]["text"]["mapped"])
+    assert [row["tokens"] for row in results["latency"]] == [32, 64]
+    assert all(row["mapper_ms"] > 0 and row["prefill_ms"] > 0 for row in results["latency"])
+    assert plot.stat().st_size > 10_000

@@ -1,0 +1,73 @@
+"""Diagnostics: perfect for an identity mapper, and they point at a damaged layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from hf_kvmap import (
+    MapperModel,
+)
+from hf_kvmap.evaluation import Handoff, TaskSpec
+from hf_kvmap.zoo import corpus, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def handoff(tiny):
+    tokenizer = load_tokenizer()
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tiny.model(config, seed=2)
+    return Handoff(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
+
+
+def test_diagnostics_of_identity_mapper_are_perfect(handoff):
+    from hf_kvmap.diagnostics import diagnose
+
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    result = diagnose(handoff.source, handoff.target, handoff.mapper, [ids], query_tokens=8)
+    assert len(result["layers"]) == 2 and len(result["layers"][0]["attention_cosine"]) == 4
+    assert result["summary"]["mean_key_r2"] == pytest.approx(1.0, abs=1e-6)
+    assert result["summary"]["mean_value_r2"] == pytest.approx(1.0, abs=1e-9)
+    assert result["summary"]["min_layer_attention_cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_diagnostics_see_a_damaged_layer(handoff):
+    from hf_kvmap.diagnostics import diagnose
+
+    damaged = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        damaged.layers[1].value_proj.weight.mul_(-1.0)  # values of layer 1 flipped
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    result = diagnose(handoff.source, handoff.target, damaged, [ids], query_tokens=8)
+    assert min(result["layers"][0]["attention_cosine"]) == pytest.approx(1.0, abs=1e-6)
+    # the held-back and query tokens keep their own (true) values, so the cosine is strongly negative, not -1
+    assert max(result["layers"][1]["attention_cosine"]) < -0.5
+    assert max(result["layers"][1]["value_r2"]) < -1.0
+
+
+def test_layer_swap_points_at_the_damaged_layer(handoff):
+    from hf_kvmap.diagnostics import layer_swap
+
+    task = TaskSpec("text", "perplexity", corpus.make_eval_set("text", 3, seed=2, n_chars=96))
+    exact = layer_swap(handoff, task)  # identity mapper: every swap equals the target's own cache
+    assert exact["layers"][0] == pytest.approx(exact["target"], rel=1e-5)
+    assert exact["keys_only"] == pytest.approx(exact["target"], rel=1e-5)
+    damaged = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        damaged.layers[1].value_proj.weight.mul_(-1.0)
+    probe = Handoff(handoff.source, handoff.target, damaged, handoff.tokenizer)
+    result = layer_swap(probe, task)
+    assert result["layers"][0] == pytest.approx(result["target"], rel=1e-5)
+    assert result["keys_only"] == pytest.approx(result["target"], rel=1e-5)
+    assert result["layers"][1] != pytest.approx(result["target"], rel=1e-3)
+    assert result["values_only"] == pytest.approx(result["layers"][1], rel=1e-5)

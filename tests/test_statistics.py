@@ -1,0 +1,137 @@
+"""`CalibrationStatistics`: accumulation, padding, merging, memory, persistence, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_kvmap import (
+    CalibrationStatistics,
+)
+
+
+@pytest.fixture(scope="module")
+def self_model(tiny):
+    model = tiny.model(sharpen=False, layers=3, seed=0)
+    # Random init is near-uniform; sharpen the output so greedy decoding is not decided by rounding noise.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    """A source and a deeper target with the same KV geometry (independent random weights)."""
+    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
+
+
+@pytest.fixture(scope="module")
+def pair_stats(tiny, pair):
+    source, target = pair
+    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
+
+
+def test_save_load_round_trip_exact(pair_stats, tmp_path):
+    pair_stats.save(tmp_path / "stats")
+    assert sorted(os.listdir(tmp_path / "stats")) == ["statistics.json", "statistics.safetensors"]
+    meta = json.loads((tmp_path / "stats" / "statistics.json").read_text())
+    assert meta["calibration"]["fingerprint"] == pair_stats.fingerprint and meta["stride"] == 2
+    assert meta["source_config"]["num_hidden_layers"] == 4
+    loaded = CalibrationStatistics.load(tmp_path / "stats")
+    assert loaded.parts == pair_stats.parts and loaded.provenance() == pair_stats.provenance()
+    for name, tensor in pair_stats.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    with open(tmp_path / "stats" / "statistics.safetensors", "r+b") as handle:  # tamper with one byte
+        handle.seek(-3, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-3, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ValueError, match="sha256"):
+        CalibrationStatistics.load(tmp_path / "stats")
+
+
+def test_merge_halves_equals_whole_and_rejects_incompatible(tiny, pair):
+    source, target = pair
+    data = tiny.batches(seed=2)
+    whole = CalibrationStatistics.collect(source, target, data, stride=2, progress=False)
+    first = CalibrationStatistics.collect(source, target, data[2:], stride=2, progress=False)
+    second = CalibrationStatistics.collect(source, target, data[:2], stride=2, progress=False)
+    merged = first.merge(second)
+    assert merged.fingerprint == whole.fingerprint  # order independent
+    for name, tensor in whole.state_dict().items():
+        assert torch.allclose(merged.state_dict()[name], tensor, rtol=1e-12, atol=1e-9), name
+
+    other_stride = CalibrationStatistics.collect(source, target, data[:1], stride=3, progress=False)
+    with pytest.raises(ValueError, match="stride differs"):
+        whole.merge(other_stride)
+    restricted = CalibrationStatistics(source.config, target.config, stride=2, target_layers=[1])
+    with pytest.raises(ValueError, match="target_layers differs"):
+        whole.merge(restricted)
+    swapped = CalibrationStatistics(target.config, source.config, stride=2)
+    with pytest.raises(ValueError, match="source_config differs"):
+        whole.merge(swapped)
+
+
+@pytest.mark.parametrize(
+    "parts,target_layers,dtype",
+    [(("key", "value"), None, torch.float64), (("key",), [2], torch.float32), (("value",), [0, 2], torch.float64)],
+)
+def test_memory_estimate_matches_collected(tiny, pair, parts, target_layers, dtype):
+    source, target = pair
+    stats = CalibrationStatistics.collect(
+        source,
+        target,
+        tiny.batches(count=1, size=1, length=8),
+        parts=parts,
+        target_layers=target_layers,
+        dtype=dtype,
+        progress=False,
+    )
+    estimate = CalibrationStatistics.memory_estimate(
+        source.config, target.config, parts=parts, target_layers=target_layers, dtype=dtype
+    )
+    assert estimate["total"] == stats.nbytes()
+    assert set(parts) <= set(estimate)
+    assert all(stats[part].gram.dtype == dtype for part in parts)
+
+
+def test_padded_batches_match_unpadded(tiny, self_model):
+    model = self_model
+    data = tiny.batches(seed=6, count=1, size=2, length=20)[0]
+    plain = CalibrationStatistics.collect(model, model, [data[0:1], data[1:2, 5:]], progress=False)
+    ids = data.clone()
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0  # left padding of the second row
+    padded = CalibrationStatistics.collect(model, model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
+    assert padded.count() == plain.count() == 35
+    assert padded.fingerprint == plain.fingerprint and int(padded.tokens) == 35
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(padded.state_dict()[name], tensor, rtol=1e-5, atol=1e-4), name
+
+
+def test_update_rejects_bad_shapes(pair):
+    source, target = pair
+    stats = CalibrationStatistics(source.config, target.config)
+    with pytest.raises(ValueError, match="width"):
+        stats.update(torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="values"):
+        stats.update(torch.zeros(3, stats.source_width), None, torch.zeros(3, stats.target_width), None)
+    layer = torch.zeros(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="model has 4 layers"):
+        stats.update([layer] * 3, [layer] * 3, [layer] * 3, [layer] * 3)
+    with pytest.raises(ValueError, match="n_kv \\* head_dim = 32"):
+        stats.update([layer] * 4, [layer] * 4, [torch.zeros(1, 2, 5, 8)] * 3, [layer] * 3)
+
+
+def test_non_finite_features_are_refused(pair):
+    source, target = pair
+    stats = CalibrationStatistics(source.config, target.config, parts=("key",))
+    bad = torch.zeros(3, stats.target_width)
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        stats.update(torch.zeros(3, stats.source_width), None, bad, None)
+    assert stats.count() == 0 and not stats["key"].gram.any()
