@@ -74,7 +74,7 @@ def plain_forward_seconds(model, batches) -> float:
 
 
 def run_size(source, target, sequences: int, seq_len: int, batch_size: int, stride: int, top_k: int, repeats: int):
-    from hf_kvmap.fitting import LayerSelection, mapper_from_statistics
+    from hf_kvmap import LayerSelection, mapper_from_statistics
     from hf_kvmap.statistics import CalibrationStatistics
 
     generator = torch.Generator().manual_seed(sequences)

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import zoo
+from hf_kvmap import fit_mapper, mapper_from_statistics, zoo
+from hf_kvmap.artifacts import tokenizer_fingerprint
 from hf_kvmap.diagnostics import diagnose
-from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks, tiny_family_tasks
-from hf_kvmap.fitting import mapper_from_statistics, tokenizer_fingerprint
-from hf_kvmap.mlp import content_space_metrics, fit_mlp_mapper, gather_features
+from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks
+from hf_kvmap.features import gather_features
+from hf_kvmap.fitting import content_space_metrics
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.statistics import CalibrationStatistics
 
@@ -69,17 +70,17 @@ def floor_normalized_retention(mapped: float, target: float, chance: float) -> f
 
 def task_retention(source, target, ridge, mlp, tokenizer, items: int, seed: int) -> dict:
     """Every task three ways with the ridge (source/target once), then the MLP's mapped mode on the same items."""
-    tasks = tiny_family_tasks(items, seed)
+    tasks = zoo.tiny_family_tasks(items, seed)
     results = evaluate_tasks(Handoff(source=source, target=target, mapper=ridge, tokenizer=tokenizer), tasks)
     mlp_handoff = Handoff(source=source, target=target, mapper=mlp, tokenizer=tokenizer)
     table = {}
     for task in tasks:
-        kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
-        mapped = evaluate_items(mlp_handoff, task.kind, task.items, "mapped", **kwargs)
-        if task.kind == "perplexity":
+        kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
+        mapped = evaluate_items(mlp_handoff, task.task_type, task.items, "mapped", **kwargs)
+        if task.task_type == "perplexity":
             row = dict(results["perplexity"][task.name])
             table[task.name] = {
-                "kind": "perplexity",
+                "task_type": "perplexity",
                 "source": row["source"],
                 "target": row["target"],
                 "ridge": row["mapped"],
@@ -88,7 +89,7 @@ def task_retention(source, target, ridge, mlp, tokenizer, items: int, seed: int)
             continue
         row = results["tasks"][task.name]
         table[task.name] = {
-            "kind": task.kind,
+            "task_type": task.task_type,
             "chance": task.chance,
             "source": row["source"],
             "target": row["target"],
@@ -120,10 +121,11 @@ def compare_pair(pair: str, args, tokenizer, calibration, held_out) -> dict:
     ridge = mapper_from_statistics(stats, top_k=args.top_k, ridge_lambda=args.ridge_lambda)
     timings["ridge_solve_s"] = time.perf_counter() - started
     started = time.perf_counter()
-    mlp = fit_mlp_mapper(
+    mlp = fit_mapper(
         source,
         target,
         calibration,
+        kind="mlp",
         top_k=args.top_k,
         hidden_size=args.hidden,
         epochs=args.epochs,
@@ -215,7 +217,7 @@ def format_table(results: dict) -> str:
         lines.append(f"{'val-split MSE (K/V mean)':<34}{split['ridge_val_mse']:>12.4g}{split['mlp_val_mse']:>12.4g}")
         lines.append(f"{'val-split R^2 (K/V mean)':<34}{split['ridge_val_r2']:>12.4f}{split['mlp_val_r2']:>12.4f}")
         for task, t in row.get("tasks", {}).items():
-            if t["kind"] == "perplexity":
+            if t["task_type"] == "perplexity":
                 label = f"{task} ppl (src {t['source']:.3f}, tgt {t['target']:.3f})"
                 lines.append(f"{label:<34}{t['ridge']:>12.3f}{t['mlp']:>12.3f}")
             else:

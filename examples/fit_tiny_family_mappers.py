@@ -21,7 +21,7 @@ import torch
 
 from hf_kvmap import MapperModel, zoo
 from hf_kvmap.diagnostics import diagnose
-from hf_kvmap.evaluation import Handoff, evaluate_tasks, tiny_family_tasks
+from hf_kvmap.evaluation import Handoff, evaluate_tasks
 from hf_kvmap.reporting import environment_info
 from hf_kvmap.zoo import corpus
 
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         fit_seconds = time.perf_counter() - started
         mapper = mapper.to(getattr(torch, args.save_dtype))  # evaluate exactly what is saved
         handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
-        results = evaluate_tasks(handoff, tiny_family_tasks(args.items, args.seed))
+        results = evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed))
         held_out = corpus.make_eval_set("text", 16, seed=args.seed + 1, n_chars=256)
         diagnostics = diagnose(
             source, target, mapper, [torch.tensor([tokenizer(item.text)["input_ids"]]) for item in held_out]

@@ -147,6 +147,11 @@ class FitOptions:
         sufficient statistics do not cover; only the per-position ridge is solved from statistics alone."""
         return self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0
 
+    def mlp_settings(self) -> dict[str, Any]:
+        """The settings `hf_kvmap.training.train_headwise_mlp` takes from these options (all but the seed)."""
+        names = ("hidden_size", "epochs", "batch_tokens", "lr", "patience", "init", "ridge_lambda")
+        return {name: getattr(self, name) for name in (*names, "lambda_convention", "warmup_steps")}
+
     def replace(self, **changes) -> FitOptions:
         """A copy with `changes` (validated); unknown names raise `TypeError` naming them."""
         unknown = sorted(set(changes) - {field.name for field in dataclasses.fields(self)})

@@ -223,6 +223,37 @@ def batch_features(
             bar.set_postfix(postfix(), refresh=False)
 
 
+def feature_matrix(tensors, layers: Sequence[int], num_layers: int, width: int, what: str) -> torch.Tensor:
+    """`(N, len(layers) * layer_width)` features of `layers` (rows in `(batch, seq)` order, flattened as
+    `layer * n_kv * head_dim + head * head_dim + dim`) from per-layer `(B, n_kv, T, d)` tensors of all `num_layers`
+    layers, or a 2-D matrix already in that layout; in the dtype and on the device of the first tensor."""
+    if isinstance(tensors, torch.Tensor) and tensors.dim() == 2:
+        if tensors.shape[1] != width:
+            raise ValueError(f"{what} features have width {tensors.shape[1]}; expected {width}.")
+        return tensors
+    tensors = list(tensors)
+    if len(tensors) != num_layers:
+        raise ValueError(f"{what} come as {len(tensors)} per-layer tensors; the model has {num_layers} layers.")
+    chosen = [tensors[layer] for layer in layers]
+    first = chosen[0]
+    rows = first.shape[0] * first.shape[2]
+    out = torch.empty(rows, width, dtype=first.dtype, device=first.device)
+    layer_width = width // len(layers)
+    for slot, tensor in enumerate(chosen):
+        if tensor.dim() != 4 or tensor.shape[1] * tensor.shape[3] != layer_width:
+            raise ValueError(
+                f"{what} layer {layers[slot]} has shape {tuple(tensor.shape)}; expected (batch, n_kv, seq, "
+                f"head_dim) with n_kv * head_dim = {layer_width}."
+            )
+        if tensor.shape[0] * tensor.shape[2] != rows:
+            raise ValueError(
+                f"{what} layer {layers[slot]} covers {tuple(tensor.shape)}; layer 0 covers {tuple(first.shape)}."
+            )
+        flat = tensor.transpose(1, 2).reshape(rows, layer_width)
+        out[:, slot * layer_width : (slot + 1) * layer_width] = flat.to(out.device)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ features kept in memory
 @dataclass
 class CalibrationFeatures:

@@ -203,37 +203,21 @@ def _mlp_on_features(features, selection, options, target, progress):
                 y[val_rows],
                 num_heads=target.num_kv_heads,
                 head_dim=target.head_dim,
-                hidden_size=options.hidden_size,
-                epochs=options.epochs,
-                batch_tokens=options.batch_tokens,
-                lr=options.lr,
-                patience=options.patience,
                 seed=options.seed * 1_000_003 + 2 * layer_idx + part_idx,
-                init=options.init,
-                ridge_lambda=options.ridge_lambda,
-                lambda_convention=options.lambda_convention,
-                warmup_steps=options.warmup_steps,
                 bar=bar,
+                **options.mlp_settings(),
             )
             maps[layer_idx, part] = mlp.state_dict()
             entry[part] = result.to_dict()
         report.append(entry)
     bar.close()
     training = {
-        "hidden_size": options.hidden_size,
-        "epochs": options.epochs,
-        "batch_tokens": options.batch_tokens,
+        **options.mlp_settings(),
         "optimizer": "adam",
-        "lr": options.lr,
         "loss": "mse (content space)",
         "val_fraction": options.val_fraction,
         "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
-        "patience": options.patience,
         "seed": options.seed,
-        "init": options.init,
-        "ridge_lambda": options.ridge_lambda,
-        "lambda_convention": options.lambda_convention,
-        "warmup_steps": options.warmup_steps,
         "positions_train": int(train_rows.numel()),
         "positions_val": int(val_rows.numel()),
         "features": features.provenance,
@@ -250,6 +234,30 @@ FEATURE_FITTERS: dict[str, Callable] = {"ridge": _ridge_on_features, "mlp": _mlp
 
 
 # ------------------------------------------------------------------------------------------------ orchestrator
+def collect_statistics(
+    source_model,
+    target_model,
+    calibration: Iterable,
+    options: FitOptions,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    fingerprint: str | None = None,
+) -> CalibrationStatistics:
+    """The statistics [`fit`] collects (one pass, `options.stride` and `options.statistics_dtype`), for a caller that
+    keeps them (e.g. saves them) before fitting."""
+    return CalibrationStatistics.collect(
+        source_model,
+        target_model,
+        calibration,
+        stride=options.stride,
+        dtype=options.statistics_dtype,
+        device=device,
+        progress=progress,
+        tokenizer_fingerprint=fingerprint,
+    )
+
+
 def fitted_config(
     statistics: CalibrationStatistics,
     selection: LayerSelection,
@@ -349,15 +357,8 @@ def fit(
                 "pass init='random' or a larger hidden_size."
             )
     if statistics is None:
-        statistics = CalibrationStatistics.collect(
-            source_model,
-            target_model,
-            calibration,
-            stride=options.stride,
-            dtype=options.statistics_dtype,
-            device=device,
-            progress=progress,
-            tokenizer_fingerprint=fingerprint,
+        statistics = collect_statistics(
+            source_model, target_model, calibration, options, device=device, progress=progress, fingerprint=fingerprint
         )
     parts = [statistics] if isinstance(statistics, CalibrationStatistics) else list(statistics)
     if not parts or not all(isinstance(p, CalibrationStatistics) for p in parts):
@@ -443,6 +444,7 @@ def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Ten
 __all__ = [
     "FEATURE_FITTERS",
     "FittedMapper",
+    "collect_statistics",
     "content_space_metrics",
     "fit",
     "fitted_config",

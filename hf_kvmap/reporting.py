@@ -89,7 +89,7 @@ def environment_info() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     info = {
         "hf_kvmap": __version__,

@@ -15,11 +15,9 @@ layer, source-layer selection and the ridge solve for any `k` are sub-block solv
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +27,9 @@ from transformers.utils import logging
 from ._compat import model_id, model_revision
 from .artifacts import file_sha256
 from .configuration_mapper import summarize_model_config
-from .features import PARTS, batch_features, input_device
+from .features import PARTS, batch_features, feature_matrix, input_device
 from .geometry import KVGeometry
+from .moments import DTYPES, NUM_LIMBS, PER_PART, PartStatistics, dtype_name, fingerprint_hex, limbs, sequence_digest
 
 logger = logging.get_logger(__name__)
 
@@ -38,20 +37,7 @@ STATISTICS_FILE = "statistics.safetensors"
 METADATA_FILE = "statistics.json"
 FORMAT_VERSION = 1
 
-# The calibration fingerprint is a sum (mod 2^256) of per-sequence sha256 digests, kept as 16-bit limbs in int64 so
-# that it adds like every other statistic (merge, all_reduce) and does not depend on the order of the sequences.
-_LIMB_BITS = 16
-_NUM_LIMBS = 256 // _LIMB_BITS
-_PER_PART = ("count", "source_sum", "target_sum", "target_sumsq", "gram", "cross")
 _SHARED = ("tokens", "sequences", "fingerprint_limbs")
-_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"dtype={dtype} is not supported for statistics; use torch.float64 or torch.float32.")
 
 
 def _model_id(model_or_config) -> tuple[str | None, str | None]:
@@ -69,64 +55,6 @@ def _normalize_target_layers(target_layers, num_layers: int) -> list[int] | None
     if bad:
         raise ValueError(f"target_layers names layers {bad}, but the target has {num_layers} layers.")
     return None if layers == list(range(num_layers)) else layers
-
-
-def _sequence_digest(ids: torch.Tensor) -> int:
-    data = ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes()
-    return int.from_bytes(hashlib.sha256(data).digest(), "big")
-
-
-def _limbs(value: int) -> torch.Tensor:
-    mask = (1 << _LIMB_BITS) - 1
-    return torch.tensor([(value >> (_LIMB_BITS * i)) & mask for i in range(_NUM_LIMBS)], dtype=torch.int64)
-
-
-@dataclass
-class PartStatistics:
-    """The running sums of one part (`"key"` or `"value"`); see the module docstring for the meaning of each."""
-
-    count: torch.Tensor  # () int64
-    source_sum: torch.Tensor  # (F_s,)
-    target_sum: torch.Tensor  # (F_t,)
-    target_sumsq: torch.Tensor  # (F_t,)
-    gram: torch.Tensor  # (F_s, F_s)
-    cross: torch.Tensor  # (F_s, F_t)
-
-    @classmethod
-    def zeros(cls, source_width: int, target_width: int, dtype: torch.dtype, device) -> PartStatistics:
-        def z(*shape):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            count=torch.zeros((), dtype=torch.int64, device=device),
-            source_sum=z(source_width),
-            target_sum=z(target_width),
-            target_sumsq=z(target_width),
-            gram=z(source_width, source_width),
-            cross=z(source_width, target_width),
-        )
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in _PER_PART}
-
-    @torch.no_grad()
-    def update(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Add feature rows `source` `(N, F_s)` and `target` `(N, F_t)` (already in the statistics dtype/device).
-
-        Raises `ValueError` (and adds nothing) if either holds NaN or inf, e.g. from a half-precision overflow.
-        """
-        for side, features in (("source", source), ("target", target)):
-            if not bool(torch.isfinite(features).all()):
-                raise ValueError(
-                    f"The {side} features of this batch contain NaN or inf; refusing to accumulate them (the "
-                    "statistics are unchanged). Check the model's dtype (fp16 overflow?) and the calibration batch."
-                )
-        self.count += source.shape[0]
-        self.source_sum += source.sum(0)
-        self.target_sum += target.sum(0)
-        self.target_sumsq += target.square().sum(0)
-        self.gram.addmm_(source.T, source)
-        self.cross.addmm_(source.T, target)
 
 
 class CalibrationStatistics:
@@ -194,7 +122,7 @@ class CalibrationStatistics:
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride={stride!r} must be a positive integer.")
         self.stride = stride
-        _dtype_name(dtype)
+        dtype_name(dtype)
         self.dtype = dtype
         self.device = torch.device(device)
         self.source_model_id = source_model_id
@@ -207,7 +135,7 @@ class CalibrationStatistics:
         self.timings = {"source_forward": 0.0, "target_forward": 0.0, "accumulate": 0.0}
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sequences = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.fingerprint_limbs = torch.zeros(_NUM_LIMBS, dtype=torch.int64, device=self.device)
+        self.fingerprint_limbs = torch.zeros(NUM_LIMBS, dtype=torch.int64, device=self.device)
         if _allocate:
             for part in self.parts:
                 self.stats[part] = PartStatistics.zeros(self.source_width, self.target_width, dtype, self.device)
@@ -256,8 +184,7 @@ class CalibrationStatistics:
     @property
     def fingerprint(self) -> str:
         """sha256-based fingerprint of the calibration token ids (order independent, additive over sequences)."""
-        value = sum(int(limb) << (_LIMB_BITS * i) for i, limb in enumerate(self.fingerprint_limbs.tolist()))
-        return f"{value % (1 << 256):064x}"
+        return fingerprint_hex(self.fingerprint_limbs)
 
     def provenance(self) -> dict[str, Any]:
         """Calibration provenance, as `MapperConfig.calibration` records it."""
@@ -269,7 +196,7 @@ class CalibrationStatistics:
             "fingerprint": self.fingerprint,
             "parts": list(self.parts),
             "target_layers": self.target_layers,
-            "statistics_dtype": _dtype_name(self.dtype),
+            "statistics_dtype": dtype_name(self.dtype),
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -334,7 +261,7 @@ class CalibrationStatistics:
         item = torch.empty((), dtype=dtype).element_size()
         per_part = 8 + item * (f_s + 2 * f_t + f_s * f_s + f_s * f_t)
         parts = [part for part in PARTS if part in tuple(parts)]
-        shared = 8 * (2 + _NUM_LIMBS)
+        shared = 8 * (2 + NUM_LIMBS)
         estimate = {part: per_part for part in parts}
         estimate.update(
             shared=shared,
@@ -346,34 +273,6 @@ class CalibrationStatistics:
         return estimate
 
     # ------------------------------------------------------------------------------------------------ accumulation
-    def _features(self, tensors, layers: Sequence[int], num_layers: int, width: int, what: str) -> torch.Tensor:
-        """`(N, len(layers) * layer_width)` features from per-layer `(B, n_kv, T, d)` tensors or a 2-D matrix."""
-        if isinstance(tensors, torch.Tensor) and tensors.dim() == 2:
-            if tensors.shape[1] != width:
-                raise ValueError(f"{what} features have width {tensors.shape[1]}; expected {width}.")
-            return tensors.to(self.device, self.dtype)
-        tensors = list(tensors)
-        if len(tensors) != num_layers:
-            raise ValueError(f"{what} come as {len(tensors)} per-layer tensors; the model has {num_layers} layers.")
-        chosen = [tensors[layer] for layer in layers]
-        first = chosen[0]
-        rows = first.shape[0] * first.shape[2]
-        out = torch.empty(rows, width, dtype=self.dtype, device=self.device)
-        layer_width = width // len(layers)
-        for slot, tensor in enumerate(chosen):
-            if tensor.dim() != 4 or tensor.shape[1] * tensor.shape[3] != layer_width:
-                raise ValueError(
-                    f"{what} layer {layers[slot]} has shape {tuple(tensor.shape)}; expected (batch, n_kv, seq, "
-                    f"head_dim) with n_kv * head_dim = {layer_width}."
-                )
-            if tensor.shape[0] * tensor.shape[2] != rows:
-                raise ValueError(
-                    f"{what} layer {layers[slot]} covers {tuple(tensor.shape)}; layer 0 covers {tuple(first.shape)}."
-                )
-            flat = tensor.transpose(1, 2).reshape(rows, layer_width)
-            out[:, slot * layer_width : (slot + 1) * layer_width] = flat.to(self.device, self.dtype)
-        return out
-
     @torch.no_grad()
     def update(
         self,
@@ -401,10 +300,11 @@ class CalibrationStatistics:
             if source is None or target is None:
                 raise ValueError(f"These statistics accumulate {part}s: pass both source and target {part}s.")
             num_source, num_target = self.source_geometry.num_layers, self.target_geometry.num_layers
-            x = self._features(source, range(num_source), num_source, self.source_width, f"Source {part}s")
-            y = self._features(target, self.covered_target_layers, num_target, self.target_width, f"Target {part}s")
+            x = feature_matrix(source, range(num_source), num_source, self.source_width, f"Source {part}s")
+            y = feature_matrix(target, self.covered_target_layers, num_target, self.target_width, f"Target {part}s")
             if x.shape[0] != y.shape[0]:
                 raise ValueError(f"Source {part}s give {x.shape[0]} positions but target {part}s give {y.shape[0]}.")
+            x, y = x.to(self.device, self.dtype), y.to(self.device, self.dtype)
             if keep is not None:
                 keep_rows = keep.reshape(-1).to(self.device, torch.bool)
                 x, y = x[keep_rows], y[keep_rows]
@@ -413,7 +313,7 @@ class CalibrationStatistics:
     def _record_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         for row in range(input_ids.shape[0]):
             ids = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
-            self.fingerprint_limbs += _limbs(_sequence_digest(ids)).to(self.device)
+            self.fingerprint_limbs += limbs(sequence_digest(ids)).to(self.device)
             self.tokens += int(ids.numel())
             self.sequences += 1
 
@@ -521,7 +421,7 @@ class CalibrationStatistics:
             "parts": list(self.parts),
             "target_layers": self.target_layers,
             "stride": self.stride,
-            "dtype": _dtype_name(self.dtype),
+            "dtype": dtype_name(self.dtype),
             "source_model_id": self.source_model_id,
             "source_revision": self.source_revision,
             "target_model_id": self.target_model_id,
@@ -639,7 +539,7 @@ class CalibrationStatistics:
             parts=meta["parts"] if "parts" in meta else meta["kinds"],  # "kinds": files written before 0.1
             target_layers=meta["target_layers"],
             stride=meta["stride"],
-            dtype=_DTYPES[meta["dtype"]],
+            dtype=DTYPES[meta["dtype"]],
             device=device,
             source_model_id=meta.get("source_model_id"),
             source_revision=meta.get("source_revision"),
@@ -658,7 +558,7 @@ class CalibrationStatistics:
                     f"{tensors_path}: {name} is {tuple(state[name].shape)} {state[name].dtype}; expected {shape} {dtype}."
                 )
         for part in stats.parts:
-            stats.stats[part] = PartStatistics(**{name: state[f"{part}.{name}"] for name in _PER_PART})
+            stats.stats[part] = PartStatistics(**{name: state[f"{part}.{name}"] for name in PER_PART})
         stats.tokens, stats.sequences = state["tokens"], state["sequences"]
         stats.fingerprint_limbs = state["fingerprint_limbs"]
         return stats
@@ -669,7 +569,7 @@ class CalibrationStatistics:
         shapes = {
             "tokens": ((), torch.int64),
             "sequences": ((), torch.int64),
-            "fingerprint_limbs": ((_NUM_LIMBS,), torch.int64),
+            "fingerprint_limbs": ((NUM_LIMBS,), torch.int64),
         }
         for part in stats.parts:
             shapes.update(
@@ -685,4 +585,4 @@ class CalibrationStatistics:
         return shapes
 
 
-__all__ = ["CalibrationStatistics", "PartStatistics"]
+__all__ = ["CalibrationStatistics"]

@@ -34,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from .. import MapperModel
     from ..evaluation import Handoff, measure_latency
     from ..flops import flop_bound
-    from ..reporting import environment_info, write_json
+    from ..reporting import environment_info
     from ._models import load_causal_lm, resolve_mapper
+    from ._output import finish
 
     try:
         tokens = [int(n) for n in str(args.tokens).split(",") if n.strip()]
@@ -83,7 +84,4 @@ def run(args: argparse.Namespace) -> int:
             f"{row['tokens']:>8}{row['mapper_ms']:>12.2f}{row['prefill_ms']:>12.2f}{row['speedup']:>8.1f}x"
             f"{row['flop_bound']:>8.1f}x"
         )
-    if args.json:
-        write_json(args.json, results)
-        print(f"wrote {args.json}")
-    return 0
+    return finish(args.json, results)

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from .. import MapperModel, zoo
     from ..evaluation import Handoff, evaluate_tasks, measure_latency
     from ..plotting import plot_demo
-    from ..reporting import demo_markdown, environment_info, update_file_section, write_json
+    from ..reporting import demo_markdown, environment_info, update_file_section
+    from ._output import finish
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
     }
     results["environment"] = environment_info()
     print(format_table(results))
-    if args.json:
-        write_json(args.json, results)
-        print(f"wrote {args.json}")
+    finish(args.json, results)
     if args.readme:
         if not args.json:
             raise SystemExit("--readme renders from the JSON file: pass --json too.")

@@ -45,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from .. import MapperModel, zoo
     from ..artifacts import content_hash
     from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
-    from ..reporting import environment_info, write_json
+    from ..reporting import environment_info
     from ._models import load_causal_lm, load_tokenizer, resolve_mapper
+    from ._output import finish
 
     started = time.perf_counter()
     source, target = load_causal_lm(args.source), load_causal_lm(args.target)
@@ -94,7 +95,4 @@ def run(args: argparse.Namespace) -> int:
             f"{name:<14} source {row['source']:.3f}  target {row['target']:.3f}  mapped {row['mapped']:.3f}  "
             f"retention {row['retention']:.3f}"
         )
-    if args.json:
-        write_json(args.json, results)
-        print(f"wrote {args.json}")
-    return 0
+    return finish(args.json, results)

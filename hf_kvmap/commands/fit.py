@@ -15,6 +15,39 @@ from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS
 logger = logging.get_logger(__name__)
 
 _MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `--flag`s whose default is the `FitOptions` field of the same name: (flag, argparse arguments, help)
+_MAPPER_FLAGS = (
+    ("--kind", {"choices": MAPPER_KINDS}, "Mapper kind (ridge: closed form)"),
+    (
+        "--context-window",
+        {"type": int},
+        "Earlier positions each map also reads (0: the paper's per-position map); fitted on features kept in memory "
+        "(see --max-feature-memory)",
+    ),
+    (
+        "--input-kinds",
+        {"choices": INPUT_KINDS},
+        "'same': keys map from source keys, values from source values; 'both': each map reads both",
+    ),
+    ("--top-k", {"type": str}, "Source layers per target layer, or 'all'"),
+    ("--ridge-lambda", {"type": float}, "Ridge penalty"),
+    (
+        "--lambda-convention",
+        {"choices": LAMBDA_CONVENTIONS},
+        "'absolute': X^T X + lambda I; 'per_token': X^T X + N lambda I",
+    ),
+)
+_MLP_FLAGS = (
+    ("--hidden-size", {"type": int}, "Width of both hidden layers"),
+    ("--epochs", {"type": int}, "Maximum passes over the training split"),
+    ("--batch-tokens", {"type": int}, "Positions per Adam step"),
+    ("--lr", {"type": float}, "Adam learning rate"),
+    ("--warmup-steps", {"type": int}, "Linear learning-rate warmup (Adam steps)"),
+    ("--val-fraction", {"type": float}, "Share of sequences held out for early stopping"),
+    ("--patience", {"type": int}, "Epochs without a better validation MSE before stopping"),
+    ("--init", {"choices": MLP_INITS}, "Start from the ridge solution or random"),
+    ("--seed", {"type": int}, "Seed of the initialization and shuffling"),
+)
 _TEXT_BLOCK_CHARS = 1 << 16
 
 
@@ -35,34 +68,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--target", help="Target model: Hub id or local folder.")
     parser.add_argument("--data", help="Calibration text: a .txt file, or .jsonl with a 'text' field.")
     parser.add_argument("--out", required=True, help="Folder to write the mapper to.")
-    parser.add_argument(
-        "--kind", choices=MAPPER_KINDS, default=FitOptions.kind, help="Mapper kind (default: ridge, closed form)."
-    )
-    parser.add_argument(
-        "--context-window",
-        type=int,
-        default=FitOptions.context_window,
-        help="Earlier positions each map also reads (default: 0, the paper's per-position map). Fitted on features "
-        "kept in memory (see --max-feature-memory).",
-    )
-    parser.add_argument(
-        "--input-kinds",
-        choices=INPUT_KINDS,
-        default=FitOptions.input_kinds,
-        help="'same': keys map from source keys, values from source values (default); 'both': each map reads both.",
-    )
-    parser.add_argument(
-        "--top-k", default=str(FitOptions.top_k), help="Source layers per target layer, or 'all' (default: 8)."
-    )
-    parser.add_argument(
-        "--ridge-lambda", type=float, default=FitOptions.ridge_lambda, help="Ridge penalty (default: 0.01)."
-    )
-    parser.add_argument(
-        "--lambda-convention",
-        choices=LAMBDA_CONVENTIONS,
-        default=FitOptions.lambda_convention,
-        help="'absolute': X^T X + lambda I; 'per_token': X^T X + N lambda I (default: absolute).",
-    )
+    for group, flags in (
+        (parser, _MAPPER_FLAGS),
+        (parser.add_argument_group("MLP training (--kind mlp)"), _MLP_FLAGS),
+    ):
+        for flag, extra, text in flags:
+            field = flag[2:].replace("-", "_")
+            group.add_argument(
+                flag, default=getattr(FitOptions, field), help=f"{text} (default: %(default)s)", **extra
+            )
     parser.add_argument("--seq-len", type=int, default=1024, help="Tokens per calibration sequence (default: 1024).")
     parser.add_argument("--stride", type=int, default=4, help="Keep every stride-th position (default: 4).")
     parser.add_argument("--max-sequences", type=int, default=500, help="Calibration sequences (default: 500).")
@@ -80,38 +94,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="float64",
         help="Accumulation dtype of the statistics (default: float64; solves are always float64).",
     )
-    mlp = parser.add_argument_group("MLP training (--kind mlp)")
-    mlp.add_argument("--hidden-size", type=int, default=FitOptions.hidden_size, help="Width of both hidden layers.")
-    mlp.add_argument("--epochs", type=int, default=FitOptions.epochs, help="Maximum passes over the training split.")
-    mlp.add_argument("--batch-tokens", type=int, default=FitOptions.batch_tokens, help="Positions per Adam step.")
-    mlp.add_argument("--lr", type=float, default=FitOptions.lr, help="Adam learning rate.")
-    mlp.add_argument("--warmup-steps", type=int, default=FitOptions.warmup_steps, help="Linear learning-rate warmup.")
-    mlp.add_argument(
-        "--val-fraction",
-        type=float,
-        default=FitOptions.val_fraction,
-        help="Share of sequences held out for early stopping (default: 0.1).",
-    )
-    mlp.add_argument(
-        "--patience",
-        type=int,
-        default=FitOptions.patience,
-        help="Epochs without a better validation MSE before stopping (default: 3).",
-    )
-    mlp.add_argument(
-        "--init",
-        choices=MLP_INITS,
-        default=FitOptions.init,
-        help="Start from the ridge solution (default) or random.",
-    )
-    mlp.add_argument(
-        "--seed", type=int, default=FitOptions.seed, help="Seed of the initialization and shuffling (default: 0)."
-    )
-    mlp.add_argument(
+    parser.add_argument(
         "--max-feature-memory",
         type=float,
         default=FitOptions.max_memory_bytes / 2**30,
-        help="GiB of calibration features an MLP or windowed mapper may keep in memory (default: 16).",
+        help="GiB of calibration features an MLP or windowed mapper may keep in memory (default: %(default)s).",
     )
     parser.add_argument("--model-dtype", choices=_MODEL_DTYPES, default="auto", help="dtype to load the models in.")
     parser.add_argument("--mapper-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -196,33 +183,22 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import MapperModel
     from ..artifacts import tokenizer_fingerprint
-    from ..fitting import fit
+    from ..fitting import collect_statistics, fit
     from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
 
     try:
+        fields = {flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS}
+        fields = {name: getattr(args, name) for name in fields}
+        fields["top_k"] = None if str(args.top_k).lower() == "all" else int(args.top_k)
         options = FitOptions(
-            kind=args.kind,
-            top_k=None if str(args.top_k).lower() == "all" else int(args.top_k),
-            ridge_lambda=args.ridge_lambda,
-            lambda_convention=args.lambda_convention,
-            input_kinds=args.input_kinds,
-            context_window=args.context_window,
-            hidden_size=args.hidden_size,
-            epochs=args.epochs,
-            batch_tokens=args.batch_tokens,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            val_fraction=args.val_fraction,
-            patience=args.patience,
-            init=args.init,
-            seed=args.seed,
+            **fields,
             stride=args.stride,
             statistics_dtype=getattr(torch, args.dtype),
             max_memory_bytes=int(args.max_feature_memory * 2**30),
             dtype=getattr(torch, args.mapper_dtype),
         )
-    except ValueError as err:
+    except ValueError as err:  # a bad value, or a --top-k that is neither an integer nor 'all'
         raise SystemExit(f"hf-kvmap fit: {err}") from None
     if options.fits_on_features and args.from_stats:
         raise SystemExit(
@@ -252,15 +228,14 @@ def run(args: argparse.Namespace) -> int:
             load_kwargs["device_map"] = args.device_map
         source = AutoModelForCausalLM.from_pretrained(args.source, **load_kwargs).eval()
         target = AutoModelForCausalLM.from_pretrained(args.target, **load_kwargs).eval()
-        stats = CalibrationStatistics.collect(
+        stats = collect_statistics(
             source,
             target,
             batches,
-            stride=options.stride,
-            dtype=options.statistics_dtype,
+            options,
             device=args.statistics_device,
             progress=not args.no_progress,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            fingerprint=tokenizer_fingerprint(tokenizer),
         )
         if args.stats:
             stats.save(args.stats)

@@ -275,14 +275,19 @@ def _sentence(r: random.Random) -> str:
     return s + "."
 
 
-def _plain(r: random.Random, n_chars: int) -> str:
-    out = []
+def _until(n_chars: int, make, extra: int = 0) -> list[str]:
+    """Pieces from `make()` until their lengths (plus `extra` each, for a separator) reach `n_chars`."""
+    pieces: list[str] = []
     size = 0
     while size < n_chars:
-        s = _sentence(r)
-        out.append(s)
-        size += len(s) + 1
-    return " ".join(out)
+        piece = make()
+        pieces.append(piece)
+        size += len(piece) + extra
+    return pieces
+
+
+def _plain(r: random.Random, n_chars: int) -> str:
+    return " ".join(_until(n_chars, lambda: _sentence(r), extra=1))
 
 
 # -------------------------------------------------------------------------------------------- chat
@@ -354,35 +359,25 @@ def make_document(task: str, r: random.Random, n_chars: int = 256) -> str:
     if task == "recall":
         return "\n".join(_recall_lines(r, n_chars)) + "\n"
     if task == "arithmetic":
-        lines = []
-        size = 0
-        while size < n_chars:
-            line = _arith_line(r)
-            lines.append(line)
-            size += len(line) + 1
-        return "\n".join(lines) + "\n"
+        return "\n".join(_until(n_chars, lambda: _arith_line(r), extra=1)) + "\n"
     if task == "choice":
-        parts = []
-        size = 0
-        while size < n_chars:
+
+        def block() -> str:
             story = _story(r, r.choice([3, 4, 4, 5] if n_chars >= 128 else [2, 2, 3]))
             qs = [f"so {nm} has a {c} {o}." for nm, c, o in r.sample(story, min(len(story), 3))]
-            block = _story_text(story) + " " + " ".join(qs) + "\n"
-            parts.append(block)
-            size += len(block)
-        return "".join(parts)
+            return _story_text(story) + " " + " ".join(qs) + "\n"
+
+        return "".join(_until(n_chars, block))
     if task == "text":
         return _plain(r, n_chars) + "\n"
     if task == "copy":
         chars = _LETTERS + "0123456789"
-        parts = []
-        size = 0
-        while size < n_chars:
+
+        def copied() -> str:
             seg = "".join(r.choice(chars) for _ in range(r.randrange(4, min(40, max(8, n_chars // 4)))))
-            block = f"{seg}\n{seg}\n"
-            parts.append(block)
-            size += len(block)
-        return "".join(parts)
+            return f"{seg}\n{seg}\n"
+
+        return "".join(_until(n_chars, copied))
     if task == "chat":
         turns, _ = _chat_turns(r, max(2, n_chars // 22))
         return format_chat(turns)
@@ -425,14 +420,12 @@ def calibration_text(n_docs: int = 64, seed: int = 0, n_chars: int = 512) -> lis
     docs = []
     for i in range(n_docs):
         r = _rng("calib", seed, i, n_chars)
-        pieces = []
-        size = 0
-        while size < n_chars:
+
+        def piece(r=r) -> str:
             task = r.choices(["text", "recall", "arithmetic", "choice", "chat"], [0.4, 0.2, 0.15, 0.15, 0.1])[0]
-            p = make_document(task, r, r.choice([64, 96, 128]))
-            pieces.append(p)
-            size += len(p)
-        docs.append("".join(pieces)[: n_chars + 64])
+            return make_document(task, r, r.choice([64, 96, 128]))
+
+        docs.append("".join(_until(n_chars, piece))[: n_chars + 64])
     return docs
 
 

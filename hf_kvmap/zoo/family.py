@@ -2,45 +2,26 @@
 
 from __future__ import annotations
 
+_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "kv_group",
+)
+
 #: name -> geometry; ``kv_group`` says which members share KV geometry (same num_key_value_heads and head_dim)
 FAMILY: dict[str, dict] = {
-    "tiny-s": dict(
-        num_hidden_layers=2,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        kv_group="kv2x32",
-    ),
-    "tiny-m": dict(
-        num_hidden_layers=4,
-        hidden_size=192,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=512,
-        kv_group="kv2x32",
-    ),
-    "tiny-l": dict(
-        num_hidden_layers=6,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=768,
-        kv_group="kv2x32",
-    ),
-    # mismatched KV geometry: 4 KV heads of dim 16 (same KV width 64 per token and layer, different split)
-    "tiny-x": dict(
-        num_hidden_layers=4,
-        hidden_size=192,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=16,
-        intermediate_size=512,
-        kv_group="kv4x16",
-    ),
+    name: dict(zip(_FIELDS, values))
+    for name, values in (
+        ("tiny-s", (2, 128, 4, 2, 32, 384, "kv2x32")),
+        ("tiny-m", (4, 192, 6, 2, 32, 512, "kv2x32")),
+        ("tiny-l", (6, 256, 8, 2, 32, 768, "kv2x32")),
+        # mismatched KV geometry: 4 KV heads of dim 16 (same KV width 64 per token and layer, different split)
+        ("tiny-x", (4, 192, 12, 4, 16, 512, "kv4x16")),
+    )
 }
 
 #: members sharing the reference KV geometry (n_kv=2, head_dim=32), smallest first

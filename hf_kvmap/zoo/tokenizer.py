@@ -43,15 +43,13 @@ def build_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, v[BOS])]
     )
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
         padding_side="right",
         model_max_length=1024,
         clean_up_tokenization_spaces=False,
+        **special,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -330,21 +330,10 @@ def main(argv=None) -> None:
         for k in ("steps", "lr", "batch"):
             if getattr(a, k) is not None:
                 d[k] = getattr(a, k)
+        settings = ("seq_len", "warmup", "seed", "eval_every", "ckpt_every", "warm_frac", "warm_seq_len")
+        settings += ("warm_batch", "mid_frac", "force")
         train_member(
-            name,
-            seq_len=a.seq_len,
-            warmup=a.warmup,
-            seed=a.seed,
-            eval_every=a.eval_every,
-            ckpt_every=a.ckpt_every,
-            warm_frac=a.warm_frac,
-            warm_seq_len=a.warm_seq_len,
-            warm_batch=a.warm_batch,
-            mid_frac=a.mid_frac,
-            runs_dir=Path(a.runs_dir),
-            family_dir=family_dir,
-            force=a.force,
-            **d,
+            name, runs_dir=Path(a.runs_dir), family_dir=family_dir, **{k: getattr(a, k) for k in settings}, **d
         )
 
 

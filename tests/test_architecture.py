@@ -1,0 +1,134 @@
+"""The package's shape: the layering documented in the README (no import upward, no cycle) and module sizes."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_kvmap"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the `hf_kvmap` modules it imports anywhere in its source (function-local imports included)."""
+    graph = {}
+    for name, path in _modules().items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                if module.split(".")[0] != "hf_kvmap":
+                    continue
+                for alias in node.names:  # `from . import fitting` imports a module
+                    child = f"{module}.{alias.name}"
+                    targets.add(child if _is_module(child) else module)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.split(".")[0] == "hf_kvmap")
+        targets.discard(name)
+        graph[name] = targets
+    return graph
+
+
+def documented_layers() -> dict[str, int]:
+    """Module (or package prefix) -> layer number, from the README's layers table."""
+    readme = (ROOT / "README.md").read_text()
+    table = re.search(r"<!-- layers:start -->\n(.*?)<!-- layers:end -->", readme, re.DOTALL).group(1)
+    layers = {}
+    for row in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        number = int(cells[0].split()[0])
+        for module in re.findall(r"`([\w.]+)`", cells[1]):
+            layers[module if module == "hf_kvmap" else f"hf_kvmap.{module}"] = number
+    return layers
+
+
+def layer_of(module: str, layers: dict[str, int]) -> int:
+    for prefix in sorted(layers, key=len, reverse=True):
+        if module == prefix or (prefix != "hf_kvmap" and module.startswith(prefix + ".")):
+            return layers[prefix]
+    raise AssertionError(f"{module} is in no layer of the README's layers table")
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return [
+        f"{source} (layer {layer_of(source, layers)}) imports {target} (layer {layer_of(target, layers)})"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target, layers) > layer_of(source, layers)
+    ]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def test_every_import_runs_down_the_documented_layers():
+    assert upward_imports(import_graph(), documented_layers()) == []
+
+
+def test_no_import_cycle():
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_checks_find_a_planted_upward_import_and_a_planted_cycle():
+    graph, layers = import_graph(), documented_layers()
+    graph["hf_kvmap.configuration_mapper"] = graph["hf_kvmap.configuration_mapper"] | {"hf_kvmap.cache"}
+    assert upward_imports(graph, layers) == [
+        "hf_kvmap.configuration_mapper (layer 2) imports hf_kvmap.cache (layer 8)"
+    ]
+    (cycle,) = import_cycles(graph)
+    assert cycle[0] == cycle[-1] == "hf_kvmap.cache" and "hf_kvmap.configuration_mapper" in cycle
+
+
+def test_compute_modules_never_import_plotting_or_the_demo_family():
+    graph = import_graph()
+    front = ("hf_kvmap.commands", "hf_kvmap.cli", "hf_kvmap.plotting", "hf_kvmap.zoo")
+    offenders = [
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets
+        if not source.startswith(front) and target.startswith(("hf_kvmap.plotting", "hf_kvmap.zoo"))
+    ]
+    assert offenders == []
+
+
+def test_no_module_is_over_600_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
