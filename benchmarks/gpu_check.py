@@ -142,7 +142,7 @@ def check_placement(checks: Checks, label: str, target, mapper_dir: Path, source
     )
     if handed is not None:
         checks.record(f"{label}: generate with mapped cache runs", True, new_tokens=handed[0, ids.shape[1] :].tolist())
-    if plain is not None and handed is not None and mapper.config.source_config == mapper.config.target_config:
+    if plain is not None and handed is not None and mapper.config.source_summary == mapper.config.target_summary:
         checks.record(
             f"{label}: identity mapper generates the same tokens",
             torch.equal(plain.cpu(), handed.cpu()),

@@ -123,8 +123,8 @@ def build_mapper(source_config, target_config, k: int, device, dtype):
     from hf_kvmap.configuration_mapper import summarize_model_config
 
     config = MapperConfig(
-        source_config=summarize_model_config(source_config),
-        target_config=summarize_model_config(target_config),
+        source_summary=summarize_model_config(source_config),
+        target_summary=summarize_model_config(target_config),
         source_layers=spread_selection(source_config.num_hidden_layers, target_config.num_hidden_layers, k),
     )
     torch.manual_seed(1)

@@ -47,7 +47,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
     """How a model config in hand differs from what `config` records for its `side` (`"source"`/`"target"`): model
     type, KV geometry, rope parameters, and the revision and id when both are known."""
-    recorded = getattr(config, f"{side}_config")
+    recorded = getattr(config, f"{side}_summary")
     found = summarize_model_config(model_config)
     problems = []
     if found["model_type"] != recorded["model_type"]:

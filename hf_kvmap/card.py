@@ -15,7 +15,7 @@ TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.
 
 def _side(config, side: str) -> dict[str, Any]:
     geometry = getattr(config, f"{side}_geometry")
-    summary = getattr(config, f"{side}_config")
+    summary = getattr(config, f"{side}_summary")
     rope = summary.get("rope_parameters") or {}
     return {
         "id": getattr(config, f"{side}_model_id"),
@@ -119,7 +119,7 @@ def render_card(
     """
     config = getattr(mapper, "config", mapper)
     num_parameters = sum(p.numel() for p in mapper.parameters()) if hasattr(mapper, "parameters") else 0
-    model_name = model_name or repo_id or f"{config.source_config['model_type']}-kv-mapper"
+    model_name = model_name or repo_id or f"{config.source_summary['model_type']}-kv-mapper"
     source, target = _side(config, "source"), _side(config, "target")
     depth = (config.source_geometry.num_layers, config.target_geometry.num_layers)
     results = results or {}

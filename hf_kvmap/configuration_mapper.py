@@ -166,10 +166,11 @@ class MapperConfig(PretrainedConfig):
     model of the same family expects.
 
     Args:
-        source_config (`dict`):
-            The source model's config fields (see `summarize_model_config`): geometry and rope parameters.
-        target_config (`dict`):
-            The same for the target model.
+        source_summary (`dict`):
+            The fields of the source model's config a mapper needs (`summarize_model_config`): geometry and rope
+            parameters. Configs saved before this name (`"source_config"`) are read the same way.
+        target_summary (`dict`):
+            The same for the target model (formerly `"target_config"`).
         source_layers (`list[list[int]]`, *optional*):
             For every target layer, the source layers whose keys (values) feed its key (value) map. Defaults to
             layer `l` for target layer `l` (only valid when both sides have the same depth).
@@ -206,7 +207,7 @@ class MapperConfig(PretrainedConfig):
     >>> from hf_kvmap import MapperConfig
     >>> from hf_kvmap.configuration_mapper import summarize_model_config
     >>> side = summarize_model_config(Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16))
-    >>> MapperConfig(source_config=side, target_config=side).source_layers
+    >>> MapperConfig(source_summary=side, target_summary=side).source_layers
     [[0], [1]]
     ```
     """
@@ -215,8 +216,8 @@ class MapperConfig(PretrainedConfig):
 
     def __init__(
         self,
-        source_config: dict | None = None,
-        target_config: dict | None = None,
+        source_summary: dict | None = None,
+        target_summary: dict | None = None,
         source_layers: list[list[int]] | None = None,
         kind: str = "ridge",
         ridge_lambda: float = 0.01,
@@ -236,8 +237,11 @@ class MapperConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         **kwargs,
     ):
-        self.source_config = dict(source_config) if source_config is not None else None
-        self.target_config = dict(target_config) if target_config is not None else None
+        # the names of these two fields in configs written before they were renamed
+        source_summary = kwargs.pop("source_config", None) if source_summary is None else source_summary
+        target_summary = kwargs.pop("target_config", None) if target_summary is None else target_summary
+        self.source_summary = dict(source_summary) if source_summary is not None else None
+        self.target_summary = dict(target_summary) if target_summary is not None else None
         self.kind = kind
         self.ridge_lambda = float(ridge_lambda)
         self.lambda_convention = lambda_convention
@@ -254,8 +258,8 @@ class MapperConfig(PretrainedConfig):
         self.library_version = library_version or __version__
         self.initializer_range = initializer_range
         self.content_hash = content_hash
-        if source_layers is None and self.source_config is not None and self.target_config is not None:
-            source_layers = [[layer] for layer in range(self.target_config["num_hidden_layers"])]
+        if source_layers is None and self.source_summary is not None and self.target_summary is not None:
+            source_layers = [[layer] for layer in range(self.target_summary["num_hidden_layers"])]
         self.source_layers = [list(map(int, layers)) for layers in source_layers] if source_layers else None
         super().__init__(**kwargs)
         self.validate()
@@ -263,11 +267,11 @@ class MapperConfig(PretrainedConfig):
     # Geometry of each side, derived from the recorded model configs.
     @property
     def source_geometry(self) -> KVGeometry:
-        return KVGeometry.from_config(self.source_config)
+        return KVGeometry.from_config(self.source_summary)
 
     @property
     def target_geometry(self) -> KVGeometry:
-        return KVGeometry.from_config(self.target_config)
+        return KVGeometry.from_config(self.target_summary)
 
     def input_width(self, target_layer: int) -> int:
         """Width of the features feeding `target_layer`'s maps: k selected layers x KV heads x head dim of the
@@ -288,9 +292,9 @@ class MapperConfig(PretrainedConfig):
         check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
         check_int("mlp_hidden_size", self.mlp_hidden_size, 1)
         check_number("ridge_lambda", self.ridge_lambda, 0)
-        if self.source_config is None or self.target_config is None:
+        if self.source_summary is None or self.target_summary is None:
             return  # a bare config (e.g. `MapperConfig()` while loading) is completed by `from_dict`
-        for side, summary in (("source_config", self.source_config), ("target_config", self.target_config)):
+        for side, summary in (("source_summary", self.source_summary), ("target_summary", self.target_summary)):
             if "model_type" not in summary:
                 raise ValueError(f"{side} has no `model_type`; build it with `summarize_model_config(config)`.")
         source, target = self.source_geometry, self.target_geometry

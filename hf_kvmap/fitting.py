@@ -288,8 +288,8 @@ def fitted_config(
         **fields,
     }
     return MapperConfig(
-        source_config=statistics.source_config,
-        target_config=statistics.target_config,
+        source_summary=statistics.source_summary,
+        target_summary=statistics.target_summary,
         source_layers=selection.source_layers,
         calibration=provenance,
         selection_scores=selection.selected_scores(),

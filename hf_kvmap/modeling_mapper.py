@@ -63,7 +63,7 @@ def check_source_tensors(
     if len(pairs) != geometry.num_layers:
         raise ValueError(
             f"The source cache has {len(pairs)} layers but the mapper expects {geometry.num_layers} "
-            f"(source model {config.source_model_id or config.source_config.get('model_type')}). "
+            f"(source model {config.source_model_id or config.source_summary.get('model_type')}). "
             "Pass the cache of the source model the mapper was fitted for."
         )
     expected = None
@@ -180,10 +180,10 @@ class MapperModel(MapperPreTrainedModel):
 
     def __init__(self, config: MapperConfig):
         super().__init__(config)
-        if config.source_config is None or config.target_config is None:
-            raise ValueError("MapperConfig needs `source_config` and `target_config` to build a MapperModel.")
-        check_supported_layout(config.source_config)
-        check_supported_layout(config.target_config)
+        if config.source_summary is None or config.target_summary is None:
+            raise ValueError("MapperConfig needs `source_summary` and `target_summary` to build a MapperModel.")
+        check_supported_layout(config.source_summary)
+        check_supported_layout(config.target_summary)
         self.layers = nn.ModuleList(MapperLayer(config, layer) for layer in range(len(config.source_layers)))
         self._codecs: dict[str, RotaryCodec] = {}
         self.post_init()
@@ -191,7 +191,7 @@ class MapperModel(MapperPreTrainedModel):
     def rotary(self, side: str) -> RotaryCodec:
         """The `RotaryCodec` of the `"source"` or `"target"` model, rebuilt from the recorded config."""
         if side not in self._codecs:
-            summary = self.config.source_config if side == "source" else self.config.target_config
+            summary = self.config.source_summary if side == "source" else self.config.target_summary
             self._codecs[side] = RotaryCodec(summary)
         return self._codecs[side]
 
@@ -223,7 +223,7 @@ class MapperModel(MapperPreTrainedModel):
                 f"An identity mapper needs the same KV geometry on both sides; source has {source_geometry}, "
                 f"target has {target_geometry}."
             )
-        config = MapperConfig(source_config=source, target_config=target, ridge_lambda=0.0, **config_kwargs)
+        config = MapperConfig(source_summary=source, target_summary=target, ridge_lambda=0.0, **config_kwargs)
         model = cls(config)
         # position t of the same kind: the first block of the inputs, or the second (values) with input_kinds="both"
         value_offset = source_geometry.layer_width if config.input_kinds == "both" else 0

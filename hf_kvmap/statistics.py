@@ -110,10 +110,10 @@ class CalibrationStatistics:
         tokenizer_fingerprint: str | None = None,
         _allocate: bool = True,
     ):
-        self.source_config = summarize_model_config(source_config)
-        self.target_config = summarize_model_config(target_config)
-        self.source_geometry = KVGeometry.from_config(self.source_config)
-        self.target_geometry = KVGeometry.from_config(self.target_config)
+        self.source_summary = summarize_model_config(source_config)
+        self.target_summary = summarize_model_config(target_config)
+        self.source_geometry = KVGeometry.from_config(self.source_summary)
+        self.target_geometry = KVGeometry.from_config(self.target_summary)
         parts = tuple(parts)
         if not parts or any(part not in PARTS for part in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"parts={parts!r}: expected a non-empty subset of {PARTS} without repeats.")
@@ -318,7 +318,7 @@ class CalibrationStatistics:
             self.sequences += 1
 
     def _check_model(self, model, side: str) -> None:
-        expected = self.source_config if side == "source" else self.target_config
+        expected = self.source_summary if side == "source" else self.target_summary
         got = summarize_model_config(model.config)
         if KVGeometry.from_config(got) != KVGeometry.from_config(expected) or got.get(
             "rope_parameters"
@@ -416,8 +416,8 @@ class CalibrationStatistics:
     # ------------------------------------------------------------------------------------------------ combining
     def _compatibility(self) -> dict[str, Any]:
         return {
-            "source_config": self.source_config,
-            "target_config": self.target_config,
+            "source_summary": self.source_summary,
+            "target_summary": self.target_summary,
             "parts": list(self.parts),
             "target_layers": self.target_layers,
             "stride": self.stride,
@@ -534,8 +534,8 @@ class CalibrationStatistics:
                 f"{tensors_path} does not match the sha256 recorded in {METADATA_FILE}: refusing to load it."
             )
         stats = cls(
-            meta["source_config"],
-            meta["target_config"],
+            meta["source_summary" if "source_summary" in meta else "source_config"],  # "*_config": files before 0.1
+            meta["target_summary" if "target_summary" in meta else "target_config"],
             parts=meta["parts"] if "parts" in meta else meta["kinds"],  # "kinds": files written before 0.1
             target_layers=meta["target_layers"],
             stride=meta["stride"],

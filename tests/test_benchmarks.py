@@ -100,8 +100,8 @@ def test_mapper_parameters_match_mapper_model(kind, window, inputs, tiny):
 
     target = Qwen3Config(**{**source.to_dict(), "num_hidden_layers": 3, "layer_types": None})
     config = MapperConfig(
-        source_config=summarize_model_config(source),
-        target_config=summarize_model_config(target),
+        source_summary=summarize_model_config(source),
+        target_summary=summarize_model_config(target),
         source_layers=[[0], [0, 1], [1]],
         kind=kind,
         mlp_hidden_size=24,
@@ -191,11 +191,11 @@ def test_gpu_shapes_dry_run(tmp_path):
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = _run_script("gpu_check.py", "--dry-run", "--out", str(out))
-    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # 1: a check failed, reported in the JSON
+    assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would mean a check failed
     result = json.loads(out.read_text())
     checks = {check["check"]: check["ok"] for check in result["checks"]}
     assert checks["all cpu identity: identity mapper generates the same tokens"]
-    assert all(ok for name, ok in checks.items() if name.startswith("all cpu"))
+    assert all(checks.values()), [name for name, ok in checks.items() if not ok]
     assert any(name.startswith("cpu+meta") for name in checks)
 
 

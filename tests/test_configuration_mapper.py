@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from hf_kvmap import (
-    FitOptions,
-    MapperConfig,
-    MapperModel,
-)
+from hf_kvmap import FitOptions, MapperConfig, MapperModel, zoo
 from hf_kvmap.configuration_mapper import summarize_model_config
 
 
@@ -26,12 +24,12 @@ from hf_kvmap.configuration_mapper import summarize_model_config
 def test_config_validation(tiny, kwargs, fragment):
     side = summarize_model_config(tiny.SUPPORTED["qwen3"]())
     with pytest.raises(ValueError, match=fragment):
-        MapperConfig(source_config=side, target_config=side, **kwargs)
+        MapperConfig(source_summary=side, target_summary=side, **kwargs)
 
 
 def _config(model_config, **kwargs) -> MapperConfig:
     side = summarize_model_config(model_config)
-    return MapperConfig(source_config=side, target_config=side, **kwargs)
+    return MapperConfig(source_summary=side, target_summary=side, **kwargs)
 
 
 def test_config_validates_and_sizes_the_inputs(tiny, tmp_path):
@@ -92,3 +90,18 @@ def test_mapper_kinds_have_a_module_and_a_fitter():
     from hf_kvmap.modeling_mapper import MAP_MODULES
 
     assert set(MAP_MODULES) == set(FEATURE_FITTERS) == set(MAPPER_KINDS)
+
+
+def test_configs_saved_with_the_former_field_names_load(tiny, tmp_path):
+    side = summarize_model_config(tiny.SUPPORTED["qwen3"]())
+    config = MapperConfig.from_dict({"model_type": "kvmap_mapper", "source_config": side, "target_config": side})
+    assert config.source_summary == config.target_summary == side
+    saved = config.to_dict()
+    assert saved["source_summary"] == side and "source_config" not in saved and "target_config" not in saved
+    # the shipped mappers were saved with the former names and load through the same path
+    shipped = json.loads((zoo.mapper_path("tiny-s", "tiny-l") / "config.json").read_text())
+    assert "source_config" in shipped
+    assert (
+        MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l")).config.source_summary
+        == shipped["source_config"]
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -76,6 +77,20 @@ def test_identity_handoff_equals_target_alone(handoff):
     ppl = results["perplexity"]["text"]
     assert ppl["mapped"] == pytest.approx(ppl["target"], rel=1e-5)
     assert math.isfinite(ppl["target"]) and ppl["target"] > 1
+
+
+def test_identity_handoff_scores_what_the_target_scores_and_a_zeroed_mapper_does_not(handoff):
+    """Accuracies can agree by accident (a random model recalls nothing in any mode): compare the scores
+    themselves, and check that a mapper that destroys the cache is seen."""
+    item = corpus.make_eval_set("choice", 1, seed=4)[0]
+    target = handoff.choice_logprobs("target", item.context, item.choices)
+    assert handoff.choice_logprobs("mapped", item.context, item.choices) == pytest.approx(target, abs=1e-4)
+    zeroed = copy.deepcopy(handoff.mapper)
+    with torch.no_grad():
+        for param in zeroed.parameters():
+            param.zero_()
+    broken = Handoff(source=handoff.source, target=handoff.target, mapper=zeroed, tokenizer=handoff.tokenizer)
+    assert max(abs(a - b) for a, b in zip(broken.choice_logprobs("mapped", item.context, item.choices), target)) > 1e-2
 
 
 def test_choice_scores_match_a_full_forward(handoff):

@@ -35,7 +35,7 @@ def test_window_features_shift_and_stop_at_the_first_token():
 
 def _config(model_config, **kwargs) -> MapperConfig:
     side = summarize_model_config(model_config)
-    return MapperConfig(source_config=side, target_config=side, **kwargs)
+    return MapperConfig(source_summary=side, target_summary=side, **kwargs)
 
 
 def test_mapper_inputs_layout(tiny):

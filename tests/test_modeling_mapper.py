@@ -93,7 +93,7 @@ def test_save_and_load_round_trip(tiny, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "kvmap_mapper"
-    assert saved["source_config"]["model_type"] == "qwen3" and saved["source_layers"] == [[0], [1]]
+    assert saved["source_summary"]["model_type"] == "qwen3" and saved["source_layers"] == [[0], [1]]
     loaded = AutoModel.from_pretrained(tmp_path)
     assert isinstance(loaded, MapperModel) and isinstance(AutoConfig.from_pretrained(tmp_path), MapperConfig)
     for (name, a), (_, b) in zip(mapper.state_dict().items(), loaded.state_dict().items()):
@@ -158,7 +158,7 @@ def test_bfloat16_cache_and_mapper_dtypes(tiny):
 
 def _config(model_config, **kwargs) -> MapperConfig:
     side = summarize_model_config(model_config)
-    return MapperConfig(source_config=side, target_config=side, **kwargs)
+    return MapperConfig(source_summary=side, target_summary=side, **kwargs)
 
 
 @pytest.mark.parametrize("input_kinds", ["same", "both"])

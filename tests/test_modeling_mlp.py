@@ -63,7 +63,7 @@ def _mlp_mapper(source_config, target_config, hidden: int = 32, top_k: int = 2, 
     source, target = summarize_model_config(source_config), summarize_model_config(target_config)
     layers = [list(range(min(top_k, source_config.num_hidden_layers)))] * target_config.num_hidden_layers
     config = MapperConfig(
-        source_config=source, target_config=target, source_layers=layers, kind="mlp", mlp_hidden_size=hidden
+        source_summary=source, target_summary=target, source_layers=layers, kind="mlp", mlp_hidden_size=hidden
     )
     torch.manual_seed(seed)
     return MapperModel(config)

@@ -39,7 +39,7 @@ def test_save_load_round_trip_exact(pair_stats, tmp_path):
     assert sorted(os.listdir(tmp_path / "stats")) == ["statistics.json", "statistics.safetensors"]
     meta = json.loads((tmp_path / "stats" / "statistics.json").read_text())
     assert meta["calibration"]["fingerprint"] == pair_stats.fingerprint and meta["stride"] == 2
-    assert meta["source_config"]["num_hidden_layers"] == 4
+    assert meta["source_summary"]["num_hidden_layers"] == 4
     loaded = CalibrationStatistics.load(tmp_path / "stats")
     assert loaded.parts == pair_stats.parts and loaded.provenance() == pair_stats.provenance()
     for name, tensor in pair_stats.state_dict().items():
@@ -72,7 +72,7 @@ def test_merge_halves_equals_whole_and_rejects_incompatible(tiny, pair):
     with pytest.raises(ValueError, match="target_layers differs"):
         whole.merge(restricted)
     swapped = CalibrationStatistics(target.config, source.config, stride=2)
-    with pytest.raises(ValueError, match="source_config differs"):
+    with pytest.raises(ValueError, match="source_summary differs"):
         whole.merge(swapped)
 
 

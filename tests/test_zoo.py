@@ -200,3 +200,12 @@ def test_checkpoint_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(sa, sb))
     # the batch for a step depends only on the step (resumed runs see the same data)
     assert torch.equal(_batch(tok, 5, 2, 32, seed=0)[0], _batch(tok, 5, 2, 32, seed=0)[0])
+
+
+def test_a_mapper_missing_from_the_installation_names_the_way_to_get_it(tmp_path, monkeypatch):
+    (tmp_path / "tiny-s-to-tiny-l").mkdir()
+    (tmp_path / "tiny-s-to-tiny-l" / "config.json").write_text("{}")
+    monkeypatch.setattr(zoo, "MAPPERS_DIR", tmp_path)
+    assert zoo.mapper_path("tiny-s", "tiny-l") == tmp_path / "tiny-s-to-tiny-l"
+    with pytest.raises(FileNotFoundError, match="has tiny-s-to-tiny-l.*--pairs tiny-m:tiny-l"):
+        zoo.mapper_path("tiny-m", "tiny-l")

@@ -101,7 +101,15 @@ def mapper_path(source: str, target: str) -> Path:
     for name in (source, target):
         if name not in FAMILY:
             raise KeyError(f"unknown tiny-family member {name!r}; known: {', '.join(FAMILY)}")
-    return MAPPERS_DIR / f"{source}-to-{target}"
+    path = MAPPERS_DIR / f"{source}-to-{target}"
+    if not (path / "config.json").exists():
+        shipped = sorted(p.name for p in MAPPERS_DIR.iterdir() if (p / "config.json").exists())
+        raise FileNotFoundError(
+            f"No mapper {path.name} in this installation (it has {', '.join(shipped) or 'none'}): a wheel carries only "
+            "the demo's mapper. Use a clone of the repository (`pip install -e .`), or fit it with "
+            f"`python examples/fit_tiny_family_mappers.py --pairs {source}:{target}`."
+        )
+    return path
 
 
 def calibration_batches(tokenizer, docs: int = 256, length: int = 512, batch_size: int = 16, seed: int = 0) -> list:
