@@ -291,7 +291,7 @@ class CalibrationFeatures:
         part: str,
         layers: Sequence[int],
         rows: torch.Tensor | None = None,
-        input_kinds: str = "same",
+        input_kinds: str = FitOptions.input_kinds,
         context_window: int | None = None,
     ) -> torch.Tensor:
         """The inputs of a `part` (`"key"`/`"value"`) map reading source `layers` (in that order), laid out as

@@ -36,7 +36,7 @@ def ridge_from_moments(
 
 
 def ridge_solve(
-    x: torch.Tensor, y: torch.Tensor, ridge_lambda: float = 0.01, chunk: int = 65536
+    x: torch.Tensor, y: torch.Tensor, ridge_lambda: float, chunk: int = 65536
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The centered ridge on feature tensors `x` `(N, F_x)` and `y` `(N, F_y)`, accumulated in float64 on `x`'s
     device; returns float64 `(weight, bias)` in `nn.Linear` layout (see [`ridge_from_moments`])."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .configuration_mapper import FitOptions, check_int
 from .regression import r2_score, spd_solve
 from .statistics import CalibrationStatistics
 
@@ -88,8 +89,7 @@ def select_top_k(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:
     `top_k=None` or `top_k >= L_s` selects every source layer. Ties go to the lower source layer.
     """
     num_source = scores.shape[1]
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k={top_k!r} must be a positive integer, or None for all source layers.")
+    check_int("top_k", top_k, 1, allow_none=True, meaning=", or None for all source layers")
     k = num_source if top_k is None else min(top_k, num_source)
     selected = []
     for row in scores:
@@ -123,7 +123,7 @@ class LayerSelection:
     def from_statistics(
         cls,
         stats: CalibrationStatistics,
-        top_k: int | None = 8,
+        top_k: int | None = FitOptions.top_k,
         *,
         source_layers: Sequence[Sequence[int]] | None = None,
     ) -> LayerSelection:

@@ -350,7 +350,7 @@ def fitted(mlp_pair, calibration):
     return fit_mlp(source, target, calibration, **kwargs), kwargs
 
 
-def test_fit_mlp_mapper_records_training_and_is_reproducible(mlp_pair, calibration, fitted):
+def test_mlp_fit_records_training_and_is_reproducible(mlp_pair, calibration, fitted):
     mapper, kwargs = fitted
     config = mapper.config
     assert config.kind == "mlp" and config.mlp_hidden_size == 32

@@ -173,7 +173,7 @@ class ChatItem:
     context: str
     answer: str
     turns: list[tuple[str, str]] = field(default_factory=list)
-    kind: str = ""
+    question: str = ""  # what the final user turn asks about: recall or arithmetic
 
 
 # ------------------------------------------------------------------------------------ task primitives
@@ -315,7 +315,7 @@ def format_chat(turns: list[tuple[str, str]], add_generation_prompt: bool = Fals
 def _chat_turns(r: random.Random, n_turns: int) -> tuple[list[tuple[str, str]], list[str]]:
     """Alternating user/assistant exchanges mixing facts, recall, arithmetic and story questions."""
     turns: list[tuple[str, str]] = []
-    kinds: list[str] = []
+    turn_types: list[str] = []
     facts: dict[str, str] = {}
     pool = _facts(r, 12)
     story: list[tuple[str, str, str]] = []
@@ -325,25 +325,25 @@ def _chat_turns(r: random.Random, n_turns: int) -> tuple[list[tuple[str, str]], 
             k, v = pool.pop()
             facts[k] = v
             turns += [("user", f"{k}{v}"), ("assistant", "ok")]
-            kinds.append("fact")
+            turn_types.append("fact")
         elif u < 0.6 and facts:
             k = r.choice(sorted(facts))
             turns += [("user", f"?{k}"), ("assistant", facts[k])]
-            kinds.append("recall")
+            turn_types.append("recall")
         elif u < 0.8:
             a, b = _addition(r)
             turns += [("user", f"{a}+{b}="), ("assistant", str(a + b))]
-            kinds.append("arithmetic")
+            turn_types.append("arithmetic")
         else:
             if not story:
                 story = _story(r, 3)
                 turns += [("user", _story_text(story)), ("assistant", "ok")]
-                kinds.append("story")
+                turn_types.append("story")
             else:
                 nm, c, o = r.choice(story)
                 turns += [("user", f"what does {nm} have?"), ("assistant", f"a {c} {o}.")]
-                kinds.append("choice")
-    return turns, kinds
+                turn_types.append("choice")
+    return turns, turn_types
 
 
 def make_conversation(n_turns: int, seed: int) -> list[tuple[str, str]]:
@@ -465,9 +465,9 @@ def _choice_item(r: random.Random) -> ChoiceItem:
 
 def _chat_item(r: random.Random, n_turns: int) -> ChatItem:
     while True:
-        turns, kinds = _chat_turns(r, n_turns)
+        turns, turn_types = _chat_turns(r, n_turns)
         # cut at the last recall or arithmetic exchange (exact-match answers)
-        idx = [i for i, k in enumerate(kinds) if k in ("recall", "arithmetic") and i >= 2]
+        idx = [i for i, k in enumerate(turn_types) if k in ("recall", "arithmetic") and i >= 2]
         if idx:
             i = idx[-1]
             kept = turns[: 2 * i + 1]
@@ -475,7 +475,7 @@ def _chat_item(r: random.Random, n_turns: int) -> ChatItem:
                 context=format_chat(kept, add_generation_prompt=True),
                 answer=turns[2 * i + 1][1],
                 turns=kept,
-                kind=kinds[i],
+                question=turn_types[i],
             )
 
 
