@@ -10,7 +10,7 @@ For every part (`"key"`, `"value"`) a `CalibrationStatistics` holds, over all ca
 Features are content-space keys (RoPE removed with each model's own rotary embedding) or values, flattened as
 `feature = layer * n_kv * head_dim + head * head_dim + dim`. Because the Gram and cross moments cover every source
 layer, source-layer selection and the ridge solve for any `k` are sub-block solves of the same object
-(see `hf_kvmap.fitting`). Statistics from several processes or machines are sums: `merge` and `all_reduce` add them.
+(see `hf_kvmap.selection`, `hf_kvmap.fitting`). Statistics from several processes or machines are sums: `merge` and `all_reduce` add them.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class CalibrationStatistics:
         device (`torch.device` or `str`, *optional*, defaults to `"cpu"`): where the sums live.
         source_model_id, source_revision, target_model_id, target_revision (`str`, *optional*): provenance.
         tokenizer_fingerprint (`str`, *optional*): hash of the shared tokenizer's vocabulary
-            (`hf_kvmap.fitting.tokenizer_fingerprint`), passed on to the mapper config.
+            (`hf_kvmap.artifacts.tokenizer_fingerprint`), passed on to the mapper config.
 
     Example:
 
