@@ -34,6 +34,33 @@ def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Te
     return [tuple(pair) for pair in source_cache]
 
 
+def _check_left_padding(attention_mask: torch.Tensor, hold_back: int) -> None:
+    """Refuse masks `from_source` cannot map exactly: values other than 0/1, right (or inner) padding, rows with no
+    token to map."""
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        values = attention_mask
+    else:
+        values = attention_mask.long()
+    if not bool(((values == 0) | (values == 1)).all()):
+        raise ValueError(
+            "attention_mask may hold only 0 and 1 (padding and tokens); got other values. Pass the tokenizer's mask."
+        )
+    tokens = values.long()
+    if bool((tokens[:, 1:] < tokens[:, :-1]).any()):
+        row = int((tokens[:, 1:] < tokens[:, :-1]).any(-1).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding after a token (right padding): only left-padded batches map "
+            "exactly. Tokenize with `padding_side='left'`."
+        )
+    counts = tokens.sum(-1)
+    if bool((counts <= hold_back).any()):
+        row = int((counts <= hold_back).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has {int(counts[row])} token(s), none left to map after holding back "
+            f"{hold_back}."
+        )
+
+
 class MappedLayer(DynamicLayer):
     """A `DynamicLayer` whose initial keys/values were produced by a mapper; it then grows like any dynamic layer.
 
@@ -104,6 +131,7 @@ class MappedCache(DynamicCache):
         *,
         hold_back: int = 1,
         attention_mask: torch.Tensor | None = None,
+        source_position_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
@@ -122,10 +150,16 @@ class MappedCache(DynamicCache):
                 The source model's cache after prefilling the prompt; tensors `(batch, n_kv_src, seq, head_dim_src)`.
             mapper ([`MapperModel`]): the fitted mapper for this (source, target) pair.
             hold_back (`int`, *optional*, defaults to 1): number of final tokens left for the target to run.
-            attention_mask (`torch.Tensor`, *optional*): `(batch, seq)` mask of the source prompt (left padding);
-                positions are derived from it as `generate` does.
-            position_ids (`torch.Tensor`, *optional*): explicit `(batch, seq)` positions of the source tokens
-                (mutually exclusive with `attention_mask`).
+            attention_mask (`torch.Tensor`, *optional*): `(batch, seq)` 0/1 mask of a left-padded batch; the target
+                reads the cache at the positions `generate` derives from it (`cumsum - 1`). Right padding and other
+                values are refused.
+            source_position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the source model *built* the
+                cache at. Defaults to those of a plain forward, `0 .. seq - 1` in every row (padding included), which
+                is what `source(ids, attention_mask=mask)` uses; pass the prefill's `position_ids` when it had them
+                (e.g. a generate-style prefill of a padded batch).
+            position_ids (`torch.Tensor`, *optional*): explicit `(batch, seq)` positions the target will read the
+                cache at (mutually exclusive with `attention_mask`); also the source's unless `source_position_ids`
+                is given.
             dtype (`torch.dtype`, *optional*): dtype of the mapped cache; defaults to the source cache's.
             devices (sequence of devices, *optional*): the device of each target layer. Defaults to the device of the
                 mapper layer that produces it (place the mapper with `mapper_device_map(target)` to match).
@@ -150,22 +184,36 @@ class MappedCache(DynamicCache):
             )
         if attention_mask is not None and position_ids is not None:
             raise ValueError("Pass either `attention_mask` or `position_ids`, not both.")
-        for name, tensor in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if position_ids is not None and source_position_ids is not None:
+            raise ValueError(
+                "Pass either `position_ids` (the cache is read where it was built) or `source_position_ids` with "
+                "an `attention_mask` (built at one set of positions, read at another), not both."
+            )
+        for name, tensor in (
+            ("attention_mask", attention_mask),
+            ("source_position_ids", source_position_ids),
+            ("position_ids", position_ids),
+        ):
             if tensor is not None and tuple(tensor.shape) != (batch, seq):
                 raise ValueError(
                     f"{name} has shape {tuple(tensor.shape)} but the source cache covers (batch, seq) = {(batch, seq)}."
                 )
+        if attention_mask is not None:
+            _check_left_padding(attention_mask, hold_back)
         if check_finite:
             check_finite_pairs(source_kv)
+        device = source_kv[0][0].device
         if position_ids is None:
-            device = source_kv[0][0].device
             mask = attention_mask.to(device) if attention_mask is not None else None
             position_ids = positions_from_attention_mask(mask, batch, seq, device)
+            if source_position_ids is None:  # a plain forward: every row at 0 .. seq - 1
+                source_position_ids = positions_from_attention_mask(None, batch, seq, device)
         length = seq - hold_back
         mapped = unhooked_forward(mapper)(
             [keys[:, :, :length] for keys, _ in source_kv],
             [values[:, :, :length] for _, values in source_kv],
             position_ids[:, :length],
+            source_position_ids=None if source_position_ids is None else source_position_ids[:, :length],
             dtype=dtype,
             devices=devices,
         )

@@ -53,14 +53,20 @@ class Handoff:
         """`(reader, cache)`: the cache of `ids` minus its last `hold_back` tokens, as `mode` builds it."""
         builder, reader = self._models(mode)
         kwargs = {}
-        if mask is not None:
+        if mask is not None:  # a generate-style prefill: every row from position 0
             kwargs = {
                 "attention_mask": mask,
                 "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
             }
         cache = builder(input_ids=ids, use_cache=True, **kwargs).past_key_values
         if mode == "mapped":
-            cache = MappedCache.from_source(cache, self.mapper, hold_back=self.hold_back, attention_mask=mask)
+            cache = MappedCache.from_source(
+                cache,
+                self.mapper,
+                hold_back=self.hold_back,
+                attention_mask=mask,
+                source_position_ids=kwargs.get("position_ids"),
+            )
         else:
             cache.crop(-self.hold_back)
         return reader, cache

@@ -243,6 +243,7 @@ class MapperModel(MapperPreTrainedModel):
         source_values: Sequence[torch.Tensor],
         position_ids: torch.Tensor | None = None,
         *,
+        source_position_ids: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,8 +259,10 @@ class MapperModel(MapperPreTrainedModel):
         Args:
             source_keys, source_values (sequence of `torch.Tensor`): one `(batch, n_kv_src, seq, head_dim_src)`
                 tensor per source layer (keys as the source caches them, i.e. rotated).
-            position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions of the tokens (for both ropes and a
-                context window's first token); default `arange(seq)`.
+            position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the target reads the tokens at (its
+                rope, and where a context window finds each row's first token); default `arange(seq)`.
+            source_position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the source built the keys at
+                (its rope); default `position_ids`.
             dtype (`torch.dtype`, *optional*): dtype of the mapped tensors; defaults to the source's.
             devices (sequence of devices, *optional*): where each target layer's tensors go; defaults to the device
                 of the mapper layer that produces it.
@@ -276,7 +279,7 @@ class MapperModel(MapperPreTrainedModel):
         if devices is not None and len(devices) != num_target:
             raise ValueError(f"devices has {len(devices)} entries; the target has {num_target} layers.")
         dtype = dtype or source_kv[0][0].dtype
-        source_rope = self.rotary("source").table(position_ids)
+        source_rope = self.rotary("source").table(position_ids if source_position_ids is None else source_position_ids)
         target_rope = self.rotary("target").table(position_ids)
         work_devices = execution_devices(self, self.layers)
         # strip each source layer once per device; drop it after the last target layer that reads it there

@@ -147,3 +147,51 @@ def test_mapped_cache_from_mlp_mapper_shapes_and_devices(mlp_pair, fitted):
     assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
     assert [layer.values.device.type for layer in cache.layers] == ["cpu", "meta", "cpu"]
     assert cache.layers[1].keys.shape == (2, 4, 11, 8)
+
+
+# ------------------------------------------------------------------------------------------------ positions
+def test_plain_and_generate_style_prefills_of_a_left_padded_batch_both_map_exactly(tiny, arch):
+    """A plain forward puts every row at 0..T-1 (padding included); `generate` reads at mask-derived positions.
+    With `source_position_ids` left at its default (a plain forward) and the target positions from the mask, the
+    plain prefill maps exactly; the generate-style prefill maps exactly when its positions are passed."""
+    config = tiny.SUPPORTED[arch]()
+    model = tiny.model(config)
+    ids, mask = tiny.left_padded_batch()
+    mapper = MapperModel.identity(config)
+    reference = tiny.greedy(model, ids, mask)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    cache = MappedCache.from_source(plain, mapper, attention_mask=mask)
+    assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), reference)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = MappedCache.from_source(
+        tiny.prefill(model, ids, mask), mapper, attention_mask=mask, source_position_ids=positions
+    )
+    assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), reference)
+
+
+@pytest.mark.parametrize(
+    "mask,fragment",
+    [
+        ([[1, 1, 1, 0], [1, 1, 1, 1]], "right padding"),
+        ([[0, 1, 0, 1], [1, 1, 1, 1]], "right padding"),
+        ([[0, 2, 1, 1], [1, 1, 1, 1]], "only 0 and 1"),
+        ([[0.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], "only 0 and 1"),
+        ([[0, 0, 0, 1], [1, 1, 1, 1]], "row 0 has 1 token"),
+    ],
+)
+def test_right_padding_and_non_binary_masks_are_refused(tiny, mask, fragment):
+    config = tiny.SUPPORTED["qwen3"]()
+    cache = tiny.prefill(tiny.model(config), torch.randint(3, 128, (2, 4)))
+    with pytest.raises(ValueError, match=fragment):
+        MappedCache.from_source(cache, MapperModel.identity(config), attention_mask=torch.tensor(mask))
+
+
+def test_source_position_ids_shape_is_checked_and_exclusive_with_position_ids(tiny):
+    mapper, cache = _mapper_and_cache(tiny, tokens=12)
+    with pytest.raises(ValueError, match="source_position_ids has shape"):
+        MappedCache.from_source(cache, mapper, source_position_ids=torch.arange(11)[None])
+    with pytest.raises(ValueError, match="either `position_ids` .* or `source_position_ids`"):
+        MappedCache.from_source(
+            cache, mapper, position_ids=torch.arange(12)[None], source_position_ids=torch.arange(12)[None]
+        )

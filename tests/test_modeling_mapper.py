@@ -39,7 +39,13 @@ def test_identity_mapper_batched_left_padding(tiny, arch):
     config = tiny.SUPPORTED[arch]()
     model = tiny.model(config)
     ids, mask = tiny.left_padded_batch()
-    cache = MappedCache.from_source(tiny.prefill(model, ids, mask), MapperModel.identity(config), attention_mask=mask)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # the generate-style prefill's positions
+    cache = MappedCache.from_source(
+        tiny.prefill(model, ids, mask),
+        MapperModel.identity(config),
+        attention_mask=mask,
+        source_position_ids=positions,
+    )
     assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), tiny.greedy(model, ids, mask))
 
 
@@ -202,13 +208,23 @@ def test_planted_shift_is_applied_exactly_and_left_padding_changes_nothing(tiny)
     torch.manual_seed(0)
     mapper = MapperModel(_config(config, context_window=3, input_kinds="both"))
     ids, mask = tiny.left_padded_batch()
-    batched = MappedCache.from_source(tiny.prefill(model, ids, mask), mapper, attention_mask=mask)
-    for row in range(ids.shape[0]):
-        start = int((mask[row] == 0).sum())
-        alone = MappedCache.from_source(tiny.prefill(model, ids[row : row + 1, start:]), mapper)
-        for mapped, single in zip(batched.layers, alone.layers):
-            torch.testing.assert_close(mapped.keys[row : row + 1, :, start:], single.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mapped.values[row : row + 1, :, start:], single.values, rtol=1e-4, atol=1e-5)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, use_cache=True).past_key_values  # every row at 0 .. T-1
+    for batched in (
+        MappedCache.from_source(plain, mapper, attention_mask=mask),
+        MappedCache.from_source(
+            tiny.prefill(model, ids, mask), mapper, attention_mask=mask, source_position_ids=positions
+        ),
+    ):
+        for row in range(ids.shape[0]):
+            start = int((mask[row] == 0).sum())
+            alone = MappedCache.from_source(tiny.prefill(model, ids[row : row + 1, start:]), mapper)
+            for mapped, single in zip(batched.layers, alone.layers):
+                torch.testing.assert_close(mapped.keys[row : row + 1, :, start:], single.keys, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(
+                    mapped.values[row : row + 1, :, start:], single.values, rtol=1e-4, atol=1e-5
+                )
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,9 @@ def mapped_cache_digests(pair: str) -> dict[str, str]:
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     cache = source(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True)
     out["left_padded_batch"] = _digest(
-        MappedCache.from_source(cache.past_key_values, mapper, attention_mask=mask, dtype=torch.float32)
+        MappedCache.from_source(
+            cache.past_key_values, mapper, attention_mask=mask, source_position_ids=positions, dtype=torch.float32
+        )
     )
     return out
 
