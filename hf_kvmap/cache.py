@@ -19,6 +19,8 @@ from .modeling_mapper import MapperModel, check_finite_pairs, check_source_tenso
 from .rope import positions_from_attention_mask
 
 SourceCache = Cache | Sequence[tuple[torch.Tensor, torch.Tensor]]
+#: The dtypes a mapped cache may be built in (what attention layers compute in).
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,7 +33,27 @@ def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Te
                     "only full-attention caches can be mapped."
                 )
         return [(layer.keys, layer.values) for layer in source_cache.layers]
-    return [tuple(pair) for pair in source_cache]
+    if source_cache is None:
+        raise ValueError(
+            "source_cache is None: pass the cache the source model returned, "
+            "`source(ids, use_cache=True).past_key_values`."
+        )
+    if isinstance(source_cache, (str, bytes, torch.Tensor)) or not isinstance(source_cache, Sequence):
+        raise ValueError(
+            f"source_cache is a {type(source_cache).__name__}; expected a transformers `Cache` or a sequence of "
+            "per-layer `(keys, values)` pairs."
+        )
+    pairs = []
+    for idx, pair in enumerate(source_cache):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            what = (
+                f"a {type(pair).__name__} of {len(pair)}"
+                if isinstance(pair, (tuple, list))
+                else "a " + (type(pair).__name__)
+            )
+            raise ValueError(f"Source cache layer {idx} is {what}; expected a `(keys, values)` pair.")
+        pairs.append(tuple(pair))
+    return pairs
 
 
 def _check_left_padding(attention_mask: torch.Tensor, hold_back: int) -> None:
@@ -172,7 +194,7 @@ class MappedCache(DynamicCache):
         config = mapper.config
         source_kv = check_source_tensors(source_pairs(source_cache), config)
         batch, _, seq, _ = source_kv[0][0].shape
-        if not isinstance(hold_back, int) or hold_back < 1:
+        if isinstance(hold_back, bool) or not isinstance(hold_back, int) or hold_back < 1:
             raise ValueError(
                 f"hold_back={hold_back!r}: at least the final prompt token must be held back for the target to run "
                 "(a cache covering the whole prompt makes `generate` re-process it and return wrong tokens)."
@@ -181,6 +203,11 @@ class MappedCache(DynamicCache):
             raise ValueError(
                 f"hold_back={hold_back} leaves nothing to map: the source cache holds only {seq} tokens. "
                 "Use a smaller hold_back or prefill more context."
+            )
+        if dtype is not None and dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"dtype={dtype!r}: a mapped cache holds the float dtypes a model computes in, one of "
+                f"{[str(d).removeprefix('torch.') for d in CACHE_DTYPES]}."
             )
         if attention_mask is not None and position_ids is not None:
             raise ValueError("Pass either `attention_mask` or `position_ids`, not both.")

@@ -195,3 +195,33 @@ def test_source_position_ids_shape_is_checked_and_exclusive_with_position_ids(ti
         MappedCache.from_source(
             cache, mapper, position_ids=torch.arange(12)[None], source_position_ids=torch.arange(12)[None]
         )
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn, torch.complex64, "float32"])
+def test_only_float_dtypes_a_model_reads_are_accepted(tiny, dtype):
+    mapper, cache = _mapper_and_cache(tiny)
+    with pytest.raises(ValueError, match="dtype="):
+        MappedCache.from_source(cache, mapper, dtype=dtype)
+    for ok in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert MappedCache.from_source(cache, mapper, dtype=ok).layers[0].keys.dtype == ok
+
+
+@pytest.mark.parametrize("hold_back", [True, 2.0, "1", None])
+def test_hold_back_must_be_an_integer(tiny, hold_back):
+    mapper, cache = _mapper_and_cache(tiny)
+    with pytest.raises(ValueError, match="hold_back="):
+        MappedCache.from_source(cache, mapper, hold_back=hold_back)
+
+
+def test_a_missing_cache_or_malformed_layers_are_refused_clearly(tiny):
+    mapper, cache = _mapper_and_cache(tiny)
+    with pytest.raises(ValueError, match="source_cache is None"):
+        MappedCache.from_source(None, mapper)
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    with pytest.raises(ValueError, match="layer 0 is a tuple of 3"):
+        MappedCache.from_source([(keys, values, keys), (keys, values)], mapper)
+    with pytest.raises(ValueError, match="layer 1 is a Tensor"):
+        MappedCache.from_source([(keys, values), keys], mapper)
+    with pytest.raises(ValueError, match="source_cache is a str"):
+        MappedCache.from_source("cache", mapper)
