@@ -1,7 +1,9 @@
 """What makes a mapper artifact trustworthy: content hashes, the tokenizer fingerprint, the compatibility check.
 
-- [`content_hash`]: sha256 over the weights as stored, recorded in the config by `save_pretrained` and checked by
-  `from_pretrained` ([`stored_content_hash`] reads a saved folder one tensor at a time).
+- [`content_hash`]: sha256 over the weights as stored and the config fields that decide the mapping
+  (`MAPPING_FIELDS`), recorded in the config by `save_pretrained` and checked by `from_pretrained`
+  ([`verify_artifact`]; [`stored_content_hash`] reads a saved folder one tensor at a time, only the files its
+  weights index names).
 - [`tokenizer_fingerprint`]: the hash of a tokenizer's vocabulary that a config records.
 - [`side_mismatches`] / [`tokenizer_mismatch`]: how models and a tokenizer in hand differ from what a config
   records (`MapperModel.check_compatible`).
@@ -16,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ._compat import model_id, model_revision
 from .configuration_mapper import MapperConfig, summarize_model_config
@@ -24,17 +27,44 @@ from .geometry import KVGeometry, text_config
 EVALUATION_FILE = "evaluation.json"
 
 
-def content_hash(tensors) -> str:
-    """sha256 over every tensor, sorted by name: name, dtype, shape, raw bytes as stored.
+#: The config fields that decide what a mapper computes from a cache; the content hash covers them beside the weights.
+MAPPING_FIELDS = (
+    "kind",
+    "source_layers",
+    "input_kinds",
+    "context_window",
+    "mlp_hidden_size",
+    "source_summary",
+    "target_summary",
+)
+
+
+def _hash_tensors(digest, tensors) -> None:
+    for name in sorted(tensors.keys()):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def weights_hash(tensors) -> str:
+    """sha256 over every tensor, sorted by name: name, dtype, shape, raw bytes as stored (what hf-kvmap recorded as
+    the content hash before it covered the config; kept to recognize such artifacts)."""
+    digest = hashlib.sha256()
+    _hash_tensors(digest, tensors)
+    return "sha256:" + digest.hexdigest()
+
+
+def content_hash(tensors, config: MapperConfig) -> str:
+    """sha256 over the weights (as [`weights_hash`]) and the config fields that decide the mapping
+    (`MAPPING_FIELDS`, canonical JSON): editing either makes a saved mapper fail verification.
 
     `tensors` is a mapping (e.g. a state dict) or anything with `keys()` and `__getitem__` that loads lazily, so
     a large artifact is hashed one tensor at a time.
     """
     digest = hashlib.sha256()
-    for name in sorted(tensors.keys()):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    _hash_tensors(digest, tensors)
+    fields = {name: getattr(config, name) for name in MAPPING_FIELDS}
+    digest.update(b"config|" + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     return "sha256:" + digest.hexdigest()
 
 
@@ -71,6 +101,8 @@ def side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
 
 
 def _weight_files(pretrained_model_name_or_path, **kwargs) -> list[Path]:
+    """The weight files a saved mapper consists of: those its `model.safetensors.index.json` names, or its
+    `model.safetensors` (other `.safetensors` files in the folder are not part of it)."""
     path = Path(pretrained_model_name_or_path)
     if not path.is_dir():
         from huggingface_hub import snapshot_download
@@ -85,12 +117,30 @@ def _weight_files(pretrained_model_name_or_path, **kwargs) -> list[Path]:
                 allow_patterns=["*.safetensors", "*.json"],
             )
         )
-    subfolder = kwargs.get("subfolder") or ""
-    return sorted((path / subfolder).glob("*.safetensors"))
+    folder = path / (kwargs.get("subfolder") or "")
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.exists():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if not (folder / SAFE_WEIGHTS_NAME).exists():
+        raise ValueError(
+            f"{folder} holds no {SAFE_WEIGHTS_NAME} (nor a {SAFE_WEIGHTS_INDEX_NAME}): not a saved mapper."
+        )
+    return [folder / SAFE_WEIGHTS_NAME]
 
 
-def stored_content_hash(pretrained_model_name_or_path, **kwargs) -> str:
-    """The content hash of the safetensors weights of a saved mapper, read one tensor at a time as stored."""
+class _StoredTensors(dict):
+    """The tensors of a saved mapper by name, each read from its file when asked for."""
+
+    def __init__(self, handles):
+        super().__init__(handles)
+
+    def __getitem__(self, name):
+        return dict.__getitem__(self, name).get_tensor(name)
+
+
+def stored_content_hash(pretrained_model_name_or_path, config: MapperConfig | None = None, **kwargs) -> str:
+    """The content hash of a saved mapper (its weights read one tensor at a time as stored, and `config`'s mapping
+    fields); with `config=None`, the [`weights_hash`] of the weights alone."""
     from safetensors import safe_open
 
     with ExitStack() as stack:
@@ -98,12 +148,33 @@ def stored_content_hash(pretrained_model_name_or_path, **kwargs) -> str:
         for file in _weight_files(pretrained_model_name_or_path, **kwargs):
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update(dict.fromkeys(handle.keys(), handle))
+        tensors = _StoredTensors(handles)
+        return weights_hash(tensors) if config is None else content_hash(tensors, config)
 
-        class _Lazy(dict):
-            def __getitem__(self, name):
-                return handles[name].get_tensor(name)
 
-        return content_hash(_Lazy(handles))
+def verify_artifact(pretrained_model_name_or_path, config: MapperConfig, **kwargs) -> None:
+    """Raise `ValueError` unless the saved weights and `config` hash to the content hash `config` records."""
+    where = pretrained_model_name_or_path
+    expected = config.content_hash
+    if not expected:
+        raise ValueError(
+            f"{where} records no content hash: its weights and config cannot be checked. Re-save it with "
+            "`save_pretrained` (which records one), or pass verify=False to load it unverified."
+        )
+    actual = stored_content_hash(where, config, **kwargs)
+    if actual == expected:
+        return
+    if stored_content_hash(where, None, **kwargs) == expected:
+        raise ValueError(
+            f"{where} records a hash of its weights only (written by an older hf-kvmap), which does not cover the "
+            "config fields that decide the mapping. Load it with verify=False and re-save it with "
+            "`save_pretrained` to record the full content hash."
+        )
+    raise ValueError(
+        f"The weights and mapping config at {where} hash to {actual}, but the config records {expected}: the "
+        "artifact was modified or mixed with another one. Re-download or re-save it (or pass verify=False to load "
+        "it anyway for debugging)."
+    )
 
 
 def tokenizer_mismatch(config: MapperConfig, tokenizer) -> list[str]:

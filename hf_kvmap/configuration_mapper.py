@@ -197,7 +197,8 @@ class MapperConfig(PretrainedConfig):
         calibration (`dict`, *optional*): provenance of the fitting data (tokens, stride, fingerprint, ...).
         selection_scores (`list[list[float]]`, *optional*): the R^2 score of each selected source layer.
         library_version (`str`, *optional*): the hf-kvmap version that wrote the config.
-        content_hash (`str`, *optional*): sha256 of the saved weights, written by `save_pretrained` and checked by
+        content_hash (`str`, *optional*): sha256 of the saved weights and the mapping fields of this config
+            (`hf_kvmap.artifacts.content_hash`), written by `save_pretrained` and checked by
             `from_pretrained`.
 
     Example:

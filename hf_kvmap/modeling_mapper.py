@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from . import fitting
-from .artifacts import EVALUATION_FILE, content_hash, side_mismatches, stored_content_hash, tokenizer_mismatch
+from .artifacts import EVALUATION_FILE, content_hash, side_mismatches, tokenizer_mismatch, verify_artifact
 from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .features import mapper_inputs
@@ -433,7 +433,7 @@ class MapperModel(MapperPreTrainedModel):
         """
         if kwargs.get("safe_serialization") is False:
             raise ValueError("hf-kvmap saves safetensors only; drop `safe_serialization=False`.")
-        self.config.content_hash = content_hash(self.state_dict())
+        self.config.content_hash = content_hash(self.state_dict(), self.config)
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             self.write_card(save_directory, evaluation=evaluation, repo_id=repo_id)
@@ -458,19 +458,16 @@ class MapperModel(MapperPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, verify: bool = True, **kwargs) -> MapperModel:
         """`PreTrainedModel.from_pretrained` (folder or Hub id, `dtype=`, `device_map=`), then verify the weights
-        against the content hash recorded at save time (`verify=False` skips it). A tampered or mismatched weight
-        file raises `ValueError`.
+        and the mapping fields of the config against the content hash recorded at save time
+        (`hf_kvmap.artifacts.verify_artifact`; `verify=False` skips it). A tampered, edited, mixed or unhashed
+        artifact raises `ValueError`.
         """
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        expected = model.config.content_hash
-        if verify and expected:
-            actual = stored_content_hash(pretrained_model_name_or_path, **kwargs)
-            if actual != expected:
-                raise ValueError(
-                    f"The weights at {pretrained_model_name_or_path} hash to {actual}, but the config records "
-                    f"{expected}: the artifact was modified or mixed with another one. Re-download or re-save it "
-                    "(or pass verify=False to load it anyway for debugging)."
-                )
+        if verify:
+            location = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
+            verify_artifact(
+                pretrained_model_name_or_path, model.config, **{k: kwargs[k] for k in location if k in kwargs}
+            )
         return model
 
     def push_to_hub(

@@ -91,3 +91,56 @@ def test_hub_id_resolves_offline_from_cache(tmp_path, monkeypatch, mapper):
     assert loaded.config.content_hash == mapper.config.content_hash
     for a, b in zip(mapper.parameters(), loaded.parameters()):
         assert torch.equal(a, b)
+
+
+def _edit_config(folder, edit) -> None:
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c.update(source_layers=[[1], [0]]),  # same shapes, another mapping
+        lambda c: c["target_summary"]["rope_parameters"].update(rope_theta=500.0),  # another geometry / rope
+        lambda c: c["target_summary"].update(num_key_value_heads=4, head_dim=8),  # same width, other heads
+    ],
+    ids=["source_layers", "target_rope", "target_geometry"],
+)
+def test_the_content_hash_covers_the_config_fields_that_decide_the_mapping(tmp_path, mapper, edit):
+    mapper.save_pretrained(tmp_path)
+    _edit_config(tmp_path, edit)
+    with pytest.raises(ValueError, match="was modified or mixed"):
+        MapperModel.from_pretrained(tmp_path)
+
+
+def test_a_missing_content_hash_is_refused_unless_verify_is_false(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(content_hash=None))
+    with pytest.raises(ValueError, match="records no content hash"):
+        MapperModel.from_pretrained(tmp_path)
+    assert MapperModel.from_pretrained(tmp_path, verify=False).config.content_hash is None
+
+
+def test_only_the_files_the_weights_index_names_are_verified(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path)
+    save_file({"unrelated": torch.zeros(3)}, tmp_path / "notes.safetensors")
+    assert MapperModel.from_pretrained(tmp_path).config.content_hash == mapper.config.content_hash
+    sharded = tmp_path / "sharded"
+    mapper.save_pretrained(sharded, max_shard_size="5KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    save_file({"unrelated": torch.zeros(3)}, sharded / "model-extra.safetensors")
+    assert MapperModel.from_pretrained(sharded) is not None
+
+
+def test_a_weights_only_hash_of_an_older_artifact_names_the_fix(tmp_path, mapper):
+    from hf_kvmap.artifacts import weights_hash
+
+    mapper.save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(content_hash=weights_hash(mapper.state_dict())))
+    with pytest.raises(ValueError, match="hash of its weights only.*save_pretrained"):
+        MapperModel.from_pretrained(tmp_path)

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "source": args.source,
         "target": args.target,
         "mapper": mapper_name,
-        "mapper_content_hash": mapper.config.content_hash or content_hash(mapper.state_dict()),
+        "mapper_content_hash": mapper.config.content_hash or content_hash(mapper.state_dict(), mapper.config),
         "source_revision": mapper.config.source_revision,
         "target_revision": mapper.config.target_revision,
         "task_set": args.tasks if args.tasks == "tiny-family" else Path(args.tasks).name,
