@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MapperModel, zoo
+from hf_kvmap.artifacts import content_hash
 from hf_kvmap.diagnostics import diagnose
 from hf_kvmap.evaluation import Handoff, evaluate_tasks
 from hf_kvmap.reporting import environment_info
@@ -101,9 +102,10 @@ def main(argv=None) -> None:
             "fit_seconds": fit_seconds,
             "kind": args.kind,
             "dtype": args.save_dtype,
+            "mapper_content_hash": content_hash(mapper.state_dict(), mapper.config),
         }
         results["environment"] = environment_info()
-        out = args.out_root / zoo.mapper_path(source_name, target_name).name
+        out = args.out_root / f"{source_name}-to-{target_name}"
         mapper.save_pretrained(out, evaluation=results)
         if args.cards:
             card_dir = REPO / "model_cards"

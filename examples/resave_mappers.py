@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
 from hf_kvmap import MapperModel
-from hf_kvmap.artifacts import stored_content_hash
+from hf_kvmap.artifacts import EVALUATION_FILE, stored_content_hash
 
 
 def resave(folder: Path, cards: Path | None) -> None:
@@ -24,7 +25,9 @@ def resave(folder: Path, cards: Path | None) -> None:
     if recorded not in (stored_content_hash(folder, loaded.config), stored_content_hash(folder)):
         raise SystemExit(f"{folder}: the weights do not match the hash the config records; not re-saving it.")
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("*.safetensors")}
-    loaded.save_pretrained(folder)
+    results = folder / EVALUATION_FILE  # measured on these weights: kept (they record no hash of their own)
+    evaluation = json.loads(results.read_text()) if results.exists() else None
+    loaded.save_pretrained(folder, evaluation=evaluation)
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("*.safetensors")}
     if before != after:
         raise SystemExit(f"{folder}: re-saving changed the weight files {sorted(before)} -> {sorted(after)}.")

@@ -14,6 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,6 +28,18 @@ from .configuration_mapper import MapperConfig, summarize_model_config
 from .geometry import KVGeometry, text_config
 
 EVALUATION_FILE = "evaluation.json"
+#: The files a saved mapper folder consists of (weights, config, card, results, the fit's selection and curves).
+MAPPER_FILES = (
+    "config.json",
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    "README.md",
+    EVALUATION_FILE,
+    "selection.json",
+    "selection.png",
+    "training_curves.png",
+)
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 
 
 #: The config fields that decide what a mapper computes from a cache; the content hash covers them beside the weights.
@@ -197,3 +212,59 @@ def file_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: handle.read(1 << 24), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def foreign_files(folder: str | os.PathLike) -> list[str]:
+    """The names in `folder` that are not part of a saved mapper (`MAPPER_FILES` and weight shards)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name not in MAPPER_FILES and not _SHARD.match(p.name))
+
+
+def results_hash(results: dict | None) -> str | None:
+    """The mapper content hash a results JSON (`hf-kvmap eval`/`demo`) records, if any."""
+    return ((results or {}).get("run") or {}).get("mapper_content_hash")
+
+
+def results_belong_to(results: dict | None, config: MapperConfig, tensors) -> bool | None:
+    """Whether `results` were measured on this artifact: `True`/`False` from the content hash they record (the
+    weights-only hash older versions recorded counts when the weights match), `None` when they record none."""
+    recorded = results_hash(results)
+    if recorded is None:
+        return None
+    return recorded in (config.content_hash, weights_hash(tensors))
+
+
+def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite: bool = False) -> Path:
+    """Call `write(folder)` on a new temporary folder beside `destination`, then swap it in: a crash (or an error in
+    `write`) leaves whatever was at `destination` as it was.
+
+    A `destination` holding files that are not a mapper's (`foreign_files`) is refused with `ValueError` unless
+    `overwrite=True`, which replaces the whole folder.
+    """
+    destination = Path(destination)
+    if destination.exists() and not destination.is_dir():
+        raise ValueError(f"{destination} exists and is not a folder.")
+    foreign = foreign_files(destination)
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ValueError(
+            f"{destination} holds files that are not part of a mapper ({shown}): refusing to replace them. Save "
+            "into a new or empty folder (or a mapper's own), or pass overwrite=True to replace the whole folder."
+        )
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".saving", dir=destination.parent))
+    try:
+        write(staging)
+        if destination.exists():
+            previous = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".old", dir=destination.parent))
+            os.replace(destination, previous / "folder")
+            os.replace(staging, destination)
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.replace(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return destination

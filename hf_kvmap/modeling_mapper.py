@@ -19,7 +19,16 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from . import fitting
-from .artifacts import EVALUATION_FILE, content_hash, side_mismatches, tokenizer_mismatch, verify_artifact
+from .artifacts import (
+    EVALUATION_FILE,
+    content_hash,
+    results_belong_to,
+    results_hash,
+    side_mismatches,
+    tokenizer_mismatch,
+    verify_artifact,
+    write_folder_atomically,
+)
 from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .features import mapper_inputs
@@ -421,37 +430,71 @@ class MapperModel(MapperPreTrainedModel):
         *args,
         evaluation: dict | None = None,
         repo_id: str | None = None,
+        overwrite: bool = False,
         **kwargs,
     ):
         """`PreTrainedModel.save_pretrained` (safetensors, sharded by `max_shard_size`), plus the content hash in the
-        config and a model card (`README.md`, see `write_card`), rewritten idempotently.
+        config and a model card (`README.md`, see `write_card`).
+
+        The folder is written beside `save_directory` and swapped in at the end, so a crash never destroys the mapper
+        that was there; a folder holding other files is refused unless `overwrite=True` (which replaces it whole).
 
         Args:
             evaluation (`dict`, *optional*): results JSON of `hf-kvmap eval`/`demo`; saved as `evaluation.json` and
-                rendered into the card. Without it, an `evaluation.json` already in the folder is used.
+                rendered into the card (refused if it records another artifact's content hash). Without it, an
+                `evaluation.json` already in the folder is kept only if it records this artifact's hash.
             repo_id (`str`, *optional*): the Hub id the card names (defaults to the folder name).
+            overwrite (`bool`, *optional*, defaults to `False`): replace a folder that holds files not of a mapper.
         """
         if kwargs.get("safe_serialization") is False:
             raise ValueError("hf-kvmap saves safetensors only; drop `safe_serialization=False`.")
+        if not kwargs.get("is_main_process", True):
+            return  # the main process writes the whole folder
         self.config.content_hash = content_hash(self.state_dict(), self.config)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            self.write_card(save_directory, evaluation=evaluation, repo_id=repo_id)
+        destination = Path(save_directory)
+        if evaluation is None and (destination / EVALUATION_FILE).exists():
+            previous = json.loads((destination / EVALUATION_FILE).read_text())
+            if results_belong_to(previous, self.config, self.state_dict()):
+                evaluation = previous
+            else:
+                logger.warning(
+                    f"{destination / EVALUATION_FILE} was not measured on this mapper (its recorded content hash "
+                    f"is {results_hash(previous)}); it is not carried into the new folder or card."
+                )
+
+        def write(folder: Path) -> None:
+            super(MapperModel, self).save_pretrained(folder, *args, **kwargs)
+            self.write_card(folder, evaluation=evaluation, repo_id=repo_id, name=destination.resolve().name)
+
+        write_folder_atomically(destination, write, overwrite=overwrite)
 
     def write_card(
-        self, folder: str | os.PathLike, evaluation: dict | None = None, repo_id: str | None = None
+        self,
+        folder: str | os.PathLike,
+        evaluation: dict | None = None,
+        repo_id: str | None = None,
+        *,
+        name: str | None = None,
     ) -> Path:
         """(Re)render `folder/README.md` from the config and the evaluation results.
 
-        A given `evaluation` is stored as `folder/evaluation.json`; without it, the one already there (if any) is used.
-        The card is named after `repo_id` (or the folder). Returns the card's path.
+        A given `evaluation` is stored as `folder/evaluation.json` (refused with `ValueError` if it records the content
+        hash of another artifact); without it, the one already there is used if it records this artifact's hash. The
+        card is named after `repo_id` (or `name`, or the folder). Returns the card's path.
         """
         folder = Path(folder)
         if evaluation is not None:
+            if results_belong_to(evaluation, self.config, self.state_dict()) is False:
+                raise ValueError(
+                    f"These results were measured on the mapper with content hash {results_hash(evaluation)}, not "
+                    f"on this one ({self.config.content_hash}): evaluate this mapper (`hf-kvmap eval`) instead."
+                )
             write_json(folder / EVALUATION_FILE, evaluation)
         elif (folder / EVALUATION_FILE).exists():
-            evaluation = json.loads((folder / EVALUATION_FILE).read_text())
-        model_name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+            previous = json.loads((folder / EVALUATION_FILE).read_text())
+            if results_belong_to(previous, self.config, self.state_dict()):
+                evaluation = previous
+        model_name = repo_id.split("/")[-1] if repo_id else (name or folder.resolve().name)
         render_card(self, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
         return folder / "README.md"
 

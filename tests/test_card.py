@@ -105,12 +105,26 @@ def test_card_without_evaluation_omits_unknowns(tiny, tmp_path):
     assert "model-index" not in _front_matter(text)
 
 
-def test_save_is_idempotent_and_keeps_evaluation(tmp_path, mapper):
-    mapper.save_pretrained(tmp_path, evaluation=RESULTS)
+def test_save_is_idempotent_and_keeps_its_own_evaluation_only(tmp_path, mapper):
+    from hf_kvmap.artifacts import content_hash
+
+    own = {
+        **RESULTS,
+        "run": {**RESULTS["run"], "mapper_content_hash": content_hash(mapper.state_dict(), mapper.config)},
+    }
+    mapper.save_pretrained(tmp_path, evaluation=own)
     first = (tmp_path / "README.md").read_text()
-    mapper.save_pretrained(tmp_path)  # evaluation.json already there is reused
-    assert (tmp_path / "README.md").read_text() == first
+    mapper.save_pretrained(tmp_path)  # evaluation.json already there, measured on this mapper: reused
+    assert (tmp_path / "README.md").read_text() == first and "## Retention" in first
     assert json.loads((tmp_path / "evaluation.json").read_text())["run"]["seed"] == 3
+    # results that record no hash are rendered when given, but not carried into a later save
+    mapper.save_pretrained(tmp_path, evaluation=RESULTS)
+    assert "## Retention" in (tmp_path / "README.md").read_text()
+    mapper.save_pretrained(tmp_path)
+    assert "## Retention" not in (tmp_path / "README.md").read_text()
+    assert not (tmp_path / "evaluation.json").exists()
+    with pytest.raises(ValueError, match="measured on the mapper with content hash sha256:0+"):
+        mapper.save_pretrained(tmp_path, evaluation={**RESULTS, "run": {"mapper_content_hash": "sha256:" + "0" * 64}})
 
 
 def test_push_to_hub_uploads_weights_config_and_generated_card(tmp_path, monkeypatch, mapper):
@@ -189,8 +203,9 @@ def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):
 
 def test_card_command_rerenders(tmp_path, mapper):
     mapper.save_pretrained(tmp_path)
+    own = {**RESULTS, "run": {**RESULTS["run"], "mapper_content_hash": mapper.config.content_hash}}
     results = tmp_path / "results.json"
-    results.write_text(json.dumps(RESULTS))
+    results.write_text(json.dumps(own))
     assert cli_main(["card", str(tmp_path), "--results", str(results), "--name", "org/small-to-large"]) == 0
     text = (tmp_path / "README.md").read_text()
     assert "## Retention" in text and 'MapperModel.from_pretrained("org/small-to-large"' in text

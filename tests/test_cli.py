@@ -186,3 +186,46 @@ def test_short_demo_writes_every_task(tmp_path):
     assert [row["tokens"] for row in results["latency"]] == [32, 64]
     assert all(row["mapper_ms"] > 0 and row["prefill_ms"] > 0 for row in results["latency"])
     assert plot.stat().st_size > 10_000
+
+
+def _fit_args(tmp_path, out, *extra):
+    return ["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--data",
+            str(tmp_path / "data.txt"), "--top-k", "1", "--seq-len", "16", "--max-sequences", "4",
+            "--batch-size", "4", "--stride", "2", "--out", str(out), "--no-progress", *extra]  # fmt: skip
+
+
+def test_cli_fit_refuses_a_folder_that_is_not_a_mapper_of_the_same_pair(tiny, tmp_path):
+    import hashlib
+
+    _cli_pair(tiny, tmp_path)
+    weights = tmp_path / "src" / "model.safetensors"
+    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    with pytest.raises(SystemExit, match="not a mapper of .*--overwrite"):
+        cli_main(_fit_args(tmp_path, tmp_path / "src"))
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == before  # the source model is untouched
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == sorted(p.name for p in (tmp_path / "tgt").iterdir())
+
+    # a mapper of the same pair is refitted in place; one of another pair only with --overwrite
+    out = tmp_path / "mapper"
+    assert cli_main(_fit_args(tmp_path, out)) == 0
+    assert cli_main(_fit_args(tmp_path, out, "--ridge-lambda", "0.5")) == 0
+    assert MapperModel.from_pretrained(out).config.ridge_lambda == 0.5
+    other = MapperModel.from_pretrained(out)
+    other.config.source_model_id = "org/another-source"
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit, match="mapper of org/another-source"):
+        cli_main(_fit_args(tmp_path, tmp_path / "other"))
+    assert cli_main(_fit_args(tmp_path, tmp_path / "other", "--overwrite")) == 0
+    assert MapperModel.from_pretrained(tmp_path / "other").config.source_model_id == str(tmp_path / "src")
+
+
+def test_cli_fit_never_carries_results_of_another_artifact_into_its_card(tiny, tmp_path):
+    _cli_pair(tiny, tmp_path)
+    out = tmp_path / "mapper"
+    assert cli_main(_fit_args(tmp_path, out)) == 0
+    stale = {"tasks": {"recall": {"source": 0.1, "target": 0.9, "mapped": 0.8, "chance": 0.0, "n_items": 50}},
+             "run": {"mapper_content_hash": "sha256:" + "0" * 64}}  # fmt: skip
+    (out / "evaluation.json").write_text(json.dumps(stale))
+    assert cli_main(_fit_args(tmp_path, out, "--ridge-lambda", "0.3")) == 0
+    assert not (out / "evaluation.json").exists()
+    assert "## Retention" not in (out / "README.md").read_text()

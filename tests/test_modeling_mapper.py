@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +267,34 @@ def test_save_and_load_round_trip_is_exact(tmp_path, fitted):
         assert torch.equal(tensor, loaded.state_dict()[name]), name
     half = MapperModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert half.layers[0].value_proj.weight_hidden.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------ safe saves
+def test_a_crash_while_saving_leaves_the_mapper_that_was_there(tiny, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    config = tiny.SUPPORTED["qwen3"]()
+    MapperModel.identity(config).save_pretrained(tmp_path / "mapper")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mapper").iterdir()}
+
+    def crash(self, folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half a file")
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        MapperModel.identity(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "mapper")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mapper").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mapper"]  # no temporary folder left behind
+    assert MapperModel.from_pretrained(tmp_path / "mapper").dtype == torch.float32
+
+
+def test_saving_over_files_that_are_not_a_mappers_is_refused(tiny, tmp_path):
+    config = tiny.SUPPORTED["qwen3"]()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not part of a mapper.*notes.txt"):
+        MapperModel.identity(config).save_pretrained(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    MapperModel.identity(config).save_pretrained(tmp_path, overwrite=True)
+    assert not (tmp_path / "notes.txt").exists() and MapperModel.from_pretrained(tmp_path) is not None

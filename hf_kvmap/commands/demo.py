@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "source": args.source,
         "target": args.target,
         "mapper": args.mapper or f"zoo:{args.source}-to-{args.target}",
+        "mapper_content_hash": mapper.config.content_hash,
         "mapper_config": {
             "kind": mapper.config.kind,
             "top_k": max(len(layers) for layers in mapper.config.source_layers),

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from transformers.utils import logging
 
@@ -68,6 +69,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--target", help="Target model: Hub id or local folder.")
     parser.add_argument("--data", help="Calibration text: a .txt file, or .jsonl with a 'text' field.")
     parser.add_argument("--out", required=True, help="Folder to write the mapper to.")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace --out even when it holds something other than a mapper of the same source and target.",
+    )
     for group, flags in (
         (parser, _MAPPER_FLAGS),
         (parser.add_argument_group("MLP training (--kind mlp)"), _MLP_FLAGS),
@@ -177,6 +183,29 @@ def _check_tokenizers(source_tokenizer, target: str) -> None:
         )
 
 
+def _check_out(out: str, source_id: str | None, target_id: str | None, overwrite: bool) -> None:
+    """Refuse (before any model runs) an --out folder that is not empty and not a mapper of the same pair."""
+    from ..artifacts import foreign_files
+    from ..configuration_mapper import MapperConfig
+
+    folder = Path(out)
+    if overwrite or not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
+        return
+    config = folder / "config.json"
+    recorded = json.loads(config.read_text()) if config.is_file() else {}
+    pair = (recorded.get("source_model_id"), recorded.get("target_model_id"))
+    is_mapper = recorded.get("model_type") == MapperConfig.model_type
+    if is_mapper and pair == (source_id, target_id) and not foreign_files(folder):
+        return
+    found = f"it holds a mapper of {pair[0]} -> {pair[1]}" if is_mapper else "it holds no mapper"
+    if is_mapper and foreign_files(folder):
+        found += " and other files"
+    raise SystemExit(
+        f"hf-kvmap fit: --out {folder} is not empty and not a mapper of {source_id} -> {target_id} ({found}). "
+        "Choose another folder, or pass --overwrite to replace it."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_stats:
         stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
         sequences = int(stats.sequences)
+        _check_out(args.out, stats.source_model_id, stats.target_model_id, args.overwrite)
     else:
+        _check_out(args.out, args.source, args.target, args.overwrite)
         missing = [flag for flag in ("source", "target", "data") if not getattr(args, flag)]
         if missing:
             raise SystemExit(
@@ -252,8 +283,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     mapper = MapperModel.from_fitted(fitted)
-    os.makedirs(args.out, exist_ok=True)
-    mapper.save_pretrained(args.out)
+    mapper.save_pretrained(args.out, overwrite=args.overwrite)
     fitted.selection.save_selection_json(os.path.join(args.out, "selection.json"))
     plot_selection(fitted.selection, os.path.join(args.out, "selection.png"))
     if options.kind == "mlp":
