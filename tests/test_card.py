@@ -201,11 +201,21 @@ def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):
     assert not plot_training_curves(ridge_config, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
 
 
-def test_card_command_rerenders(tmp_path, mapper):
-    mapper.save_pretrained(tmp_path)
+def test_card_command_renders_only_results_of_this_mapper(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path / "mapper")
     own = {**RESULTS, "run": {**RESULTS["run"], "mapper_content_hash": mapper.config.content_hash}}
     results = tmp_path / "results.json"
     results.write_text(json.dumps(own))
-    assert cli_main(["card", str(tmp_path), "--results", str(results), "--name", "org/small-to-large"]) == 0
-    text = (tmp_path / "README.md").read_text()
+    folder = str(tmp_path / "mapper")
+    assert cli_main(["card", folder, "--results", str(results), "--name", "org/small-to-large"]) == 0
+    text = (tmp_path / "mapper" / "README.md").read_text()
     assert "## Retention" in text and 'MapperModel.from_pretrained("org/small-to-large"' in text
+
+    for run, fragment in (
+        ({"mapper_content_hash": "sha256:" + "1" * 64}, "measured on the mapper with content hash sha256:1+"),
+        ({}, "records no mapper content hash"),
+    ):
+        results.write_text(json.dumps({**RESULTS, "run": run}))
+        with pytest.raises(SystemExit, match=fragment):
+            cli_main(["card", folder, "--results", str(results)])
+        assert (tmp_path / "mapper" / "README.md").read_text() == text

@@ -18,7 +18,19 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..modeling_mapper import MapperModel
 
+    from ..artifacts import results_hash
+
     mapper = MapperModel.from_pretrained(args.directory)
     results = json.loads(args.results.read_text()) if args.results is not None else None
-    print(f"wrote {mapper.write_card(args.directory, evaluation=results, repo_id=args.name)}")
+    if results is not None and results_hash(results) is None:
+        raise SystemExit(
+            f"hf-kvmap card: {args.results} records no mapper content hash (run.mapper_content_hash), so nothing "
+            f"says it was measured on {args.directory}. Evaluate this mapper with `hf-kvmap eval --mapper "
+            f"{args.directory} --json ...` and render those results."
+        )
+    try:
+        card = mapper.write_card(args.directory, evaluation=results, repo_id=args.name)
+    except ValueError as err:
+        raise SystemExit(f"hf-kvmap card: {args.results}: {err}") from None
+    print(f"wrote {card}")
     return 0
