@@ -8,7 +8,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .reporting import fmt_number
+from .reporting import fmt_number, retention_cells, retention_measurable
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
 
@@ -36,6 +36,8 @@ def card_data(config, results: dict | None, model_name: str) -> ModelCardData:
     ]
     eval_results = []
     for task, row in (results or {}).get("tasks", {}).items():
+        if not retention_measurable(row):
+            continue  # the target does not beat chance: no retention figure to publish
         for metric, key in (
             ("raw retention", "retention"),
             ("floor-normalized retention", "floor_normalized_retention"),
@@ -143,8 +145,7 @@ def render_card(
             "target": fmt_number(row.get("target")),
             "mapped": fmt_number(row.get("mapped")),
             "chance": fmt_number(row.get("chance"), 2),
-            "retention": fmt_number(row.get("retention")),
-            "floor": fmt_number(row.get("floor_normalized_retention")),
+            **dict(zip(("retention", "floor"), retention_cells(row))),
         }
         for name, row in results.get("tasks", {}).items()
     ]

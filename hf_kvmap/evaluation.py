@@ -257,7 +257,9 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
     """Run every task three ways; return `{"tasks": ..., "summary": ..., "perplexity": ...}`.
 
     Retention comes from the package's `evaluate` module (`hf_kvmap.metrics`): per task raw and floor-normalized,
-    averaged over the non-generation tasks, with the generation tasks (exact match, chance 0) reported apart.
+    averaged over the non-generation tasks, with the generation tasks (exact match, chance 0) reported apart; it is
+    NaN (`null` in JSON) with `retention_measurable: false` wherever the target does not beat chance over the task's
+    items.
     """
     from .metrics import load_retention
 
@@ -287,6 +289,7 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
             references=[scored[n]["target"] for n in names],
             chance=[scored[n]["chance"] for n in names],
             task_names=names,
+            n_items=[scored[n]["n_items"] for n in names],
             generation_tasks=[
                 n for n in names if scored[n]["task_type"] == "exact_match" and scored[n]["chance"] == 0
             ],

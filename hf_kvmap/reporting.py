@@ -15,6 +15,22 @@ def fmt_number(value, digits: int = 3, style: str = "f") -> str:
     return f"{value:.{digits}{style}}"
 
 
+def retention_measurable(row: dict) -> bool:
+    """Whether a results row's target beats chance over its items (`hf_kvmap.metrics`: exact binomial test);
+    rows without an item count are not."""
+    from .metrics.retention.retention import target_beats_chance
+
+    return target_beats_chance(row.get("target"), row.get("n_items"), row.get("chance") or 0.0)[0]
+
+
+def retention_cells(row: dict) -> tuple[str, str]:
+    """`(raw, floor-normalized)` retention of a results row for a table: "not measurable" where the target does not
+    beat chance (whatever numbers an older results file holds)."""
+    if not retention_measurable(row):
+        return "not measurable", "not measurable"
+    return fmt_number(row.get("retention")), fmt_number(row.get("floor_normalized_retention"))
+
+
 def _mapper_summary(config: dict | None) -> str:
     """` (ridge, k=6, context window 3, keys and values)` for a demo run's `mapper_config` (empty when unknown)."""
     if not config:
@@ -38,9 +54,10 @@ def demo_markdown(results: dict, source_file: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in results["tasks"].items():
+        raw, floor = retention_cells(row)
         lines.append(
             f"| {name} | {fmt_number(row['source'])} | {fmt_number(row['target'])} | {fmt_number(row['mapped'])} | "
-            f"{fmt_number(row['chance'], 2)} | {fmt_number(row['retention'])} | {fmt_number(row['floor_normalized_retention'])} |"
+            f"{fmt_number(row['chance'], 2)} | {raw} | {floor} |"
         )
     for name, row in results.get("perplexity", {}).items():
         lines.append(

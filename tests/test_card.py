@@ -32,6 +32,7 @@ RESULTS = {
             "retention": 0.8 / 0.9,
             "floor_normalized_retention": 0.8 / 0.9,
             "task_type": "exact_match",
+            "n_items": 50,
         },
         "choice": {
             "source": 0.3,
@@ -41,6 +42,17 @@ RESULTS = {
             "retention": 2 / 3,
             "floor_normalized_retention": 0.5,
             "task_type": "choice",
+            "n_items": 40,
+        },
+        "arithmetic": {  # nobody can do it: 1 of 200 items in every mode
+            "source": 0.005,
+            "target": 0.005,
+            "mapped": 0.005,
+            "chance": 0.0,
+            "retention": 1.0,
+            "floor_normalized_retention": 1.0,
+            "task_type": "exact_match",
+            "n_items": 200,
         },
     },
     "perplexity": {"text": {"source": 2.0, "target": 1.5, "mapped": 1.6}},
@@ -219,3 +231,11 @@ def test_card_command_renders_only_results_of_this_mapper(tmp_path, mapper):
         with pytest.raises(SystemExit, match=fragment):
             cli_main(["card", folder, "--results", str(results)])
         assert (tmp_path / "mapper" / "README.md").read_text() == text
+
+
+def test_retention_where_the_target_does_not_beat_chance_is_not_measurable(tmp_path, mapper):
+    mapper.save_pretrained(tmp_path, evaluation=RESULTS)
+    text = (tmp_path / "README.md").read_text()
+    assert "| arithmetic | exact_match | 0.005 | 0.005 | 0.005 | 0.00 | not measurable | not measurable |" in text
+    results = _front_matter(text)["model-index"][0]["results"]
+    assert {r["dataset"]["name"] for r in results} == {"choice", "recall"}  # no arithmetic figure published

@@ -167,3 +167,35 @@ def test_jsonl_task_errors(tmp_path, row, fragment):
     _write_jsonl(path, [row])
     with pytest.raises(ValueError, match=fragment):
         load_jsonl_tasks(path)
+
+
+def test_a_target_that_does_not_beat_chance_makes_retention_not_measurable():
+    from hf_kvmap.metrics.retention.retention import binomial_tail, target_beats_chance
+
+    assert binomial_tail(0, 10, 0.3) == 1.0
+    assert binomial_tail(3, 3, 0.5) == pytest.approx(0.125)
+    assert binomial_tail(2, 4, 0.5) == pytest.approx(11 / 16)
+    # free generation (chance 0): one lucky item of 200 is the null, so 1/200 is noise and 5/200 is not
+    assert target_beats_chance(1 / 200, 200, 0.0)[0] is False
+    assert target_beats_chance(5 / 200, 200, 0.0)[0] is True
+    assert target_beats_chance(0.3, 40, 0.25)[0] is False and target_beats_chance(0.6, 40, 0.25)[0] is True
+    assert target_beats_chance(0.9, None, 0.0) == (False, None)  # no item count: nothing to test
+    result = load_retention().compute(
+        predictions=[0.005, 0.5],
+        references=[0.005, 0.75],
+        chance=[0.0, 0.25],
+        task_names=["arithmetic", "choice"],
+        n_items=[200, 40],
+    )
+    arithmetic = result["per_task"]["arithmetic"]
+    assert arithmetic["retention_measurable"] is False and math.isnan(arithmetic["retention"])
+    assert math.isnan(arithmetic["floor_normalized_retention"]) and arithmetic["target_vs_chance_p"] > 0.5
+    assert result["per_task"]["choice"]["retention_measurable"] is True
+    assert result["retention"] == pytest.approx(2 / 3)  # the average leaves the unmeasurable task out
+
+
+def test_evaluate_tasks_reports_unmeasurable_retention_as_null(handoff):
+    tasks = [TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", 6, seed=1, n_chars=96), stop="\n")]
+    row = evaluate_tasks(handoff, tasks, progress=False)["tasks"]["recall"]
+    assert row["target"] < 0.5  # a random model recalls nothing: nothing to retain
+    assert row["retention_measurable"] is False and math.isnan(row["retention"])

@@ -16,9 +16,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..modeling_mapper import MapperModel
-
     from ..artifacts import results_hash
+    from ..modeling_mapper import MapperModel
 
     mapper = MapperModel.from_pretrained(args.directory)
     results = json.loads(args.results.read_text()) if args.results is not None else None

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import MapperModel, zoo
     from ..artifacts import content_hash
     from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
-    from ..reporting import environment_info
+    from ..reporting import environment_info, retention_cells
     from ._models import load_causal_lm, load_tokenizer, resolve_mapper
     from ._output import finish
 
@@ -93,6 +93,6 @@ def run(args: argparse.Namespace) -> int:
     for name, row in results["tasks"].items():
         print(
             f"{name:<14} source {row['source']:.3f}  target {row['target']:.3f}  mapped {row['mapped']:.3f}  "
-            f"retention {row['retention']:.3f}"
+            f"retention {retention_cells(row)[0]}"
         )
     return finish(args.json, results)
