@@ -76,14 +76,24 @@ class Handoff:
 
     @torch.no_grad()
     def exact_match(
-        self, mode: str, prompts: Sequence[str], answers: Sequence[str], stop: str = "", batch_size: int = 16
+        self,
+        mode: str,
+        prompts: Sequence[str],
+        answers: Sequence[str],
+        stop: str | Sequence[str] = "",
+        batch_size: int = 16,
     ) -> list[bool]:
-        """Greedy `generate` from each prompt (left-padded batches); correct iff it produces `answer + stop`."""
+        """Greedy `generate` from each prompt (left-padded batches); correct iff it produces `answer + stop`
+        (`stop`: one string for every item, or one per item)."""
+        stops = [stop] * len(prompts) if isinstance(stop, str) else list(stop)
+        if len(stops) != len(prompts):
+            raise ValueError(f"{len(stops)} stops for {len(prompts)} prompts: give one stop, or one per prompt.")
         pad = self.tokenizer.pad_token_id
         results = []
         for start in range(0, len(prompts), batch_size):
             chunk = self._encode(prompts[start : start + batch_size])
-            expected = self._encode([a + stop for a in answers[start : start + batch_size]], special=False)
+            pairs = zip(answers[start : start + batch_size], stops[start : start + batch_size])
+            expected = self._encode([answer + end for answer, end in pairs], special=False)
             width = max(map(len, chunk))
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -148,13 +158,15 @@ def _accuracy(flags: Sequence[bool]) -> float:
 def evaluate_items(handoff: Handoff, task_type: str, items: Sequence, mode: str, **kwargs) -> float:
     """Score `items` of one task type under `mode`.
 
-    `task_type`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`),
+    `task_type`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`, which takes
+    precedence over a `stop=` given for the whole task),
     `"choice"` (`.context`, `.choices`, `.label`) -> accuracy; `"perplexity"` (`.text`) -> perplexity.
     """
     if task_type == "exact_match":
         prompts = [getattr(item, "prompt", "") or item.context for item in items]
-        stop = kwargs.get("stop", getattr(items[0], "stop", ""))
-        return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stop))
+        default = kwargs.get("stop", "")
+        stops = [getattr(item, "stop", None) or default for item in items]  # an item's own stop comes first
+        return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stops))
     if task_type == "choice":
         hits = []
         for item in items:
@@ -244,7 +256,7 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
         )
         if name not in tasks:
             chance = row.get("chance", 1 / len(item.choices) if task_type == "choice" else 0.0)
-            tasks[name] = TaskSpec(name, task_type, [], chance=float(chance), stop=item.stop)
+            tasks[name] = TaskSpec(name, task_type, [], chance=float(chance))  # each item keeps its own stop
         elif tasks[name].task_type != task_type:
             raise ValueError(f"{path}:{number}: task {name!r} mixes types {tasks[name].task_type} and {task_type}.")
         tasks[name].items.append(item)

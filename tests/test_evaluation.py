@@ -199,3 +199,27 @@ def test_evaluate_tasks_reports_unmeasurable_retention_as_null(handoff):
     row = evaluate_tasks(handoff, tasks, progress=False)["tasks"]["recall"]
     assert row["target"] < 0.5  # a random model recalls nothing: nothing to retain
     assert row["retention_measurable"] is False and math.isnan(row["retention"])
+
+
+def test_each_item_is_scored_with_its_own_stop(tmp_path, handoff):
+    """Two items of one task whose stops differ: the answer plus each item's own stop is what the target generates,
+    so both count only if each item's stop is used (the first item's stop used for both fails the second)."""
+    from hf_kvmap.evaluation import load_jsonl_tasks
+
+    tokenizer = handoff.tokenizer
+    chosen = []
+    for item in corpus.make_eval_set("recall", 40, seed=5, n_chars=64):
+        ids = torch.tensor([tokenizer(item.context)["input_ids"]])
+        new = handoff.target.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
+        answer, stop = (tokenizer.decode([t], skip_special_tokens=False) for t in new.tolist())
+        if tokenizer(answer + stop, add_special_tokens=False)["input_ids"] != new.tolist():
+            continue  # a special token: not expressible as text
+        if not chosen or stop != chosen[0][2]:
+            chosen.append((item.context, answer, stop))
+        if len(chosen) == 2:
+            break
+    assert len(chosen) == 2 and chosen[0][2] != chosen[1][2]
+    lines = [json.dumps({"task": "qa", "prompt": p, "answer": a, "stop": s}) for p, a, s in chosen]
+    (tmp_path / "tasks.jsonl").write_text("\n".join(lines))
+    results = evaluate_tasks(handoff, load_jsonl_tasks(tmp_path / "tasks.jsonl"), progress=False)
+    assert results["tasks"]["qa"]["target"] == 1.0 and results["tasks"]["qa"]["mapped"] == 1.0
