@@ -13,10 +13,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.utils import logging
 
 from ._compat import init_cache_with_layers, model_id, model_revision, unhooked_forward
 from .modeling_mapper import MapperModel, check_finite_pairs, check_source_tensors
 from .rope import positions_from_attention_mask
+
+logger = logging.get_logger(__name__)
 
 SourceCache = Cache | Sequence[tuple[torch.Tensor, torch.Tensor]]
 #: The dtypes a mapped cache may be built in (what attention layers compute in).
@@ -54,6 +57,19 @@ def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Te
             raise ValueError(f"Source cache layer {idx} is {what}; expected a `(keys, values)` pair.")
         pairs.append(tuple(pair))
     return pairs
+
+
+def _warn_beyond_positions(config, seq: int) -> None:
+    limits = [
+        summary.get("max_position_embeddings")
+        for summary in (config.source_summary, config.target_summary)
+        if summary.get("max_position_embeddings")
+    ]
+    if limits and seq > min(limits):
+        logger.warning_once(
+            f"The source cache holds {seq} tokens, more than the models' max_position_embeddings ({min(limits)}): "
+            "positions beyond it were not trained and the mapping (and the target) may degrade there."
+        )
 
 
 def _check_left_padding(attention_mask: torch.Tensor, hold_back: int) -> None:
@@ -194,6 +210,7 @@ class MappedCache(DynamicCache):
         config = mapper.config
         source_kv = check_source_tensors(source_pairs(source_cache), config)
         batch, _, seq, _ = source_kv[0][0].shape
+        _warn_beyond_positions(config, seq)
         if isinstance(hold_back, bool) or not isinstance(hold_back, int) or hold_back < 1:
             raise ValueError(
                 f"hold_back={hold_back!r}: at least the final prompt token must be held back for the target to run "

@@ -207,6 +207,39 @@ class JsonlItem:
     stop: str = ""
 
 
+def _item_problems(row, task_type: str) -> list[str]:
+    """What is wrong with one task line (empty when nothing is)."""
+    problems = []
+    required = {
+        "exact_match": ("prompt", "answer"),
+        "choice": ("context", "choices", "label"),
+        "perplexity": ("text",),
+    }
+    missing = [field for field in required[task_type] if field not in row]
+    if missing:
+        return [f"a {task_type} item needs {missing}"]
+    for field in ("prompt", "context", "answer", "text", "stop"):
+        if field in row and not isinstance(row[field], str):
+            problems.append(f"{field} must be a string, got {type(row[field]).__name__}")
+    if problems:
+        return problems
+    if task_type == "exact_match":
+        problems += [f"{field} is empty" for field in ("prompt", "answer") if not row[field]]
+    elif task_type == "perplexity" and len(row["text"]) < 2:
+        problems.append(f"text needs at least 2 characters to score a continuation, got {len(row['text'])}")
+    elif task_type == "choice":
+        choices, label = row["choices"], row["label"]
+        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            problems.append("choices must be a list of strings (at least 2, none empty)")
+        elif isinstance(label, bool) or not isinstance(label, int):
+            problems.append(f"label must be an integer, got {label!r}")
+        elif not 0 <= label < len(choices):
+            problems.append(f"label {label} is out of range for {len(choices)} choices")
+    if "chance" in row and (isinstance(row["chance"], bool) or not isinstance(row["chance"], (int, float))):
+        problems.append(f"chance must be a number, got {row['chance']!r}")
+    return problems
+
+
 def load_jsonl_tasks(path) -> list[TaskSpec]:
     """Tasks from a JSONL file, one item per line; items of one `task` name form one task.
 
@@ -216,35 +249,39 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
     - `{"task": "mc", "type": "choice", "context": "...", "choices": ["...", "..."], "label": 0, "chance": 0.5}`
       (`chance` defaults to 1 / number of choices)
     - `{"task": "ppl", "type": "perplexity", "text": "..."}`
+
+    Every malformed line is reported (`path:line: what is wrong`, all of them in one `ValueError`) before any item
+    is used.
     """
     import json
     from pathlib import Path
 
     tasks: dict[str, TaskSpec] = {}
+    errors: list[str] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from None
+            errors.append(f"{path}:{number}: not valid JSON ({err.msg}).")
+            continue
+        if not isinstance(row, dict):
+            errors.append(f"{path}:{number}: a {type(row).__name__}, expected an object.")
+            continue
         name, task_type = row.get("task"), row.get("type", "exact_match")
-        if not name:
-            raise ValueError(f"{path}:{number}: every line needs a `task` name.")
+        if not name or not isinstance(name, str):
+            errors.append(f"{path}:{number}: every line needs a `task` name.")
+            continue
         if task_type not in TASK_TYPES:
-            raise ValueError(f"{path}:{number}: type={task_type!r}; expected one of {TASK_TYPES}.")
-        required = {
-            "exact_match": ("prompt", "answer"),
-            "choice": ("context", "choices", "label"),
-            "perplexity": ("text",),
-        }
-        missing = [field for field in required[task_type] if field not in row]
-        if missing:
-            raise ValueError(f"{path}:{number}: a {task_type} item needs {missing}.")
-        if task_type == "choice" and not 0 <= int(row["label"]) < len(row["choices"]):
-            raise ValueError(
-                f"{path}:{number}: label {row['label']} is out of range for {len(row['choices'])} choices."
-            )
+            errors.append(f"{path}:{number}: type={task_type!r}; expected one of {TASK_TYPES}.")
+            continue
+        problems = _item_problems(row, task_type)
+        if name in tasks and tasks[name].task_type != task_type:
+            problems.append(f"task {name!r} mixes types {tasks[name].task_type} and {task_type}")
+        if problems:
+            errors.extend(f"{path}:{number}: {problem}." for problem in problems)
+            continue
         item = JsonlItem(
             prompt=row.get("prompt", ""),
             context=row.get("context", ""),
@@ -257,9 +294,9 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
         if name not in tasks:
             chance = row.get("chance", 1 / len(item.choices) if task_type == "choice" else 0.0)
             tasks[name] = TaskSpec(name, task_type, [], chance=float(chance))  # each item keeps its own stop
-        elif tasks[name].task_type != task_type:
-            raise ValueError(f"{path}:{number}: task {name!r} mixes types {tasks[name].task_type} and {task_type}.")
         tasks[name].items.append(item)
+    if errors:
+        raise ValueError(f"{path}: {len(errors)} malformed line(s):\n" + "\n".join(errors))
     if not tasks:
         raise ValueError(f"{path} holds no task items.")
     return list(tasks.values())

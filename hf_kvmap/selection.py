@@ -83,6 +83,12 @@ def combined_scores(r2: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(r2.values())).mean(0)
 
 
+def k_used(top_k: int | None, num_source: int) -> int | None:
+    """The `k` a selection of `top_k` layers among `num_source` uses (`None`: all; larger than the source: all of
+    them, recorded as the number it is)."""
+    return None if top_k is None else min(top_k, num_source)
+
+
 def select_top_k(scores: torch.Tensor, top_k: int | None) -> list[list[int]]:
     """The `top_k` best source layers of every row of `scores` `[L_t, L_s]`, each list sorted ascending.
 
@@ -108,7 +114,8 @@ class LayerSelection:
         scores (`torch.Tensor`): combined probe R^2 `[L_t, L_s]` (mean over K and V).
         r2 (`dict[str, torch.Tensor]`): per-part probe R^2 `[L_t, L_s]`.
         source_layers (`list[list[int]]`): the selected source layers of each target layer, ascending.
-        top_k (`int`, *optional*): the requested k (`None` = all).
+        top_k (`int`, *optional*): the k used (`None` = all; a requested k beyond the source's layers is recorded
+            as the source's layer count).
         probe (`str`): `"per_head"` or `"whole_layer"` (see `probe_layout`).
     """
 
@@ -137,7 +144,7 @@ class LayerSelection:
                 selected[layer] = layers
         else:
             selected = [list(map(int, layers)) for layers in source_layers]
-        return cls(scores, r2, selected, top_k, probe_layout(stats), stats.provenance())
+        return cls(scores, r2, selected, k_used(top_k, scores.shape[1]), probe_layout(stats), stats.provenance())
 
     def with_top_k(self, top_k: int | None) -> LayerSelection:
         """The same scores with a different `k` (no new probe)."""
@@ -146,7 +153,8 @@ class LayerSelection:
         selected = [[] for _ in range(self.scores.shape[0])]
         for layer, layers in zip(covered, chosen):
             selected[layer] = layers
-        return LayerSelection(self.scores, self.r2, selected, top_k, self.probe, self.calibration)
+        k = k_used(top_k, self.scores.shape[1])
+        return LayerSelection(self.scores, self.r2, selected, k, self.probe, self.calibration)
 
     def selected_scores(self) -> list[list[float]]:
         """The combined score of each selected source layer, in the order of `source_layers`."""

@@ -225,3 +225,15 @@ def test_a_missing_cache_or_malformed_layers_are_refused_clearly(tiny):
         MappedCache.from_source([(keys, values), keys], mapper)
     with pytest.raises(ValueError, match="source_cache is a str"):
         MappedCache.from_source("cache", mapper)
+
+
+def test_a_cache_longer_than_the_models_positions_warns_once(tiny, caplog):
+    config = tiny.SUPPORTED["qwen3"]()
+    mapper = MapperModel.identity(config)
+    long = config.max_position_embeddings + 4
+    pairs = [(torch.randn(1, 2, long, 16), torch.randn(1, 2, long, 16)) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="hf_kvmap"):
+        MappedCache.from_source(pairs, mapper)
+        MappedCache.from_source(pairs, mapper)
+    warnings = [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(warnings) == 1 and f"{long} tokens" in warnings[0].getMessage()

@@ -229,3 +229,40 @@ def test_cli_fit_never_carries_results_of_another_artifact_into_its_card(tiny, t
     assert cli_main(_fit_args(tmp_path, out, "--ridge-lambda", "0.3")) == 0
     assert not (out / "evaluation.json").exists()
     assert "## Retention" not in (out / "README.md").read_text()
+
+
+def test_cli_fit_reports_every_bad_data_line_and_missing_model_files_before_any_model_runs(tiny, tmp_path):
+    _cli_pair(tiny, tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join([json.dumps({"text": "w1 w2"}), "[1, 2]", "{oops", json.dumps({"text": 3}),
+                               json.dumps({"txt": "w1"}), json.dumps({"text": ""})]) + "\n")  # fmt: skip
+    args = ["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--data", str(data),
+            "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    with pytest.raises(SystemExit) as err:
+        cli_main(args)
+    message = str(err.value)
+    for number, fragment in ((2, "a list, expected an object"), (3, "not valid JSON"), (4, "text must be a string"),
+                             (5, "has no 'text' field"), (6, "text is empty")):  # fmt: skip
+        assert f"{data}:{number}: {fragment}" in message, message
+    assert not (tmp_path / "out").exists()
+
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    with pytest.raises(SystemExit, match="no tokenizer files"):
+        cli_main(["fit", "--source", str(tmp_path / "bare"), *_fit_args(tmp_path, tmp_path / "out")[3:]])
+    (tmp_path / "noconfig").mkdir()
+    with pytest.raises(SystemExit, match="no config.json"):
+        cli_main(["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "noconfig"),
+                  *_fit_args(tmp_path, tmp_path / "out")[5:]])  # fmt: skip
+
+
+def test_cli_fit_records_the_top_k_it_used(tiny, tmp_path):
+    _cli_pair(tiny, tmp_path)
+    out = tmp_path / "mapper"
+    args = _fit_args(tmp_path, out)
+    args[args.index("--top-k") + 1] = "8"  # the source has 2 layers
+    assert cli_main(args) == 0
+    mapper = MapperModel.from_pretrained(out)
+    assert mapper.config.calibration["top_k"] == 2 and all(len(s) == 2 for s in mapper.config.source_layers)
+    card = (out / "README.md").read_text()
+    assert "| source layers per target layer (k) | 2 |" in card and "| calibration top_k | 2 |" in card

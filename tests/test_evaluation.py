@@ -155,7 +155,7 @@ def test_jsonl_tasks_and_eval_command(tmp_path, handoff):
     "row,fragment",
     [
         ({"task": "x", "type": "bleu", "prompt": "a", "answer": "b"}, "type='bleu'"),
-        ({"task": "x", "type": "choice", "context": "a", "choices": ["b"], "label": 3}, "out of range"),
+        ({"task": "x", "type": "choice", "context": "a", "choices": ["b", "c"], "label": 3}, "out of range"),
         ({"task": "x", "prompt": "a"}, "needs \\['answer'\\]"),
         ({"prompt": "a", "answer": "b"}, "needs a `task` name"),
     ],
@@ -223,3 +223,47 @@ def test_each_item_is_scored_with_its_own_stop(tmp_path, handoff):
     (tmp_path / "tasks.jsonl").write_text("\n".join(lines))
     results = evaluate_tasks(handoff, load_jsonl_tasks(tmp_path / "tasks.jsonl"), progress=False)
     assert results["tasks"]["qa"]["target"] == 1.0 and results["tasks"]["qa"]["mapped"] == 1.0
+
+
+def test_every_malformed_task_line_is_reported_with_its_line_before_any_model_runs(tmp_path, monkeypatch):
+    from hf_kvmap.evaluation import load_jsonl_tasks
+
+    lines = [
+        json.dumps({"task": "qa", "prompt": "2+2=", "answer": "4"}),  # 1: fine
+        "{not json",  # 2
+        json.dumps(["task", "qa"]),  # 3: a list
+        json.dumps({"task": "qa", "prompt": 5, "answer": "4"}),  # 4: wrong type
+        json.dumps({"task": "qa", "prompt": "", "answer": "4"}),  # 5: empty prompt
+        json.dumps({"task": "qa", "prompt": "1+1=", "answer": ""}),  # 6: empty answer
+        json.dumps({"task": "ppl", "type": "perplexity", "text": "a"}),  # 7: one character
+        json.dumps({"task": "ppl", "type": "perplexity", "text": ""}),  # 8: empty
+        json.dumps({"task": "mc", "type": "choice", "context": "c", "choices": "ab", "label": 0}),  # 9
+        json.dumps({"task": "mc", "type": "choice", "context": "c", "choices": ["a", "b"], "label": "0"}),  # 10
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_jsonl_tasks(path)
+    message = str(err.value)
+    for number, fragment in (
+        (2, "not valid JSON"),
+        (3, "a list, expected an object"),
+        (4, "prompt must be a string"),
+        (5, "prompt is empty"),
+        (6, "answer is empty"),
+        (7, "text needs at least 2 characters"),
+        (8, "text needs at least 2 characters"),
+        (9, "choices must be a list of strings"),
+        (10, "label must be an integer"),
+    ):
+        assert f"{path}:{number}: {fragment}" in message, (number, message)
+    assert f"{path}:1:" not in message
+
+    import hf_kvmap.commands._models as models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the task file was checked")
+
+    monkeypatch.setattr(models, "load_causal_lm", no_model)
+    with pytest.raises(SystemExit, match=f"{path}:2: not valid JSON"):
+        cli_main(["eval", "--source", "tiny-s", "--target", "tiny-l", "--tasks", str(path)])

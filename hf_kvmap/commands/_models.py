@@ -2,6 +2,28 @@
 
 from __future__ import annotations
 
+#: Files of which a saved tokenizer has at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def check_model_folder(name: str, flag: str, command: str, tokenizer: bool = False) -> None:
+    """Refuse a local folder without `config.json` (or, with `tokenizer`, without tokenizer files) by name."""
+    from pathlib import Path
+
+    folder = Path(name)
+    if not folder.is_dir():
+        return  # a Hub id (or a tiny-family name): resolved when it is loaded
+    if not (folder / "config.json").is_file():
+        raise SystemExit(
+            f"hf-kvmap {command}: {flag} {folder} has no config.json: not a saved model folder (write one with "
+            "`model.save_pretrained(folder)`)."
+        )
+    if tokenizer and not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise SystemExit(
+            f"hf-kvmap {command}: {flag} {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
+            "save the tokenizer beside the model (`tokenizer.save_pretrained(folder)`)."
+        )
+
 
 def load_causal_lm(name: str, dtype=None):
     import torch
@@ -11,6 +33,7 @@ def load_causal_lm(name: str, dtype=None):
 
     if name in zoo.FAMILY:
         return zoo.load_model(name, dtype=dtype)
+    check_model_folder(name, "model", "eval")
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or torch.float32).eval()
 
 
@@ -21,6 +44,7 @@ def load_tokenizer(name: str, padding_side: str = "left"):
 
     if name in zoo.FAMILY:
         return zoo.load_tokenizer(padding_side=padding_side)
+    check_model_folder(name, "model", "eval", tokenizer=True)
     return AutoTokenizer.from_pretrained(name, padding_side=padding_side)
 
 

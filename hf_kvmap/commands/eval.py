@@ -46,19 +46,23 @@ def run(args: argparse.Namespace) -> int:
     from ..artifacts import content_hash
     from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
     from ..reporting import environment_info, retention_cells
-    from ._models import load_causal_lm, load_tokenizer, resolve_mapper
+    from . import _models
+    from ._models import load_tokenizer, resolve_mapper
     from ._output import finish
 
     started = time.perf_counter()
-    source, target = load_causal_lm(args.source), load_causal_lm(args.target)
+    if args.tasks != "tiny-family":  # every malformed line is reported before any model runs
+        try:
+            tasks = load_jsonl_tasks(args.tasks)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"hf-kvmap eval: {err}") from None
+    source, target = _models.load_causal_lm(args.source), _models.load_causal_lm(args.target)
     tokenizer = load_tokenizer(args.source)
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
     mapper = MapperModel.from_pretrained(mapper_name)
     mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)
-    else:
-        tasks = load_jsonl_tasks(args.tasks)
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     results = evaluate_tasks(handoff, tasks)
     if args.diagnostics:

@@ -115,6 +115,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def check_data(path: str) -> None:
+    """Report every malformed line of a calibration file (`path:line: what is wrong`) before any model runs."""
+    if not path.endswith((".txt", ".jsonl")):
+        raise SystemExit(f"hf-kvmap fit: --data must be a .txt or .jsonl file, got {path}.")
+    if not os.path.isfile(path):
+        raise SystemExit(f"hf-kvmap fit: --data {path} does not exist.")
+    if path.endswith(".txt"):
+        if os.path.getsize(path) == 0:
+            raise SystemExit(f"hf-kvmap fit: {path} is empty.")
+        return
+    errors = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                errors.append(f"{path}:{number}: not valid JSON ({err.msg}).")
+                continue
+            if not isinstance(record, dict):
+                errors.append(f"{path}:{number}: a {type(record).__name__}, expected an object with a 'text' field.")
+            elif "text" not in record:
+                errors.append(f"{path}:{number}: has no 'text' field.")
+            elif not isinstance(record["text"], str):
+                errors.append(f"{path}:{number}: text must be a string, got {type(record['text']).__name__}.")
+            elif not record["text"]:
+                errors.append(f"{path}:{number}: text is empty.")
+    if errors:
+        raise SystemExit(f"hf-kvmap fit: {path}: {len(errors)} malformed line(s):\n" + "\n".join(errors))
+
+
 def _texts(path: str) -> Iterator[str]:
     """Documents of a .jsonl file (one per line, 'text' field), or blocks of whole lines of a .txt file."""
     if path.endswith(".jsonl"):
@@ -215,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     from ..fitting import collect_statistics, fit
     from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
+    from ._models import check_model_folder
 
     try:
         fields = {flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS}
@@ -242,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
         _check_out(args.out, stats.source_model_id, stats.target_model_id, args.overwrite)
     else:
         _check_out(args.out, args.source, args.target, args.overwrite)
+        for flag, name in (("--source", args.source), ("--target", args.target)):
+            if name:
+                check_model_folder(name, flag, "fit", tokenizer=flag == "--source")
+        if args.data:
+            check_data(args.data)
         missing = [flag for flag in ("source", "target", "data") if not getattr(args, flag)]
         if missing:
             raise SystemExit(
