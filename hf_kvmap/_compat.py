@@ -5,6 +5,7 @@ Keep version gates here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import transformers
@@ -84,3 +85,30 @@ def unhooked_forward(module: nn.Module):
     (beside the target layer that reads them); the layers' own hooks still place their computation.
     """
     return type(module).forward.__get__(module)
+
+
+@functools.cache
+def cache_argument() -> str:
+    """The name under which the installed transformers' causal LMs take a cache.
+
+    transformers announces `cache=` (and outputs' `.cache`) as the successor of `past_key_values`; the pinned 5.23
+    still declares only `past_key_values` in `forward`, and a `cache=` there would land in `**kwargs` and be ignored
+    without an error. Read from the signature of a model class, so the library follows the rename when it lands.
+    """
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """`{name: cache}` for a forward or `generate` call of the installed transformers (see `cache_argument`)."""
+    return {cache_argument(): cache}
+
+
+def output_cache(outputs):
+    """The cache a model output carries (`.cache` where the installed transformers has it, else
+    `.past_key_values`)."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else outputs.past_key_values

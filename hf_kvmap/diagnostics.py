@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
 from .evaluation import Handoff, evaluate_items
 from .regression import r2_score
@@ -40,7 +41,7 @@ def _attention_inputs(model, layer_idx: int, ids, cache):
 
     handle = layer.self_attn.o_proj.register_forward_pre_hook(hook)
     try:
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
     finally:
         handle.remove()
     return captured["x"]
@@ -74,8 +75,8 @@ def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_toke
         if ids.shape[1] <= query_tokens + 1:
             raise ValueError(f"Diagnostic sequences need more than {query_tokens + 1} tokens; got {ids.shape[1]}.")
         prefix, queries = ids[:, :-query_tokens], ids[:, -query_tokens:]
-        mapped = MappedCache.from_source(source(input_ids=prefix, use_cache=True).past_key_values, mapper, hold_back=1)
-        true = target(input_ids=prefix, use_cache=True).past_key_values
+        mapped = MappedCache.from_source(output_cache(source(input_ids=prefix, use_cache=True)), mapper, hold_back=1)
+        true = output_cache(target(input_ids=prefix, use_cache=True))
         true.crop(-1)
         true_layers = [(layer.keys, layer.values) for layer in true.layers]
         positions = torch.arange(prefix.shape[1] - 1).expand(prefix.shape[0], -1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
 from .rope import positions_from_attention_mask
 
@@ -58,7 +59,7 @@ class Handoff:
                 "attention_mask": mask,
                 "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
             }
-        cache = builder(input_ids=ids, use_cache=True, **kwargs).past_key_values
+        cache = output_cache(builder(input_ids=ids, use_cache=True, **kwargs))
         if mode == "mapped":
             cache = MappedCache.from_source(
                 cache,
@@ -105,7 +106,7 @@ class Handoff:
             out = reader.generate(
                 ids,
                 attention_mask=mask,
-                past_key_values=cache,
+                **cache_kwargs(cache),
                 max_new_tokens=new,
                 do_sample=False,
                 pad_token_id=pad,
@@ -130,7 +131,7 @@ class Handoff:
             seq = held + cont
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, cache.get_seq_length() : cache.get_seq_length() + len(seq)] = 1
-        logits = reader(input_ids=ids, attention_mask=mask, past_key_values=cache).logits.float()
+        logits = reader(input_ids=ids, attention_mask=mask, **cache_kwargs(cache)).logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scores = []
         for row, cont in enumerate(conts):
@@ -145,7 +146,7 @@ class Handoff:
         split = max(self.hold_back + 1, int(ids.shape[1] * prefix_fraction))
         reader, cache = self.context_cache(mode, ids[:, :split])
         rest = ids[:, split - self.hold_back :]
-        logits = reader(input_ids=rest, past_key_values=cache).logits.float()
+        logits = reader(input_ids=rest, **cache_kwargs(cache)).logits.float()
         logprobs = torch.log_softmax(logits[:, self.hold_back - 1 : -1], dim=-1)
         scored = rest[:, self.hold_back :]
         return -logprobs.gather(-1, scored.unsqueeze(-1)).sum().item(), scored.numel()
@@ -370,7 +371,7 @@ def measure_latency(handoff: Handoff, lengths: Sequence[int], repeats: int = 5, 
     body = handoff.target.get_decoder()
     for length in lengths:
         ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
-        source_cache = handoff.source(input_ids=ids, use_cache=True).past_key_values
+        source_cache = output_cache(handoff.source(input_ids=ids, use_cache=True))
         prefix = ids[:, : length - handoff.hold_back]
         mapper_times, prefill_times = [], []
         for trial in range(warmup + repeats):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from ._compat import output_cache
 from .configuration_mapper import FitOptions, MapperConfig, check_int
 from .geometry import KVGeometry
 from .rope import RotaryCodec, positions_from_attention_mask
@@ -131,7 +132,7 @@ def model_features(
     kwargs = {"use_cache": True}
     if attention_mask is not None:
         kwargs.update(attention_mask=attention_mask.to(device), position_ids=position_ids.to(device))
-    cache = model(input_ids.to(device), **kwargs).past_key_values
+    cache = output_cache(model(input_ids.to(device), **kwargs))
     keys, values = None, None
     if "key" in parts:
         table = codec.table(position_ids[:, ::stride])

@@ -35,3 +35,18 @@ def test_readme_performance_is_generated_from_the_committed_json():
     results = json.loads((ROOT / "benchmarks" / "results" / "apply.json").read_text())
     section = re.search(r"<!-- performance:start -->\n(.*?)<!-- performance:end -->", readme, re.DOTALL).group(1)
     assert section.strip() == performance_markdown(results, "benchmarks/results/apply.json").strip()
+
+
+def test_readme_left_padded_batch_recipe_runs():
+    """The recipe as written runs (its exactness is `tests/test_cache.py`'s left-padding tests)."""
+    import torch
+
+    readme = (ROOT / "README.md").read_text()
+    usage = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    recipe = re.search(r"masks other than 0/1 are refused\.\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    namespace: dict = {}
+    exec(compile(usage + recipe, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    batch, cache, out = namespace["batch"], namespace["cache"], namespace["out"]
+    width = batch.input_ids.shape[1]
+    assert isinstance(cache, MappedCache) and cache.mapping_info["mapped_tokens"] == width - 1
+    assert out.shape == (2, width + 4) and torch.equal(out[:, :width], batch.input_ids)
