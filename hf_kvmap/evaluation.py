@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
+from .reporting import jsonl_objects
 from .rope import positions_from_attention_mask
 
 MODES = ("source", "target", "mapped")
@@ -254,22 +255,9 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
     Every malformed line is reported (`path:line: what is wrong`, all of them in one `ValueError`) before any item
     is used.
     """
-    import json
-    from pathlib import Path
-
     tasks: dict[str, TaskSpec] = {}
     errors: list[str] = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            errors.append(f"{path}:{number}: not valid JSON ({err.msg}).")
-            continue
-        if not isinstance(row, dict):
-            errors.append(f"{path}:{number}: a {type(row).__name__}, expected an object.")
-            continue
+    for number, row in jsonl_objects(path, errors):
         name, task_type = row.get("task"), row.get("type", "exact_match")
         if not name or not isinstance(name, str):
             errors.append(f"{path}:{number}: every line needs a `task` name.")

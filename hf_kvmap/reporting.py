@@ -131,6 +131,26 @@ def json_safe(value):
     return value
 
 
+def jsonl_objects(path: str | Path, errors: list[str], expected: str = "an object"):
+    """`(line number, object)` for every JSON object line of a JSONL file; what is wrong with any other non-blank
+    line is appended to `errors` as `path:line: what is wrong` (so a caller reports them all at once)."""
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                errors.append(f"{path}:{number}: not valid JSON ({err.msg}).")
+                continue
+            if not isinstance(row, dict):
+                errors.append(f"{path}:{number}: a {type(row).__name__}, expected {expected}.")
+                continue
+            yield number, row
+
+
 def write_json(path: str | Path, data: dict) -> None:
     import json
 

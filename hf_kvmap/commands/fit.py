@@ -125,24 +125,16 @@ def check_data(path: str) -> None:
         if os.path.getsize(path) == 0:
             raise SystemExit(f"hf-kvmap fit: {path} is empty.")
         return
-    errors = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                errors.append(f"{path}:{number}: not valid JSON ({err.msg}).")
-                continue
-            if not isinstance(record, dict):
-                errors.append(f"{path}:{number}: a {type(record).__name__}, expected an object with a 'text' field.")
-            elif "text" not in record:
-                errors.append(f"{path}:{number}: has no 'text' field.")
-            elif not isinstance(record["text"], str):
-                errors.append(f"{path}:{number}: text must be a string, got {type(record['text']).__name__}.")
-            elif not record["text"]:
-                errors.append(f"{path}:{number}: text is empty.")
+    from ..reporting import jsonl_objects
+
+    errors: list[str] = []
+    for number, record in jsonl_objects(path, errors, "an object with a 'text' field"):
+        if "text" not in record:
+            errors.append(f"{path}:{number}: has no 'text' field.")
+        elif not isinstance(record["text"], str):
+            errors.append(f"{path}:{number}: text must be a string, got {type(record['text']).__name__}.")
+        elif not record["text"]:
+            errors.append(f"{path}:{number}: text is empty.")
     if errors:
         raise SystemExit(f"hf-kvmap fit: {path}: {len(errors)} malformed line(s):\n" + "\n".join(errors))
 
