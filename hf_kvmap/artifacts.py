@@ -243,7 +243,7 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
     A `destination` holding files that are not a mapper's (`foreign_files`) is refused with `ValueError` unless
     `overwrite=True`, which replaces the whole folder.
     """
-    destination = Path(destination)
+    destination = Path(destination).resolve()  # "." or a link: swap the folder itself, beside it
     if destination.exists() and not destination.is_dir():
         raise ValueError(f"{destination} exists and is not a folder.")
     foreign = foreign_files(destination)
@@ -258,9 +258,12 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
     try:
         write(staging)
         if destination.exists():
+            cwd = Path.cwd()
             previous = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".old", dir=destination.parent))
             os.replace(destination, previous / "folder")
             os.replace(staging, destination)
+            if cwd == destination or destination in cwd.parents:  # the process stood in the replaced folder
+                os.chdir(cwd if cwd.is_dir() else destination)
             shutil.rmtree(previous, ignore_errors=True)
         else:
             os.replace(staging, destination)

@@ -298,3 +298,13 @@ def test_saving_over_files_that_are_not_a_mappers_is_refused(tiny, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     MapperModel.identity(config).save_pretrained(tmp_path, overwrite=True)
     assert not (tmp_path / "notes.txt").exists() and MapperModel.from_pretrained(tmp_path) is not None
+
+
+def test_saving_into_the_current_folder_swaps_the_folder_itself(tiny, tmp_path, monkeypatch):
+    config = tiny.SUPPORTED["qwen3"]()
+    (tmp_path / "mapper").mkdir()
+    monkeypatch.chdir(tmp_path / "mapper")
+    MapperModel.identity(config).save_pretrained(".")
+    MapperModel.identity(config, dtype=torch.bfloat16).save_pretrained(".")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mapper"]
+    assert MapperModel.from_pretrained(tmp_path / "mapper").dtype == torch.bfloat16
