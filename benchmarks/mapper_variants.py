@@ -21,6 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
+from hf_kvmap.metrics.retention.retention import target_beats_chance
 from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
 
 
@@ -87,24 +88,22 @@ def measure(variants: dict[str, dict[str, dict]], folders: dict[str, Path], dire
     return rows
 
 
-#: A task decides the choice only if the target alone beats chance by this much (the others measure noise).
-SKILL_MARGIN = 0.2
+def target_does(row: dict) -> bool:
+    """A task decides the choice only if the target alone beats chance over its items (the test retention is
+    reported under, `hf_kvmap.metrics`); on the others every variant measures noise."""
+    return target_beats_chance(row.get("target"), row.get("n_items"), row.get("chance") or 0.0)[0]
 
 
 def choose(variants: dict[str, dict]) -> dict:
     """The variant to ship for one direction, by a fixed rule: among the variants faster than the target's own
     re-prefill at every timed length (when timed), the highest mean floor-normalized retention over the tasks the
-    target can do (target alone above chance by `SKILL_MARGIN`); ties, or no such task, go to the lower mapped
-    perplexity. Returns `{"variant", "rule", "tasks", "scores", "excluded"}`."""
+    target can do (`target_does`); ties, or no such task, go to the lower mapped perplexity. Returns
+    `{"variant", "rule", "tasks", "scores", "excluded"}`."""
     excluded = sorted(name for name, row in variants.items() if any(r["speedup"] < 1 for r in row.get("latency", [])))
     if len(excluded) < len(variants):
         variants = {name: row for name, row in variants.items() if name not in excluded}
     first = next(iter(variants.values()))
-    tasks = [
-        name
-        for name, row in first["tasks"].items()
-        if row.get("target") is not None and row["target"] - (row.get("chance") or 0.0) >= SKILL_MARGIN
-    ]
+    tasks = [name for name, row in first["tasks"].items() if target_does(row)]
 
     def perplexity(row):
         values = [r["mapped"] for r in row["perplexity"].values() if r.get("mapped") is not None]
@@ -131,7 +130,8 @@ def choose(variants: dict[str, dict]) -> dict:
     return {
         "variant": best,
         "rule": "faster than re-prefill at every timed length; then mean floor-normalized retention over the tasks "
-        f"the target does (target - chance >= {SKILL_MARGIN}); then lower mapped perplexity",
+        "the target does (beats chance over the items: one-sided exact binomial test at 5 %); then lower mapped "
+        "perplexity",
         "excluded": excluded,
         "tasks": tasks,
         "scores": scores,
@@ -201,7 +201,12 @@ def plot(table: dict, path: Path) -> bool:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", action="append", required=True, help="NAME=FOLDER of <src>-to-<tgt> mappers")
+    parser.add_argument("--variant", action="append", default=[], help="NAME=FOLDER of <src>-to-<tgt> mappers")
+    parser.add_argument(
+        "--rechoose",
+        action="store_true",
+        help="re-apply the choice rule to the comparison already in --json (nothing read, fitted or timed anew)",
+    )
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/mapper_variants.json"))
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG, needs matplotlib)")
@@ -213,6 +218,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     args = parser.parse_args(argv)
+    if args.rechoose:
+        result = json.loads(args.json.read_text())
+        result["choice"] = {direction: choose(variants) for direction, variants in result["directions"].items()}
+        write_json(args.json, result)
+        text = markdown(result["directions"], result["choice"])
+        if args.readme:
+            update_file_section(args.readme, "mapper-variants", f"Generated from `{args.json.as_posix()}`.\n\n{text}")
+        return result
+    if not args.variant:
+        raise SystemExit("mapper_variants: pass --variant NAME=FOLDER (at least one), or --rechoose.")
 
     folders = variant_folders(args.variant)
     variants = load_variants(folders)

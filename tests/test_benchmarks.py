@@ -267,3 +267,26 @@ def test_cli_benchmark_times_the_shipped_mapper_beside_its_bound(tmp_path):
         main(["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--tokens", "4096"])
     with pytest.raises(SystemExit, match="comma-separated integers"):
         main(["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--tokens", "a,b"])
+
+
+def test_mapper_variants_chooses_on_the_tasks_the_target_beats_chance_on(tmp_path):
+    spec = importlib.util.spec_from_file_location("mapper_variants", BENCHMARKS / "mapper_variants.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def row(recall, choice):
+        return {
+            "tasks": {
+                "recall": {"source": 0.9, "target": 0.07, "mapped": recall, "chance": 0.0, "n_items": 200},  # 14/200
+                "choice": {"source": 0.5, "target": 0.29, "mapped": choice, "chance": 0.25, "n_items": 200},  # noise
+            },
+            "perplexity": {"text": {"target": 1.7, "mapped": 1.7}},
+            "attention_cosine": 0.9,
+        }
+
+    choice = script.choose({"a": row(0.0, 0.29), "b": row(0.035, 0.25)})
+    assert choice["tasks"] == ["recall"] and choice["variant"] == "b"
+    out = tmp_path / "variants.json"
+    out.write_text(json.dumps({"directions": {"x-to-y": {"a": row(0.0, 0.29), "b": row(0.035, 0.25)}}, "choice": {}}))
+    assert script.main(["--rechoose", "--json", str(out)])["choice"]["x-to-y"]["variant"] == "b"
+    assert json.loads(out.read_text())["choice"]["x-to-y"]["tasks"] == ["recall"]
