@@ -200,6 +200,9 @@ class MapperConfig(PretrainedConfig):
         content_hash (`str`, *optional*): sha256 of the saved weights and the mapping fields of this config
             (`hf_kvmap.artifacts.content_hash`), written by `save_pretrained` and checked by
             `from_pretrained`.
+        handoff_probe (`dict`, *optional*): the calibrated guard of `hf_kvmap.handoff`: `{"probe": {"name": ...,
+            "tokens": ...}, "threshold": ..., "max_false_alarm": ..., "calibration": {...}}`, written by
+            `hf_kvmap.calibrate_probe`. `None` (older configs) means not calibrated.
 
     Example:
 
@@ -235,6 +238,7 @@ class MapperConfig(PretrainedConfig):
         selection_scores: list[list[float]] | None = None,
         library_version: str | None = None,
         content_hash: str | None = None,
+        handoff_probe: dict | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -259,6 +263,7 @@ class MapperConfig(PretrainedConfig):
         self.library_version = library_version or __version__
         self.initializer_range = initializer_range
         self.content_hash = content_hash
+        self.handoff_probe = dict(handoff_probe) if handoff_probe else None
         if source_layers is None and self.source_summary is not None and self.target_summary is not None:
             source_layers = [[layer] for layer in range(self.target_summary["num_hidden_layers"])]
         self.source_layers = [list(map(int, layers)) for layers in source_layers] if source_layers else None

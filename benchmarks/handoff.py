@@ -1,0 +1,430 @@
+"""Guarded handoff: which probe predicts that the mapped cache changes the target's answer, at what cost, and what a
+request saves in the end.
+
+Stages (each resumable; `all` runs them in order):
+
+  items    For every shipped direction and the family's generation tasks (recall, chat), on two disjoint item sets
+           (`calibration` and `report`, different seeds): the target's own greedy answer, the answer on the mapped
+           cache (with the hold-back each probe needs), and every candidate probe's risk. One checkpoint per direction
+           in `--work`.
+  costs    At `--tokens` (1,024) tokens, in one run, interleaved, medians: the target's re-prefill (what a handoff
+           avoids), the mapper, each probe, the source draft, and saving + loading the mapped cache as safetensors.
+  report   Per direction: ROC (every threshold) per task and probe on the report set; the threshold calibrated on the
+           calibration set (false alarms <= `--max-false-alarm`, both tasks pooled) and its true/false-alarm rates on
+           the report set; the probe chosen per direction (the most changed answers caught on the calibration set
+           within the false-alarm budget, then the cheapest); net saving per request. `--write-configs` stores the
+           chosen probe and threshold in the shipped mappers' `config.json` (`handoff_probe`).
+
+    OMP_NUM_THREADS=1 python benchmarks/handoff.py all --write-configs
+    python benchmarks/handoff.py report          # re-analyse the checkpoints
+
+Writes `benchmarks/results/handoff.json` and `benchmarks/results/handoff_roc.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hf_kvmap import MapperModel, zoo  # noqa: E402
+from hf_kvmap.delivery import load_cache, save_cache  # noqa: E402
+from hf_kvmap.handoff import (  # noqa: E402
+    auc,
+    calibrate_probe,
+    calibrate_threshold,
+    probe_context,
+    roc_curve,
+    target_prefill,
+)
+from hf_kvmap.probes import probe_from_dict  # noqa: E402
+from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
+from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
+
+DIRECTIONS = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("tiny-l", "tiny-s"))
+TASKS = {"recall": "\n", "chat": corpus.END}
+SETS = {"calibration": 11, "report": 12}
+CANDIDATES = (
+    {"name": "tail_nll", "tokens": 16},
+    {"name": "draft_agreement", "tokens": 4},
+    {"name": "draft_agreement", "tokens": 2},
+    {"name": "lookahead_margin", "tokens": 1},
+    {"name": "lookahead_margin", "tokens": 4},
+    {"name": "prefix_audit", "tokens": 48},
+)
+
+
+def key(settings: dict) -> str:
+    return f"{settings['name']}:{settings['tokens']}"
+
+
+def direction_name(source: str, target: str) -> str:
+    return f"{source}-to-{target}"
+
+
+def load_direction(source: str, target: str):
+    mapper = MapperModel.from_pretrained(str(mapper_path(source, target))).float().eval()
+    return zoo.load_model(source), zoo.load_model(target), mapper
+
+
+@torch.no_grad()
+def greedy(model, ids, cache, steps: int) -> list[int]:
+    out = model.generate(
+        ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------- items
+@torch.no_grad()
+def item_rows(source, target, mapper, tokenizer, task: str, items: list) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    probes = [probe_from_dict(settings) for settings in CANDIDATES]
+    hold_backs = sorted({probe.hold_back for probe in probes})
+    rows = []
+    for item in tqdm(items, desc=task, leave=False):
+        ids = torch.tensor([tokenizer(item.context)["input_ids"]])
+        steps = len(tokenizer(item.answer + TASKS[task], add_special_tokens=False)["input_ids"])
+        own = greedy(target, ids, target_prefill(target, ids), steps)
+        gold = tokenizer(item.answer + TASKS[task], add_special_tokens=False)["input_ids"]
+        row = {"tokens": ids.shape[1], "own_correct": own == gold, "changed": {}, "mapped_correct": {}, "risk": {}}
+        for hold_back in hold_backs:
+            source_cache = source(input_ids=ids, use_cache=True).past_key_values
+            context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
+            for probe, settings in zip(probes, CANDIDATES):
+                if probe.hold_back == hold_back:
+                    row["risk"][key(settings)] = float(probe.score(context)[0])
+            mapped = greedy(target, ids, context.cache, steps)
+            row["changed"][str(hold_back)] = mapped != own
+            row["mapped_correct"][str(hold_back)] = mapped == gold
+        rows.append(row)
+    return rows
+
+
+def run_items(args) -> None:
+    tokenizer = zoo.load_tokenizer()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for source_name, target_name in DIRECTIONS:
+        path = work / f"{direction_name(source_name, target_name)}.json"
+        if path.exists():
+            print(f"{path} exists, skipping", flush=True)
+            continue
+        source, target, mapper = load_direction(source_name, target_name)
+        result = {}
+        for set_name, seed in SETS.items():
+            for task in TASKS:
+                items = corpus.make_eval_set(task, args.items, seed=seed)
+                result[f"{set_name}/{task}"] = item_rows(source, target, mapper, tokenizer, task, items)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"items": args.items, "sets": SETS, "rows": result}))
+        tmp.replace(path)
+        print(f"wrote {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- costs
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
+    """Interleaved medians (ms) of every cost of one request at `ids.shape[1]` tokens."""
+    import tempfile
+
+    probes = [probe_from_dict(settings) for settings in CANDIDATES]
+    source_cache = source(input_ids=ids, use_cache=True).past_key_values
+    context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1)
+    path = Path(tempfile.mkdtemp()) / "cache.safetensors"
+    jobs = {
+        "target_prefill": lambda: target_prefill(target, ids),
+        "map": lambda: probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1),
+        "save": lambda: save_cache(context.cache, path, input_ids=ids),
+        "load": lambda: load_cache(path, input_ids=ids),
+    }
+    for probe, settings in zip(probes, CANDIDATES):
+        if probe.hold_back > 1:  # timed as the map with the longer hold-back plus the target's tail run
+            jobs[key(settings) + "+map"] = lambda h=probe.hold_back: probe_context(
+                source, target, mapper, ids, source_cache=source_cache, hold_back=h
+            )
+        else:
+            jobs[key(settings)] = lambda p=probe: p.score(context)
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(args.warmup + args.repeats):
+        for name, job in jobs.items():
+            times[name].append(timed(job))
+    medians = {name: 1000 * statistics.median(values[args.warmup :]) for name, values in times.items()}
+    for probe, settings in zip(probes, CANDIDATES):
+        if probe.hold_back > 1:
+            medians[key(settings)] = max(medians.pop(key(settings) + "+map") - medians["map"], 0.0)
+    return {
+        "tokens": ids.shape[1],
+        "median_ms": medians,
+        "cache_bytes": path.stat().st_size,
+        "probe_target_tokens": {key(s): p.target_tokens(ids.shape[1]) for p, s in zip(probes, CANDIDATES)},
+    }
+
+
+def run_costs(args) -> dict:
+    tokenizer = zoo.load_tokenizer()
+    text = "".join(corpus.calibration_text(n_docs=8, seed=5, n_chars=args.tokens + 64))
+    ids = torch.tensor([tokenizer(text)["input_ids"][: args.tokens]])
+    if ids.shape[1] < args.tokens:
+        raise SystemExit(f"calibration text gave only {ids.shape[1]} tokens")
+    out = {}
+    for source_name, target_name in DIRECTIONS:
+        name = direction_name(source_name, target_name)
+        out[name] = direction_costs(*load_direction(source_name, target_name), ids, args)
+        print(name, {k: round(v, 2) for k, v in out[name]["median_ms"].items()}, flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+def pooled(rows_by_task: dict, set_name: str, settings: dict) -> tuple[list[float], list[bool]]:
+    probe = probe_from_dict(settings)
+    risks, labels = [], []
+    for task in TASKS:
+        for row in rows_by_task[f"{set_name}/{task}"]:
+            risks.append(row["risk"][key(settings)])
+            labels.append(row["changed"][str(probe.hold_back)])
+    return risks, labels
+
+
+def rates(risks, labels, threshold) -> dict:
+    pos = [r for r, lab in zip(risks, labels) if lab]
+    neg = [r for r, lab in zip(risks, labels) if not lab]
+    return {
+        "changed": len(pos),
+        "kept": len(neg),
+        "true_alarm": sum(r > threshold for r in pos) / len(pos) if pos else None,
+        "false_alarm": sum(r > threshold for r in neg) / len(neg) if neg else None,
+        "refused": sum(r > threshold for r in risks) / len(risks),
+    }
+
+
+def analyse(args, costs: dict | None) -> dict:
+    work = Path(args.work)
+    result = {"directions": {}}
+    for source_name, target_name in DIRECTIONS:
+        name = direction_name(source_name, target_name)
+        path = work / f"{name}.json"
+        if not path.exists():
+            print(f"missing {path}; run the items stage", flush=True)
+            continue
+        rows = json.loads(path.read_text())["rows"]
+        probes = {}
+        for settings in CANDIDATES:
+            probe = probe_from_dict(settings)
+            calib_risks, calib_labels = pooled(rows, "calibration", settings)
+            threshold = calibrate_threshold(calib_risks, calib_labels, args.max_false_alarm)
+            entry = {
+                "settings": settings,
+                "hold_back": probe.hold_back,
+                "threshold": threshold,
+                "calibration": rates(calib_risks, calib_labels, threshold),
+                "report": {},
+                "roc": {},
+                "auc": {},
+            }
+            report_risks, report_labels = pooled(rows, "report", settings)
+            entry["report"]["pooled"] = rates(report_risks, report_labels, threshold)
+            for task in TASKS:
+                task_rows = rows[f"report/{task}"]
+                risks = [row["risk"][key(settings)] for row in task_rows]
+                labels = [row["changed"][str(probe.hold_back)] for row in task_rows]
+                entry["report"][task] = rates(risks, labels, threshold)
+                entry["roc"][task] = roc_curve(risks, labels)
+                entry["auc"][task] = auc(risks, labels)
+            entry["auc"]["pooled"] = auc(report_risks, report_labels)
+            if costs and name in costs:
+                cost = costs[name]["median_ms"]
+                entry["cost_ms"] = cost[key(settings)]
+                entry["cost_fraction_of_prefill"] = cost[key(settings)] / cost["target_prefill"]
+                entry["target_token_fraction"] = (
+                    costs[name]["probe_target_tokens"][key(settings)] / costs[name]["tokens"]
+                )
+            probes[key(settings)] = entry
+
+        def rank(item):
+            entry = item[1]
+            caught = entry["calibration"]["true_alarm"] or 0.0
+            return (-caught, entry.get("cost_ms", 0.0))
+
+        chosen_key, chosen = sorted(probes.items(), key=rank)[0]
+        direction = {
+            "source": source_name,
+            "target": target_name,
+            "probes": probes,
+            "chosen": chosen_key,
+            "accuracy": {},
+        }
+        for set_name in SETS:
+            for task in TASKS:
+                task_rows = rows[f"{set_name}/{task}"]
+                direction["accuracy"][f"{set_name}/{task}"] = {
+                    "items": len(task_rows),
+                    "target_own": sum(r["own_correct"] for r in task_rows) / len(task_rows),
+                    "mapped": {
+                        h: sum(r["mapped_correct"][h] for r in task_rows) / len(task_rows)
+                        for h in task_rows[0]["mapped_correct"]
+                    },
+                    "changed": {
+                        h: sum(r["changed"][h] for r in task_rows) / len(task_rows) for h in task_rows[0]["changed"]
+                    },
+                }
+        # Guarded serving on the report set: answers served = mapped when accepted, the target's own when refused.
+        hold_back = str(chosen["hold_back"])
+        guarded = {}
+        for task in TASKS:
+            task_rows = rows[f"report/{task}"]
+            served = [
+                r["own_correct"] if r["risk"][chosen_key] > chosen["threshold"] else r["mapped_correct"][hold_back]
+                for r in task_rows
+            ]
+            changed = [r["changed"][hold_back] and r["risk"][chosen_key] <= chosen["threshold"] for r in task_rows]
+            guarded[task] = {
+                "accuracy": sum(served) / len(served),
+                "changed_answers_served": sum(changed) / len(changed),
+                "fallback_rate": chosen["report"][task]["refused"],
+            }
+        direction["guarded_report"] = guarded
+        if costs and name in costs:
+            cost = costs[name]["median_ms"]
+            fallback = chosen["report"]["pooled"]["refused"]
+            spent = cost["map"] + chosen["cost_ms"] + cost["save"] + cost["load"]
+            direction["cost_per_request_ms"] = {
+                "tokens": costs[name]["tokens"],
+                "target_prefill_avoided": cost["target_prefill"],
+                "mapper": cost["map"],
+                "probe": chosen["cost_ms"],
+                "transport_save_load": cost["save"] + cost["load"],
+                "fallback_rate": fallback,
+                "expected_fallback": fallback * cost["target_prefill"],
+                "net_saving": cost["target_prefill"] - spent - fallback * cost["target_prefill"],
+                "net_saving_without_transport": cost["target_prefill"]
+                - (cost["map"] + chosen["cost_ms"])
+                - fallback * cost["target_prefill"],
+                "cache_bytes": costs[name]["cache_bytes"],
+            }
+        result["directions"][name] = direction
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["directions"])
+    fig, axes = plt.subplots(len(TASKS), len(names), figsize=(4 * len(names), 4 * len(TASKS)), squeeze=False)
+    for col, name in enumerate(names):
+        direction = result["directions"][name]
+        for row, task in enumerate(TASKS):
+            ax = axes[row][col]
+            for probe_key, entry in direction["probes"].items():
+                roc = sorted(entry["roc"][task], key=lambda r: (r["false_alarm"], r["true_alarm"]))
+                ax.plot(
+                    [r["false_alarm"] for r in roc],
+                    [r["true_alarm"] for r in roc],
+                    label=f"{probe_key} (AUC {entry['auc'][task]:.2f})",
+                    lw=2.5 if probe_key == direction["chosen"] else 1.0,
+                )
+            ax.axvline(0.1, color="gray", ls=":")
+            ax.axhline(0.8, color="gray", ls=":")
+            ax.set_title(f"{name} / {task} (report set)", fontsize=9)
+            ax.set_xlabel("false alarms (answer kept, refused)")
+            ax.set_ylabel("caught (answer changed, refused)")
+            ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_configs(result: dict, args) -> None:
+    for name, direction in result["directions"].items():
+        chosen = direction["probes"][direction["chosen"]]
+        folder = mapper_path(direction["source"], direction["target"])
+        config_path = folder / "config.json"
+        rows = json.loads((Path(args.work) / f"{name}.json").read_text())["rows"]
+        risks, labels = pooled(rows, "calibration", chosen["settings"])
+        mapper = MapperModel.from_pretrained(str(folder))
+        stored = calibrate_probe(
+            mapper,
+            chosen["settings"],
+            risks,
+            labels,
+            max_false_alarm=args.max_false_alarm,
+            provenance={
+                "tasks": list(TASKS),
+                "items_per_task": len(rows["calibration/recall"]),
+                "seed": SETS["calibration"],
+                "source": "benchmarks/handoff.py",
+            },
+        )
+        config = json.loads(config_path.read_text())
+        config["handoff_probe"] = stored
+        tmp = config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp.replace(config_path)
+        print(f"{config_path}: handoff_probe = {stored['probe']} threshold {stored['threshold']:.4g}", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=("items", "costs", "report", "all"))
+    parser.add_argument("--items", type=int, default=150, help="items per task and set")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-false-alarm", type=float, default=0.1)
+    parser.add_argument("--work", default=str(REPO / "benchmarks" / "results" / "handoff_items"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "handoff.json"))
+    parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "handoff_roc.png"))
+    parser.add_argument("--costs-file", default=str(REPO / "benchmarks" / "results" / "handoff_costs.json"))
+    parser.add_argument("--write-configs", action="store_true", help="store the chosen probes in the shipped mappers")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.stage in ("items", "all"):
+        run_items(args)
+    costs = None
+    if args.stage in ("costs", "all"):
+        costs = run_costs(args)
+        write_json(args.costs_file, {"environment": environment_info(), "costs": costs})
+    if args.stage in ("report", "all"):
+        if costs is None and Path(args.costs_file).exists():
+            costs = json.loads(Path(args.costs_file).read_text())["costs"]
+        result = analyse(args, costs)
+        result.update(
+            {
+                "run": {
+                    "command": "python benchmarks/handoff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "items_per_task_and_set": args.items,
+                    "sets": SETS,
+                    "tasks": list(TASKS),
+                    "candidates": list(CANDIDATES),
+                    "max_false_alarm": args.max_false_alarm,
+                    "label": "changed = the greedy answer on the mapped cache differs from the target's own",
+                },
+                "environment": environment_info(),
+            }
+        )
+        write_json(args.out, result)
+        plot(result, Path(args.plot))
+        if args.write_configs:
+            write_configs(result, args)
+        print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

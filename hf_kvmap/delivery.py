@@ -1,0 +1,240 @@
+"""Cache delivery: a mapped (or any dynamic) KV cache saved as one safetensors file with its provenance, and loaded
+back with every check that keeps a wrong cache from being served.
+
+The file holds `layers.{i}.keys` / `layers.{i}.values` `(batch, n_kv, seq, head_dim)`, the covered token ids (and
+the attention mask, when there is padding), and, in the safetensors metadata, a JSON record: format version, library
+version, cache class, the model the cache is meant for (id, revision, geometry), the mapping's provenance
+(`MappedCache.mapping_info`), a sha256 of the covered tokens and a content hash of every tensor. No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from ._compat import model_id, model_revision
+from .cache import MappedCache, MappedLayer
+from .card import content_hash
+
+FORMAT = "hf-kvmap-cache"
+FORMAT_VERSION = 1
+_METADATA_KEY = "hf_kvmap"
+
+
+def tokens_hash(input_ids: torch.Tensor) -> str:
+    """sha256 of `(batch, seq)` token ids (shape and int64 values)."""
+    ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+    digest = hashlib.sha256(f"{tuple(ids.shape)}|".encode())
+    digest.update(ids.numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def _geometry(cache: Cache) -> dict[str, Any]:
+    keys = cache.layers[0].keys
+    return {
+        "num_layers": len(cache.layers),
+        "batch": keys.shape[0],
+        "num_kv_heads": keys.shape[1],
+        "seq_length": keys.shape[2],
+        "head_dim": keys.shape[3],
+        "dtype": str(keys.dtype).removeprefix("torch."),
+    }
+
+
+def save_cache(
+    cache: Cache,
+    path: str | os.PathLike,
+    *,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    model=None,
+    provenance: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    r"""
+    Save a prefilled cache (a `MappedCache` or any `DynamicCache`) to one safetensors file, atomically (a temporary
+    file in the same folder replaces `path` only once it is complete).
+
+    Args:
+        cache (`Cache`): the cache; every layer must be initialized and full-attention.
+        path (`str` or `os.PathLike`): the file to write.
+        input_ids (`torch.Tensor`, *optional*): the prompt the cache belongs to, `(batch, T)` with `T >= seq`; its first
+            `seq` tokens are stored and hashed so `load_cache` can refuse the cache for another prompt. Recommended.
+        attention_mask (`torch.Tensor`, *optional*): `(batch, T)` mask of a left-padded prompt.
+        model (`PreTrainedModel`, *optional*): the model that reads the cache; its id and revision are recorded. A
+            `MappedCache` records its target from `mapping_info` without it.
+        provenance (`dict`, *optional*): extra JSON-serializable fields recorded as they are.
+
+    Returns:
+        The provenance record written to the file's metadata.
+    """
+    from safetensors.torch import save_file
+
+    from . import __version__
+
+    if not isinstance(cache, Cache) or not cache.layers or not all(layer.is_initialized for layer in cache.layers):
+        raise ValueError("save_cache needs a prefilled cache whose every layer holds keys and values.")
+    for idx, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(f"Cache layer {idx} is a sliding-window layer; only full-attention caches are saved.")
+    geometry = _geometry(cache)
+    seq = geometry["seq_length"]
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, layer in enumerate(cache.layers):
+        tensors[f"layers.{idx}.keys"] = layer.keys.detach().to("cpu").contiguous()
+        tensors[f"layers.{idx}.values"] = layer.values.detach().to("cpu").contiguous()
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "cache_class": "MappedCache" if isinstance(cache, MappedCache) else "DynamicCache",
+        "geometry": geometry,
+    }
+    mapping_info = dict(getattr(cache, "mapping_info", {}) or {})
+    if mapping_info:
+        record["mapping_info"] = mapping_info
+    if model is not None:
+        record["model_id"], record["model_revision"] = model_id(model.config), model_revision(model.config)
+    elif mapping_info:
+        record["model_id"] = mapping_info.get("target_model_id")
+    if input_ids is not None:
+        if input_ids.dim() != 2 or input_ids.shape[0] != geometry["batch"] or input_ids.shape[1] < seq:
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)} but the cache covers (batch, seq) = "
+                f"{(geometry['batch'], seq)}: pass the prompt the cache was built from."
+            )
+        tensors["input_ids"] = input_ids[:, :seq].detach().to("cpu", torch.int64).contiguous()
+        record["tokens_sha256"] = tokens_hash(tensors["input_ids"])
+    if attention_mask is not None:
+        tensors["attention_mask"] = attention_mask[:, :seq].detach().to("cpu", torch.int64).contiguous()
+    if provenance:
+        record["provenance"] = json.loads(json.dumps(provenance))
+    record["content_sha256"] = content_hash(tensors)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", _METADATA_KEY: json.dumps(record, sort_keys=True)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return record
+
+
+def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
+    """The provenance record of a cache file, without loading its tensors. `ValueError` if it is not one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}).") from None
+    if _METADATA_KEY not in metadata:
+        raise ValueError(f"{path} is a safetensors file but not an hf-kvmap cache (no `{_METADATA_KEY}` metadata).")
+    record = json.loads(metadata[_METADATA_KEY])
+    if record.get("format") != FORMAT or record.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path} holds format {record.get('format')!r} version {record.get('format_version')}; this hf-kvmap "
+            f"reads {FORMAT!r} up to version {FORMAT_VERSION}. Upgrade hf-kvmap."
+        )
+    return record
+
+
+def load_cache(
+    path: str | os.PathLike,
+    *,
+    input_ids: torch.Tensor | None = None,
+    model=None,
+    device: torch.device | str | None = None,
+    verify: bool = True,
+) -> tuple[Cache, dict[str, Any]]:
+    r"""
+    Load a cache written by [`save_cache`] and check it before it is served.
+
+    Args:
+        path (`str` or `os.PathLike`): the file.
+        input_ids (`torch.Tensor`, *optional*): the prompt about to be generated from, `(batch, T)`. Its first `seq`
+            tokens must be the stored ones, and `T > seq` (a cache covering the whole prompt makes `generate` re-process
+            it and return wrong tokens).
+        model (`PreTrainedModel`, *optional*): the model about to read the cache: its layer count, KV heads and head
+            dim must match, and its id/revision the recorded ones when both are known.
+        device (`torch.device` or `str`, *optional*): where to put the tensors (defaults to CPU).
+        verify (`bool`, *optional*, defaults to `True`): check the content hash (refuses a truncated or edited file).
+
+    Returns:
+        `(cache, provenance)`: a `MappedCache` (its `mapping_info` restored) or `DynamicCache`, and the record.
+    """
+    from safetensors.torch import load_file
+
+    record = read_provenance(path)
+    tensors = load_file(str(path), device="cpu")
+    if verify:
+        found = content_hash(tensors)
+        if found != record.get("content_sha256"):
+            raise ValueError(
+                f"{path}: the tensors hash to {found} but the file records {record.get('content_sha256')}: the cache was "
+                "modified or truncated. Re-create it (or pass verify=False to inspect it)."
+            )
+    geometry = record["geometry"]
+    seq = geometry["seq_length"]
+    if input_ids is not None:
+        if "tokens_sha256" not in record:
+            raise ValueError(
+                f"{path} records no prompt tokens, so it cannot be checked against input_ids; save it with "
+                "`save_cache(..., input_ids=...)`."
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != geometry["batch"] or input_ids.shape[1] <= seq:
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)}; the cache covers (batch, seq) = "
+                f"{(geometry['batch'], seq)} and needs a prompt of at least seq + 1 tokens (the target must run the "
+                "last one itself)."
+            )
+        if tokens_hash(input_ids[:, :seq]) != record["tokens_sha256"]:
+            raise ValueError(
+                f"{path} was built for other prompt tokens than the first {seq} of input_ids: serving it would answer "
+                "another prompt. Build the cache for this prompt."
+            )
+    if model is not None:
+        from .rope import KVGeometry
+
+        found = KVGeometry.from_config(model.config)
+        expected = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"])
+        if (found.num_layers, found.num_kv_heads, found.head_dim) != expected:
+            raise ValueError(
+                f"{path} holds a cache of (layers, KV heads, head dim) = {expected}, but the model has "
+                f"{(found.num_layers, found.num_kv_heads, found.head_dim)}: it was built for another model."
+            )
+        for what, recorded, actual in (
+            ("id", record.get("model_id"), model_id(model.config)),
+            ("revision", record.get("model_revision"), model_revision(model.config)),
+        ):
+            if recorded and actual and recorded != actual:
+                raise ValueError(f"{path} was built for model {what} {recorded}, but the model has {actual}.")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    pairs = [
+        (tensors[f"layers.{idx}.keys"].to(device), tensors[f"layers.{idx}.values"].to(device))
+        for idx in range(geometry["num_layers"])
+    ]
+    if record["cache_class"] == "MappedCache":
+        layers = []
+        for keys, values in pairs:
+            layer = MappedLayer()
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            layers.append(layer)
+        cache: Cache = MappedCache(layers=layers, mapping_info=record.get("mapping_info"))
+    else:
+        cache = DynamicCache()
+        for idx, (keys, values) in enumerate(pairs):
+            cache.update(keys, values, idx)
+    return cache, record

@@ -1,0 +1,400 @@
+"""The guarded handoff: gate, map, probe, then serve the mapped cache or the target's own prefill.
+
+```python
+cache, report = handoff(source, target, mapper, input_ids)
+tokens = target.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+```
+
+`cache` covers every prompt token but the last, so `generate` runs exactly the last one. When the probe refuses the
+mapped cache (or the gate refuses the models), `policy="fallback"` serves the target's own prefill instead, and the
+generation is then token-identical to `target.generate(input_ids)`; `policy="fail"` raises [`HandoffRefusedError`].
+The probe and its threshold come from the mapper's config (`MapperConfig.handoff_probe`, written by
+[`calibrate_probe`]), or are passed explicitly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.utils import logging
+
+from .cache import MappedCache
+from .probes import Probe, ProbeContext, probe_from_dict
+from .rope import positions_from_attention_mask
+
+logger = logging.get_logger(__name__)
+
+POLICIES = ("fallback", "fail")
+
+
+class HandoffRefusedError(RuntimeError):
+    """Raised by `handoff(..., policy="fail")` when the gate or the probe refuses the mapped cache.
+
+    Its `report` ([`HandoffReport`]) says why.
+    """
+
+    def __init__(self, message: str, report: HandoffReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class HandoffReport:
+    r"""
+    What `handoff` decided and what each stage cost.
+
+    Args:
+        accepted (`bool`): the mapped cache was served.
+        reason (`str`): why (`"probe passed"`, `"probe refused"`, `"incompatible: ..."`, `"mapping failed: ..."`).
+        probe (`dict`, *optional*): settings of the probe that ran (`None` when the gate refused first).
+        score (`float`, *optional*): the largest risk over the batch rows (the decision is taken on it).
+        scores (`list[float]`): the risk of every row.
+        threshold (`float`, *optional*): the risk above which the mapped cache is refused.
+        policy (`str`): `"fallback"` or `"fail"`.
+        hold_back (`int`): final prompt tokens the target ran itself on the mapped cache.
+        mapped_tokens (`int`): tokens the mapper produced.
+        timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `tail`, `probe`,
+            `fallback_prefill`, `total`); a stage that did not run is absent.
+    """
+
+    accepted: bool
+    reason: str
+    probe: dict[str, Any] | None = None
+    score: float | None = None
+    scores: list[float] = field(default_factory=list)
+    threshold: float | None = None
+    policy: str = "fallback"
+    hold_back: int = 1
+    mapped_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Clock:
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def stage(self, name: str):
+        clock = self
+
+        class _Stage:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                clock.timings[name] = clock.timings.get(name, 0.0) + time.perf_counter() - self.start
+
+        return _Stage()
+
+    def done(self) -> dict[str, float]:
+        self.timings["total"] = time.perf_counter() - self._start
+        return self.timings
+
+
+def resolve_probe(mapper, probe: Probe | str | dict | None = None, threshold: float | None = None):
+    """The probe and threshold a handoff uses: the arguments if given, else the mapper config's `handoff_probe`.
+
+    Raises `ValueError` when neither names a probe or a threshold (a mapper that was never calibrated).
+    """
+    stored = getattr(mapper.config, "handoff_probe", None) or {}
+    if probe is None:
+        probe = stored.get("probe")
+        if threshold is None:
+            threshold = stored.get("threshold")
+    if probe is None or threshold is None:
+        raise ValueError(
+            "The mapper has no calibrated handoff probe (`config.handoff_probe` is empty) and no "
+            f"{'probe' if probe is None else 'threshold'} was passed. Calibrate one with "
+            "`hf_kvmap.calibrate_probe(...)` (benchmarks/handoff.py does it for the shipped mappers), or pass "
+            "`probe=` and `threshold=` explicitly."
+        )
+    if not isinstance(probe, Probe):
+        probe = probe_from_dict(probe)
+    return probe, float(threshold)
+
+
+def _check_inputs(input_ids, attention_mask, source_cache) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (batch, seq) long tensor; got {got}.")
+    if input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids has {input_ids.shape[1]} token(s): a handoff maps all prompt tokens but the last, so it needs "
+            "at least 2. Let the target prefill a 1-token prompt itself."
+        )
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}."
+        )
+    if source_cache is not None:
+        seq = source_cache.get_seq_length() if isinstance(source_cache, Cache) else source_cache[0][0].shape[2]
+        if seq != input_ids.shape[1]:
+            raise ValueError(
+                f"source_cache covers {seq} tokens but input_ids has {input_ids.shape[1]}: pass the source's cache of "
+                "exactly these prompt tokens (`source(input_ids, use_cache=True).past_key_values`)."
+            )
+
+
+@torch.no_grad()
+def target_prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Cache:
+    """The target's own cache of every prompt token but the last (what `generate` expects next to the full prompt)."""
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs = {
+            "attention_mask": attention_mask[:, :-1],
+            "position_ids": positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)[:, :-1],
+        }
+    return target(input_ids=input_ids[:, :-1], use_cache=True, **kwargs).past_key_values
+
+
+@torch.no_grad()
+def probe_context(
+    source,
+    target,
+    mapper,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    source_cache: Cache | None = None,
+    hold_back: int = 1,
+    *,
+    clock: _Clock | None = None,
+) -> ProbeContext:
+    """Stages 2 and 3 of `handoff`: source prefill (unless `source_cache` is given), mapping of all prompt tokens but
+    the last `hold_back`, and the target's run of the held-back tokens but the last. Returns the [`ProbeContext`]
+    whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source cache."""
+    clock = clock or _Clock()
+    batch, length = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    positions = positions_from_attention_mask(mask, batch, length, input_ids.device)
+    if source_cache is None:
+        with clock.stage("source_prefill"):
+            source_cache = source(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True
+            ).past_key_values
+    with clock.stage("map"):
+        cache = MappedCache.from_source(source_cache, mapper, hold_back=hold_back, attention_mask=attention_mask)
+    tail_logits = None
+    if hold_back > 1:
+        with clock.stage("tail"):
+            tail_logits = target(
+                input_ids=input_ids[:, length - hold_back : -1],
+                attention_mask=mask[:, :-1],
+                position_ids=positions[:, length - hold_back : -1],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits.float()
+    return ProbeContext(
+        source=source,
+        target=target,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        source_cache=source_cache,
+        hold_back=hold_back,
+        tail_logits=tail_logits,
+    )
+
+
+@torch.no_grad()
+def handoff(
+    source,
+    target,
+    mapper,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    source_cache: Cache | None = None,
+    policy: str = "fallback",
+    probe: Probe | str | dict | None = None,
+    threshold: float | None = None,
+    tokenizer=None,
+) -> tuple[Cache, HandoffReport]:
+    r"""
+    Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
+
+    Stages: (1) the gate, `mapper.check_compatible(source, target, tokenizer)` (model types, KV geometry, rope,
+    revisions, ids, tokenizer fingerprint); (2) the source prefill, unless `source_cache` is given; (3) the mapping
+    (`MappedCache.from_source`, holding back the probe's final tokens) and the target's run of the held-back tokens but
+    the last; (4) the probe; (5) accept if every row's risk is at most the threshold. Otherwise `policy="fallback"`
+    returns the target's own prefill (then `target.generate(input_ids, past_key_values=cache, ...)` is token-identical
+    to `target.generate(input_ids, ...)`), and `policy="fail"` raises [`HandoffRefusedError`]. A gate or mapping
+    failure (an incompatible model, NaN in the source cache) is handled by the same policy.
+
+    Args:
+        source, target (`PreTrainedModel`): the two causal LMs.
+        mapper ([`MapperModel`]): the mapper fitted for `source -> target`.
+        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= 2`; left padding with `attention_mask`.
+        attention_mask (`torch.Tensor`, *optional*): `(batch, T)`.
+        source_cache (`Cache`, *optional*): the source's cache of exactly these `T` tokens; without it the source
+            prefills them (a probe that drafts with the source crops and regrows it, leaving its length unchanged).
+        policy (`str`, *optional*, defaults to `"fallback"`): `"fallback"` or `"fail"`.
+        probe (`Probe`, `str` or `dict`, *optional*): overrides the mapper's calibrated probe (name or settings).
+        threshold (`float`, *optional*): overrides the calibrated threshold.
+        tokenizer (*optional*): checked against the mapper's tokenizer fingerprint when given.
+
+    Returns:
+        `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
+        `DynamicCache` of the target's own prefill otherwise) and a [`HandoffReport`]. The decision is taken for the
+        whole batch: one refused row makes every row fall back.
+
+    Example:
+
+    ```python
+    >>> from hf_kvmap import handoff
+    >>> cache, report = handoff(source, target, mapper, input_ids)  # doctest: +SKIP
+    >>> report.accepted, report.score, report.threshold  # doctest: +SKIP
+    (True, 0.0, 0.25)
+    ```
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
+    _check_inputs(input_ids, attention_mask, source_cache)
+    probe, threshold = resolve_probe(mapper, probe, threshold)
+    clock = _Clock()
+    batch, length = input_ids.shape
+    hold_back = min(probe.hold_back, length - 1)
+    report = HandoffReport(False, "", probe=probe.settings(), threshold=threshold, policy=policy, hold_back=hold_back)
+
+    def refuse(reason: str) -> tuple[Cache, HandoffReport]:
+        report.accepted, report.reason = False, reason
+        if policy == "fail":
+            report.timings = clock.done()
+            raise HandoffRefusedError(
+                f"Handoff refused ({reason}). Use policy='fallback' to serve the target's own prefill instead.", report
+            )
+        logger.info("handoff falls back to the target's own prefill: %s", reason)
+        with clock.stage("fallback_prefill"):
+            cache = target_prefill(target, input_ids, attention_mask)
+        report.timings = clock.done()
+        return cache, report
+
+    with clock.stage("gate"):
+        try:
+            mapper.check_compatible(source, target, tokenizer)
+        except ValueError as err:
+            report.probe = None
+            return refuse(f"incompatible: {err}")
+
+    try:
+        context = probe_context(
+            source, target, mapper, input_ids, attention_mask, source_cache, hold_back, clock=clock
+        )
+    except ValueError as err:
+        return refuse(f"mapping failed: {err}")
+    report.mapped_tokens = length - hold_back
+    with clock.stage("probe"):
+        scores = probe.score(context).float()
+    report.scores = [float(s) for s in scores]
+    report.score = max(report.scores)
+    if not torch.isfinite(scores).all():
+        return refuse(f"probe {probe.name} returned a non-finite risk")
+    if report.score > threshold:
+        return refuse(f"probe refused: {probe.name} risk {report.score:.4g} > threshold {threshold:.4g}")
+    report.accepted, report.reason = True, f"probe passed: {probe.name} risk {report.score:.4g} <= {threshold:.4g}"
+    report.timings = clock.done()
+    return context.cache, report
+
+
+# -------------------------------------------------------------------------------------------- calibration
+
+
+def roc_curve(risks: Sequence[float], positives: Sequence[bool]) -> list[dict[str, float]]:
+    """Every distinct threshold `t` (refuse when risk > t) with its true-alarm and false-alarm rates.
+
+    `positives[i]` says item `i`'s handoff answer differs from the target's own. Rows are sorted by threshold; the
+    first (`t` below every risk) refuses everything, the last accepts everything.
+    """
+    risks, positives = [float(r) for r in risks], [bool(p) for p in positives]
+    if len(risks) != len(positives):
+        raise ValueError(f"{len(risks)} risks but {len(positives)} labels.")
+    n_pos, n_neg = sum(positives), len(positives) - sum(positives)
+    thresholds = sorted(set(risks))
+    rows = [{"threshold": thresholds[0] - 1.0 if thresholds else 0.0, "true_alarm": 1.0, "false_alarm": 1.0}]
+    for t in thresholds:
+        caught = sum(r > t for r, p in zip(risks, positives) if p)
+        false = sum(r > t for r, p in zip(risks, positives) if not p)
+        rows.append(
+            {
+                "threshold": t,
+                "true_alarm": caught / n_pos if n_pos else float("nan"),
+                "false_alarm": false / n_neg if n_neg else float("nan"),
+            }
+        )
+    return rows
+
+
+def auc(risks: Sequence[float], positives: Sequence[bool]) -> float:
+    """Probability that a changed-answer item has a higher risk than an unchanged one (ties count half)."""
+    pos = [float(r) for r, p in zip(risks, positives) if p]
+    neg = [float(r) for r, p in zip(risks, positives) if not p]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def calibrate_threshold(risks: Sequence[float], positives: Sequence[bool], max_false_alarm: float = 0.1) -> float:
+    """The lowest threshold whose false-alarm rate (refused items whose answer did not change) is at most
+    `max_false_alarm`: it catches the most changed answers within that budget."""
+    if not 0.0 <= max_false_alarm <= 1.0:
+        raise ValueError(f"max_false_alarm={max_false_alarm} must be in [0, 1].")
+    if not any(not p for p in positives):
+        raise ValueError("No calibration item kept its answer: a false-alarm rate cannot be measured.")
+    for row in roc_curve(risks, positives):
+        if row["false_alarm"] <= max_false_alarm:
+            return float(row["threshold"])
+    raise AssertionError("unreachable: the last threshold refuses nothing")
+
+
+def calibrate_probe(
+    mapper,
+    probe: Probe | str | dict,
+    risks: Sequence[float],
+    positives: Sequence[bool],
+    *,
+    max_false_alarm: float = 0.1,
+    provenance: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Calibrate `probe`'s threshold on measured items and store it in `mapper.config.handoff_probe`.
+
+    Args:
+        mapper ([`MapperModel`]): the mapper; its config is updated (save it to keep the calibration).
+        probe (`Probe`, `str` or `dict`): the probe whose risks were measured.
+        risks (sequence of `float`): the probe's risk on each calibration item.
+        positives (sequence of `bool`): whether each item's handoff answer differed from the target's own.
+        max_false_alarm (`float`, *optional*, defaults to 0.1): the false-alarm budget.
+        provenance (`dict`, *optional*): what the items were (tasks, seeds, counts), recorded beside the threshold.
+
+    Returns:
+        The `handoff_probe` dict: `probe` (settings), `threshold`, `max_false_alarm`, and the calibration's own
+        true/false-alarm rates and item counts.
+    """
+    probe = probe if isinstance(probe, Probe) else probe_from_dict(probe)
+    threshold = calibrate_threshold(risks, positives, max_false_alarm)
+    n_pos = sum(map(bool, positives))
+    n_neg = len(positives) - n_pos
+    caught = sum(r > threshold for r, p in zip(risks, positives) if p)
+    false = sum(r > threshold for r, p in zip(risks, positives) if not p)
+    stored = {
+        "probe": probe.settings(),
+        "threshold": threshold,
+        "max_false_alarm": max_false_alarm,
+        "calibration": {
+            "items": len(positives),
+            "changed": n_pos,
+            "true_alarm": caught / n_pos if n_pos else None,
+            "false_alarm": false / n_neg,
+            **(provenance or {}),
+        },
+    }
+    mapper.config.handoff_probe = stored
+    return stored

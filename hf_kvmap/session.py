@@ -1,0 +1,193 @@
+"""`HandoffSession`: one conversation served by several models turn by turn, each keeping its own cache, with only the
+tokens a model has not seen mapped into it when it takes over.
+
+```python
+session = HandoffSession({"small": small, "large": large}, {("small", "large"): s2l, ("large", "small"): l2s})
+session.append(tokenizer(user_turn)["input_ids"])
+turn = session.respond("large", max_new_tokens=32, eos_token_id=end_id)   # large prefills the user turn itself
+session.append(tokenizer(next_user_turn, add_special_tokens=False)["input_ids"])
+turn = session.respond("small", max_new_tokens=32, eos_token_id=end_id)   # maps large's new tokens, then answers
+```
+
+Invariant: a model's cache covers a prefix of the transcript and never its last token. When a model takes over, the
+tokens some other model has already processed beyond this model's cache are mapped from that model's cache (the
+mapper's `context_window` earlier positions are read along, so a windowed mapper sees the same inputs as when it maps
+a whole prompt); the remaining tokens (typically the new user turn) are prefilled by the model itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SessionTurn:
+    r"""
+    One `HandoffSession.respond` call.
+
+    Args:
+        model (`str`): the model that answered.
+        tokens (`list[int]`): the generated tokens (appended to the transcript).
+        mapped_from (`str`, *optional*): the model whose cache the new tokens were mapped from (`None`: none mapped).
+        mapped_tokens (`int`): tokens mapped into this model's cache at this switch.
+        window_tokens (`int`): earlier source positions read along for the mapper's context window.
+        prefilled_tokens (`int`): tokens this model prefilled itself before generating.
+        first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
+        timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
+    """
+
+    model: str
+    tokens: list[int]
+    mapped_from: str | None = None
+    mapped_tokens: int = 0
+    window_tokens: int = 0
+    prefilled_tokens: int = 0
+    first_logits: torch.Tensor | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class HandoffSession:
+    r"""
+    A conversation (batch 1) that several models of one family answer in turn.
+
+    Args:
+        models (`Mapping[str, PreTrainedModel]`): the models, by name.
+        mappers (`Mapping[tuple[str, str], MapperModel]`, *optional*): `(source name, target name) -> mapper`. A switch
+            with no mapper for its direction prefills the unseen tokens instead (counted in `SessionTurn`).
+        input_ids (`torch.Tensor` or `Sequence[int]`, *optional*): the transcript so far.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, torch.nn.Module],
+        mappers: Mapping[tuple[str, str], torch.nn.Module] | None = None,
+        input_ids: torch.Tensor | Sequence[int] | None = None,
+    ):
+        if not models:
+            raise ValueError("HandoffSession needs at least one model.")
+        self.models = dict(models)
+        self.mappers = dict(mappers or {})
+        for source, target in self.mappers:
+            for name in (source, target):
+                if name not in self.models:
+                    raise ValueError(f"A mapper names model {name!r}, which is not one of {sorted(self.models)}.")
+        self.caches: dict[str, DynamicCache | None] = dict.fromkeys(self.models)
+        self.input_ids = torch.zeros(1, 0, dtype=torch.long)
+        self.turns: list[SessionTurn] = []
+        if input_ids is not None:
+            self.append(input_ids)
+
+    # ---------------------------------------------------------------------------------------------- transcript
+    def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
+        """Append tokens (a user turn) to the transcript; no model processes them until it responds."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).to(self.input_ids.device)
+        self.input_ids = torch.cat([self.input_ids, ids], dim=1)
+
+    def covered(self, name: str) -> int:
+        """Transcript tokens model `name`'s cache holds."""
+        cache = self.caches[name]
+        return 0 if cache is None else cache.get_seq_length()
+
+    # ---------------------------------------------------------------------------------------------------- sync
+    @torch.no_grad()
+    def _map_into(self, source: str, target: str, start: int, end: int) -> int:
+        """Map transcript tokens `[start, end)` from `source`'s cache onto the end of `target`'s; returns the number
+        of earlier source positions read along for the context window."""
+        mapper = self.mappers[(source, target)]
+        window = int(getattr(mapper.config, "context_window", 0) or 0)
+        begin = max(0, start - window)
+        layers = self.caches[source].layers
+        keys = [layer.keys[:, :, begin:end] for layer in layers]
+        values = [layer.values[:, :, begin:end] for layer in layers]
+        positions = torch.arange(begin, end, device=keys[0].device).unsqueeze(0)
+        mapped = mapper(keys, values, position_ids=positions)
+        cache = self.caches[target]
+        if cache is None:
+            cache = self.caches[target] = DynamicCache()
+        dtype = next(self.models[target].parameters()).dtype
+        for idx, (new_keys, new_values) in enumerate(mapped):
+            new_keys, new_values = new_keys[:, :, start - begin :], new_values[:, :, start - begin :]
+            if len(cache.layers) > idx and cache.layers[idx].is_initialized:
+                dtype, device = cache.layers[idx].keys.dtype, cache.layers[idx].keys.device
+            else:
+                device = new_keys.device
+            cache.update(new_keys.to(device, dtype), new_values.to(device, dtype), idx)
+        return start - begin
+
+    @torch.no_grad()
+    def sync(self, name: str) -> SessionTurn:
+        """Bring `name`'s cache to every transcript token but the last: map what another model already processed
+        (from the model that has processed the most, when a mapper exists), prefill the rest itself."""
+        if name not in self.models:
+            raise ValueError(f"Unknown model {name!r}; the session has {sorted(self.models)}.")
+        end = self.input_ids.shape[1] - 1
+        if end < 0:
+            raise ValueError("The transcript is empty: append the first turn before a model responds.")
+        record = SessionTurn(model=name, tokens=[])
+        have = self.covered(name)
+        donors = [
+            other
+            for other in self.models
+            if other != name and (other, name) in self.mappers and self.covered(other) > have
+        ]
+        if donors:
+            donor = max(donors, key=self.covered)
+            upto = min(self.covered(donor), end)
+            start_time = time.perf_counter()
+            record.window_tokens = self._map_into(donor, name, have, upto)
+            record.timings["map"] = time.perf_counter() - start_time
+            record.mapped_from, record.mapped_tokens = donor, upto - have
+            have = upto
+        elif any(self.covered(other) > have for other in self.models if other != name):
+            logger.info("no mapper into %s: it prefills the tokens other models processed", name)
+        if end > have:
+            start_time = time.perf_counter()
+            cache = self.caches[name]
+            if cache is None:
+                cache = self.caches[name] = DynamicCache()
+            self.models[name](input_ids=self.input_ids[:, have:end], past_key_values=cache, use_cache=True)
+            record.timings["prefill"] = time.perf_counter() - start_time
+            record.prefilled_tokens = end - have
+        return record
+
+    # ------------------------------------------------------------------------------------------------ respond
+    @torch.no_grad()
+    def respond(self, name: str, max_new_tokens: int, **generate_kwargs) -> SessionTurn:
+        """Switch to model `name`, bring its cache up to date (`sync`), and generate greedily (unless
+        `generate_kwargs` say otherwise); the generated tokens are appended to the transcript.
+
+        Returns the [`SessionTurn`], with the first step's logits.
+        """
+        record = self.sync(name)
+        model = self.models[name]
+        cache = self.caches[name]
+        start_time = time.perf_counter()
+        generate_kwargs.setdefault("do_sample", False)
+        out = model.generate(
+            self.input_ids,
+            past_key_values=cache if cache is not None and cache.get_seq_length() else None,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **generate_kwargs,
+        )
+        record.timings["generate"] = time.perf_counter() - start_time
+        if cache is None or not cache.get_seq_length():
+            self.caches[name] = out.past_key_values
+        new = out.sequences[:, self.input_ids.shape[1] :]
+        record.tokens = new[0].tolist()
+        record.first_logits = out.scores[0][0].float() if out.scores else None
+        self.input_ids = torch.cat([self.input_ids, new.to(self.input_ids.device)], dim=1)
+        # generate leaves the last generated token unprocessed: the invariant (a cache never covers the last token)
+        if self.covered(name) >= self.input_ids.shape[1]:
+            self.caches[name].crop(-(self.covered(name) - self.input_ids.shape[1] + 1))
+        self.turns.append(record)
+        return record

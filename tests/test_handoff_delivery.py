@@ -1,0 +1,158 @@
+"""Cache delivery: safetensors round trip with provenance, and every refusal that keeps a wrong cache from serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_model
+
+from hf_kvmap import MappedCache, MapperModel, load_cache, save_cache, zoo
+from hf_kvmap.delivery import read_provenance
+from hf_kvmap.zoo import corpus
+
+
+@pytest.fixture(scope="module")
+def pair(one_thread):
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    tokenizer = zoo.load_tokenizer()
+    ids = torch.tensor([tokenizer(corpus.make_eval_set("recall", 1, seed=3)[0].context)["input_ids"]])
+    cache = MappedCache.from_source(source(input_ids=ids, use_cache=True).past_key_values, mapper)
+    return source, target, mapper, ids, cache
+
+
+def _generate(model, ids, cache):
+    return model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def test_mapped_cache_round_trip_is_exact(pair, tmp_path):
+    _, target, _, ids, cache = pair
+    path = tmp_path / "cache.safetensors"
+    record = save_cache(cache, path, input_ids=ids)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.safetensors"]  # no temporary left, no pickle
+    loaded, provenance = load_cache(path, input_ids=ids, model=target)
+    assert isinstance(loaded, MappedCache)
+    assert provenance == record == read_provenance(path)
+    assert provenance["mapping_info"] == cache.mapping_info
+    assert provenance["model_id"] == "hf_kvmap.zoo:tiny-l"
+    assert provenance["geometry"]["seq_length"] == ids.shape[1] - 1
+    for mine, theirs in zip(cache.layers, loaded.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    assert torch.equal(
+        _generate(target, ids, loaded),
+        _generate(
+            target, ids, MappedCache.from_source(pair[0](input_ids=ids, use_cache=True).past_key_values, pair[2])
+        ),
+    )
+
+
+def test_dynamic_cache_round_trip_records_the_model(pair, tmp_path):
+    source, _, _, ids, _ = pair
+    own = source(input_ids=ids[:, :-1], use_cache=True).past_key_values
+    save_cache(own, tmp_path / "own.safetensors", input_ids=ids, model=source, provenance={"request": "r1"})
+    loaded, provenance = load_cache(tmp_path / "own.safetensors", input_ids=ids, model=source)
+    assert type(loaded).__name__ == "DynamicCache"
+    assert provenance["cache_class"] == "DynamicCache" and provenance["provenance"] == {"request": "r1"}
+    assert provenance["model_revision"] == zoo.weights_revision("tiny-m")
+    assert torch.equal(_generate(source, ids, loaded), source.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_tampered_file_is_refused(pair, tmp_path):
+    _, _, _, ids, cache = pair
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path, input_ids=ids)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # flip one bit in the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="modified or truncated"):
+        load_cache(path)
+    loaded, _ = load_cache(path, verify=False)  # inspection stays possible
+    assert loaded.get_seq_length() == ids.shape[1] - 1
+
+
+def test_wrong_prompt_or_covered_prompt_is_refused(pair, tmp_path):
+    _, _, _, ids, cache = pair
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path, input_ids=ids)
+    other = ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % 50 + 3
+    with pytest.raises(ValueError, match="other prompt tokens"):
+        load_cache(path, input_ids=other)
+    with pytest.raises(ValueError, match="at least seq \\+ 1"):
+        load_cache(path, input_ids=ids[:, :-1])  # the cache would cover the whole prompt
+    save_cache(cache, tmp_path / "anonymous.safetensors")
+    with pytest.raises(ValueError, match="records no prompt tokens"):
+        load_cache(tmp_path / "anonymous.safetensors", input_ids=ids)
+
+
+def test_wrong_model_is_refused(pair, tmp_path):
+    source, _, _, ids, cache = pair
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path, input_ids=ids)
+    with pytest.raises(ValueError, match="another model"):
+        load_cache(path, model=source)  # tiny-m has 4 layers, the cache 6
+    same_shape = zoo.load_model("tiny-l")
+    same_shape.config.name_or_path = "someone/else"
+    with pytest.raises(ValueError, match="model id"):
+        load_cache(path, model=same_shape)
+
+
+def test_not_a_cache_file_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "weights.safetensors"))
+    with pytest.raises(ValueError, match="not an hf-kvmap cache"):
+        load_cache(tmp_path / "weights.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        load_cache(tmp_path / "junk.safetensors")
+
+
+def test_failed_save_keeps_the_previous_file(pair, tmp_path, monkeypatch):
+    _, _, _, ids, cache = pair
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path, input_ids=ids)
+    before = path.read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_cache(cache, path, input_ids=ids)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.safetensors"]
+
+
+def test_save_refuses_an_empty_cache_and_a_short_prompt(pair, tmp_path):
+    from transformers import DynamicCache
+
+    _, _, _, ids, cache = pair
+    with pytest.raises(ValueError, match="prefilled cache"):
+        save_cache(DynamicCache(), tmp_path / "empty.safetensors")
+    with pytest.raises(ValueError, match="pass the prompt"):
+        save_cache(cache, tmp_path / "short.safetensors", input_ids=ids[:, :5])
+
+
+def test_left_padded_batch_round_trip(tmp_path, one_thread):
+    from conftest import SUPPORTED, left_padded_batch
+
+    config = SUPPORTED["qwen3"]()
+    model = build_model(config)
+    from hf_kvmap.rope import positions_from_attention_mask
+
+    ids, mask = left_padded_batch()
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    cache = MappedCache.from_source(
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values,
+        MapperModel.identity(config),
+        attention_mask=mask,
+    )
+    save_cache(cache, tmp_path / "batch.safetensors", input_ids=ids, attention_mask=mask)
+    loaded, provenance = load_cache(tmp_path / "batch.safetensors", input_ids=ids, model=model)
+    assert provenance["geometry"]["batch"] == 2
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, past_key_values=loaded, **kwargs), model.generate(ids, **kwargs))
+    assert json.loads(json.dumps(provenance)) == provenance
