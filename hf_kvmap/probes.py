@@ -220,9 +220,14 @@ class DraftAgreementProbe(Probe):
     @torch.no_grad()
     def score(self, context: ProbeContext) -> torch.Tensor:
         steps = self.tokens
-        _crop(context.source_cache, 1)  # the source drafts from the last prompt token, as generation would
-        draft, _ = _greedy(context.source, context.source_cache, context, steps)
-        _crop(context.source_cache, steps - 1)  # back to all T prompt tokens
+        source_cache = context.source_cache
+        # the source drafts from the last prompt token, as generation would; its own entry is put back afterwards
+        last = [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in source_cache.layers]
+        _crop(source_cache, 1)
+        draft, _ = _greedy(context.source, source_cache, context, steps)
+        _crop(source_cache, steps)
+        for idx, (keys, values) in enumerate(last):
+            source_cache.layers[idx].update(keys, values)
         ids = torch.cat([context.input_ids[:, -1:], draft[:, :-1]], dim=1)
         mask = _extend_mask(context.attention_mask, steps - 1)
         positions = context.position_ids[:, -1:] + torch.arange(steps, device=ids.device)

@@ -1,0 +1,205 @@
+"""The guarded handoff: fallback is token-identical to the target alone, `fail` raises, the gate refuses mismatched
+models, the calibrated guard accepts an exact mapping and refuses broken ones, and the calibration arithmetic."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import SUPPORTED, build_model, left_padded_batch
+
+from hf_kvmap import HandoffRefusedError, MappedCache, MapperConfig, MapperModel, calibrate_probe, handoff, zoo
+from hf_kvmap.handoff import auc, calibrate_threshold, roc_curve
+from hf_kvmap.zoo import corpus
+
+SHIPPED = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("tiny-l", "tiny-s"))
+
+
+def greedy(model, ids, cache=None, mask=None, new=6):
+    return model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    config = SUPPORTED["qwen3"]()
+    return build_model(config, seed=0), build_model(config, seed=1), config
+
+
+@pytest.fixture(scope="module")
+def family(one_thread):
+    tokenizer = zoo.load_tokenizer()
+    items = corpus.make_eval_set("recall", 6, seed=77) + corpus.make_eval_set("chat", 6, seed=77)
+    prompts = [torch.tensor([tokenizer(item.context)["input_ids"]]) for item in items]
+    models = {name: zoo.load_model(name) for name in ("tiny-s", "tiny-m", "tiny-x", "tiny-l")}
+    return tokenizer, prompts, models
+
+
+def test_fallback_is_token_identical_to_the_target(tiny):
+    source, target, config = tiny
+    ids, mask = left_padded_batch(lengths=(11, 15))
+    mapper = MapperModel.identity(config)
+    cache, report = handoff(source, target, mapper, ids, attention_mask=mask, probe="prefix_audit", threshold=-1.0)
+    assert not report.accepted and report.reason.startswith("probe refused")
+    assert type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == ids.shape[1] - 1
+    assert torch.equal(greedy(target, ids, cache, mask), greedy(target, ids, mask=mask))
+    assert set(report.timings) >= {"gate", "source_prefill", "map", "probe", "fallback_prefill", "total"}
+    assert report.threshold == -1.0 and len(report.scores) == 2 and report.score == max(report.scores)
+
+
+def test_policy_fail_raises_with_the_report(tiny):
+    source, target, config = tiny
+    ids = torch.randint(3, 128, (1, 12))
+    with pytest.raises(HandoffRefusedError, match="probe refused") as info:
+        handoff(source, target, MapperModel.identity(config), ids, probe="prefix_audit", threshold=-1.0, policy="fail")
+    assert info.value.report.accepted is False and "fallback_prefill" not in info.value.report.timings
+
+
+def test_accepted_cache_is_the_mapped_one(tiny):
+    source, target, config = tiny
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    cache, report = handoff(target, target, MapperModel.identity(config), ids, probe="prefix_audit", threshold=1e-3)
+    assert report.accepted and isinstance(cache, MappedCache) and report.mapped_tokens == 11
+    assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+
+
+def test_tail_probe_holds_back_its_tokens(tiny):
+    source, target, config = tiny
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(6))
+    cache, report = handoff(
+        target, target, MapperModel.identity(config), ids, probe={"name": "tail_nll", "tokens": 8}, threshold=100.0
+    )
+    assert report.accepted and report.hold_back == 8 and report.mapped_tokens == 12
+    assert cache.get_seq_length() == 19 and "tail" in report.timings
+    assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+
+
+def test_gate_refuses_mismatched_models(family):
+    tokenizer, prompts, models = family
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    ids = prompts[0]
+    # tiny-s is not the source this mapper was fitted for (depth, revision, id)
+    cache, report = handoff(models["tiny-s"], models["tiny-l"], mapper, ids, probe="prefix_audit", threshold=1.0)
+    assert not report.accepted and report.reason.startswith("incompatible") and "source" in report.reason
+    assert torch.equal(greedy(models["tiny-l"], ids, cache), greedy(models["tiny-l"], ids))
+    with pytest.raises(HandoffRefusedError, match="incompatible"):
+        handoff(models["tiny-s"], models["tiny-l"], mapper, ids, probe="prefix_audit", threshold=1.0, policy="fail")
+
+
+def test_bad_calls_get_clear_errors(tiny):
+    source, target, config = tiny
+    mapper = MapperModel.identity(config)
+    ids = torch.randint(3, 128, (1, 12))
+    with pytest.raises(ValueError, match="no calibrated handoff probe"):
+        handoff(source, target, mapper, ids)
+    with pytest.raises(ValueError, match="policy='maybe'"):
+        handoff(source, target, mapper, ids, probe="prefix_audit", threshold=0.1, policy="maybe")
+    with pytest.raises(ValueError, match="at least 2"):
+        handoff(source, target, mapper, ids[:, :1], probe="prefix_audit", threshold=0.1)
+    with pytest.raises(ValueError, match="covers 11 tokens"):
+        cache = source(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        handoff(source, target, mapper, ids, source_cache=cache, probe="prefix_audit", threshold=0.1)
+    with pytest.raises(ValueError, match="long tensor"):
+        handoff(source, target, mapper, ids.float(), probe="prefix_audit", threshold=0.1)
+
+
+def test_nan_source_cache_falls_back(tiny):
+    source, target, config = tiny
+    ids = torch.randint(3, 128, (1, 12))
+    cache = source(input_ids=ids, use_cache=True).past_key_values
+    cache.layers[1].keys[0, 0, 3, 0] = float("nan")
+    served, report = handoff(
+        source, target, MapperModel.identity(config), ids, source_cache=cache, probe="prefix_audit", threshold=1.0
+    )
+    assert not report.accepted and report.reason.startswith("mapping failed") and "NaN" in report.reason
+    assert torch.equal(greedy(target, ids, served), greedy(target, ids))
+
+
+# ------------------------------------------------------------------------------------- calibration arithmetic
+
+
+def test_roc_and_threshold_are_exact():
+    risks = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    changed = [False, False, False, True, False, True, True, False, True, True]
+    roc = roc_curve(risks, changed)
+    assert roc[0]["threshold"] < min(risks) and roc[0]["true_alarm"] == roc[0]["false_alarm"] == 1.0
+    assert roc[-1]["true_alarm"] == 0.0 and roc[-1]["false_alarm"] == 0.0
+    # false alarms <= 20 %: refuse above 0.5 (one of five kept answers, 0.8, is refused; 4 of 5 changed caught)
+    assert calibrate_threshold(risks, changed, 0.2) == 0.5
+    assert calibrate_threshold(risks, changed, 0.0) == 0.8
+    assert auc(risks, changed) == pytest.approx(21 / 25)
+    with pytest.raises(ValueError, match="kept its answer"):
+        calibrate_threshold([0.1], [True])
+
+
+def test_calibration_is_stored_and_old_configs_load(tiny, tmp_path):
+    _, _, config = tiny
+    mapper = MapperModel.identity(config)
+    assert mapper.config.handoff_probe is None
+    stored = calibrate_probe(
+        mapper,
+        {"name": "prefix_audit", "tokens": 16},
+        [0.1, 0.5, 0.9],
+        [False, True, True],
+        max_false_alarm=0.0,
+        provenance={"tasks": ["recall"]},
+    )
+    assert stored["threshold"] == 0.1 and stored["calibration"]["true_alarm"] == 1.0
+    mapper.save_pretrained(tmp_path / "m")
+    loaded = MapperModel.from_pretrained(tmp_path / "m")
+    assert loaded.config.handoff_probe == stored
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw.pop("handoff_probe")
+    assert MapperConfig.from_dict(raw).handoff_probe is None
+
+
+# ------------------------------------------------------------------------------- the shipped, calibrated guards
+
+
+def _shipped(source_name, target_name):
+    mapper = MapperModel.from_pretrained(zoo.mapper_path(source_name, target_name)).float()
+    assert mapper.config.handoff_probe, f"{source_name}->{target_name} ships no calibrated probe"
+    return mapper
+
+
+@pytest.mark.parametrize("direction", SHIPPED, ids=lambda d: f"{d[0]}-to-{d[1]}")
+def test_shipped_guard_accepts_an_exact_mapping(direction, family):
+    """The calibrated probe and threshold of each shipped mapper, applied to an identity mapping of the target onto
+    itself: every prompt is accepted and generation is the target's own."""
+    tokenizer, prompts, models = family
+    stored = _shipped(*direction).config.handoff_probe
+    target = models[direction[1]]
+    identity = MapperModel.identity(target.config)
+    for ids in prompts:
+        cache, report = handoff(target, target, identity, ids, probe=stored["probe"], threshold=stored["threshold"])
+        assert report.accepted, report.reason
+        assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+
+
+def _broken(mapper, how):
+    broken = copy.deepcopy(mapper)
+    with torch.no_grad():
+        if how == "zeroed":
+            for parameter in broken.parameters():
+                parameter.zero_()
+        else:  # every target layer gets another layer's weights (same shapes, wrong map)
+            layers = list(broken.layers)
+            states = [copy.deepcopy(layer.state_dict()) for layer in layers]
+            for idx, layer in enumerate(layers):
+                layer.load_state_dict(states[(idx + 1) % len(layers)])
+    return broken
+
+
+@pytest.mark.parametrize("how", ["zeroed", "mismatched"])
+@pytest.mark.parametrize("direction", SHIPPED, ids=lambda d: f"{d[0]}-to-{d[1]}")
+def test_shipped_guard_refuses_a_broken_mapper(direction, how, family):
+    tokenizer, prompts, models = family
+    mapper = _broken(_shipped(*direction), how)
+    source, target = models[direction[0]], models[direction[1]]
+    for ids in prompts:
+        cache, report = handoff(source, target, mapper, ids)
+        assert not report.accepted, report.reason
+        assert torch.equal(greedy(target, ids, cache), greedy(target, ids))

@@ -1,0 +1,92 @@
+"""Every registered probe (parametrized over the registry): finite per-row risks, both caches left as found, and an
+exact mapping scored as exact where the probe can tell."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SUPPORTED, build_model, left_padded_batch
+
+from hf_kvmap import MapperModel, Probe, register_probe
+from hf_kvmap.handoff import probe_context
+from hf_kvmap.probes import PROBES, probe_from_dict
+
+
+def _snapshot(cache):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def _assert_same(cache, snapshot):
+    assert len(cache.layers) == len(snapshot)
+    for layer, (keys, values) in zip(cache.layers, snapshot):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+@pytest.fixture(scope="module")
+def models(one_thread):
+    config = SUPPORTED["qwen3"]()
+    return build_model(config, seed=0), build_model(config, seed=1), config
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_probe_leaves_caches_as_found(name, models):
+    source, target, config = models
+    probe = probe_from_dict({"name": name, "tokens": 3})
+    ids, mask = left_padded_batch(lengths=(12, 16))
+    context = probe_context(source, target, MapperModel.identity(config), ids, mask, hold_back=probe.hold_back)
+    target_before, source_before = _snapshot(context.cache), _snapshot(context.source_cache)
+    risks = probe.score(context)
+    assert risks.shape == (2,) and torch.isfinite(risks).all()
+    _assert_same(context.cache, target_before)
+    _assert_same(context.source_cache, source_before)
+    assert context.cache.get_seq_length() == ids.shape[1] - 1
+    assert probe_from_dict(probe.settings()).settings() == probe.settings()
+    assert probe.target_tokens(1024) <= probe.tokens
+
+
+@pytest.mark.parametrize("name", ["draft_agreement", "prefix_audit"])
+def test_exact_mapping_scores_zero(name, models):
+    """The source is the target and the mapper the identity: the draft is the target's own answer and the audited
+    keys/values are its own, so the risk is zero (up to the rounding of the RoPE strip/apply round trip)."""
+    _, target, config = models
+    ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    probe = probe_from_dict({"name": name, "tokens": 4})
+    context = probe_context(target, target, MapperModel.identity(config), ids)
+    torch.testing.assert_close(probe.score(context), torch.zeros(3), rtol=0, atol=1e-5)
+
+
+def test_prefix_audit_sees_a_zeroed_mapping(models):
+    source, target, config = models
+    mapper = MapperModel.identity(config)
+    with torch.no_grad():
+        for parameter in mapper.parameters():
+            parameter.zero_()
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    context = probe_context(target, target, mapper, ids)
+    assert probe_from_dict("prefix_audit").score(context).item() == pytest.approx(1.0)
+
+
+def test_registry_takes_a_new_probe_in_one_line(models):
+    source, target, config = models
+
+    class Constant(Probe):
+        name = "test_constant"
+
+        def score(self, context):
+            return torch.full((context.batch,), 0.5)
+
+    try:
+        register_probe(Constant)
+        assert PROBES["test_constant"] is Constant
+        context = probe_context(source, target, MapperModel.identity(config), torch.randint(3, 128, (2, 9)))
+        assert probe_from_dict("test_constant").score(context).tolist() == [0.5, 0.5]
+        with pytest.raises(ValueError, match="already registered"):
+            register_probe(type("Other", (Probe,), {"name": "test_constant"}))
+    finally:
+        PROBES.pop("test_constant", None)
+    with pytest.raises(ValueError, match="non-empty `name`"):
+        register_probe(type("Nameless", (Probe,), {}))
+    with pytest.raises(ValueError, match="Unknown probe 'nope'"):
+        probe_from_dict("nope")
+    with pytest.raises(ValueError, match="positive integer"):
+        probe_from_dict({"name": "tail_nll", "tokens": 0})

@@ -1,0 +1,108 @@
+"""HandoffSession: only new tokens are mapped at each switch, windows read their earlier positions, and an exact
+mapping reproduces each model's own prefill over many switches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SUPPORTED, build_model
+
+from hf_kvmap import HandoffSession, MappedCache, MapperModel, zoo
+from hf_kvmap.zoo import corpus
+
+
+def _turns(tokenizer, exchanges: int, seed: int = 0):
+    conversation = corpus.make_conversation(exchanges, seed=seed)
+    for index in range(exchanges):
+        text = corpus.format_chat([conversation[2 * index]], add_generation_prompt=True)
+        yield tokenizer(text, add_special_tokens=index == 0)["input_ids"]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_exact_mapping_session_equals_own_prefill_over_switches(window, one_thread):
+    """Two names for one model with (windowed) identity mappers: every turn equals the model's own generation."""
+    tokenizer = zoo.load_tokenizer()
+    model = zoo.load_model("tiny-m")
+    identity = MapperModel.identity(model.config, context_window=window, input_kinds="both" if window else "same")
+    session = HandoffSession({"a": model, "b": model}, {("a", "b"): identity, ("b", "a"): identity})
+    end = tokenizer.convert_tokens_to_ids(corpus.END)
+    for index, user in enumerate(_turns(tokenizer, 6)):
+        session.append(user)
+        before = session.input_ids.clone()
+        turn = session.respond("ab"[index % 2], 12, eos_token_id=end, pad_token_id=0)
+        own = model.generate(before, max_new_tokens=12, do_sample=False, eos_token_id=end, pad_token_id=0)
+        assert turn.tokens == own[0, before.shape[1] :].tolist()
+        if index:
+            # only the tokens the other model processed since this one's last turn are mapped
+            assert turn.mapped_from == "ba"[index % 2]
+            previous = session.turns[index - 1]
+            assert turn.mapped_tokens == previous.prefilled_tokens + len(previous.tokens)
+            assert turn.window_tokens == (0 if index == 1 else window)
+        for name in "ab":
+            assert session.covered(name) < session.input_ids.shape[1]
+    assert len(session.turns) == 6  # 5 switches
+
+
+def test_incremental_window_mapping_equals_whole_prompt_mapping(one_thread):
+    """The shipped windowed s->l mapper applied to the new tokens only (with its window read along) gives the same
+    keys/values as mapping the whole transcript at once."""
+    source, target = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l")).float()
+    assert mapper.config.context_window == 3
+    session = HandoffSession({"s": source, "l": target}, {("s", "l"): mapper})
+    tokenizer = zoo.load_tokenizer()
+    end = tokenizer.convert_tokens_to_ids(corpus.END)
+    turns = list(_turns(tokenizer, 3, seed=4))
+    session.append(turns[0])
+    session.respond("s", 8, eos_token_id=end, pad_token_id=0)
+    session.append(turns[1])
+    session.respond("l", 8, eos_token_id=end, pad_token_id=0)  # maps s's first turn
+    session.append(turns[2])
+    session.respond("s", 8, eos_token_id=end, pad_token_id=0)
+    session.append(turns[0])
+    session.sync("l")  # maps s's second turn onto l's own tokens
+    first_start = 0
+    first_end = session.turns[1].mapped_tokens
+    second_start = session.turns[1].mapped_tokens + session.turns[1].prefilled_tokens + len(session.turns[1].tokens)
+    source_cache = session.caches["s"]
+    whole = MappedCache.from_source(source_cache, mapper, hold_back=1)
+    target_cache = session.caches["l"]
+    second_end = source_cache.get_seq_length() - 1
+    assert second_end > second_start
+    for mine, reference in zip(target_cache.layers, whole.layers):
+        for span in ((first_start, first_end), (second_start, second_end)):
+            torch.testing.assert_close(
+                mine.keys[:, :, span[0] : span[1]], reference.keys[:, :, span[0] : span[1]], rtol=1e-4, atol=1e-4
+            )
+            torch.testing.assert_close(
+                mine.values[:, :, span[0] : span[1]], reference.values[:, :, span[0] : span[1]], rtol=1e-4, atol=1e-4
+            )
+
+
+def test_direction_without_mapper_prefills_and_matches_own(one_thread):
+    config = SUPPORTED["qwen3"]()
+    small, large = build_model(config, seed=0), build_model(config, seed=1)
+    session = HandoffSession({"small": small, "large": large})
+    session.append(torch.randint(3, 128, (10,), generator=torch.Generator().manual_seed(0)))
+    session.respond("small", 4, pad_token_id=0)
+    session.append([5, 6, 7])
+    before = session.input_ids.clone()
+    turn = session.respond("large", 4, pad_token_id=0)
+    assert turn.mapped_from is None and turn.mapped_tokens == 0
+    assert turn.prefilled_tokens == before.shape[1] - 1
+    own = large.generate(before, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert turn.tokens == own[0, before.shape[1] :].tolist()
+
+
+def test_bad_session_input_is_refused():
+    config = SUPPORTED["qwen3"]()
+    model = build_model(config)
+    with pytest.raises(ValueError, match="at least one model"):
+        HandoffSession({})
+    with pytest.raises(ValueError, match="not one of"):
+        HandoffSession({"a": model}, {("a", "b"): MapperModel.identity(config)})
+    session = HandoffSession({"a": model})
+    with pytest.raises(ValueError, match="empty"):
+        session.respond("a", 2)
+    with pytest.raises(ValueError, match="Unknown model"):
+        session.sync("z")
