@@ -45,7 +45,7 @@ from hf_kvmap.handoff import (  # noqa: E402
     roc_curve,
     target_prefill,
 )
-from hf_kvmap.probes import probe_from_dict  # noqa: E402
+from hf_kvmap.probes import fit_linear_probe, probe_from_dict  # noqa: E402
 from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
 from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
 
@@ -56,6 +56,8 @@ CANDIDATES = (
     {"name": "tail_nll", "tokens": 16},
     {"name": "draft_agreement", "tokens": 4},
     {"name": "draft_agreement", "tokens": 2},
+    {"name": "confident_draft", "tokens": 4},
+    {"name": "confident_draft", "tokens": 2},
     {"name": "lookahead_margin", "tokens": 1},
     {"name": "lookahead_margin", "tokens": 4},
     {"name": "prefix_audit", "tokens": 48},
@@ -131,6 +133,43 @@ def run_items(args) -> None:
         print(f"wrote {path}", flush=True)
 
 
+@torch.no_grad()
+def run_augment(args) -> None:
+    """Add the risks of candidates missing from existing checkpoints (same items, same seeds), in place."""
+    tokenizer = zoo.load_tokenizer()
+    from tqdm.auto import tqdm
+
+    for source_name, target_name in DIRECTIONS:
+        path = Path(args.work) / f"{direction_name(source_name, target_name)}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        missing = [
+            s for s in CANDIDATES if any(key(s) not in r["risk"] for rows in data["rows"].values() for r in rows)
+        ]
+        if not missing:
+            continue
+        source, target, mapper = load_direction(source_name, target_name)
+        probes = [probe_from_dict(settings) for settings in missing]
+        for set_name, seed in data["sets"].items():
+            for task in TASKS:
+                items = corpus.make_eval_set(task, data["items"], seed=seed)
+                rows = data["rows"][f"{set_name}/{task}"]
+                for item, row in tqdm(list(zip(items, rows)), desc=f"{set_name}/{task}", leave=False):
+                    ids = torch.tensor([tokenizer(item.context)["input_ids"]])
+                    assert ids.shape[1] == row["tokens"], "checkpoint and items disagree"
+                    for probe, settings in zip(probes, missing):
+                        source_cache = source(input_ids=ids, use_cache=True).past_key_values
+                        context = probe_context(
+                            source, target, mapper, ids, source_cache=source_cache, hold_back=probe.hold_back
+                        )
+                        row["risk"][key(settings)] = float(probe.score(context)[0])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+        print(f"added {[key(s) for s in missing]} to {path}", flush=True)
+
+
 # ----------------------------------------------------------------------------------------------------------- costs
 def timed(fn) -> float:
     start = time.perf_counter()
@@ -153,6 +192,8 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
         "save": lambda: save_cache(context.cache, path, input_ids=ids),
         "load": lambda: load_cache(path, input_ids=ids),
     }
+    audit = probe_from_dict(EXACT_AUDIT)
+    jobs[key(EXACT_AUDIT)] = lambda: audit.score(context)
     for probe, settings in zip(probes, CANDIDATES):
         if probe.hold_back > 1:  # timed as the map with the longer hold-back plus the target's tail run
             jobs[key(settings) + "+map"] = lambda h=probe.hold_back: probe_context(
@@ -172,7 +213,9 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
         "tokens": ids.shape[1],
         "median_ms": medians,
         "cache_bytes": path.stat().st_size,
-        "probe_target_tokens": {key(s): p.target_tokens(ids.shape[1]) for p, s in zip(probes, CANDIDATES)},
+        "probe_target_tokens": {
+            key(s): p.target_tokens(ids.shape[1]) for p, s in zip(probes + [audit], CANDIDATES + (EXACT_AUDIT,))
+        },
     }
 
 
@@ -191,14 +234,12 @@ def run_costs(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- report
-def pooled(rows_by_task: dict, set_name: str, settings: dict) -> tuple[list[float], list[bool]]:
-    probe = probe_from_dict(settings)
-    risks, labels = [], []
-    for task in TASKS:
-        for row in rows_by_task[f"{set_name}/{task}"]:
-            risks.append(row["risk"][key(settings)])
-            labels.append(row["changed"][str(probe.hold_back)])
-    return risks, labels
+#: linear combinations of hold-back-1 probes, fitted by logistic regression on the calibration set of each direction
+COMBINATIONS = {
+    "linear:draft2+look4": ({"name": "draft_agreement", "tokens": 2}, {"name": "lookahead_margin", "tokens": 4}),
+    "linear:all": tuple(settings for settings in CANDIDATES if probe_from_dict(settings).hold_back == 1),
+}
+EXACT_AUDIT = {"name": "prefix_audit", "tokens": 8}
 
 
 def rates(risks, labels, threshold) -> dict:
@@ -213,6 +254,52 @@ def rates(risks, labels, threshold) -> dict:
     }
 
 
+def scored_candidates(rows: dict) -> dict:
+    """Per candidate: settings, hold-back, and per `set/task` the risks and labels (the answer changed)."""
+    out = {}
+    for settings in CANDIDATES:
+        probe = probe_from_dict(settings)
+        out[key(settings)] = {
+            "settings": settings,
+            "hold_back": probe.hold_back,
+            "risks": {name: [r["risk"][key(settings)] for r in items] for name, items in rows.items()},
+            "labels": {name: [r["changed"][str(probe.hold_back)] for r in items] for name, items in rows.items()},
+        }
+    for combo, components in COMBINATIONS.items():
+        calibration = [f"calibration/{task}" for task in TASKS]
+        features = [[r["risk"][key(c)] for c in components] for name in calibration for r in rows[name]]
+        labels = [r["changed"]["1"] for name in calibration for r in rows[name]]
+        probe = fit_linear_probe(list(components), features, labels)
+        out[combo] = {
+            "settings": probe.settings(),
+            "hold_back": 1,
+            "risks": {
+                name: [
+                    probe.bias + sum(w * r["risk"][key(c)] for w, c in zip(probe.weights, components)) for r in items
+                ]
+                for name, items in rows.items()
+            },
+            "labels": {name: [r["changed"]["1"] for r in items] for name, items in rows.items()},
+        }
+    return out
+
+
+def candidate_cost(settings: dict, cost: dict) -> float:
+    """Median ms of a probe at the costs' length, with the exactness audit a probe that is not exact-safe needs."""
+    probe = probe_from_dict(settings)
+    if probe.name == "linear":
+        total = sum(cost[key(component.settings())] for component in probe.components)
+    else:
+        total = cost[key(settings)]
+    return total + (0.0 if probe.exact_scores_zero else cost[key(EXACT_AUDIT)])
+
+
+def candidate_tokens(settings: dict, tokens: int) -> int:
+    probe = probe_from_dict(settings)
+    extra = 0 if probe.exact_scores_zero else probe_from_dict(EXACT_AUDIT).target_tokens(tokens)
+    return probe.target_tokens(tokens) + extra
+
+
 def analyse(args, costs: dict | None) -> dict:
     work = Path(args.work)
     result = {"directions": {}}
@@ -224,42 +311,43 @@ def analyse(args, costs: dict | None) -> dict:
             continue
         rows = json.loads(path.read_text())["rows"]
         probes = {}
-        for settings in CANDIDATES:
-            probe = probe_from_dict(settings)
-            calib_risks, calib_labels = pooled(rows, "calibration", settings)
+        for probe_key, scored in scored_candidates(rows).items():
+
+            def pooled(set_name, scored=scored):
+                names = [f"{set_name}/{task}" for task in TASKS]
+                return sum((scored["risks"][n] for n in names), []), sum((scored["labels"][n] for n in names), [])
+
+            calib_risks, calib_labels = pooled("calibration")
             threshold = calibrate_threshold(calib_risks, calib_labels, args.max_false_alarm)
+            report_risks, report_labels = pooled("report")
             entry = {
-                "settings": settings,
-                "hold_back": probe.hold_back,
+                "settings": scored["settings"],
+                "hold_back": scored["hold_back"],
                 "threshold": threshold,
                 "calibration": rates(calib_risks, calib_labels, threshold),
-                "report": {},
+                "report": {"pooled": rates(report_risks, report_labels, threshold)},
                 "roc": {},
-                "auc": {},
+                "auc": {"pooled": auc(report_risks, report_labels)},
             }
-            report_risks, report_labels = pooled(rows, "report", settings)
-            entry["report"]["pooled"] = rates(report_risks, report_labels, threshold)
             for task in TASKS:
-                task_rows = rows[f"report/{task}"]
-                risks = [row["risk"][key(settings)] for row in task_rows]
-                labels = [row["changed"][str(probe.hold_back)] for row in task_rows]
+                risks, labels = scored["risks"][f"report/{task}"], scored["labels"][f"report/{task}"]
                 entry["report"][task] = rates(risks, labels, threshold)
                 entry["roc"][task] = roc_curve(risks, labels)
                 entry["auc"][task] = auc(risks, labels)
-            entry["auc"]["pooled"] = auc(report_risks, report_labels)
             if costs and name in costs:
                 cost = costs[name]["median_ms"]
-                entry["cost_ms"] = cost[key(settings)]
-                entry["cost_fraction_of_prefill"] = cost[key(settings)] / cost["target_prefill"]
+                entry["cost_ms"] = candidate_cost(scored["settings"], cost)
+                entry["cost_fraction_of_prefill"] = entry["cost_ms"] / cost["target_prefill"]
                 entry["target_token_fraction"] = (
-                    costs[name]["probe_target_tokens"][key(settings)] / costs[name]["tokens"]
+                    candidate_tokens(scored["settings"], costs[name]["tokens"]) / costs[name]["tokens"]
                 )
-            probes[key(settings)] = entry
+            entry["_risks"], entry["_labels"] = scored["risks"], scored["labels"]
+            probes[probe_key] = entry
 
         def rank(item):
             entry = item[1]
-            caught = entry["calibration"]["true_alarm"] or 0.0
-            return (-caught, entry.get("cost_ms", 0.0))
+            within_budget = entry.get("cost_fraction_of_prefill", 0.0) <= args.max_cost_fraction
+            return (not within_budget, -(entry["calibration"]["true_alarm"] or 0.0), entry.get("cost_ms", 0.0))
 
         chosen_key, chosen = sorted(probes.items(), key=rank)[0]
         direction = {
@@ -267,6 +355,7 @@ def analyse(args, costs: dict | None) -> dict:
             "target": target_name,
             "probes": probes,
             "chosen": chosen_key,
+            "chosen_within_cost_budget": chosen.get("cost_fraction_of_prefill", 0.0) <= args.max_cost_fraction,
             "accuracy": {},
         }
         for set_name in SETS:
@@ -283,20 +372,18 @@ def analyse(args, costs: dict | None) -> dict:
                         h: sum(r["changed"][h] for r in task_rows) / len(task_rows) for h in task_rows[0]["changed"]
                     },
                 }
-        # Guarded serving on the report set: answers served = mapped when accepted, the target's own when refused.
+        # Guarded serving on the report set: the mapped answer when accepted, the target's own when refused.
         hold_back = str(chosen["hold_back"])
         guarded = {}
         for task in TASKS:
             task_rows = rows[f"report/{task}"]
-            served = [
-                r["own_correct"] if r["risk"][chosen_key] > chosen["threshold"] else r["mapped_correct"][hold_back]
-                for r in task_rows
-            ]
-            changed = [r["changed"][hold_back] and r["risk"][chosen_key] <= chosen["threshold"] for r in task_rows]
+            refused = [risk > chosen["threshold"] for risk in chosen["_risks"][f"report/{task}"]]
+            served = [r["own_correct"] if no else r["mapped_correct"][hold_back] for r, no in zip(task_rows, refused)]
+            changed = [r["changed"][hold_back] and not no for r, no in zip(task_rows, refused)]
             guarded[task] = {
                 "accuracy": sum(served) / len(served),
                 "changed_answers_served": sum(changed) / len(changed),
-                "fallback_rate": chosen["report"][task]["refused"],
+                "fallback_rate": sum(refused) / len(refused),
             }
         direction["guarded_report"] = guarded
         if costs and name in costs:
@@ -312,11 +399,15 @@ def analyse(args, costs: dict | None) -> dict:
                 "fallback_rate": fallback,
                 "expected_fallback": fallback * cost["target_prefill"],
                 "net_saving": cost["target_prefill"] - spent - fallback * cost["target_prefill"],
-                "net_saving_without_transport": cost["target_prefill"]
+                "net_saving_fraction": (cost["target_prefill"] - spent - fallback * cost["target_prefill"])
+                / cost["target_prefill"],
+                "net_saving_same_host": cost["target_prefill"]
                 - (cost["map"] + chosen["cost_ms"])
                 - fallback * cost["target_prefill"],
                 "cache_bytes": costs[name]["cache_bytes"],
             }
+        for entry in probes.values():
+            entry.pop("_risks"), entry.pop("_labels")
         result["directions"][name] = direction
     return result
 
@@ -357,7 +448,10 @@ def write_configs(result: dict, args) -> None:
         folder = mapper_path(direction["source"], direction["target"])
         config_path = folder / "config.json"
         rows = json.loads((Path(args.work) / f"{name}.json").read_text())["rows"]
-        risks, labels = pooled(rows, "calibration", chosen["settings"])
+        scored = scored_candidates(rows)[direction["chosen"]]
+        names = [f"calibration/{task}" for task in TASKS]
+        risks = sum((scored["risks"][n] for n in names), [])
+        labels = sum((scored["labels"][n] for n in names), [])
         mapper = MapperModel.from_pretrained(str(folder))
         stored = calibrate_probe(
             mapper,
@@ -382,12 +476,13 @@ def write_configs(result: dict, args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("items", "costs", "report", "all"))
+    parser.add_argument("stage", choices=("items", "augment", "costs", "report", "all"))
     parser.add_argument("--items", type=int, default=150, help="items per task and set")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-false-alarm", type=float, default=0.1)
+    parser.add_argument("--max-cost-fraction", type=float, default=0.05, help="probe cost budget (of re-prefill)")
     parser.add_argument("--work", default=str(REPO / "benchmarks" / "results" / "handoff_items"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "handoff.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "handoff_roc.png"))
@@ -397,6 +492,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if args.stage in ("items", "all"):
         run_items(args)
+    if args.stage in ("augment", "all"):
+        run_augment(args)
     costs = None
     if args.stage in ("costs", "all"):
         costs = run_costs(args)

@@ -24,12 +24,14 @@ from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from .cache import MappedCache
-from .probes import Probe, ProbeContext, probe_from_dict
+from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .rope import positions_from_attention_mask
 
 logger = logging.get_logger(__name__)
 
 POLICIES = ("fallback", "fail")
+#: relative key/value error below which the exactness audit certifies a mapping as the target's own cache
+EXACT_TOLERANCE = 1e-3
 
 
 class HandoffRefusedError(RuntimeError):
@@ -217,6 +219,7 @@ def handoff(
     probe: Probe | str | dict | None = None,
     threshold: float | None = None,
     tokenizer=None,
+    exact_audit_tokens: int = 8,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -224,7 +227,10 @@ def handoff(
     Stages: (1) the gate, `mapper.check_compatible(source, target, tokenizer)` (model types, KV geometry, rope,
     revisions, ids, tokenizer fingerprint); (2) the source prefill, unless `source_cache` is given; (3) the mapping
     (`MappedCache.from_source`, holding back the probe's final tokens) and the target's run of the held-back tokens but
-    the last; (4) the probe; (5) accept if every row's risk is at most the threshold. Otherwise `policy="fallback"`
+    the last; (4) the probe; (5) accept if every row's risk is at most the threshold. Before a probe whose risk is not
+    zero for an exact mapping by construction (one that reads the target's own confidence), an exactness audit
+    compares the target's own keys/values on its first `exact_audit_tokens` tokens with the mapped ones: a mapping
+    within `EXACT_TOLERANCE` there is the target's own cache and is served without the probe. Otherwise `policy="fallback"`
     returns the target's own prefill (then `target.generate(input_ids, past_key_values=cache, ...)` is token-identical
     to `target.generate(input_ids, ...)`), and `policy="fail"` raises [`HandoffRefusedError`]. A gate or mapping
     failure (an incompatible model, NaN in the source cache) is handled by the same policy.
@@ -240,6 +246,7 @@ def handoff(
         probe (`Probe`, `str` or `dict`, *optional*): overrides the mapper's calibrated probe (name or settings).
         threshold (`float`, *optional*): overrides the calibrated threshold.
         tokenizer (*optional*): checked against the mapper's tokenizer fingerprint when given.
+        exact_audit_tokens (`int`, *optional*, defaults to 8): size of the exactness audit (0 turns it off).
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -291,6 +298,13 @@ def handoff(
     except ValueError as err:
         return refuse(f"mapping failed: {err}")
     report.mapped_tokens = length - hold_back
+    if exact_audit_tokens and not probe.exact_scores_zero:
+        with clock.stage("exact_audit"):
+            error = PrefixAuditProbe(exact_audit_tokens).score(context).max().item()
+        if error <= EXACT_TOLERANCE:
+            report.accepted, report.reason = True, f"exact mapping: prefix audit error {error:.2g}"
+            report.timings = clock.done()
+            return context.cache, report
     with clock.stage("probe"):
         scores = probe.score(context).float()
     report.scores = [float(s) for s in scores]

@@ -93,6 +93,8 @@ class Probe:
     default_tokens: ClassVar[int] = 4
     #: whether `score` runs the source model (then a cache the caller prefilled must still be at hand)
     needs_source: ClassVar[bool] = False
+    #: whether an exact mapping (the target's own cache, source = target) scores 0 by construction
+    exact_scores_zero: ClassVar[bool] = False
 
     def __init__(self, tokens: int | None = None):
         tokens = self.default_tokens if tokens is None else tokens
@@ -216,15 +218,23 @@ class DraftAgreementProbe(Probe):
 
     name = "draft_agreement"
     needs_source = True
+    exact_scores_zero = True
 
     @torch.no_grad()
     def score(self, context: ProbeContext) -> torch.Tensor:
+        disagree, _ = self.verify(context)
+        return disagree.mean(-1)
+
+    @torch.no_grad()
+    def verify(self, context: ProbeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(disagree, confidence)`, each `(batch, tokens)`: whether the target's argmax on the mapped cache differs
+        from each draft token, and the source's probability of that draft token."""
         steps = self.tokens
         source_cache = context.source_cache
         # the source drafts from the last prompt token, as generation would; its own entry is put back afterwards
         last = [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in source_cache.layers]
         _crop(source_cache, 1)
-        draft, _ = _greedy(context.source, source_cache, context, steps)
+        draft, source_probs = _greedy(context.source, source_cache, context, steps)
         _crop(source_cache, steps)
         for idx, (keys, values) in enumerate(last):
             source_cache.layers[idx].update(keys, values)
@@ -233,7 +243,24 @@ class DraftAgreementProbe(Probe):
         positions = context.position_ids[:, -1:] + torch.arange(steps, device=ids.device)
         logits = _run(context.target, ids, context.cache, mask, positions)
         _crop(context.cache, steps)
-        return 1.0 - (logits.argmax(-1) == draft).float().mean(-1)
+        confidence = source_probs.gather(-1, draft.unsqueeze(-1)).squeeze(-1).cpu()
+        return (logits.argmax(-1) != draft).float().cpu(), confidence
+
+
+@register_probe
+class ConfidentDraftProbe(DraftAgreementProbe):
+    """Draft verification weighted by the source's confidence: the mean over the `tokens` draft tokens of
+    `[target argmax != draft token] * p_source(draft token)`. A disagreement on a token the source itself was unsure of
+    (a question neither model can answer) counts little; one on a token the source was sure of counts fully. Same cost
+    as `draft_agreement`; an exact mapping scores 0.
+    """
+
+    name = "confident_draft"
+
+    @torch.no_grad()
+    def score(self, context: ProbeContext) -> torch.Tensor:
+        disagree, confidence = self.verify(context)
+        return (disagree * confidence).mean(-1)
 
 
 @register_probe
@@ -263,6 +290,7 @@ class PrefixAuditProbe(Probe):
 
     name = "prefix_audit"
     default_tokens = 32
+    exact_scores_zero = True
 
     def target_tokens(self, length: int) -> int:
         return min(self.tokens, length - 1)
@@ -287,3 +315,72 @@ class PrefixAuditProbe(Probe):
                 norm = (theirs * weight).pow(2).sum((1, 2, 3)).clamp_min(1e-30)
                 risk = torch.maximum(risk, (diff / norm).sqrt().cpu())
         return risk
+
+
+@register_probe
+class LinearProbe(Probe):
+    """A weighted sum of other probes' risks: `bias + sum_i weights[i] * risk_i` (a logistic model's logit when the
+    weights come from `fit_linear_probe`). Its components must all hold back one token (they share one context).
+
+    Args:
+        components (`list[dict]`): the settings of the combined probes (`{"name": ..., "tokens": ...}`).
+        weights (`list[float]`): one weight per component.
+        bias (`float`, *optional*, defaults to 0).
+    """
+
+    name = "linear"
+
+    def __init__(self, components: list[dict], weights: list[float], bias: float = 0.0):
+        self.components = [probe_from_dict(settings) for settings in components]
+        if not self.components or len(weights) != len(self.components):
+            raise ValueError(f"LinearProbe needs one weight per component; got {len(weights)} for {len(components)}.")
+        if any(component.hold_back != 1 for component in self.components):
+            raise ValueError("LinearProbe components must hold back one token (tail probes cannot share the context).")
+        self.weights, self.bias = [float(w) for w in weights], float(bias)
+        self.tokens = sum(component.tokens for component in self.components)
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "components": [component.settings() for component in self.components],
+            "weights": self.weights,
+            "bias": self.bias,
+        }
+
+    def target_tokens(self, length: int) -> int:
+        return sum(component.target_tokens(length) for component in self.components)
+
+    def score(self, context: ProbeContext) -> torch.Tensor:
+        risk = torch.full((context.batch,), self.bias)
+        for weight, component in zip(self.weights, self.components):
+            risk = risk + weight * component.score(context).float().cpu()
+        return risk
+
+    def __repr__(self) -> str:
+        return f"LinearProbe({[repr(c) for c in self.components]}, weights={self.weights}, bias={self.bias})"
+
+
+def fit_linear_probe(
+    components: list[dict], risks: list[list[float]], positives: list[bool], l2: float = 1e-2, steps: int = 50
+) -> LinearProbe:
+    """Fit a [`LinearProbe`] by L2-regularized logistic regression (Newton steps, float64) of `positives` (the handoff
+    changed the answer) on the components' measured risks `risks[item][component]`."""
+    x = torch.tensor(risks, dtype=torch.float64)
+    y = torch.tensor([float(p) for p in positives], dtype=torch.float64)
+    if x.dim() != 2 or x.shape != (len(positives), len(components)):
+        raise ValueError(f"risks must be (items, components) = ({len(positives)}, {len(components)}).")
+    mean, scale = x.mean(0), x.std(0).clamp_min(1e-12)
+    design = torch.cat([torch.ones(len(y), 1, dtype=torch.float64), (x - mean) / scale], dim=1)
+    beta = torch.zeros(design.shape[1], dtype=torch.float64)
+    penalty = torch.diag(torch.tensor([0.0] + [l2] * len(components), dtype=torch.float64)) * len(y)
+    for _ in range(steps):
+        p = torch.sigmoid(design @ beta)
+        gradient = design.T @ (p - y) + penalty @ beta
+        hessian = design.T @ (design * (p * (1 - p)).unsqueeze(1)) + penalty
+        step = torch.linalg.solve(hessian + 1e-9 * torch.eye(len(beta), dtype=torch.float64), gradient)
+        beta = beta - step
+        if step.abs().max() < 1e-10:
+            break
+    weights = beta[1:] / scale
+    bias = beta[0] - (weights * mean).sum()
+    return LinearProbe(components, weights.tolist(), float(bias))

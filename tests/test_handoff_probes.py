@@ -9,7 +9,17 @@ from conftest import SUPPORTED, build_model, left_padded_batch
 
 from hf_kvmap import MapperModel, Probe, register_probe
 from hf_kvmap.handoff import probe_context
-from hf_kvmap.probes import PROBES, probe_from_dict
+from hf_kvmap.probes import PROBES, fit_linear_probe, probe_from_dict
+
+# settings for probes that take more than a size
+EXAMPLES = {
+    "linear": {
+        "name": "linear",
+        "components": [{"name": "prefix_audit", "tokens": 3}, {"name": "draft_agreement", "tokens": 3}],
+        "weights": [1.0, 2.0],
+        "bias": -0.5,
+    }
+}
 
 
 def _snapshot(cache):
@@ -31,7 +41,7 @@ def models(one_thread):
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_probe_leaves_caches_as_found(name, models):
     source, target, config = models
-    probe = probe_from_dict({"name": name, "tokens": 3})
+    probe = probe_from_dict(EXAMPLES.get(name, {"name": name, "tokens": 3}))
     ids, mask = left_padded_batch(lengths=(12, 16))
     context = probe_context(source, target, MapperModel.identity(config), ids, mask, hold_back=probe.hold_back)
     target_before, source_before = _snapshot(context.cache), _snapshot(context.source_cache)
@@ -44,7 +54,7 @@ def test_probe_leaves_caches_as_found(name, models):
     assert probe.target_tokens(1024) <= probe.tokens
 
 
-@pytest.mark.parametrize("name", ["draft_agreement", "prefix_audit"])
+@pytest.mark.parametrize("name", sorted(name for name, cls in PROBES.items() if cls.exact_scores_zero))
 def test_exact_mapping_scores_zero(name, models):
     """The source is the target and the mapper the identity: the draft is the target's own answer and the audited
     keys/values are its own, so the risk is zero (up to the rounding of the RoPE strip/apply round trip)."""
@@ -90,3 +100,19 @@ def test_registry_takes_a_new_probe_in_one_line(models):
         probe_from_dict("nope")
     with pytest.raises(ValueError, match="positive integer"):
         probe_from_dict({"name": "tail_nll", "tokens": 0})
+
+
+def test_linear_probe_fit_orders_items_like_the_labels(models):
+    source, target, config = models
+    generator = torch.Generator().manual_seed(0)
+    labels = [bool(i % 2) for i in range(200)]
+    informative = [float(label) + 0.3 * torch.randn(1, generator=generator).item() for label in labels]
+    noise = [torch.randn(1, generator=generator).item() for _ in labels]
+    components = [{"name": "prefix_audit", "tokens": 4}, {"name": "draft_agreement", "tokens": 2}]
+    probe = fit_linear_probe(components, [[a, b] for a, b in zip(informative, noise)], labels)
+    assert probe.weights[0] > 5 * abs(probe.weights[1]) > 0
+    assert probe_from_dict(probe.settings()).settings() == probe.settings()
+    with pytest.raises(ValueError, match="hold back one token"):
+        probe_from_dict({"name": "linear", "components": [{"name": "tail_nll", "tokens": 4}], "weights": [1.0]})
+    with pytest.raises(ValueError, match="one weight per component"):
+        probe_from_dict({"name": "linear", "components": components, "weights": [1.0]})
