@@ -12,7 +12,8 @@ Stages (each resumable; `all` runs them in order):
   report   Per direction: ROC (every threshold) per task and probe on the report set; the threshold calibrated on the
            calibration set (false alarms <= `--max-false-alarm`, both tasks pooled) and its true/false-alarm rates on
            the report set; the probe chosen per direction (the most changed answers caught on the calibration set
-           within the false-alarm budget, then the cheapest); net saving per request. `--write-configs` stores the
+           within the false-alarm budget: the cheapest probe that catches 80 %, else the one that catches the most); net
+           saving per request. `--write-configs` stores the
            chosen probe and threshold in the shipped mappers' `config.json` (`handoff_probe`).
 
     OMP_NUM_THREADS=1 python benchmarks/handoff.py all --write-configs
@@ -236,9 +237,12 @@ def run_costs(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------- report
 #: linear combinations of hold-back-1 probes, fitted by logistic regression on the calibration set of each direction
 COMBINATIONS = {
-    "linear:draft2+look4": ({"name": "draft_agreement", "tokens": 2}, {"name": "lookahead_margin", "tokens": 4}),
+    "linear:cdraft4+look1": ({"name": "confident_draft", "tokens": 4}, {"name": "lookahead_margin", "tokens": 1}),
+    "linear:cdraft4+look4": ({"name": "confident_draft", "tokens": 4}, {"name": "lookahead_margin", "tokens": 4}),
     "linear:all": tuple(settings for settings in CANDIDATES if probe_from_dict(settings).hold_back == 1),
 }
+#: the issue's targets: catch this share of changed answers within the false-alarm budget
+MIN_CAUGHT = 0.8
 EXACT_AUDIT = {"name": "prefix_audit", "tokens": 8}
 
 
@@ -285,19 +289,26 @@ def scored_candidates(rows: dict) -> dict:
 
 
 def candidate_cost(settings: dict, cost: dict) -> float:
-    """Median ms of a probe at the costs' length, with the exactness audit a probe that is not exact-safe needs."""
+    """Median ms of a probe at the costs' length, plus the audit `handoff` runs before every probe."""
     probe = probe_from_dict(settings)
     if probe.name == "linear":
         total = sum(cost[key(component.settings())] for component in probe.components)
     else:
         total = cost[key(settings)]
-    return total + (0.0 if probe.exact_scores_zero else cost[key(EXACT_AUDIT)])
+    return total + cost[key(EXACT_AUDIT)]  # handoff audits every mapping before the probe
 
 
 def candidate_tokens(settings: dict, tokens: int) -> int:
     probe = probe_from_dict(settings)
-    extra = 0 if probe.exact_scores_zero else probe_from_dict(EXACT_AUDIT).target_tokens(tokens)
-    return probe.target_tokens(tokens) + extra
+    return probe.target_tokens(tokens) + probe_from_dict(EXACT_AUDIT).target_tokens(tokens)
+
+
+def items_per_set(args) -> int | None:
+    """Items per task and set, as the checkpoints record them."""
+    counts = {json.loads(path.read_text())["items"] for path in Path(args.work).glob("*.json")}
+    if len(counts) > 1:
+        raise SystemExit(f"the checkpoints in {args.work} hold different item counts {sorted(counts)}")
+    return counts.pop() if counts else None
 
 
 def analyse(args, costs: dict | None) -> dict:
@@ -332,7 +343,11 @@ def analyse(args, costs: dict | None) -> dict:
             for task in TASKS:
                 risks, labels = scored["risks"][f"report/{task}"], scored["labels"][f"report/{task}"]
                 entry["report"][task] = rates(risks, labels, threshold)
-                entry["roc"][task] = roc_curve(risks, labels)
+                curve = roc_curve(risks, labels)
+                entry["roc"][task] = {
+                    field: [round(row[field], 6) for row in curve]
+                    for field in ("threshold", "true_alarm", "false_alarm")
+                }
                 entry["auc"][task] = auc(risks, labels)
             if costs and name in costs:
                 cost = costs[name]["median_ms"]
@@ -345,9 +360,12 @@ def analyse(args, costs: dict | None) -> dict:
             probes[probe_key] = entry
 
         def rank(item):
+            # the cheapest probe that catches MIN_CAUGHT of the changed calibration answers; if none does, the one
+            # that catches the most (to 0.01), then the cheapest
             entry = item[1]
-            within_budget = entry.get("cost_fraction_of_prefill", 0.0) <= args.max_cost_fraction
-            return (not within_budget, -(entry["calibration"]["true_alarm"] or 0.0), entry.get("cost_ms", 0.0))
+            caught = round(entry["calibration"]["true_alarm"] or 0.0, 2)
+            meets = caught >= MIN_CAUGHT
+            return (not meets, 0.0 if meets else -caught, entry.get("cost_ms", 0.0))
 
         chosen_key, chosen = sorted(probes.items(), key=rank)[0]
         direction = {
@@ -356,6 +374,7 @@ def analyse(args, costs: dict | None) -> dict:
             "probes": probes,
             "chosen": chosen_key,
             "chosen_within_cost_budget": chosen.get("cost_fraction_of_prefill", 0.0) <= args.max_cost_fraction,
+            "chosen_meets_catch_target": round(chosen["calibration"]["true_alarm"] or 0.0, 2) >= MIN_CAUGHT,
             "accuracy": {},
         }
         for set_name in SETS:
@@ -425,10 +444,10 @@ def plot(result: dict, path: Path) -> None:
         for row, task in enumerate(TASKS):
             ax = axes[row][col]
             for probe_key, entry in direction["probes"].items():
-                roc = sorted(entry["roc"][task], key=lambda r: (r["false_alarm"], r["true_alarm"]))
+                roc = sorted(zip(entry["roc"][task]["false_alarm"], entry["roc"][task]["true_alarm"]))
                 ax.plot(
-                    [r["false_alarm"] for r in roc],
-                    [r["true_alarm"] for r in roc],
+                    [fa for fa, _ in roc],
+                    [ta for _, ta in roc],
                     label=f"{probe_key} (AUC {entry['auc'][task]:.2f})",
                     lw=2.5 if probe_key == direction["chosen"] else 1.0,
                 )
@@ -439,7 +458,7 @@ def plot(result: dict, path: Path) -> None:
             ax.set_ylabel("caught (answer changed, refused)")
             ax.legend(fontsize=6, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=70)
 
 
 def write_configs(result: dict, args) -> None:
@@ -474,9 +493,105 @@ def write_configs(result: dict, args) -> None:
         print(f"{config_path}: handoff_probe = {stored['probe']} threshold {stored['threshold']:.4g}", flush=True)
 
 
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+def readme_markdown(result: dict, session: dict | None, source_file: str, session_file: str) -> str:
+    """The README's guarded-handoff tables, rendered from the benchmark JSON (never typed by hand)."""
+    budget = result["run"]["max_false_alarm"]
+    lines = [
+        f"Measured by `benchmarks/handoff.py` ({source_file}): {result['run']['items_per_task_and_set']} items per task "
+        "on a calibration set (threshold chosen there: false alarms <= "
+        f"{budget:.0%}) and a disjoint report set (the numbers below). *Caught*: refused items whose answer on the mapped "
+        "cache differs from the target's own; *false alarms*: refused items whose answer is the target's own. Costs at "
+        f"{next(iter(result['directions'].values())).get('cost_per_request_ms', {}).get('tokens', '-')} tokens, CPU, "
+        "medians of interleaved runs.",
+        "",
+        "| direction | probe (chosen on calibration) | caught recall / chat | false alarms recall / chat | AUC recall / "
+        "chat | probe cost vs re-prefill: time / target tokens | answers changed: unguarded -> guarded | net saving per request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, direction in result["directions"].items():
+        chosen = direction["probes"][direction["chosen"]]
+        report = chosen["report"]
+        changed = direction["accuracy"]
+        unguarded = [changed[f"report/{task}"]["changed"][str(chosen["hold_back"])] for task in TASKS]
+        guarded = [direction["guarded_report"][task]["changed_answers_served"] for task in TASKS]
+        cost = direction.get("cost_per_request_ms")
+        saving = (
+            f"{cost['net_saving']:.1f} ms of {cost['target_prefill_avoided']:.1f} ({_pct(cost['net_saving_fraction'])})"
+            if cost
+            else "-"
+        )
+        lines.append(
+            f"| {name} | `{direction['chosen']}` | {_pct(report['recall']['true_alarm'])} / "
+            f"{_pct(report['chat']['true_alarm'])} | {_pct(report['recall']['false_alarm'])} / "
+            f"{_pct(report['chat']['false_alarm'])} | {chosen['auc']['recall']:.2f} / {chosen['auc']['chat']:.2f} | "
+            f"{_pct(chosen.get('cost_fraction_of_prefill'))} / {_pct(chosen.get('target_token_fraction'))} | "
+            f"{_pct(unguarded[0])} -> {_pct(guarded[0])} (recall), "
+            f"{_pct(unguarded[1])} -> {_pct(guarded[1])} (chat) | {saving} |"
+        )
+    lines += [
+        "",
+        "Net saving = target re-prefill avoided - mapper - probe - save + load of the cache file - fallback rate x "
+        "re-prefill. The full ROC per task and direction, every candidate probe and the cost breakdown are in the "
+        "JSON and in `benchmarks/results/handoff_roc.png`.",
+    ]
+    if session:
+        lines += [
+            "",
+            f"Multi-turn sessions (`benchmarks/handoff_session.py`, {session_file}): "
+            f"{session['run']['conversations']} chat conversations of {session['run']['exchanges']} user turns "
+            f"({session['run']['switches_per_conversation']} switches each), the two models answering in turn; each "
+            "answer is compared with the same model's answer after its own prefill of the same transcript.",
+            "",
+            "| pair | direction | switches | same answer as own prefill | mean sync (ms) | own re-prefill (ms) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for pair, data in session["pairs"].items():
+            for direction, entry in data["per_direction"].items():
+                how = "mapped" if entry["mapped"] else "no mapper: prefilled"
+                lines.append(
+                    f"| {pair} | {direction} ({how}) | {entry['switches']} | {_pct(entry['same_as_own_prefill'])} | "
+                    f"{entry['mean_sync_ms']:.1f} | {entry['mean_own_prefill_ms']:.1f} |"
+                )
+        lines += [
+            "",
+            "| pair | " + " | ".join(f"turn {e}" for e in next(iter(session["pairs"].values()))["per_exchange"]),
+        ]
+        lines[-1] += " |"
+        lines.append("|---|" + "---|" * len(next(iter(session["pairs"].values()))["per_exchange"]))
+        for pair, data in session["pairs"].items():
+            cells = [
+                f"{_pct(x['same_as_own_prefill'])} ({x['session_accuracy']:.2f} vs {x['own_prefill_accuracy']:.2f})"
+                for x in data["per_exchange"].values()
+            ]
+            lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Per turn: share of answers equal to the own-prefill answer (session accuracy vs own-prefill accuracy on "
+            "the conversation's facts). Turn 0 is answered before any switch.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(args) -> None:
+    from hf_kvmap.reporting import update_file_section
+
+    result = json.loads(Path(args.out).read_text())
+    session_path = REPO / "benchmarks" / "results" / "handoff_session.json"
+    session = json.loads(session_path.read_text()) if session_path.exists() else None
+    text = readme_markdown(
+        result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
+    )
+    changed = update_file_section(REPO / "README.md", "handoff", text)
+    print("README handoff section", "updated" if changed else "unchanged", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("items", "augment", "costs", "report", "all"))
+    parser.add_argument("stage", choices=("items", "augment", "costs", "report", "readme", "all"))
     parser.add_argument("--items", type=int, default=150, help="items per task and set")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
@@ -506,7 +621,7 @@ def main(argv=None) -> None:
             {
                 "run": {
                     "command": "python benchmarks/handoff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "items_per_task_and_set": args.items,
+                    "items_per_task_and_set": items_per_set(args),
                     "sets": SETS,
                     "tasks": list(TASKS),
                     "candidates": list(CANDIDATES),
@@ -521,6 +636,8 @@ def main(argv=None) -> None:
         if args.write_configs:
             write_configs(result, args)
         print(f"wrote {args.out}", flush=True)
+    if args.stage in ("readme", "all"):
+        write_readme(args)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ from .rope import positions_from_attention_mask
 logger = logging.get_logger(__name__)
 
 POLICIES = ("fallback", "fail")
-#: relative key/value error below which the exactness audit certifies a mapping as the target's own cache
+#: relative key/value error below which the audit certifies a mapping as the target's own cache
 EXACT_TOLERANCE = 1e-3
+#: relative key/value error at which the audit refuses a mapping outright: all-zero keys and values score exactly 1
+GROSS_ERROR = 1.0
 
 
 class HandoffRefusedError(RuntimeError):
@@ -59,8 +61,9 @@ class HandoffReport:
         threshold (`float`, *optional*): the risk above which the mapped cache is refused.
         policy (`str`): `"fallback"` or `"fail"`.
         hold_back (`int`): final prompt tokens the target ran itself on the mapped cache.
+        audit_error (`float`, *optional*): the audit's worst relative key/value error on the first tokens.
         mapped_tokens (`int`): tokens the mapper produced.
-        timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `tail`, `probe`,
+        timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `tail`, `audit`, `probe`,
             `fallback_prefill`, `total`); a stage that did not run is absent.
     """
 
@@ -72,6 +75,7 @@ class HandoffReport:
     threshold: float | None = None
     policy: str = "fallback"
     hold_back: int = 1
+    audit_error: float | None = None
     mapped_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -219,7 +223,7 @@ def handoff(
     probe: Probe | str | dict | None = None,
     threshold: float | None = None,
     tokenizer=None,
-    exact_audit_tokens: int = 8,
+    audit_tokens: int = 8,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -227,10 +231,12 @@ def handoff(
     Stages: (1) the gate, `mapper.check_compatible(source, target, tokenizer)` (model types, KV geometry, rope,
     revisions, ids, tokenizer fingerprint); (2) the source prefill, unless `source_cache` is given; (3) the mapping
     (`MappedCache.from_source`, holding back the probe's final tokens) and the target's run of the held-back tokens but
-    the last; (4) the probe; (5) accept if every row's risk is at most the threshold. Before a probe whose risk is not
-    zero for an exact mapping by construction (one that reads the target's own confidence), an exactness audit
-    compares the target's own keys/values on its first `exact_audit_tokens` tokens with the mapped ones: a mapping
-    within `EXACT_TOLERANCE` there is the target's own cache and is served without the probe. Otherwise `policy="fallback"`
+    the last; (4) the audit: the target prefills its first `audit_tokens` tokens and compares its own keys/values with
+    the mapped ones (relative error, worst layer): within `EXACT_TOLERANCE` the mapping is the target's own cache and is
+    served without the probe (a probe that reads the target's confidence would otherwise refuse an exact cache where
+    the target itself is unsure); at `GROSS_ERROR` or more it is no closer to the target's than all-zero tensors and
+    is refused (a zeroed or mismatched mapper, which a confident target could otherwise pass); (5) the probe; (6)
+    accept if every row's risk is at most the threshold. Otherwise `policy="fallback"`
     returns the target's own prefill (then `target.generate(input_ids, past_key_values=cache, ...)` is token-identical
     to `target.generate(input_ids, ...)`), and `policy="fail"` raises [`HandoffRefusedError`]. A gate or mapping
     failure (an incompatible model, NaN in the source cache) is handled by the same policy.
@@ -246,7 +252,7 @@ def handoff(
         probe (`Probe`, `str` or `dict`, *optional*): overrides the mapper's calibrated probe (name or settings).
         threshold (`float`, *optional*): overrides the calibrated threshold.
         tokenizer (*optional*): checked against the mapper's tokenizer fingerprint when given.
-        exact_audit_tokens (`int`, *optional*, defaults to 8): size of the exactness audit (0 turns it off).
+        audit_tokens (`int`, *optional*, defaults to 8): size of the audit (0 turns it off).
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -298,11 +304,17 @@ def handoff(
     except ValueError as err:
         return refuse(f"mapping failed: {err}")
     report.mapped_tokens = length - hold_back
-    if exact_audit_tokens and not probe.exact_scores_zero:
-        with clock.stage("exact_audit"):
-            error = PrefixAuditProbe(exact_audit_tokens).score(context).max().item()
+    if audit_tokens:
+        with clock.stage("audit"):
+            error = PrefixAuditProbe(audit_tokens).score(context).max().item()
+        report.audit_error = error
+        if not error < GROSS_ERROR:  # NaN included
+            return refuse(
+                f"gross mapping error: the mapped keys/values of the first {audit_tokens} tokens are {error:.3g} "
+                "(relative) from the target's own, no closer than zeros"
+            )
         if error <= EXACT_TOLERANCE:
-            report.accepted, report.reason = True, f"exact mapping: prefix audit error {error:.2g}"
+            report.accepted, report.reason = True, f"exact mapping: audit error {error:.2g}"
             report.timings = clock.done()
             return context.cache, report
     with clock.stage("probe"):

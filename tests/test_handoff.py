@@ -42,7 +42,9 @@ def test_fallback_is_token_identical_to_the_target(tiny):
     source, target, config = tiny
     ids, mask = left_padded_batch(lengths=(11, 15))
     mapper = MapperModel.identity(config)
-    cache, report = handoff(source, target, mapper, ids, attention_mask=mask, probe="prefix_audit", threshold=-1.0)
+    cache, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, probe="prefix_audit", threshold=-1.0, audit_tokens=0
+    )
     assert not report.accepted and report.reason.startswith("probe refused")
     assert type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == ids.shape[1] - 1
     assert torch.equal(greedy(target, ids, cache, mask), greedy(target, ids, mask=mask))
@@ -54,8 +56,33 @@ def test_policy_fail_raises_with_the_report(tiny):
     source, target, config = tiny
     ids = torch.randint(3, 128, (1, 12))
     with pytest.raises(HandoffRefusedError, match="probe refused") as info:
-        handoff(source, target, MapperModel.identity(config), ids, probe="prefix_audit", threshold=-1.0, policy="fail")
+        handoff(
+            source,
+            target,
+            MapperModel.identity(config),
+            ids,
+            probe="prefix_audit",
+            threshold=-1.0,
+            policy="fail",
+            audit_tokens=0,
+        )
     assert info.value.report.accepted is False and "fallback_prefill" not in info.value.report.timings
+
+
+def test_audit_refuses_a_gross_mapping_and_certifies_an_exact_one(tiny):
+    """Another model's cache passed through an identity map is further from the target's own than zeros: refused
+    before any probe. The target's own cache through an identity map is certified exact, even under a threshold that
+    would refuse everything."""
+    source, target, config = tiny
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(8))
+    identity = MapperModel.identity(config)
+    cache, report = handoff(source, target, identity, ids, probe="lookahead_margin", threshold=10.0)
+    assert not report.accepted and report.reason.startswith("gross mapping error") and report.audit_error >= 1.0
+    assert "probe" not in report.timings
+    assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+    cache, report = handoff(target, target, identity, ids, probe="lookahead_margin", threshold=-1.0)
+    assert report.accepted and report.reason.startswith("exact mapping") and report.audit_error < 1e-3
+    assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
 
 
 def test_accepted_cache_is_the_mapped_one(tiny):
@@ -203,3 +230,31 @@ def test_shipped_guard_refuses_a_broken_mapper(direction, how, family):
         cache, report = handoff(source, target, mapper, ids)
         assert not report.accepted, report.reason
         assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+
+
+# ------------------------------------------------------------------------------------------------- documents
+
+
+def test_shipped_probes_and_readme_come_from_the_benchmark():
+    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the README
+    section is exactly what the benchmark JSON renders."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks" / "results" / "handoff.json").read_text())
+    session = json.loads((root / "benchmarks" / "results" / "handoff_session.json").read_text())
+    for name, direction in result["directions"].items():
+        stored = json.loads((zoo.mapper_path(direction["source"], direction["target"]) / "config.json").read_text())
+        chosen = direction["probes"][direction["chosen"]]
+        assert stored["handoff_probe"]["probe"] == chosen["settings"], name
+        assert stored["handoff_probe"]["threshold"] == chosen["threshold"], name
+    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (root / "README.md").read_text()
+    section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", readme, re.DOTALL).group(1)
+    assert section == script.readme_markdown(
+        result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
+    )
