@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ._compat import model_id, model_revision
+from .artifacts import content_hash
 from .cache import MappedCache, MappedLayer
-from .card import content_hash
 
 FORMAT = "hf-kvmap-cache"
 FORMAT_VERSION = 1
@@ -77,7 +77,7 @@ def save_cache(
     """
     from safetensors.torch import save_file
 
-    from . import __version__
+    from ._version import __version__
 
     if not isinstance(cache, Cache) or not cache.layers or not all(layer.is_initialized for layer in cache.layers):
         raise ValueError("save_cache needs a prefilled cache whose every layer holds keys and values.")
@@ -205,7 +205,7 @@ def load_cache(
                 "another prompt. Build the cache for this prompt."
             )
     if model is not None:
-        from .rope import KVGeometry
+        from .geometry import KVGeometry
 
         found = KVGeometry.from_config(model.config)
         expected = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"])
@@ -226,12 +226,7 @@ def load_cache(
         for idx in range(geometry["num_layers"])
     ]
     if record["cache_class"] == "MappedCache":
-        layers = []
-        for keys, values in pairs:
-            layer = MappedLayer()
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            layers.append(layer)
+        layers = [MappedLayer.from_tensors(keys, values) for keys, values in pairs]
         cache: Cache = MappedCache(layers=layers, mapping_info=record.get("mapping_info"))
     else:
         cache = DynamicCache()

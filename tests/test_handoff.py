@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from conftest import SUPPORTED, build_model, left_padded_batch
 
 from hf_kvmap import HandoffRefusedError, MappedCache, MapperConfig, MapperModel, calibrate_probe, handoff, zoo
 from hf_kvmap.handoff import auc, calibrate_threshold, roc_curve
@@ -24,9 +23,9 @@ def greedy(model, ids, cache=None, mask=None, new=6):
 
 
 @pytest.fixture(scope="module")
-def tiny(one_thread):
-    config = SUPPORTED["qwen3"]()
-    return build_model(config, seed=0), build_model(config, seed=1), config
+def models(tiny, one_thread):
+    config = tiny.config()
+    return tiny.model(config, seed=0), tiny.model(config, seed=1), config
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +37,9 @@ def family(one_thread):
     return tokenizer, prompts, models
 
 
-def test_fallback_is_token_identical_to_the_target(tiny):
-    source, target, config = tiny
-    ids, mask = left_padded_batch(lengths=(11, 15))
+def test_fallback_is_token_identical_to_the_target(models, tiny):
+    source, target, config = models
+    ids, mask = tiny.left_padded_batch(lengths=(11, 15))
     mapper = MapperModel.identity(config)
     cache, report = handoff(
         source, target, mapper, ids, attention_mask=mask, probe="prefix_audit", threshold=-1.0, audit_tokens=0
@@ -52,8 +51,8 @@ def test_fallback_is_token_identical_to_the_target(tiny):
     assert report.threshold == -1.0 and len(report.scores) == 2 and report.score == max(report.scores)
 
 
-def test_policy_fail_raises_with_the_report(tiny):
-    source, target, config = tiny
+def test_policy_fail_raises_with_the_report(models):
+    source, target, config = models
     ids = torch.randint(3, 128, (1, 12))
     with pytest.raises(HandoffRefusedError, match="probe refused") as info:
         handoff(
@@ -69,11 +68,11 @@ def test_policy_fail_raises_with_the_report(tiny):
     assert info.value.report.accepted is False and "fallback_prefill" not in info.value.report.timings
 
 
-def test_audit_refuses_a_gross_mapping_and_certifies_an_exact_one(tiny):
+def test_audit_refuses_a_gross_mapping_and_certifies_an_exact_one(models):
     """Another model's cache passed through an identity map is further from the target's own than zeros: refused
     before any probe. The target's own cache through an identity map is certified exact, even under a threshold that
     would refuse everything."""
-    source, target, config = tiny
+    source, target, config = models
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(8))
     identity = MapperModel.identity(config)
     cache, report = handoff(source, target, identity, ids, probe="lookahead_margin", threshold=10.0)
@@ -85,16 +84,16 @@ def test_audit_refuses_a_gross_mapping_and_certifies_an_exact_one(tiny):
     assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
 
 
-def test_accepted_cache_is_the_mapped_one(tiny):
-    source, target, config = tiny
+def test_accepted_cache_is_the_mapped_one(models):
+    source, target, config = models
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
     cache, report = handoff(target, target, MapperModel.identity(config), ids, probe="prefix_audit", threshold=1e-3)
     assert report.accepted and isinstance(cache, MappedCache) and report.mapped_tokens == 11
     assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
 
 
-def test_tail_probe_holds_back_its_tokens(tiny):
-    source, target, config = tiny
+def test_tail_probe_holds_back_its_tokens(models):
+    source, target, config = models
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(6))
     cache, report = handoff(
         target, target, MapperModel.identity(config), ids, probe={"name": "tail_nll", "tokens": 8}, threshold=100.0
@@ -116,8 +115,8 @@ def test_gate_refuses_mismatched_models(family):
         handoff(models["tiny-s"], models["tiny-l"], mapper, ids, probe="prefix_audit", threshold=1.0, policy="fail")
 
 
-def test_bad_calls_get_clear_errors(tiny):
-    source, target, config = tiny
+def test_bad_calls_get_clear_errors(models):
+    source, target, config = models
     mapper = MapperModel.identity(config)
     ids = torch.randint(3, 128, (1, 12))
     with pytest.raises(ValueError, match="no calibrated handoff probe"):
@@ -133,8 +132,8 @@ def test_bad_calls_get_clear_errors(tiny):
         handoff(source, target, mapper, ids.float(), probe="prefix_audit", threshold=0.1)
 
 
-def test_nan_source_cache_falls_back(tiny):
-    source, target, config = tiny
+def test_nan_source_cache_falls_back(models):
+    source, target, config = models
     ids = torch.randint(3, 128, (1, 12))
     cache = source(input_ids=ids, use_cache=True).past_key_values
     cache.layers[1].keys[0, 0, 3, 0] = float("nan")
@@ -162,8 +161,8 @@ def test_roc_and_threshold_are_exact():
         calibrate_threshold([0.1], [True])
 
 
-def test_calibration_is_stored_and_old_configs_load(tiny, tmp_path):
-    _, _, config = tiny
+def test_calibration_is_stored_and_old_configs_load(models, tmp_path):
+    _, _, config = models
     mapper = MapperModel.identity(config)
     assert mapper.config.handoff_probe is None
     stored = calibrate_probe(
@@ -230,31 +229,3 @@ def test_shipped_guard_refuses_a_broken_mapper(direction, how, family):
         cache, report = handoff(source, target, mapper, ids)
         assert not report.accepted, report.reason
         assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
-
-
-# ------------------------------------------------------------------------------------------------- documents
-
-
-def test_shipped_probes_and_readme_come_from_the_benchmark():
-    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the README
-    section is exactly what the benchmark JSON renders."""
-    import importlib.util
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    result = json.loads((root / "benchmarks" / "results" / "handoff.json").read_text())
-    session = json.loads((root / "benchmarks" / "results" / "handoff_session.json").read_text())
-    for name, direction in result["directions"].items():
-        stored = json.loads((zoo.mapper_path(direction["source"], direction["target"]) / "config.json").read_text())
-        chosen = direction["probes"][direction["chosen"]]
-        assert stored["handoff_probe"]["probe"] == chosen["settings"], name
-        assert stored["handoff_probe"]["threshold"] == chosen["threshold"], name
-    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    readme = (root / "README.md").read_text()
-    section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", readme, re.DOTALL).group(1)
-    assert section == script.readme_markdown(
-        result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
-    )

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import build_model
 
 from hf_kvmap import MappedCache, MapperModel, load_cache, save_cache, zoo
 from hf_kvmap.delivery import read_provenance
@@ -136,14 +135,12 @@ def test_save_refuses_an_empty_cache_and_a_short_prompt(pair, tmp_path):
         save_cache(cache, tmp_path / "short.safetensors", input_ids=ids[:, :5])
 
 
-def test_left_padded_batch_round_trip(tmp_path, one_thread):
-    from conftest import SUPPORTED, left_padded_batch
-
-    config = SUPPORTED["qwen3"]()
-    model = build_model(config)
+def test_left_padded_batch_round_trip(tmp_path, tiny, one_thread):
+    config = tiny.config()
+    model = tiny.model(config)
     from hf_kvmap.rope import positions_from_attention_mask
 
-    ids, mask = left_padded_batch()
+    ids, mask = tiny.left_padded_batch()
     positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
     cache = MappedCache.from_source(
         model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values,

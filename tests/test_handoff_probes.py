@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SUPPORTED, build_model, left_padded_batch
 
 from hf_kvmap import MapperModel, Probe, register_probe
 from hf_kvmap.handoff import probe_context
@@ -33,16 +32,16 @@ def _assert_same(cache, snapshot):
 
 
 @pytest.fixture(scope="module")
-def models(one_thread):
-    config = SUPPORTED["qwen3"]()
-    return build_model(config, seed=0), build_model(config, seed=1), config
+def models(tiny, one_thread):
+    config = tiny.config()
+    return tiny.model(config, seed=0), tiny.model(config, seed=1), config
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))
-def test_probe_leaves_caches_as_found(name, models):
+def test_probe_leaves_caches_as_found(name, models, tiny):
     source, target, config = models
     probe = probe_from_dict(EXAMPLES.get(name, {"name": name, "tokens": 3}))
-    ids, mask = left_padded_batch(lengths=(12, 16))
+    ids, mask = tiny.left_padded_batch(lengths=(12, 16))
     context = probe_context(source, target, MapperModel.identity(config), ids, mask, hold_back=probe.hold_back)
     target_before, source_before = _snapshot(context.cache), _snapshot(context.source_cache)
     risks = probe.score(context)

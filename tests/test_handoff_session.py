@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SUPPORTED, build_model
 
 from hf_kvmap import HandoffSession, MappedCache, MapperModel, zoo
 from hf_kvmap.zoo import corpus
@@ -79,9 +78,9 @@ def test_incremental_window_mapping_equals_whole_prompt_mapping(one_thread):
             )
 
 
-def test_direction_without_mapper_prefills_and_matches_own(one_thread):
-    config = SUPPORTED["qwen3"]()
-    small, large = build_model(config, seed=0), build_model(config, seed=1)
+def test_direction_without_mapper_prefills_and_matches_own(tiny, one_thread):
+    config = tiny.config()
+    small, large = tiny.model(config, seed=0), tiny.model(config, seed=1)
     session = HandoffSession({"small": small, "large": large})
     session.append(torch.randint(3, 128, (10,), generator=torch.Generator().manual_seed(0)))
     session.respond("small", 4, pad_token_id=0)
@@ -94,9 +93,9 @@ def test_direction_without_mapper_prefills_and_matches_own(one_thread):
     assert turn.tokens == own[0, before.shape[1] :].tolist()
 
 
-def test_bad_session_input_is_refused():
-    config = SUPPORTED["qwen3"]()
-    model = build_model(config)
+def test_bad_session_input_is_refused(tiny):
+    config = tiny.config()
+    model = tiny.model(config)
     with pytest.raises(ValueError, match="at least one model"):
         HandoffSession({})
     with pytest.raises(ValueError, match="not one of"):

@@ -1,0 +1,32 @@
+"""The README's guarded-handoff section and the shipped mappers' calibrated probes come from the benchmark JSON."""
+
+from __future__ import annotations
+
+import json
+
+from hf_kvmap import zoo
+
+
+def test_shipped_probes_and_readme_come_from_the_benchmark():
+    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the README
+    section is exactly what the benchmark JSON renders."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = json.loads((root / "benchmarks" / "results" / "handoff.json").read_text())
+    session = json.loads((root / "benchmarks" / "results" / "handoff_session.json").read_text())
+    for name, direction in result["directions"].items():
+        stored = json.loads((zoo.mapper_path(direction["source"], direction["target"]) / "config.json").read_text())
+        chosen = direction["probes"][direction["chosen"]]
+        assert stored["handoff_probe"]["probe"] == chosen["settings"], name
+        assert stored["handoff_probe"]["threshold"] == chosen["threshold"], name
+    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (root / "README.md").read_text()
+    section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", readme, re.DOTALL).group(1)
+    assert section == script.readme_markdown(
+        result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
+    )
