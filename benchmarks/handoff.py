@@ -490,6 +490,9 @@ def write_configs(result: dict, args) -> None:
         tmp = config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tmp.replace(config_path)
+        # the card shows the guard: re-render it (the library's one card writer) and its copy in model_cards/
+        card = MapperModel.from_pretrained(str(folder)).write_card(folder)
+        (REPO / "model_cards" / f"{name}.md").write_text(card.read_text().rstrip("\n"))
         print(f"{config_path}: handoff_probe = {stored['probe']} threshold {stored['threshold']:.4g}", flush=True)
 
 

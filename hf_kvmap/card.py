@@ -111,6 +111,42 @@ def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
     return settings, rows
 
 
+def _handoff_guard(config) -> list[tuple[str, Any]]:
+    """Rows of the card's guarded-handoff table, from `config.handoff_probe` (empty when it was never calibrated)."""
+    stored = getattr(config, "handoff_probe", None)
+    if not stored:
+        return []
+    probe = stored.get("probe", {})
+    if probe.get("name") == "linear":
+        described = "linear: " + " + ".join(
+            f"{fmt_number(weight, 3, 'g')} x {part['name']}:{part.get('tokens')}"
+            for weight, part in zip(probe.get("weights", []), probe.get("components", []))
+        )
+        described += f" + {fmt_number(probe.get('bias'), 3, 'g')}"
+    else:
+        described = f"{probe.get('name')}:{probe.get('tokens')}"
+    calibration = stored.get("calibration", {})
+    rows = [
+        ("probe", f"`{described}`"),
+        ("threshold (refuse when risk is above)", fmt_number(stored.get("threshold"), 4, "g")),
+        ("false-alarm budget", fmt_number(stored.get("max_false_alarm"), 2)),
+    ]
+    if calibration:
+        rows += [
+            (
+                "calibration items",
+                f"{calibration.get('items')} ({', '.join(calibration.get('tasks', []))}, seed "
+                f"{calibration.get('seed')})",
+            ),
+            ("answers changed by the mapping there", calibration.get("changed")),
+            (
+                "caught / false alarms there",
+                f"{fmt_number(calibration.get('true_alarm'), 2)} / {fmt_number(calibration.get('false_alarm'), 2)}",
+            ),
+        ]
+    return rows
+
+
 def render_card(
     mapper, results: dict | None = None, model_name: str | None = None, repo_id: str | None = None
 ) -> ModelCard:
@@ -198,4 +234,5 @@ def render_card(
         latency_rows=latency_rows,
         latency_env=f"{env.get('device', 'cpu')}, {env.get('threads', '?')} threads, torch {env.get('torch', '?')}",
         diagnostics=diagnostics,
+        handoff_guard=_handoff_guard(config),
     )

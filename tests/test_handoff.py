@@ -180,6 +180,13 @@ def test_calibration_is_stored_and_old_configs_load(models, tmp_path):
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
     raw.pop("handoff_probe")
     assert MapperConfig.from_dict(raw).handoff_probe is None
+    # the card shows the guard when there is one
+    from hf_kvmap.card import render_card
+
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "## Guarded handoff" in card and "| probe | `prefix_audit:16` |" in card
+    assert "| threshold (refuse when risk is above) | 0.1 |" in card
+    assert "## Guarded handoff" not in str(render_card(MapperModel.identity(config)))
 
 
 # ------------------------------------------------------------------------------- the shipped, calibrated guards
