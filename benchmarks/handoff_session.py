@@ -38,8 +38,8 @@ PAIRS = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"))
 def load_mappers(pair: tuple[str, str]) -> dict:
     mappers = {}
     for source, target in (pair, pair[::-1]):
-        if (mapper_path(source, target) / "config.json").exists():
-            mappers[(source, target)] = MapperModel.from_pretrained(str(mapper_path(source, target))).float().eval()
+        if (zoo.MAPPERS_DIR / f"{source}-to-{target}" / "config.json").exists():  # mapper_path raises when absent
+            mappers[(source, target)] = MapperModel.from_pretrained(str(mapper_path(source, target))).eval()
     return mappers
 
 
