@@ -25,6 +25,7 @@ Writes `benchmarks/results/handoff.json` and `benchmarks/results/handoff_roc.png
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -187,9 +188,11 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
     source_cache = source(input_ids=ids, use_cache=True).past_key_values
     context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1)
     path = Path(tempfile.mkdtemp()) / "cache.safetensors"
+    upcast = copy.deepcopy(mapper).float()  # the same weights in float32: a serving choice, timed for reference
     jobs = {
         "target_prefill": lambda: target_prefill(target, ids),
         "map": lambda: probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1),
+        "map_float32": lambda: probe_context(source, target, upcast, ids, source_cache=source_cache, hold_back=1),
         "save": lambda: save_cache(context.cache, path, input_ids=ids),
         "load": lambda: load_cache(path, input_ids=ids),
     }
@@ -214,6 +217,7 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
         "tokens": ids.shape[1],
         "median_ms": medians,
         "cache_bytes": path.stat().st_size,
+        "mapper_dtype": str(next(mapper.parameters()).dtype).removeprefix("torch."),
         "probe_target_tokens": {
             key(s): p.target_tokens(ids.shape[1]) for p, s in zip(probes + [audit], CANDIDATES + (EXACT_AUDIT,))
         },
@@ -424,7 +428,13 @@ def analyse(args, costs: dict | None) -> dict:
                 - (cost["map"] + chosen["cost_ms"])
                 - fallback * cost["target_prefill"],
                 "cache_bytes": costs[name]["cache_bytes"],
+                "mapper_dtype": costs[name].get("mapper_dtype"),
             }
+            if "map_float32" in cost:
+                direction["cost_per_request_ms"]["mapper_float32"] = cost["map_float32"]
+                direction["cost_per_request_ms"]["net_saving_float32_mapper"] = (
+                    cost["target_prefill"] - (cost["map_float32"] + chosen["cost_ms"] + cost["save"] + cost["load"])
+                ) - fallback * cost["target_prefill"]
         for entry in probes.values():
             entry.pop("_risks"), entry.pop("_labels")
         result["directions"][name] = direction
@@ -548,11 +558,13 @@ def readme_markdown(result: dict, session: dict | None, source_file: str, sessio
             rates_ = chosen["report"][task]
             if rates_["true_alarm"] is not None and rates_["true_alarm"] < MIN_CAUGHT:
                 misses.append(
-                    f"{task} caught {_pct(rates_['true_alarm'])} ({_pct(MIN_CAUGHT - rates_['true_alarm'])} short)"
+                    f"{task} caught {_pct(rates_['true_alarm'])} ({_pct(MIN_CAUGHT - rates_['true_alarm'])} short, of "
+                    f"{rates_['changed']} changed answers)"
                 )
             if rates_["false_alarm"] is not None and rates_["false_alarm"] > budget:
                 misses.append(
-                    f"{task} false alarms {_pct(rates_['false_alarm'])} ({_pct(rates_['false_alarm'] - budget)} over)"
+                    f"{task} false alarms {_pct(rates_['false_alarm'])} ({_pct(rates_['false_alarm'] - budget)} over, of "
+                    f"{rates_['kept']} kept answers)"
                 )
         fraction = chosen.get("cost_fraction_of_prefill")
         if fraction is not None and fraction > result["run"]["max_cost_fraction"]:
@@ -577,6 +589,15 @@ def readme_markdown(result: dict, session: dict | None, source_file: str, sessio
                 f"| {name} | {task} | {accuracy['target_own']:.2f} | {accuracy['mapped']['1']:.2f} | "
                 f"{accuracy['mapped']['16']:.2f} | {guarded['accuracy']:.2f} | {_pct(guarded['fallback_rate'])} |"
             )
+    upcast = [
+        f"{name} {d['cost_per_request_ms']['mapper']:.0f} ms ({d['cost_per_request_ms']['mapper_dtype']}) vs "
+        f"{d['cost_per_request_ms']['mapper_float32']:.0f} ms (float32), net saving "
+        f"{d['cost_per_request_ms']['net_saving_float32_mapper']:.1f} ms"
+        for name, d in result["directions"].items()
+        if "mapper_float32" in d.get("cost_per_request_ms", {})
+    ]
+    if upcast:
+        lines += ["", "Mapper time as shipped vs the same weights in float32 on this CPU: " + "; ".join(upcast) + "."]
     lines += [
         "",
         "Net saving = target re-prefill avoided - mapper - probe - save + load of the cache file - fallback rate x "
