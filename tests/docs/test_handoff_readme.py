@@ -30,3 +30,26 @@ def test_shipped_probes_and_readme_come_from_the_benchmark():
     assert section == script.readme_markdown(
         result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
     )
+
+
+def test_handoff_results_are_what_the_checkpoints_give():
+    """`benchmarks/results/handoff.json` (every ROC, threshold, rate and cost) is what the report stage computes from
+    the committed per-item checkpoints and cost medians."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    results = root / "benchmarks" / "results"
+    committed = json.loads((results / "handoff.json").read_text())
+    costs = json.loads((results / "handoff_costs.json").read_text())["costs"]
+    args = argparse.Namespace(
+        work=str(results / "handoff_items"),
+        max_false_alarm=committed["run"]["max_false_alarm"],
+        max_cost_fraction=committed["run"]["max_cost_fraction"],
+    )
+    recomputed = json.loads(json.dumps(script.analyse(args, costs)))
+    assert recomputed["directions"] == committed["directions"]
