@@ -262,14 +262,17 @@ def handoff(
     Example:
 
     ```python
-    >>> from hf_kvmap import handoff
+    >>> from hf_kvmap import MapperModel, handoff, zoo
+    >>> source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")  # doctest: +SKIP
+    >>> mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))  # doctest: +SKIP
     >>> cache, report = handoff(source, target, mapper, input_ids)  # doctest: +SKIP
-    >>> report.accepted, report.score, report.threshold  # doctest: +SKIP
-    (True, 0.0, 0.25)
+    >>> out = target.generate(input_ids, past_key_values=cache, max_new_tokens=8)  # doctest: +SKIP
     ```
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
+    if isinstance(audit_tokens, bool) or not isinstance(audit_tokens, int) or audit_tokens < 0:
+        raise ValueError(f"audit_tokens={audit_tokens!r} must be a non-negative integer (0 turns the audit off).")
     _check_inputs(input_ids, attention_mask, source_cache)
     probe, threshold = resolve_probe(mapper, probe, threshold)
     clock = _Clock()

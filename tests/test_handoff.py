@@ -128,6 +128,8 @@ def test_bad_calls_get_clear_errors(models):
     with pytest.raises(ValueError, match="covers 11 tokens"):
         cache = source(input_ids=ids[:, :-1], use_cache=True).past_key_values
         handoff(source, target, mapper, ids, source_cache=cache, probe="prefix_audit", threshold=0.1)
+    with pytest.raises(ValueError, match="audit_tokens=-1"):
+        handoff(source, target, mapper, ids, probe="prefix_audit", threshold=0.1, audit_tokens=-1)
     with pytest.raises(ValueError, match="long tensor"):
         handoff(source, target, mapper, ids.float(), probe="prefix_audit", threshold=0.1)
 
