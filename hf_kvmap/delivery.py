@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ._compat import model_id, model_revision
-from .artifacts import content_hash
+from .artifacts import weights_hash
 from .cache import MappedCache, MappedLayer
 
 FORMAT = "hf-kvmap-cache"
@@ -116,7 +116,7 @@ def save_cache(
         tensors["attention_mask"] = attention_mask[:, :seq].detach().to("cpu", torch.int64).contiguous()
     if provenance:
         record["provenance"] = json.loads(json.dumps(provenance))
-    record["content_sha256"] = content_hash(tensors)
+    record["content_sha256"] = weights_hash(tensors)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -179,7 +179,7 @@ def load_cache(
     record = read_provenance(path)
     tensors = load_file(str(path), device="cpu")
     if verify:
-        found = content_hash(tensors)
+        found = weights_hash(tensors)
         if found != record.get("content_sha256"):
             raise ValueError(
                 f"{path}: the tensors hash to {found} but the file records {record.get('content_sha256')}: the cache was "

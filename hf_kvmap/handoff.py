@@ -171,11 +171,15 @@ def probe_context(
     source_cache: Cache | None = None,
     hold_back: int = 1,
     *,
+    source_position_ids: torch.Tensor | None = None,
     clock: _Clock | None = None,
 ) -> ProbeContext:
     """Stages 2 and 3 of `handoff`: source prefill (unless `source_cache` is given), mapping of all prompt tokens but
     the last `hold_back`, and the target's run of the held-back tokens but the last. Returns the [`ProbeContext`]
-    whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source cache."""
+    whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source cache.
+
+    The positions the source cache was built at: the mask-derived ones when this function prefills it, else
+    `source_position_ids` (default, as `MappedCache.from_source`: a plain forward's `0 .. T-1`)."""
     clock = clock or _Clock()
     batch, length = input_ids.shape
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -185,8 +189,15 @@ def probe_context(
             source_cache = source(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True
             ).past_key_values
+        source_position_ids = positions
     with clock.stage("map"):
-        cache = MappedCache.from_source(source_cache, mapper, hold_back=hold_back, attention_mask=attention_mask)
+        cache = MappedCache.from_source(
+            source_cache,
+            mapper,
+            hold_back=hold_back,
+            attention_mask=attention_mask,
+            source_position_ids=source_position_ids,
+        )
     tail_logits = None
     if hold_back > 1:
         with clock.stage("tail"):
@@ -224,6 +235,7 @@ def handoff(
     threshold: float | None = None,
     tokenizer=None,
     audit_tokens: int = 8,
+    source_position_ids: torch.Tensor | None = None,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -253,6 +265,8 @@ def handoff(
         threshold (`float`, *optional*): overrides the calibrated threshold.
         tokenizer (*optional*): checked against the mapper's tokenizer fingerprint when given.
         audit_tokens (`int`, *optional*, defaults to 8): size of the audit (0 turns it off).
+        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions a given left-padded `source_cache` was
+            prefilled at, when they were not a plain forward's `0 .. T-1` (e.g. `generate`-style, from the mask).
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -302,7 +316,15 @@ def handoff(
 
     try:
         context = probe_context(
-            source, target, mapper, input_ids, attention_mask, source_cache, hold_back, clock=clock
+            source,
+            target,
+            mapper,
+            input_ids,
+            attention_mask,
+            source_cache,
+            hold_back,
+            source_position_ids=source_position_ids,
+            clock=clock,
         )
     except ValueError as err:
         return refuse(f"mapping failed: {err}")

@@ -92,6 +92,33 @@ def test_accepted_cache_is_the_mapped_one(models):
     assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
 
 
+def test_left_padded_batch_is_mapped_at_the_right_positions(models, tiny):
+    """Left padding: handoff's own source prefill (mask-derived positions), a given plain-forward cache, and a given
+    generate-style cache with its positions all map exactly (the audit certifies it) and generate the target's
+    tokens."""
+    _, target, config = models
+    ids, mask = tiny.left_padded_batch(lengths=(10, 16))
+    identity = MapperModel.identity(config)
+    reference = greedy(target, ids, mask=mask)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    plain = target(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    generate_style = tiny.prefill(target, ids, mask)
+    for source_cache, source_positions in ((None, None), (plain, None), (generate_style, positions)):
+        cache, report = handoff(
+            target,
+            target,
+            identity,
+            ids,
+            attention_mask=mask,
+            source_cache=source_cache,
+            source_position_ids=source_positions,
+            probe="lookahead_margin",
+            threshold=-1.0,
+        )
+        assert report.accepted and report.reason.startswith("exact mapping"), report.reason
+        assert torch.equal(greedy(target, ids, cache, mask), reference)
+
+
 def test_tail_probe_holds_back_its_tokens(models):
     source, target, config = models
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(6))

@@ -146,6 +146,7 @@ def test_left_padded_batch_round_trip(tmp_path, tiny, one_thread):
         model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values,
         MapperModel.identity(config),
         attention_mask=mask,
+        source_position_ids=positions,
     )
     save_cache(cache, tmp_path / "batch.safetensors", input_ids=ids, attention_mask=mask)
     loaded, provenance = load_cache(tmp_path / "batch.safetensors", input_ids=ids, model=model)
