@@ -21,6 +21,7 @@ import torch
 
 from hf_kvmap import MapperModel, zoo
 from hf_kvmap.artifacts import content_hash
+from hf_kvmap.commands.fit import parse_layer_window
 from hf_kvmap.diagnostics import diagnose
 from hf_kvmap.evaluation import Handoff, evaluate_tasks
 from hf_kvmap.reporting import environment_info
@@ -38,6 +39,19 @@ def main(argv=None) -> None:
     parser.add_argument("--kind", choices=("ridge", "mlp"), default="ridge", help="mapper kind (default: ridge)")
     parser.add_argument("--context-window", type=int, default=0, help="earlier positions each map reads")
     parser.add_argument("--input-kinds", choices=("same", "both"), default="same", help="what each map reads")
+    parser.add_argument(
+        "--layer-window",
+        action="append",
+        default=[],
+        metavar="LAYER:PART=W[:both]",
+        help="a context window for one map only (repeatable), e.g. 3:key=3:both",
+    )
+    parser.add_argument("--key-norm", action="store_true", help="normalise predicted keys with the target's key norm")
+    parser.add_argument("--objective", choices=("mse", "kl"), default="mse", help="kl: end-to-end fine-tune after")
+    parser.add_argument("--kl-steps", type=int, default=400, help="most KL fine-tune steps (default: 400)")
+    parser.add_argument("--kl-lr", type=float, default=3e-4, help="KL fine-tune learning rate (default: 3e-4)")
+    parser.add_argument("--kl-docs", type=int, default=256, help="KL sequences (zoo.context_batches; default: 256)")
+    parser.add_argument("--kl-length", type=int, default=320, help="tokens per KL sequence (default: 320)")
     parser.add_argument("--stride", type=int, default=1, help="keep every stride-th calibration position")
     parser.add_argument("--hidden-size", type=int, default=128, help="MLP hidden size (default: 128)")
     parser.add_argument("--epochs", type=int, default=20, help="MLP epochs (default: 20)")
@@ -61,6 +75,19 @@ def main(argv=None) -> None:
 
     tokenizer = zoo.load_tokenizer(padding_side="left")
     batches = zoo.calibration_batches(tokenizer, args.docs, args.length, batch_size=16)
+    layer_inputs: dict = {}
+    for spec in args.layer_window:
+        layer, part, entry = parse_layer_window(spec)
+        layer_inputs.setdefault(layer, {})[part] = entry
+    objective_options = {}
+    if args.objective == "kl":
+        objective_options = {
+            "objective": "kl",
+            "kl_steps": args.kl_steps,
+            "kl_lr": args.kl_lr,
+            "kl_cache_references": True,  # a few MB for the tiny family
+            "kl_calibration": zoo.context_batches(tokenizer, args.kl_docs, args.kl_length, batch_size=16),
+        }
     for pair in args.pairs:
         source_name, target_name = pair.split(":")
         started = time.perf_counter()
@@ -77,11 +104,14 @@ def main(argv=None) -> None:
             kind=args.kind,
             context_window=args.context_window,
             input_kinds=args.input_kinds,
+            layer_inputs=layer_inputs or None,
+            key_norm=args.key_norm,
             stride=args.stride,
             top_k=args.top_k,
             ridge_lambda=args.ridge_lambda,
             tokenizer=tokenizer,
             **mlp_options,
+            **objective_options,
         )
         fit_seconds = time.perf_counter() - started
         mapper = mapper.to(getattr(torch, args.save_dtype))  # evaluate exactly what is saved
@@ -103,6 +133,9 @@ def main(argv=None) -> None:
             "kind": args.kind,
             "dtype": args.save_dtype,
             "mapper_content_hash": content_hash(mapper.state_dict(), mapper.config),
+            "layer_inputs": layer_inputs or None,
+            "key_norm": args.key_norm,
+            "objective": args.objective,
         }
         results["environment"] = environment_info()
         out = args.out_root / f"{source_name}-to-{target_name}"

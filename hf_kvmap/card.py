@@ -85,6 +85,33 @@ _MLP_SETTINGS = (
 )
 
 
+def _objective_rows(config) -> list[tuple[str, str]]:
+    """Card rows for the per-map inputs, the key normalisation and the objective (none for a config without them,
+    so older cards render unchanged)."""
+    rows = []
+    for layer, parts in sorted(getattr(config, "layer_inputs", {}).items(), key=lambda item: int(item[0])):
+        for part in sorted(parts):
+            window, input_kinds = config.part_inputs(int(layer), part)
+            reads = "keys and values" if input_kinds == "both" else f"{part}s"
+            rows.append((f"target layer {layer} {part} map reads", f"source {reads}, context window {window}"))
+    if getattr(config, "key_norm", False):
+        rows.append(("key normalisation", f"the target's per-head key norm (eps {config.key_norm_eps:g})"))
+    record = (config.calibration or {}).get("kl_finetune")
+    if record:
+        settings = record["settings"]
+        rows.append(
+            (
+                "objective",
+                f"fit, then end-to-end KL through the frozen target: held-out KL "
+                f"{fmt_number(record['initial_val_kl'], 4, 'g')} -> {fmt_number(record['best_val_kl'], 4, 'g')} "
+                f"(best step {record['best_step']} of {record['steps_run']}; Adam lr {settings['lr']:g}, "
+                f"{settings['batch_size']} sequences per step, {record['sequences_train']} + "
+                f"{record['sequences_val']} held-out sequences of {record['sequence_length']} tokens)",
+            )
+        )
+    return rows
+
+
 def _mlp_training(config) -> tuple[list[tuple[str, Any]], list[dict[str, str]]]:
     """The MLP training record of `config.calibration["mlp_training"]` as card rows: the settings, and per target
     layer and K/V the held-out MSE and R^2 of the ridge (fitted on the same split) against the MLP kept."""
@@ -221,6 +248,7 @@ def render_card(
         mlp_hidden_size=config.mlp_hidden_size,
         input_kinds=config.input_kinds,
         context_window=config.context_window,
+        objective_rows=_objective_rows(config),
         top_k=", ".join(sorted({str(len(layers)) for layers in config.source_layers})),
         num_parameters=num_parameters,
         ridge_lambda=config.ridge_lambda,

@@ -20,6 +20,8 @@ MAPPER_KINDS = ("ridge", "mlp")
 INPUT_KINDS = ("same", "both")
 LAMBDA_CONVENTIONS = ("absolute", "per_token")
 MLP_INITS = ("ridge", "random")
+OBJECTIVES = ("mse", "kl")
+PARTS = ("key", "value")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
 _MODEL_CONFIG_KEYS = (
@@ -72,6 +74,41 @@ def check_number(name: str, value, minimum: float, *, strict: bool = False, belo
         raise ValueError(f"{name}={value!r} must be a number {bound}.")
 
 
+def normalize_layer_inputs(layer_inputs: dict | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """`layer_inputs` in the form a config records: `{"<target layer>": {"key"|"value": {"context_window": int,
+    "input_kinds": str}}}` (string layer keys, as JSON stores them); raises `ValueError` naming a bad entry."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for layer, parts in (layer_inputs or {}).items():
+        if isinstance(layer, bool) or not str(layer).isdigit():
+            raise ValueError(f"layer_inputs key {layer!r} is not a target layer index.")
+        if not isinstance(parts, dict) or not parts:
+            raise ValueError(f"layer_inputs[{layer!r}] must map 'key' and/or 'value' to their inputs, got {parts!r}.")
+        entry = {}
+        for part, spec in parts.items():
+            check_choice(f"layer_inputs[{layer!r}] part", part, PARTS)
+            unknown = sorted(set(spec) - {"context_window", "input_kinds"})
+            if unknown:
+                raise ValueError(
+                    f"layer_inputs[{layer!r}][{part!r}] has unknown fields {unknown}; "
+                    "expected 'context_window' and/or 'input_kinds'."
+                )
+            spec = dict(spec)
+            if "context_window" in spec:
+                check_int(f"layer_inputs[{layer!r}][{part!r}].context_window", spec["context_window"], 0)
+            if "input_kinds" in spec:
+                check_choice(f"layer_inputs[{layer!r}][{part!r}].input_kinds", spec["input_kinds"], INPUT_KINDS)
+            entry[part] = spec
+        out[str(int(layer))] = entry
+    return out
+
+
+def part_inputs(layer_inputs: dict, layer: int, part: str, context_window: int, input_kinds: str) -> tuple[int, str]:
+    """`(context_window, input_kinds)` of target `layer`'s `part` map: its `layer_inputs` entry, else the global
+    ones."""
+    spec = layer_inputs.get(str(layer), {}).get(part, {})
+    return spec.get("context_window", context_window), spec.get("input_kinds", input_kinds)
+
+
 @dataclasses.dataclass
 class FitOptions:
     r"""
@@ -88,6 +125,17 @@ class FitOptions:
             `"per_token"` adds `N lambda I` with `N` calibration positions.
         input_kinds (`str`, *optional*, defaults to `"same"`), context_window (`int`, *optional*, defaults to 0): what
             each map reads (see `MapperConfig`).
+        layer_inputs (`dict`, *optional*): per-map exceptions to those two, e.g. `{3: {"key": {"context_window": 3,
+            "input_kinds": "both"}}}`: a context window only where a layer needs one (see `MapperConfig`).
+        key_norm (`bool`, *optional*, defaults to `False`): normalise each predicted key head with the target's own
+            key norm (see `MapperConfig`); the target must have one (`self_attn.k_norm`, e.g. Qwen3).
+        objective (`str`, *optional*, defaults to `"mse"`): `"mse"`: the maps minimise the content-space error of
+            the keys and values (closed form or MLP training). `"kl"`: that fit is then fine-tuned end to end, so
+            that the frozen target reading the mapped cache reproduces its own next-token distributions on
+            calibration text (`hf_kvmap.objectives.kl_finetune`).
+        kl_steps, kl_lr, kl_batch_size, kl_eval_every, kl_patience, kl_val_sequences, kl_min_prefix,
+            kl_cache_references: the end-to-end
+            fine-tune (see `hf_kvmap.objectives.kl_finetune`).
         hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
         epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
             `hf_kvmap.training.train_headwise_mlp`).
@@ -105,6 +153,17 @@ class FitOptions:
     lambda_convention: str = "absolute"
     input_kinds: str = "same"
     context_window: int = 0
+    layer_inputs: dict | None = None
+    key_norm: bool = False
+    objective: str = "mse"
+    kl_steps: int = 400
+    kl_lr: float = 3e-4
+    kl_batch_size: int = 8
+    kl_eval_every: int = 25
+    kl_patience: int | None = 6
+    kl_val_sequences: int = 32
+    kl_min_prefix: int = 32
+    kl_cache_references: bool = False
     hidden_size: int = 1024
     epochs: int = 20
     batch_tokens: int = 4096
@@ -130,6 +189,15 @@ class FitOptions:
         check_choice("lambda_convention", self.lambda_convention, LAMBDA_CONVENTIONS)
         check_int("top_k", self.top_k, 1, allow_none=True, meaning=", or None for all source layers")
         check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
+        self.layer_inputs = normalize_layer_inputs(self.layer_inputs) or None
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_int("kl_steps", self.kl_steps, 0)
+        check_number("kl_lr", self.kl_lr, 0, strict=True)
+        check_int("kl_batch_size", self.kl_batch_size, 1)
+        check_int("kl_eval_every", self.kl_eval_every, 1)
+        check_int("kl_patience", self.kl_patience, 0, allow_none=True)
+        check_int("kl_val_sequences", self.kl_val_sequences, 1)
+        check_int("kl_min_prefix", self.kl_min_prefix, 1)
         check_number("ridge_lambda", self.ridge_lambda, 0)
         check_int("hidden_size", self.hidden_size, 1)
         check_int("epochs", self.epochs, 0)
@@ -145,7 +213,27 @@ class FitOptions:
     def fits_on_features(self) -> bool:
         """Whether the mapper is fitted on calibration features kept in memory: the MLP, and any input the
         sufficient statistics do not cover; only the per-position ridge is solved from statistics alone."""
-        return self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0
+        if self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0:
+            return True
+        return any(
+            spec.get("context_window", 0) > 0 or spec.get("input_kinds", "same") != "same"
+            for parts in (self.layer_inputs or {}).values()
+            for spec in parts.values()
+        )
+
+    def kl_settings(self) -> dict[str, Any]:
+        """The settings `hf_kvmap.objectives.kl_finetune` takes from these options (and the seed)."""
+        names = (
+            "steps",
+            "lr",
+            "batch_size",
+            "eval_every",
+            "patience",
+            "val_sequences",
+            "min_prefix",
+            "cache_references",
+        )
+        return {name: getattr(self, f"kl_{name}") for name in names} | {"seed": self.seed}
 
     def mlp_settings(self) -> dict[str, Any]:
         """The settings `hf_kvmap.training.train_headwise_mlp` takes from these options (all but the seed)."""
@@ -187,6 +275,20 @@ class MapperConfig(PretrainedConfig):
             `t - 1`, ..., `t - context_window` (zeros before the first token). 0 is the paper's per-position map. A
             target layer whose keys depend on the preceding tokens (an induction layer) needs them: a source cache
             holds that information only in a form no per-position linear map recovers.
+        layer_inputs (`dict`, *optional*):
+            Per-map exceptions to `context_window` and `input_kinds`: `{"<target layer>": {"key"|"value":
+            {"context_window": w, "input_kinds": "same"|"both"}}}`. Context costs parameters and time in every map
+            that reads it, and usually only one or a few layers need it (the ones `hf_kvmap.diagnostics.layer_swap`
+            shows breaking a task, e.g. an induction layer's keys): give them a window, keep the paper's
+            per-position map elsewhere.
+        key_norm (`bool`, *optional*, defaults to `False`):
+            Whether each predicted key head passes through the target's own key normalisation (Qwen3's per-head
+            `k_norm`, an RMSNorm with weight `g`): `k = g * n(k_hat / g)`, `n(u) = u / rms(u)`. The target's keys
+            all lie on that surface; a regression's prediction (a conditional mean) shrinks towards the origin
+            where it is unsure, which flattens the attention logits of a sharp layer. The weights `g` are copied from
+            the target into the mapper (`layers.<i>.key_norm_weight`).
+        key_norm_eps (`float`, *optional*, defaults to 1e-6):
+            The epsilon of that normalisation (the target's `rms_norm_eps`).
         ridge_lambda (`float`, *optional*, defaults to 0.01):
             The ridge penalty the weights were fitted with.
         lambda_convention (`str`, *optional*, defaults to `"absolute"`):
@@ -229,6 +331,9 @@ class MapperConfig(PretrainedConfig):
         mlp_hidden_size: int = 1024,
         input_kinds: str = "same",
         context_window: int = 0,
+        layer_inputs: dict | None = None,
+        key_norm: bool = False,
+        key_norm_eps: float = 1e-6,
         source_model_id: str | None = None,
         source_revision: str | None = None,
         target_model_id: str | None = None,
@@ -253,6 +358,9 @@ class MapperConfig(PretrainedConfig):
         self.mlp_hidden_size = int(mlp_hidden_size)
         self.input_kinds = input_kinds
         self.context_window = context_window
+        self.layer_inputs = normalize_layer_inputs(layer_inputs)
+        self.key_norm = bool(key_norm)
+        self.key_norm_eps = float(key_norm_eps)
         self.source_model_id = source_model_id
         self.source_revision = source_revision
         self.target_model_id = target_model_id
@@ -279,16 +387,24 @@ class MapperConfig(PretrainedConfig):
     def target_geometry(self) -> KVGeometry:
         return KVGeometry.from_config(self.target_summary)
 
-    def input_width(self, target_layer: int) -> int:
-        """Width of the features feeding `target_layer`'s maps: k selected layers x KV heads x head dim of the
-        source, times 2 with `input_kinds="both"`, times `1 + context_window` positions."""
-        parts = 2 if self.input_kinds == "both" else 1
-        return (
-            len(self.source_layers[target_layer])
-            * self.source_geometry.layer_width
-            * parts
-            * (1 + self.context_window)
-        )
+    def part_inputs(self, target_layer: int, part: str) -> tuple[int, str]:
+        """`(context_window, input_kinds)` of the `part` (`"key"`/`"value"`) map of `target_layer`: its
+        `layer_inputs` entry, else the global `context_window` and `input_kinds`."""
+        return part_inputs(self.layer_inputs, target_layer, part, self.context_window, self.input_kinds)
+
+    @property
+    def max_context_window(self) -> int:
+        """The longest context window any map reads."""
+        layers = range(len(self.source_layers or ()))
+        return max([self.context_window] + [self.part_inputs(t, p)[0] for t in layers for p in PARTS])
+
+    def input_width(self, target_layer: int, part: str = "key") -> int:
+        """Width of the features feeding `target_layer`'s `part` map: k selected layers x KV heads x head dim of the
+        source, times 2 with `input_kinds="both"`, times `1 + context_window` positions (that map's own, see
+        `part_inputs`)."""
+        window, input_kinds = self.part_inputs(target_layer, part)
+        parts = 2 if input_kinds == "both" else 1
+        return len(self.source_layers[target_layer]) * self.source_geometry.layer_width * parts * (1 + window)
 
     def validate(self) -> None:
         """Raise `ValueError` naming the bad value if the config is inconsistent."""
@@ -298,6 +414,7 @@ class MapperConfig(PretrainedConfig):
         check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
         check_int("mlp_hidden_size", self.mlp_hidden_size, 1)
         check_number("ridge_lambda", self.ridge_lambda, 0)
+        check_number("key_norm_eps", self.key_norm_eps, 0)
         if self.source_summary is None or self.target_summary is None:
             return  # a bare config (e.g. `MapperConfig()` while loading) is completed by `from_dict`
         for side, summary in (("source_summary", self.source_summary), ("target_summary", self.target_summary)):
@@ -322,3 +439,6 @@ class MapperConfig(PretrainedConfig):
                 )
             if len(set(selected)) != len(selected):
                 raise ValueError(f"source_layers[{layer}]={selected} repeats a layer.")
+        bad = sorted(int(layer) for layer in self.layer_inputs if int(layer) >= target.num_layers)
+        if bad:
+            raise ValueError(f"layer_inputs names target layers {bad}, but the target has {target.num_layers} layers.")

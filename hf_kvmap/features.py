@@ -64,26 +64,37 @@ def mapper_inputs(
     key_features: torch.Tensor,
     value_features: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    layer: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""
     The inputs of one target layer's key and value maps, from the content-space features of its selected source
-    layers. The one definition of the input layout, shared by fitting and by `MappedCache.from_source`.
+    layers. The one definition of the input layout, shared by fitting and by `MapperModel.forward`.
 
     Args:
-        config ([`MapperConfig`]): its `input_kinds` and `context_window` decide the layout.
+        config ([`MapperConfig`]): its `input_kinds` and `context_window` (or the target layer's own, see
+            `MapperConfig.part_inputs`) decide the layout.
         key_features, value_features (`torch.Tensor`): `(batch, seq, k * n_kv_src * head_dim_src)` RoPE-stripped
             source keys and source values of the selected layers (layer-major, then head, then dim).
         position_ids (`torch.Tensor`, *optional*): `(batch, seq)` token positions (see [`window_features`]).
+        layer (`int`, *optional*): the target layer, whose `layer_inputs` entry applies (default: the global layout).
 
     Returns:
-        `(key_inputs, value_inputs)`, each `(batch, seq, config.input_width(layer))`, laid out as
+        `(key_inputs, value_inputs)`, each `(batch, seq, config.input_width(layer, part))`, laid out as
         `[position t, t - 1, ..., t - w]`, each `[keys, values]` with `input_kinds="both"` (else its own part).
     """
-    window = config.context_window
-    if config.input_kinds == "both":
-        both = window_features(torch.cat([key_features, value_features], dim=-1), window, position_ids)
+    if layer is None:
+        layouts = [(config.context_window, config.input_kinds)] * 2
+    else:
+        layouts = [config.part_inputs(layer, part) for part in PARTS]
+    if layouts[0] == layouts[1] and layouts[0][1] == "both":  # one tensor read by both maps
+        both = window_features(torch.cat([key_features, value_features], dim=-1), layouts[0][0], position_ids)
         return both, both
-    return window_features(key_features, window, position_ids), window_features(value_features, window, position_ids)
+    inputs = []
+    for (window, input_kinds), own in zip(layouts, (key_features, value_features)):
+        if input_kinds == "both":
+            own = torch.cat([key_features, value_features], dim=-1)
+        inputs.append(window_features(own, window, position_ids))
+    return inputs[0], inputs[1]
 
 
 # ------------------------------------------------------------------------------------------------ extraction

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .artifacts import tokenizer_fingerprint as fingerprint_of
-from .configuration_mapper import FitOptions, MapperConfig
+from .configuration_mapper import FitOptions, MapperConfig, part_inputs
 from .features import PARTS, CalibrationFeatures, gather_features, input_device
 from .geometry import KVGeometry
 from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve
@@ -48,6 +48,7 @@ class FittedMapper:
     state_dict: dict[str, torch.Tensor]
     selection: LayerSelection
     dtype: torch.dtype = torch.float32
+    options: FitOptions | None = None
 
 
 # ------------------------------------------------------------------------------------------------ from statistics
@@ -159,20 +160,31 @@ def _solve_from_statistics(owner, selection: LayerSelection, options: FitOptions
 
 
 # ------------------------------------------------------------------------------------------------ on features
+def _map_inputs(options: FitOptions, layer: int, part: str) -> tuple[int, str]:
+    """`(context_window, input_kinds)` of one map under `options` (its `layer_inputs` entry, else the global)."""
+    return part_inputs(options.layer_inputs or {}, layer, part, options.context_window, options.input_kinds)
+
+
+def _max_context_window(options: FitOptions, num_layers: int) -> int:
+    return max(_map_inputs(options, layer, part)[0] for layer in range(num_layers) for part in PARTS)
+
+
 def _ridge_on_features(features, selection, options, target, progress):
-    """Maps that read the same inputs (same selected layers; with input_kinds="both" keys and values alike) share one
-    Gram: solve them together, their targets side by side."""
+    """Maps that read the same inputs (same selected layers, window and input kinds; with input_kinds="both" keys and
+    values alike) share one Gram: solve them together, their targets side by side."""
     penalty = options.ridge_lambda * (features.num_positions if options.lambda_convention == "per_token" else 1.0)
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for layer_idx in range(target.num_layers):
         for part in PARTS:
-            reads = "both" if options.input_kinds == "both" else part
-            groups.setdefault((reads, tuple(selection.source_layers[layer_idx])), []).append((layer_idx, part))
+            window, input_kinds = _map_inputs(options, layer_idx, part)
+            reads = "both" if input_kinds == "both" else part
+            key = (reads, window, input_kinds, tuple(selection.source_layers[layer_idx]))
+            groups.setdefault(key, []).append((layer_idx, part))
     maps, width = {}, target.layer_width
-    for (_, chosen), members in tqdm(
+    for (_, window, input_kinds, chosen), members in tqdm(
         groups.items(), desc="solving ridge maps", unit="input set", disable=not progress
     ):
-        x = features.inputs(members[0][1], list(chosen), None, options.input_kinds, options.context_window)
+        x = features.inputs(members[0][1], list(chosen), None, input_kinds, window)
         y = torch.cat([features.outputs(part, layer_idx) for layer_idx, part in members], dim=1)
         weight, bias = ridge_solve(x, y, penalty)
         for slot, member in enumerate(members):
@@ -194,7 +206,8 @@ def _mlp_on_features(features, selection, options, target, progress):
         entry: dict[str, Any] = {"layer": layer_idx}
         for part_idx, part in enumerate(PARTS):
             bar.set_description(f"training MLP mapper (layer {layer_idx} {part})")
-            x = features.inputs(part, chosen, None, options.input_kinds, options.context_window)
+            window, input_kinds = _map_inputs(options, layer_idx, part)
+            x = features.inputs(part, chosen, None, input_kinds, window)
             y = features.outputs(part, layer_idx)
             mlp, result = train_headwise_mlp(
                 x[train_rows],
@@ -285,6 +298,8 @@ def fitted_config(
         "mlp_hidden_size": options.hidden_size,
         "input_kinds": options.input_kinds,
         "context_window": options.context_window,
+        "layer_inputs": options.layer_inputs,
+        "key_norm": options.key_norm,
         **fields,
     }
     return MapperConfig(
@@ -383,7 +398,7 @@ def fit(
                 calibration,
                 source_layers=sorted({layer for layers in selection.source_layers for layer in layers}),
                 stride=options.stride,
-                context_window=options.context_window,
+                context_window=_max_context_window(options, first.target_geometry.num_layers),
                 device=device,
                 max_memory_bytes=options.max_memory_bytes,
                 progress=progress,
@@ -394,15 +409,37 @@ def fit(
             for (layer_idx, part), module_state in maps.items()
             for name, tensor in module_state.items()
         }
+    key_norm_fields = {}
+    if options.key_norm:
+        weights, key_norm_fields = target_key_norm(target_model)
+        state.update({f"layers.{layer_idx}.key_norm_weight": weight for layer_idx, weight in enumerate(weights)})
     config = fitted_config(
         first,
         selection,
         options,
         tokenizer_fingerprint=fingerprint,
         calibration=record,
+        **key_norm_fields,
         **(config_fields or {}),
     )
-    return FittedMapper(config, state, selection, options.dtype)
+    return FittedMapper(config, state, selection, options.dtype, options)
+
+
+def target_key_norm(target_model) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The per-head key normalisation of every target layer (Qwen3's `self_attn.k_norm`, an RMSNorm): its weights
+    and the `MapperConfig` field of its epsilon. Raises `ValueError` for a target without one (or none given)."""
+    if target_model is None:
+        raise ValueError("key_norm=True copies the target's key norm: pass the target model.")
+    layers = getattr(target_model.get_decoder(), "layers", None) or []
+    norms = [getattr(getattr(layer, "self_attn", None), "k_norm", None) for layer in layers]
+    if not norms or any(norm is None or getattr(norm, "weight", None) is None for norm in norms):
+        raise ValueError(
+            f"key_norm=True needs a target whose attention normalises each key head (`self_attn.k_norm`, as in "
+            f"Qwen3); {type(target_model).__name__} has none. Fit without key_norm."
+        )
+    eps = getattr(norms[0], "variance_epsilon", getattr(norms[0], "eps", 1e-6))
+    weights = [norm.weight.detach().to("cpu", torch.float32).clone() for norm in norms]
+    return weights, {"key_norm_eps": float(eps)}
 
 
 @torch.no_grad()
@@ -418,13 +455,13 @@ def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Ten
     for part in features.source:
         mses, r2s = [], []
         for layer_idx, layer in enumerate(mapper.layers):
-            proj = layer.key_proj if part == "key" else layer.value_proj
-            param = next(proj.parameters())
+            param = next(layer.parameters())
 
-            def predict(x, proj=proj, param=param):
-                return proj(x.to(param.device, param.dtype)).float()
+            def predict(x, layer=layer, param=param, part=part):
+                return layer.map_part(part, x.to(param.device, param.dtype)).float()
 
-            x = features.inputs(part, mapper.config.source_layers[layer_idx], rows)
+            window, input_kinds = mapper.config.part_inputs(layer_idx, part)
+            x = features.inputs(part, mapper.config.source_layers[layer_idx], rows, input_kinds, window)
             y = features.outputs(part, layer_idx, rows)
             mse, r2 = regression_metrics(predict, x, y, tgt.num_kv_heads)
             mses.append(mse)
@@ -448,6 +485,7 @@ __all__ = [
     "content_space_metrics",
     "fit",
     "fitted_config",
+    "target_key_norm",
     "mapper_r2",
     "solve_layer",
 ]

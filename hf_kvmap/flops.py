@@ -119,18 +119,22 @@ def ridge_mapper_parameters(
 
 def mapper_parameters(config: Any) -> int:
     """Parameters of the `MapperModel` a `MapperConfig` describes (ridge: one affine map per target layer and K/V;
-    mlp: per target layer, KV head and K/V, `d_in -> h -> h -> head_dim`), `d_in` being `config.input_width(layer)`
-    (which grows with `input_kinds="both"` and a `context_window`)."""
+    mlp: per target layer, KV head and K/V, `d_in -> h -> h -> head_dim`), `d_in` being each map's
+    `config.input_width(layer, part)` (which grows with `input_kinds="both"` and a `context_window`, globally or in
+    that map's `layer_inputs` entry), plus the `head_dim` key-norm weights per target layer with `key_norm`."""
     target = config.target_geometry
     total = 0
     for layer in range(target.num_layers):
-        width = config.input_width(layer)
-        if config.kind == "ridge":
-            total += 2 * (width * target.layer_width + target.layer_width)
-            continue
-        hidden, out = config.mlp_hidden_size, target.head_dim
-        per_head = width * hidden + hidden + hidden * hidden + hidden + hidden * out + out
-        total += 2 * target.num_kv_heads * per_head
+        if getattr(config, "key_norm", False):
+            total += target.head_dim
+        for part in ("key", "value"):
+            width = config.input_width(layer, part)
+            if config.kind == "ridge":
+                total += width * target.layer_width + target.layer_width
+                continue
+            hidden, out = config.mlp_hidden_size, target.head_dim
+            per_head = width * hidden + hidden + hidden * hidden + hidden + hidden * out + out
+            total += target.num_kv_heads * per_head
     return total
 
 

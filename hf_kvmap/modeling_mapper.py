@@ -8,6 +8,7 @@ kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `Hea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from .configuration_mapper import MapperConfig, summarize_model_config
 from .features import mapper_inputs
 from .geometry import KVGeometry, check_supported_layout
 from .modeling_mlp import HeadwiseMLP
+from .objectives import kl_finetune
 from .placement import execution_devices
 from .reporting import write_json
 from .rope import RotaryCodec, RotaryTable
@@ -139,21 +141,40 @@ class MapperLayer(nn.Module):
     `key_proj` takes the content-space keys of the selected source layers, concatenated in the order of
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
     of every target KV head, flattened the same way. `value_proj` does the same for values. (With
-    `config.input_kinds="both"` or a `config.context_window`, both read the wider inputs of [`mapper_inputs`].) The
-    module of each map comes from `MAP_MODULES[config.kind]`.
+    `config.input_kinds="both"` or a `config.context_window`, or the layer's own entry in `config.layer_inputs`, a map
+    reads the wider inputs of [`mapper_inputs`].) The module of each map comes from `MAP_MODULES[config.kind]`. With
+    `config.key_norm`, each predicted key head is normalised as the target normalises its keys, with the target's
+    weight `key_norm_weight` (a buffer saved with the weights): `k = g * n(k_hat / g)`, `n(u) = u / rms(u)`.
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        in_features = config.input_width(layer_idx)
         build = MAP_MODULES[config.kind]
-        self.key_proj = build(config, in_features)
-        self.value_proj = build(config, in_features)
+        self.key_proj = build(config, config.input_width(layer_idx, "key"))
+        self.value_proj = build(config, config.input_width(layer_idx, "value"))
+        self.head_dim = config.target_geometry.head_dim
+        self.key_norm_eps = config.key_norm_eps
+        if config.key_norm:
+            self.register_buffer("key_norm_weight", torch.ones(self.head_dim))
+        else:
+            self.key_norm_weight = None
+
+    def map_part(self, part: str, features: torch.Tensor) -> torch.Tensor:
+        """The `"key"` (normalised with `key_norm`) or `"value"` map of `(..., in_features)` features."""
+        if part == "value":
+            return self.value_proj(features)
+        keys = self.key_proj(features)
+        if self.key_norm_weight is None:
+            return keys
+        weight = self.key_norm_weight.to(keys.dtype)
+        heads = keys.unflatten(-1, (-1, self.head_dim)) / weight
+        scale = torch.rsqrt(heads.float().square().mean(-1, keepdim=True) + self.key_norm_eps)
+        return (heads * scale.to(keys.dtype) * weight).flatten(-2)
 
     def forward(self, key_features: torch.Tensor, value_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(..., in_features)` features -> `(..., n_kv_target * head_dim_target)` keys and values."""
-        return self.key_proj(key_features), self.value_proj(value_features)
+        return self.map_part("key", key_features), self.map_part("value", value_features)
 
 
 class MapperPreTrainedModel(PreTrainedModel):
@@ -234,10 +255,10 @@ class MapperModel(MapperPreTrainedModel):
             )
         config = MapperConfig(source_summary=source, target_summary=target, ridge_lambda=0.0, **config_kwargs)
         model = cls(config)
-        # position t of the same kind: the first block of the inputs, or the second (values) with input_kinds="both"
-        value_offset = source_geometry.layer_width if config.input_kinds == "both" else 0
+        # position t of the same part: the first block of the inputs, or the second (values) with input_kinds="both"
         with torch.no_grad():
-            for layer in model.layers:
+            for idx, layer in enumerate(model.layers):
+                value_offset = source_geometry.layer_width if config.part_inputs(idx, "value")[1] == "both" else 0
                 for proj, offset in ((layer.key_proj, 0), (layer.value_proj, value_offset)):
                     proj.weight.zero_()
                     proj.weight[:, offset : offset + proj.out_features] = torch.eye(proj.out_features)
@@ -245,7 +266,6 @@ class MapperModel(MapperPreTrainedModel):
         return model.to(dtype)
 
     # ------------------------------------------------------------------------------------------ mapping
-    @torch.no_grad()
     def forward(
         self,
         source_keys: Sequence[torch.Tensor],
@@ -263,7 +283,9 @@ class MapperModel(MapperPreTrainedModel):
         Per target layer, the features of its selected source layers are written into one buffer (keys stripped of
         the source's rope, each source layer once per device), laid out by [`mapper_inputs`], multiplied by the
         layer's key and value maps at once for all target heads, and the keys re-rotated with the target's rope,
-        written straight into contiguous cache tensors.
+        written straight into contiguous cache tensors. Under `torch.no_grad()` (as `MappedCache.from_source` calls
+        it) nothing is recorded; with gradients enabled the result is differentiable in the mapper's parameters (the
+        end-to-end objective, `hf_kvmap.objectives`, trains through it).
 
         Args:
             source_keys, source_values (sequence of `torch.Tensor`): one `(batch, n_kv_src, seq, head_dim_src)`
@@ -308,7 +330,7 @@ class MapperModel(MapperPreTrainedModel):
                 dtype,
                 work_devices[idx],
                 content_keys,
-                position_ids if config.context_window else None,
+                position_ids if config.max_context_window else None,
             )
             device = work_devices[idx] if devices is None else torch.device(devices[idx])
             mapped.append((keys.to(device), values.to(device)))
@@ -354,13 +376,19 @@ class MapperModel(MapperPreTrainedModel):
             key_features[:, :, slot] = content
             value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
         key_features, value_features = mapper_inputs(
-            self.config, key_features.view(batch, length, -1), value_features.view(batch, length, -1), position_ids
+            self.config,
+            key_features.view(batch, length, -1),
+            value_features.view(batch, length, -1),
+            position_ids,
+            layer=layer_idx,
         )
         keys, values = mapper_layer(key_features, value_features)
         del key_features, value_features
         shape = (batch, tgt.num_kv_heads, length, tgt.head_dim)
         keys = keys.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
         values = values.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
+        if keys.requires_grad or values.requires_grad:  # training through the mapping: no in-place writes
+            return target_rope.apply(keys.float()).to(dtype), values.to(dtype).contiguous()
         mapped_keys = torch.empty(shape, dtype=dtype, device=keys.device)
         mapped_values = torch.empty(shape, dtype=dtype, device=values.device)
         if dtype == torch.float32:  # rotate straight into the contiguous cache tensor
@@ -372,9 +400,27 @@ class MapperModel(MapperPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------ fitting
     @classmethod
-    def from_fitted(cls, fitted: fitting.FittedMapper) -> MapperModel:
+    def from_fitted(
+        cls,
+        fitted: fitting.FittedMapper,
+        *,
+        source_model=None,
+        target_model=None,
+        calibration=None,
+        progress: bool = True,
+    ) -> MapperModel:
         """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
-        dtype it was fitted for."""
+        dtype it was fitted for. When it was fitted with `objective="kl"`, the model is first fine-tuned end to end
+        (`hf_kvmap.objectives.kl_finetune`, in float32) on `calibration` through `source_model` and `target_model`."""
+        options = fitted.options
+        if options is not None and options.objective == "kl":
+            if source_model is None or target_model is None or calibration is None:
+                raise ValueError(
+                    "objective='kl' fine-tunes through both models: pass source_model, target_model and calibration."
+                )
+            model = cls.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
+            kl_finetune(model, source_model, target_model, calibration, progress=progress, **options.kl_settings())
+            return model.to(fitted.dtype).eval()
         with torch.device("meta"):  # every weight is copied in below; skip the random init
             model = cls(fitted.config)
         model = model.to_empty(device="cpu").to(fitted.dtype)
@@ -394,9 +440,12 @@ class MapperModel(MapperPreTrainedModel):
             source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
             calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
                 `attention_mask`).
-            kwargs: the `FitOptions` fields (`kind`, `top_k`, `ridge_lambda`, `context_window`, `hidden_size`,
+            kwargs: the `FitOptions` fields (`kind`, `top_k`, `ridge_lambda`, `context_window`, `layer_inputs`,
+                `key_norm`, `objective`, `kl_steps`, `hidden_size`,
                 `epochs`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, and the other arguments of
-                `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`).
+                `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
+                `kl_calibration`: the sequences of the `objective="kl"` fine-tune (default: `calibration`; see
+                `hf_kvmap.objectives.kl_finetune`).
 
         Example:
 
@@ -413,7 +462,16 @@ class MapperModel(MapperPreTrainedModel):
         [[0], [1]]
         ```
         """
-        return cls.from_fitted(fitting.fit(source_model, target_model, calibration, **kwargs))
+        kl_calibration = kwargs.pop("kl_calibration", None)
+        calibration = list(calibration)
+        fitted = fitting.fit(source_model, target_model, calibration, **kwargs)
+        return cls.from_fitted(
+            fitted,
+            source_model=source_model,
+            target_model=target_model,
+            calibration=calibration if kl_calibration is None else kl_calibration,
+            progress=kwargs.get("progress", True),
+        )
 
     @classmethod
     def from_statistics(cls, statistics, **kwargs) -> MapperModel:

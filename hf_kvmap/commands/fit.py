@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, MLP_INITS, FitOptions
+from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, MLP_INITS, OBJECTIVES, FitOptions
 
 logger = logging.get_logger(__name__)
 
@@ -49,7 +49,32 @@ _MLP_FLAGS = (
     ("--init", {"choices": MLP_INITS}, "Start from the ridge solution or random"),
     ("--seed", {"type": int}, "Seed of the initialization and shuffling"),
 )
+_KL_FLAGS = (
+    ("--kl-steps", {"type": int}, "Most Adam steps"),
+    ("--kl-lr", {"type": float}, "Adam learning rate"),
+    ("--kl-batch-size", {"type": int}, "Sequences per step"),
+    ("--kl-eval-every", {"type": int}, "Steps between held-out evaluations"),
+    ("--kl-patience", {"type": int}, "Evaluations without a better held-out KL before stopping"),
+    ("--kl-val-sequences", {"type": int}, "Calibration sequences held out"),
+    ("--kl-min-prefix", {"type": int}, "Shortest mapped prefix (and suffix) of a cut"),
+)
 _TEXT_BLOCK_CHARS = 1 << 16
+
+
+def parse_layer_window(spec: str) -> tuple[int, str, dict]:
+    """`LAYER:PART=W[:both]` (e.g. `3:key=3:both`) -> `(3, "key", {"context_window": 3, "input_kinds": "both"})`."""
+    try:
+        where, what = spec.split("=")
+        layer, part = where.split(":")
+        window, *kinds = what.split(":")
+        entry = {"context_window": int(window), "input_kinds": kinds[0] if kinds else "same"}
+        if part not in ("key", "value") or len(kinds) > 1:
+            raise ValueError
+        return int(layer), part, entry
+    except ValueError:
+        raise SystemExit(
+            f"hf-kvmap fit: --layer-window takes LAYER:PART=WINDOW[:both] (e.g. 3:key=3:both), got {spec!r}."
+        ) from None
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -74,9 +99,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="Replace --out even when it holds something other than a mapper of the same source and target.",
     )
+    parser.add_argument(
+        "--layer-window",
+        action="append",
+        default=[],
+        metavar="LAYER:PART=W[:both]",
+        help="A context window for one map only (repeatable), e.g. 3:key=3:both for target layer 3's keys; the "
+        "other maps keep --context-window/--input-kinds",
+    )
+    parser.add_argument(
+        "--key-norm",
+        action="store_true",
+        help="Normalise each predicted key head with the target's own key norm (Qwen3 k_norm)",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default=FitOptions.objective,
+        help="mse: the fit alone; kl: then fine-tune end to end so the target reading the mapped cache reproduces "
+        "its own next-token distributions on the calibration text (default: %(default)s)",
+    )
     for group, flags in (
         (parser, _MAPPER_FLAGS),
         (parser.add_argument_group("MLP training (--kind mlp)"), _MLP_FLAGS),
+        (parser.add_argument_group("end-to-end fine-tune (--objective kl)"), _KL_FLAGS),
     ):
         for flag, extra, text in flags:
             field = flag[2:].replace("-", "_")
@@ -242,11 +288,18 @@ def run(args: argparse.Namespace) -> int:
     from ._models import check_model_folder
 
     try:
-        fields = {flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS}
+        fields = {flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS + _KL_FLAGS}
         fields = {name: getattr(args, name) for name in fields}
         fields["top_k"] = None if str(args.top_k).lower() == "all" else int(args.top_k)
+        layer_inputs: dict = {}
+        for spec in args.layer_window:
+            layer, part, entry = parse_layer_window(spec)
+            layer_inputs.setdefault(layer, {})[part] = entry
         options = FitOptions(
             **fields,
+            layer_inputs=layer_inputs or None,
+            key_norm=args.key_norm,
+            objective=args.objective,
             stride=args.stride,
             statistics_dtype=getattr(torch, args.dtype),
             max_memory_bytes=int(args.max_feature_memory * 2**30),
@@ -254,10 +307,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:  # a bad value, or a --top-k that is neither an integer nor 'all'
         raise SystemExit(f"hf-kvmap fit: {err}") from None
-    if options.fits_on_features and args.from_stats:
+    needs_models = options.fits_on_features or options.key_norm or options.objective == "kl"
+    if needs_models and args.from_stats:
         raise SystemExit(
             "hf-kvmap fit: --from-stats solves a plain ridge from saved statistics, but an MLP mapper, a "
-            "--context-window or --input-kinds both is fitted on features streamed through both models; drop "
+            "--context-window, --layer-window, --input-kinds both, --key-norm or --objective kl needs both models "
+            "(features streamed through them, the target's key norm, or a fine-tune through the target); drop "
             "--from-stats and pass --source, --target and --data."
         )
     source = target = batches = tokenizer = None
@@ -300,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.stats:
             stats.save(args.stats)
-        if not options.fits_on_features:  # the ridge is solved from the statistics alone: free the models first
+        if not needs_models:  # the ridge is solved from the statistics alone: free the models first
             source = target = batches = None
     fitted = fit(
         source,
@@ -312,7 +367,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.statistics_device,
         progress=not args.no_progress,
     )
-    mapper = MapperModel.from_fitted(fitted)
+    mapper = MapperModel.from_fitted(
+        fitted, source_model=source, target_model=target, calibration=batches, progress=not args.no_progress
+    )
     mapper.save_pretrained(args.out, overwrite=args.overwrite)
     fitted.selection.save_selection_json(os.path.join(args.out, "selection.json"))
     plot_selection(fitted.selection, os.path.join(args.out, "selection.png"))
@@ -321,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"hf-kvmap fit: {stats.count()} positions from {sequences} sequences; kind={options.kind}; "
         f"top_k={options.top_k}; context_window={options.context_window}; input_kinds={options.input_kinds}; "
+        f"layer_inputs={options.layer_inputs}; key_norm={options.key_norm}; objective={options.objective}; "
         f"mapper written to {args.out}"
     )
     return 0

@@ -131,6 +131,41 @@ def calibration_batches(tokenizer, docs: int = 256, length: int = 512, batch_siz
     return list(torch.tensor(sequences).split(batch_size))
 
 
+#: the task mix of `context_batches`: the documents whose later tokens read facts stated earlier (recall, chat, copy)
+CONTEXT_MIXTURE = {"recall": 0.35, "chat": 0.3, "copy": 0.1, "text": 0.1, "choice": 0.1, "arithmetic": 0.05}
+
+
+def context_batches(
+    tokenizer,
+    docs: int = 256,
+    length: int = 320,
+    batch_size: int = 16,
+    seed: int = 11,
+    mixture: dict[str, float] | None = None,
+) -> list:
+    """Fixed-length `(batch, length)` token-id batches of the family's training-stream documents (`corpus.
+    training_documents`, seed `seed`), weighted towards the documents that read back what they stated earlier
+    (`CONTEXT_MIXTURE`): calibration text for the end-to-end objective, whose loss only sees what the target reads
+    across the mapped prefix. Never the evaluation items (those come from their own seed stream).
+    """
+    import torch
+
+    from .corpus import training_documents
+
+    sequences, start = [], 0
+    while len(sequences) < docs:
+        for text in training_documents(
+            64, seed=seed, n_chars=length + 64, start=start, mixture=mixture or CONTEXT_MIXTURE
+        ):
+            ids = tokenizer(text)["input_ids"]
+            if len(ids) >= length:
+                sequences.append(ids[:length])
+        start += 64
+        if start > 64 * max(docs, 16):
+            raise ValueError(f"Too few training documents reach {length} tokens; use a smaller length.")
+    return list(torch.tensor(sequences[:docs]).split(batch_size))
+
+
 def tiny_family_tasks(items: int = 200, seed: int = 1234) -> list[TaskSpec]:
     """The task set of the shipped tiny family (`hf_kvmap.zoo.corpus`), as the demo and the cards use it."""
     from ..evaluation import TaskSpec
