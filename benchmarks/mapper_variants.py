@@ -71,10 +71,10 @@ def summarize(evaluation: dict) -> dict:
 
 
 def measure(variants: dict[str, dict[str, dict]], folders: dict[str, Path], direction: str, tokens, repeats: int):
-    """`{variant: latency rows}` for one direction: each variant's mapper vs the target's re-prefill."""
+    """`{variant: (latency rows, parameters)}` for one direction: each variant's mapper vs the target's re-prefill."""
     import torch
 
-    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap import MapperModel, flops, zoo
     from hf_kvmap.evaluation import Handoff, measure_latency
 
     source_name, target_name = direction.split("-to-")
@@ -84,7 +84,7 @@ def measure(variants: dict[str, dict[str, dict]], folders: dict[str, Path], dire
         mapper = MapperModel.from_pretrained(folders[name] / direction)
         handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=None)
         with torch.no_grad():
-            rows[name] = measure_latency(handoff, tokens, repeats=repeats)
+            rows[name] = (measure_latency(handoff, tokens, repeats=repeats), flops.mapper_parameters(mapper.config))
     return rows
 
 
@@ -152,15 +152,18 @@ def markdown(table: dict, choices: dict | None = None) -> str:
             + ", ".join(f"{task} {fmt_number(first['tasks'][task]['source'])}" for task in tasks)
             + ")\n"
         )
-        latency_tokens = [row["tokens"] for row in first.get("latency", [])]
-        header += [f"speedup @{n}" for n in latency_tokens]
+        latency_tokens = sorted({r["tokens"] for row in variants.values() for r in row.get("latency", [])})
+        header += [f"speedup @{n}" for n in latency_tokens] + ["parameters", "fit (s)"]
         lines.append("| variant | " + " | ".join(header) + " | attention cosine |")
         lines.append("|---" * (len(header) + 2) + "|")
         chosen = (choices or {}).get(direction, {}).get("variant")
         for name, row in variants.items():
             cells = [fmt_number(row["tasks"][task]["mapped"]) for task in tasks]
             cells += [fmt_number(row["perplexity"][text]["mapped"]) for text in texts]
-            cells += [f"{fmt_number(r['speedup'], 1)}x" for r in row.get("latency", [])]
+            speedups = {r["tokens"]: r["speedup"] for r in row.get("latency", [])}
+            cells += [f"{fmt_number(speedups[n], 1)}x" if n in speedups else "n/a" for n in latency_tokens]
+            parameters = row["run"].get("parameters")
+            cells += [f"{parameters:,}" if parameters else "n/a", fmt_number(row["run"].get("fit_seconds"), 0)]
             label = f"**{name}** (chosen)" if name == chosen else name
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
         lines.append("")
@@ -217,6 +220,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timing")
     parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="a previous JSON of this script: its variants not given by --variant join the table as they were "
+        "measured then (their latency included; their mapper folders need not exist any more)",
+    )
     args = parser.parse_args(argv)
     if args.rechoose:
         result = json.loads(args.json.read_text())
@@ -241,14 +251,25 @@ def main(argv=None) -> dict:
         for direction in directions
     }
     tokens = [int(n) for n in args.latency_tokens.split(",") if n]
+    reused = {}
+    if args.reuse:
+        previous = json.loads(args.reuse.read_text())
+        for direction, rows in previous["directions"].items():
+            for name, row in rows.items():
+                if name not in folders:
+                    reused.setdefault(direction, {})[name] = row
     if tokens:
         import torch
 
         if args.threads:
             torch.set_num_threads(args.threads)
         for direction, rows in table.items():
-            for name, latency in measure(rows, folders, direction, tokens, args.repeats).items():
+            for name, (latency, parameters) in measure(rows, folders, direction, tokens, args.repeats).items():
                 rows[name]["latency"] = latency
+                rows[name]["run"].setdefault("parameters", parameters)
+    for direction, rows in reused.items():
+        table.setdefault(direction, {})
+        table[direction] = {**rows, **table[direction]}
     if args.keep:
         for name, found in variants.items():
             for direction, path in found.items():
@@ -260,6 +281,8 @@ def main(argv=None) -> dict:
         "run": {
             "script": "benchmarks/mapper_variants.py",
             "variants": args.variant,
+            "reused": {direction: sorted(rows) for direction, rows in reused.items()},
+            "reused_from": str(args.reuse) if args.reuse else None,
             "latency_tokens": tokens,
             "repeats": args.repeats,
         },

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import MapperModel, zoo
+from hf_kvmap import MapperModel, flops, zoo
 from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
 from hf_kvmap.diagnostics import diagnose
@@ -130,6 +130,7 @@ def main(argv=None) -> None:
             "items_per_task": args.items,
             "seed": args.seed,
             "fit_seconds": fit_seconds,
+            "parameters": flops.mapper_parameters(mapper.config),
             "kind": args.kind,
             "dtype": args.save_dtype,
             "mapper_content_hash": content_hash(mapper.state_dict(), mapper.config),

@@ -234,8 +234,10 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     # the mapper beside each evaluation is timed against the target's re-prefill (values depend on the machine)
     timed = script.measure(rows, {"a": tmp_path / "a", "b": tmp_path / "b"}, "tiny-s-to-tiny-l", [24], repeats=1)
     for name in ("a", "b"):
-        (latency,) = timed[name]
+        (latency,), parameters = timed[name]
         assert latency["tokens"] == 24 and latency["speedup"] == latency["prefill_ms"] / latency["mapper_ms"]
+        mapper = MapperModel.from_pretrained(tmp_path / name / "tiny-s-to-tiny-l")
+        assert parameters == sum(p.numel() for p in mapper.parameters())
     # a variant slower than re-prefill is never chosen
     slow = {"b": {**rows["b"], "latency": [{"tokens": 24, "speedup": 0.5}]}, "a": rows["a"]}
     assert script.choose(slow)["variant"] == "a" and script.choose(slow)["excluded"] == ["b"]
@@ -244,6 +246,13 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     assert json.loads((tmp_path / "k" / "b" / "tiny-s-to-tiny-l.json").read_text()) == other
     with pytest.raises(SystemExit, match="no <source>-to-<target>/evaluation.json"):
         script.main(["--variant", f"c={tmp_path / 'none'}"])
+    # --reuse: the variants of an earlier run join as they were measured (their folders may be gone)
+    again = tmp_path / "again.json"
+    shutil.rmtree(tmp_path / "a")
+    script.main(["--json", str(again), "--variant", f"b={tmp_path / 'b'}", "--reuse", str(out)])
+    reused = json.loads(again.read_text())
+    assert reused["directions"]["tiny-s-to-tiny-l"]["a"] == rows["a"]
+    assert reused["run"]["reused"] == {"tiny-s-to-tiny-l": ["a"]} and reused["choice"] == result["choice"]
 
 
 def test_cli_benchmark_times_the_shipped_mapper_beside_its_bound(tmp_path):
@@ -290,3 +299,22 @@ def test_mapper_variants_chooses_on_the_tasks_the_target_beats_chance_on(tmp_pat
     out.write_text(json.dumps({"directions": {"x-to-y": {"a": row(0.0, 0.29), "b": row(0.035, 0.25)}}, "choice": {}}))
     assert script.main(["--rechoose", "--json", str(out)])["choice"]["x-to-y"]["variant"] == "b"
     assert json.loads(out.read_text())["choice"]["x-to-y"]["tasks"] == ["recall"]
+
+
+def test_variant_parameters_at_paper_scale(tmp_path):
+    """The parameter counts at Qwen3 14B -> 32B, k=8: the ridge is the paper's, a window on one key map adds exactly
+    that map's extra inputs (7 more blocks of 8 x 1024 source features), the target's key norm one head_dim per layer."""
+    from hf_kvmap.flops import ridge_mapper_parameters
+
+    spec = importlib.util.spec_from_file_location("variant_parameters", BENCHMARKS / "variant_parameters.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["--json", str(tmp_path / "p.json")])["variants"]
+    ridge = ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8)
+    assert rows["ridge"]["parameters"] == ridge
+    extra_per_map = 7 * (8 * 1024) * 1024
+    for count in (1, 4, 8, 16):
+        expected = ridge + count * extra_per_map + 64 * 128
+        assert rows[f"ridge-l3w3-kn ({count} windowed key maps)"]["parameters"] == expected
+    assert rows["ridge-w3"]["parameters"] == ridge + 128 * extra_per_map
+    assert json.loads((tmp_path / "p.json").read_text())["variants"]["ridge"]["vs_ridge"] == 1.0
