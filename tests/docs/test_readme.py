@@ -50,3 +50,17 @@ def test_readme_left_padded_batch_recipe_runs():
     width = batch.input_ids.shape[1]
     assert isinstance(cache, MappedCache) and cache.mapping_info["mapped_tokens"] == width - 1
     assert out.shape == (2, width + 4) and torch.equal(out[:, :width], batch.input_ids)
+
+
+def test_readme_variant_parameters_are_generated_from_the_committed_json():
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "variant_parameters.py"
+    spec = importlib.util.spec_from_file_location("variant_parameters", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (ROOT / "README.md").read_text()
+    results = json.loads((ROOT / "benchmarks" / "results" / "variant_parameters.json").read_text())
+    section = re.search(r"<!-- variant-parameters:start -->\n(.*?)<!-- variant-parameters:end -->", readme, re.DOTALL)
+    source = "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variant_parameters.py`."
+    assert section.group(1).strip() == f"{source}\n\n{script.markdown(results)}".strip()
