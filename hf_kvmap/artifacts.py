@@ -52,6 +52,9 @@ MAPPING_FIELDS = (
     "source_summary",
     "target_summary",
 )
+#: Mapping fields added later, covered only where they differ from these defaults (so the hash of a mapper without
+#: them is the one it was saved with).
+OPTIONAL_MAPPING_FIELDS = {"layer_inputs": {}, "key_norm": False, "key_norm_eps": 1e-6}
 
 
 def _hash_tensors(digest, tensors) -> None:
@@ -79,6 +82,9 @@ def content_hash(tensors, config: MapperConfig) -> str:
     digest = hashlib.sha256()
     _hash_tensors(digest, tensors)
     fields = {name: getattr(config, name) for name in MAPPING_FIELDS}
+    for name, default in OPTIONAL_MAPPING_FIELDS.items():
+        if getattr(config, name, default) != default:
+            fields[name] = getattr(config, name)
     digest.update(b"config|" + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     return "sha256:" + digest.hexdigest()
 
