@@ -162,8 +162,8 @@ def markdown(table: dict, choices: dict | None = None) -> str:
             cells += [fmt_number(row["perplexity"][text]["mapped"]) for text in texts]
             speedups = {r["tokens"]: r["speedup"] for r in row.get("latency", [])}
             cells += [f"{fmt_number(speedups[n], 1)}x" if n in speedups else "n/a" for n in latency_tokens]
-            parameters = row["run"].get("parameters")
-            cells += [f"{parameters:,}" if parameters else "n/a", fmt_number(row["run"].get("fit_seconds"), 0)]
+            parameters = row.get("run", {}).get("parameters")
+            cells += [f"{parameters:,}" if parameters else "n/a", fmt_number(row.get("run", {}).get("fit_seconds"), 0)]
             label = f"**{name}** (chosen)" if name == chosen else name
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {fmt_number(row['attention_cosine'])} |")
         lines.append("")

@@ -30,6 +30,7 @@ from .artifacts import tokenizer_fingerprint as fingerprint_of
 from .configuration_mapper import FitOptions, MapperConfig, part_inputs
 from .features import PARTS, CalibrationFeatures, gather_features, input_device
 from .geometry import KVGeometry
+from .key_norm import target_key_norm
 from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve
 from .selection import LayerSelection
 from .statistics import CalibrationStatistics
@@ -425,23 +426,6 @@ def fit(
     return FittedMapper(config, state, selection, options.dtype, options)
 
 
-def target_key_norm(target_model) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The per-head key normalisation of every target layer (Qwen3's `self_attn.k_norm`, an RMSNorm): its weights
-    and the `MapperConfig` field of its epsilon. Raises `ValueError` for a target without one (or none given)."""
-    if target_model is None:
-        raise ValueError("key_norm=True copies the target's key norm: pass the target model.")
-    layers = getattr(target_model.get_decoder(), "layers", None) or []
-    norms = [getattr(getattr(layer, "self_attn", None), "k_norm", None) for layer in layers]
-    if not norms or any(norm is None or getattr(norm, "weight", None) is None for norm in norms):
-        raise ValueError(
-            f"key_norm=True needs a target whose attention normalises each key head (`self_attn.k_norm`, as in "
-            f"Qwen3); {type(target_model).__name__} has none. Fit without key_norm."
-        )
-    eps = getattr(norms[0], "variance_epsilon", getattr(norms[0], "eps", 1e-6))
-    weights = [norm.weight.detach().to("cpu", torch.float32).clone() for norm in norms]
-    return weights, {"key_norm_eps": float(eps)}
-
-
 @torch.no_grad()
 def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Tensor | None = None) -> dict[str, Any]:
     r"""
@@ -485,7 +469,6 @@ __all__ = [
     "content_space_metrics",
     "fit",
     "fitted_config",
-    "target_key_norm",
     "mapper_r2",
     "solve_layer",
 ]

@@ -8,7 +8,6 @@ kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `Hea
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -34,8 +33,9 @@ from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .features import mapper_inputs
 from .geometry import KVGeometry, check_supported_layout
+from .key_norm import normalize_keys
 from .modeling_mlp import HeadwiseMLP
-from .objectives import kl_finetune
+from .objectives import finetune_fitted
 from .placement import execution_devices
 from .reporting import write_json
 from .rope import RotaryCodec, RotaryTable
@@ -141,10 +141,9 @@ class MapperLayer(nn.Module):
     `key_proj` takes the content-space keys of the selected source layers, concatenated in the order of
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
     of every target KV head, flattened the same way. `value_proj` does the same for values. (With
-    `config.input_kinds="both"` or a `config.context_window`, or the layer's own entry in `config.layer_inputs`, a map
-    reads the wider inputs of [`mapper_inputs`].) The module of each map comes from `MAP_MODULES[config.kind]`. With
-    `config.key_norm`, each predicted key head is normalised as the target normalises its keys, with the target's
-    weight `key_norm_weight` (a buffer saved with the weights): `k = g * n(k_hat / g)`, `n(u) = u / rms(u)`.
+    `config.input_kinds="both"`, a `config.context_window` or its `config.layer_inputs` entry, a map reads the wider
+    inputs of [`mapper_inputs`].) The module of each map comes from `MAP_MODULES[config.kind]`. With `config.key_norm`
+    the keys pass through the target's key norm (`hf_kvmap.key_norm`; its weight is the buffer `key_norm_weight`).
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
@@ -155,10 +154,7 @@ class MapperLayer(nn.Module):
         self.value_proj = build(config, config.input_width(layer_idx, "value"))
         self.head_dim = config.target_geometry.head_dim
         self.key_norm_eps = config.key_norm_eps
-        if config.key_norm:
-            self.register_buffer("key_norm_weight", torch.ones(self.head_dim))
-        else:
-            self.key_norm_weight = None
+        self.register_buffer("key_norm_weight", torch.ones(self.head_dim) if config.key_norm else None)
 
     def map_part(self, part: str, features: torch.Tensor) -> torch.Tensor:
         """The `"key"` (normalised with `key_norm`) or `"value"` map of `(..., in_features)` features."""
@@ -167,10 +163,7 @@ class MapperLayer(nn.Module):
         keys = self.key_proj(features)
         if self.key_norm_weight is None:
             return keys
-        weight = self.key_norm_weight.to(keys.dtype)
-        heads = keys.unflatten(-1, (-1, self.head_dim)) / weight
-        scale = torch.rsqrt(heads.float().square().mean(-1, keepdim=True) + self.key_norm_eps)
-        return (heads * scale.to(keys.dtype) * weight).flatten(-2)
+        return normalize_keys(keys, self.key_norm_weight, self.head_dim, self.key_norm_eps)
 
     def forward(self, key_features: torch.Tensor, value_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(..., in_features)` features -> `(..., n_kv_target * head_dim_target)` keys and values."""
@@ -283,9 +276,8 @@ class MapperModel(MapperPreTrainedModel):
         Per target layer, the features of its selected source layers are written into one buffer (keys stripped of
         the source's rope, each source layer once per device), laid out by [`mapper_inputs`], multiplied by the
         layer's key and value maps at once for all target heads, and the keys re-rotated with the target's rope,
-        written straight into contiguous cache tensors. Under `torch.no_grad()` (as `MappedCache.from_source` calls
-        it) nothing is recorded; with gradients enabled the result is differentiable in the mapper's parameters (the
-        end-to-end objective, `hf_kvmap.objectives`, trains through it).
+        written straight into contiguous cache tensors. With gradients enabled (not in `MappedCache.from_source`) it
+        is differentiable in the mapper's parameters: `hf_kvmap.objectives` trains through it.
 
         Args:
             source_keys, source_values (sequence of `torch.Tensor`): one `(batch, n_kv_src, seq, head_dim_src)`
@@ -375,12 +367,9 @@ class MapperModel(MapperPreTrainedModel):
                 content_keys[(source_layer, work_device)] = content
             key_features[:, :, slot] = content
             value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
+        key_features, value_features = key_features.view(batch, length, -1), value_features.view(batch, length, -1)
         key_features, value_features = mapper_inputs(
-            self.config,
-            key_features.view(batch, length, -1),
-            value_features.view(batch, length, -1),
-            position_ids,
-            layer=layer_idx,
+            self.config, key_features, value_features, position_ids, layer_idx
         )
         keys, values = mapper_layer(key_features, value_features)
         del key_features, value_features
@@ -400,27 +389,13 @@ class MapperModel(MapperPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------ fitting
     @classmethod
-    def from_fitted(
-        cls,
-        fitted: fitting.FittedMapper,
-        *,
-        source_model=None,
-        target_model=None,
-        calibration=None,
-        progress: bool = True,
-    ) -> MapperModel:
+    def from_fitted(cls, fitted: fitting.FittedMapper, **objective_inputs) -> MapperModel:
         """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
-        dtype it was fitted for. When it was fitted with `objective="kl"`, the model is first fine-tuned end to end
-        (`hf_kvmap.objectives.kl_finetune`, in float32) on `calibration` through `source_model` and `target_model`."""
-        options = fitted.options
-        if options is not None and options.objective == "kl":
-            if source_model is None or target_model is None or calibration is None:
-                raise ValueError(
-                    "objective='kl' fine-tunes through both models: pass source_model, target_model and calibration."
-                )
-            model = cls.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
-            kl_finetune(model, source_model, target_model, calibration, progress=progress, **options.kl_settings())
-            return model.to(fitted.dtype).eval()
+        dtype it was fitted for; one fitted with `objective="kl"` is first fine-tuned through both models
+        (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`; see
+        `hf_kvmap.objectives.finetune_fitted`)."""
+        if fitted.options is not None and fitted.options.objective == "kl":
+            return finetune_fitted(cls, fitted, **objective_inputs)
         with torch.device("meta"):  # every weight is copied in below; skip the random init
             model = cls(fitted.config)
         model = model.to_empty(device="cpu").to(fitted.dtype)
@@ -440,12 +415,10 @@ class MapperModel(MapperPreTrainedModel):
             source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
             calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
                 `attention_mask`).
-            kwargs: the `FitOptions` fields (`kind`, `top_k`, `ridge_lambda`, `context_window`, `layer_inputs`,
-                `key_norm`, `objective`, `kl_steps`, `hidden_size`,
-                `epochs`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, and the other arguments of
-                `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
-                `kl_calibration`: the sequences of the `objective="kl"` fine-tune (default: `calibration`; see
-                `hf_kvmap.objectives.kl_finetune`).
+            kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
+                `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
+                arguments of `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
+                `kl_calibration`: the sequences of the `objective="kl"` fine-tune (default: `calibration`).
 
         Example:
 
@@ -465,13 +438,8 @@ class MapperModel(MapperPreTrainedModel):
         kl_calibration = kwargs.pop("kl_calibration", None)
         calibration = list(calibration)
         fitted = fitting.fit(source_model, target_model, calibration, **kwargs)
-        return cls.from_fitted(
-            fitted,
-            source_model=source_model,
-            target_model=target_model,
-            calibration=calibration if kl_calibration is None else kl_calibration,
-            progress=kwargs.get("progress", True),
-        )
+        inputs = {"source_model": source_model, "target_model": target_model, "progress": kwargs.get("progress", True)}
+        return cls.from_fitted(fitted, calibration=calibration if kl_calibration is None else kl_calibration, **inputs)
 
     @classmethod
     def from_statistics(cls, statistics, **kwargs) -> MapperModel:

@@ -19,6 +19,7 @@ objective is the one that sees the whole read path (every layer and how their er
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -311,4 +312,19 @@ def kl_finetune(
     return result
 
 
-__all__ = ["KLFinetuneResult", "calibration_rows", "held_out_kl", "kl_finetune", "mapped_kl"]
+def finetune_fitted(
+    model_class, fitted, source_model=None, target_model=None, calibration=None, progress: bool = True
+):
+    """A `FittedMapper` fitted with `objective="kl"` packaged as `model_class` (`MapperModel`) in float32, fine-tuned
+    by [`kl_finetune`] with its options on `calibration`, then cast to the dtype it was fitted for."""
+    if source_model is None or target_model is None or calibration is None:
+        raise ValueError(
+            "objective='kl' fine-tunes through both models: pass source_model, target_model and calibration."
+        )
+    options = fitted.options
+    model = model_class.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
+    kl_finetune(model, source_model, target_model, calibration, progress=progress, **options.kl_settings())
+    return model.to(fitted.dtype).eval()
+
+
+__all__ = ["KLFinetuneResult", "calibration_rows", "finetune_fitted", "held_out_kl", "kl_finetune", "mapped_kl"]

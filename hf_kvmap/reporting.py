@@ -40,6 +40,14 @@ def _mapper_summary(config: dict | None) -> str:
         parts.append(f"context window {config['context_window']}")
     if config.get("input_kinds") == "both":
         parts.append("keys and values")
+    for layer, maps in sorted((config.get("layer_inputs") or {}).items(), key=lambda item: int(item[0])):
+        for part, spec in sorted(maps.items()):
+            kinds = ", keys and values" if spec.get("input_kinds") == "both" else ""
+            parts.append(f"layer {layer} {part}s: context window {spec.get('context_window', 0)}{kinds}")
+    if config.get("key_norm"):
+        parts.append("target key norm")
+    if config.get("objective") == "kl":
+        parts.append("KL fine-tuned")
     return " (" + ", ".join(parts) + ")"
 
 
