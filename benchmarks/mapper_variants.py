@@ -170,6 +170,37 @@ def markdown(table: dict, choices: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def held_out_markdown(paths: list[Path]) -> str:
+    """The chosen variants scored on items not used to choose them: one row per `hf-kvmap eval` JSON (its direction,
+    seed, and per task the mapped score, the target's and the floor-normalized retention)."""
+    lines = [
+        "| direction (mapper) | items, seed | task: mapped / target alone (floor-normalized retention) | ppl mapped / target |"
+    ]
+    lines.append("|---|---|---|---|")
+    for path in paths:
+        result = json.loads(path.read_text())
+        run = result["run"]
+        tasks = "; ".join(
+            f"{name} {fmt_number(row['mapped'])} / {fmt_number(row['target'])} "
+            f"({fmt_number(row['floor_normalized_retention']) if row.get('retention_measurable', True) else 'not measurable'})"
+            for name, row in result["tasks"].items()
+        )
+        ppl = "; ".join(
+            f"{fmt_number(r['mapped'])} / {fmt_number(r['target'])}" for r in result["perplexity"].values()
+        )
+        name = path.stem.split("_")[0]
+        lines.append(
+            f"| {run['source']} -> {run['target']} ({name}) | {run['items_per_task']}, {run['seed']} | {tasks} | {ppl} |"
+        )
+    return "\n".join(lines)
+
+
+def held_out_section(paths: list[Path]) -> str:
+    """The README section of [`held_out_markdown`], naming its sources."""
+    sources = ", ".join(f"`{path.as_posix()}`" for path in paths)
+    return f"Generated from {sources} (`hf-kvmap eval`).\n\n{held_out_markdown(paths)}"
+
+
 def plot(table: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -219,6 +250,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per length (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timing")
     parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
+    parser.add_argument(
+        "--held-out",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="`hf-kvmap eval` JSONs of the chosen variants on items not used to choose them (named <variant>_<dir>.json): "
+        "rendered into the README's mapper-held-out section with --readme",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     parser.add_argument(
         "--reuse",
@@ -235,6 +274,8 @@ def main(argv=None) -> dict:
         text = markdown(result["directions"], result["choice"])
         if args.readme:
             update_file_section(args.readme, "mapper-variants", f"Generated from `{args.json.as_posix()}`.\n\n{text}")
+            if args.held_out:
+                update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
         return result
     if not args.variant:
         raise SystemExit("mapper_variants: pass --variant NAME=FOLDER (at least one), or --rechoose.")
@@ -299,6 +340,8 @@ def main(argv=None) -> dict:
     if args.readme:
         source = args.json.as_posix()
         update_file_section(args.readme, "mapper-variants", f"Generated from `{source}`.\n\n{text}")
+        if args.held_out:
+            update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
     print(text)
     return result
 

@@ -64,3 +64,17 @@ def test_readme_variant_parameters_are_generated_from_the_committed_json():
     section = re.search(r"<!-- variant-parameters:start -->\n(.*?)<!-- variant-parameters:end -->", readme, re.DOTALL)
     source = "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variant_parameters.py`."
     assert section.group(1).strip() == f"{source}\n\n{script.markdown(results)}".strip()
+
+
+def test_readme_held_out_scores_are_generated_from_the_committed_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"<!-- mapper-held-out:start -->\n(.*?)<!-- mapper-held-out:end -->", readme, re.DOTALL)
+    paths = sorted((ROOT / "benchmarks" / "results" / "held_out").glob("*.json"))
+    names = ", ".join(f"`{path.relative_to(ROOT).as_posix()}`" for path in paths)
+    expected = f"Generated from {names} (`hf-kvmap eval`).\n\n{script.held_out_markdown(paths)}"
+    assert section.group(1).strip() == expected.strip()
