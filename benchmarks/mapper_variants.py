@@ -250,6 +250,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per length (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timing")
     parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
+    parser.add_argument("--section", default="mapper-variants", help="the README section --readme rewrites")
     parser.add_argument(
         "--held-out",
         type=Path,
@@ -273,7 +274,7 @@ def main(argv=None) -> dict:
         write_json(args.json, result)
         text = markdown(result["directions"], result["choice"])
         if args.readme:
-            update_file_section(args.readme, "mapper-variants", f"Generated from `{args.json.as_posix()}`.\n\n{text}")
+            update_file_section(args.readme, args.section, f"Generated from `{args.json.as_posix()}`.\n\n{text}")
             if args.held_out:
                 update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
         return result
@@ -339,7 +340,7 @@ def main(argv=None) -> dict:
         plot(table, args.plot)
     if args.readme:
         source = args.json.as_posix()
-        update_file_section(args.readme, "mapper-variants", f"Generated from `{source}`.\n\n{text}")
+        update_file_section(args.readme, args.section, f"Generated from `{source}`.\n\n{text}")
         if args.held_out:
             update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
     print(text)

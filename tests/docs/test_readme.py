@@ -78,3 +78,29 @@ def test_readme_held_out_scores_are_generated_from_the_committed_json():
     names = ", ".join(f"`{path.relative_to(ROOT).as_posix()}`" for path in paths)
     expected = f"Generated from {names} (`hf-kvmap eval`).\n\n{script.held_out_markdown(paths)}"
     assert section.group(1).strip() == expected.strip()
+
+
+def test_readme_objectives_comparison_is_generated_from_the_committed_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (ROOT / "README.md").read_text()
+    name = "mapper-variants-objectives"
+    section = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", readme, re.DOTALL).group(1)
+    results = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants_objectives.json").read_text())
+    table = script.markdown(results["directions"], results["choice"])
+    assert (
+        section.strip() == f"Generated from `benchmarks/results/mapper_variants_objectives.json`.\n\n{table}".strip()
+    )
+    assert {d: c["variant"] for d, c in results["choice"].items()} == {
+        "tiny-l-to-tiny-s": "mlp",
+        "tiny-m-to-tiny-l": "ridge-l3w3-kn-kl",
+        "tiny-s-to-tiny-l": "ridge-l3w3-kn-kl",
+        "tiny-x-to-tiny-l": "ridge-l3w3-kn-kl",
+    }
+    # the choices are what the rule gives on the rows
+    assert {d: script.choose(rows)["variant"] for d, rows in results["directions"].items()} == {
+        d: c["variant"] for d, c in results["choice"].items()
+    }
