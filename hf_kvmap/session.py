@@ -11,7 +11,7 @@ turn = session.respond("small", max_new_tokens=32, eos_token_id=end_id)   # maps
 
 Invariant: a model's cache covers a prefix of the transcript and never its last token. When a model takes over, the
 tokens some other model has already processed beyond this model's cache are mapped from that model's cache (the
-mapper's `context_window` earlier positions are read along, so a windowed mapper sees the same inputs as when it maps
+mapper's widest context window (`max_context_window`) of earlier positions is read along, so a windowed mapper sees the same inputs as when it maps
 a whole prompt); the remaining tokens (typically the new user turn) are prefilled by the model itself.
 """
 
@@ -102,7 +102,7 @@ class HandoffSession:
         """Map transcript tokens `[start, end)` from `source`'s cache onto the end of `target`'s; returns the number
         of earlier source positions read along for the context window."""
         mapper = self.mappers[(source, target)]
-        window = int(getattr(mapper.config, "context_window", 0) or 0)
+        window = mapper.config.max_context_window  # the widest window of any map (layer_inputs included)
         begin = max(0, start - window)
         layers = self.caches[source].layers
         keys = [layer.keys[:, :, begin:end] for layer in layers]

@@ -247,11 +247,18 @@ def _broken(mapper, how):
         if how == "zeroed":
             for parameter in broken.parameters():
                 parameter.zero_()
-        else:  # every target layer gets another layer's weights (same shapes, wrong map)
+        else:  # every target layer gets the weights of the next layer of the same shapes (a wrong map)
             layers = list(broken.layers)
             states = [copy.deepcopy(layer.state_dict()) for layer in layers]
+            shapes = [{name: tensor.shape for name, tensor in state.items()} for state in states]
+            moved = 0
             for idx, layer in enumerate(layers):
-                layer.load_state_dict(states[(idx + 1) % len(layers)])
+                others = [(idx + step) % len(layers) for step in range(1, len(layers))]
+                donor = next((other for other in others if shapes[other] == shapes[idx]), None)
+                if donor is not None:
+                    layer.load_state_dict(states[donor])
+                    moved += 1
+            assert moved >= len(layers) - 1, "too few layers share shapes to mismatch"
     return broken
 
 

@@ -47,7 +47,7 @@ def test_incremental_window_mapping_equals_whole_prompt_mapping(one_thread):
     keys/values as mapping the whole transcript at once."""
     source, target = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
     mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l")).float()
-    assert mapper.config.context_window == 3
+    assert mapper.config.context_window == 0 and mapper.config.max_context_window == 3  # a window on one map only
     session = HandoffSession({"s": source, "l": target}, {("s", "l"): mapper})
     tokenizer = zoo.load_tokenizer()
     end = tokenizer.convert_tokens_to_ids(corpus.END)

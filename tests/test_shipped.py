@@ -90,11 +90,14 @@ def test_shipped_mappers_match_their_models():
 
 
 def test_shipped_mappers_are_the_chosen_variants():
-    """Each shipped mapper is the variant `benchmarks/mapper_variants.py` chose for its direction: its evaluation is
-    the one kept for that variant, and the README's variant table is generated from the committed JSON."""
+    """Each shipped mapper is the variant `benchmarks/mapper_variants.py` chose for its direction among every variant
+    (`mapper_variants_objectives.json`): its evaluation is the one kept for that variant, and the README's first
+    variant table is generated from the committed JSON."""
     results = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants.json").read_text())
-    assert sorted(results["choice"]) == sorted(p.name for p in zoo.MAPPERS_DIR.iterdir() if p.is_dir())
-    for direction, choice in results["choice"].items():
+    # the comparison with every variant, the earlier ones reused as measured: its choice is what ships
+    shipped_choice = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants_objectives.json").read_text())
+    assert sorted(shipped_choice["choice"]) == sorted(p.name for p in zoo.MAPPERS_DIR.iterdir() if p.is_dir())
+    for direction, choice in shipped_choice["choice"].items():
         kept = ROOT / "benchmarks" / "results" / "variants" / choice["variant"] / f"{direction}.json"
         shipped = zoo.MAPPERS_DIR / direction / "evaluation.json"
         assert json.loads(kept.read_text()) == json.loads(shipped.read_text()), direction
