@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines `add_parser(subparsers)` (which sets `func`) and is imported only when the CLI runs.
-COMMANDS = ("benchmark", "card", "demo", "eval", "fit")
+COMMANDS = ("benchmark", "card", "demo", "eval", "fit", "obtain")
 
 
 def build_parser() -> argparse.ArgumentParser:
