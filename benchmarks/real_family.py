@@ -201,6 +201,228 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- fit
+
+
+def mapper_dir(work: Path, source: str, target: str, variant: str) -> Path:
+    return work / "mappers" / direction_name(source, target) / variant
+
+
+def self_statistics(stats, side: str):
+    """Statistics of a model mapped onto itself, from either direction's statistics (its Gram is in both ways of
+    holding it: as the source Gram, or, for the target side, not at all, so only `side="source"` is possible)."""
+    from hf_kvmap import CalibrationStatistics
+    from hf_kvmap.statistics import KindStatistics
+
+    if side != "source":
+        raise ValueError("Only the source side of a statistics object carries its full Gram.")
+    config = stats.source_config
+    self_stats = CalibrationStatistics(
+        config,
+        config,
+        kinds=stats.kinds,
+        stride=stats.stride,
+        dtype=stats.dtype,
+        source_model_id=stats.source_model_id,
+        target_model_id=stats.source_model_id,
+        tokenizer_fingerprint=stats.tokenizer_fingerprint,
+        _allocate=False,
+    )
+    for kind in stats.kinds:
+        own = stats[kind]
+        self_stats.stats[kind] = KindStatistics(
+            count=own.count.clone(),
+            source_sum=own.source_sum.clone(),
+            target_sum=own.source_sum.clone(),
+            target_sumsq=own.gram.diagonal().clone(),
+            gram=own.gram,
+            cross=own.gram,
+        )
+    self_stats.tokens, self_stats.sequences = stats.tokens.clone(), stats.sequences.clone()
+    self_stats.fingerprint_limbs = stats.fingerprint_limbs.clone()
+    return self_stats
+
+
+VARIANTS = {"ridge-k8": 8, "ridge-all": None}
+
+
+def cmd_fit(args) -> int:
+    from hf_kvmap import CalibrationStatistics, mapper_from_statistics
+    from hf_kvmap.fitting import LayerSelection
+
+    work = Path(args.work)
+    progress = json.loads((work / "calib" / "progress.json").read_text())
+    fitted = {}
+    for source, target in DIRECTIONS:
+        stats = CalibrationStatistics.load(_stats_dir(work / "calib", source, target))
+        start = time.perf_counter()
+        selection = LayerSelection.from_statistics(stats)
+        for variant, top_k in VARIANTS.items():
+            mapper = mapper_from_statistics(
+                stats, ridge_lambda=args.ridge_lambda, selection=selection.with_top_k(top_k)
+            )
+            folder = mapper_dir(work, source, target, variant)
+            mapper.save_pretrained(folder)
+            fitted[f"{direction_name(source, target)}/{variant}"] = {
+                "seconds": time.perf_counter() - start,
+                "positions": stats.count(),
+                "sequences": int(stats.sequences),
+                "folder": str(folder),
+            }
+            start = time.perf_counter()
+        # the source model onto itself: a sanity bound on what a ridge of these features can do at all
+        self_stats = self_statistics(stats, "source")
+        mapper = mapper_from_statistics(self_stats, top_k=None, ridge_lambda=args.ridge_lambda)
+        folder = mapper_dir(work, source, source, "ridge-all")
+        mapper.save_pretrained(folder)
+        fitted[f"{direction_name(source, source)}/ridge-all"] = {
+            "seconds": time.perf_counter() - start,
+            "positions": stats.count(),
+            "sequences": int(stats.sequences),
+            "folder": str(folder),
+        }
+        del stats, self_stats
+    write_json(work / "fit.json", {"ridge_lambda": args.ridge_lambda, "calibration": progress, "mappers": fitted})
+    print(json.dumps(fitted, indent=1))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- evaluate
+
+
+class PrefillStore:
+    """Caches of (model, batch) prefills on disk: each model prefills each evaluation batch once, for every way
+    (alone, as a handoff source, for every mapper variant) and every later, resumed run."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.computed = 0
+        self.loaded = 0
+
+    def _path(self, name: str, ids: torch.Tensor, mask: torch.Tensor | None) -> Path:
+        import hashlib
+
+        digest = hashlib.sha256(name.encode())
+        digest.update(ids.cpu().numpy().tobytes())
+        if mask is not None:
+            digest.update(mask.cpu().numpy().tobytes())
+        return self.folder / f"{name}-{digest.hexdigest()[:32]}.safetensors"
+
+    @torch.no_grad()
+    def cache(self, name: str, model, ids: torch.Tensor, mask: torch.Tensor | None):
+        from safetensors.torch import load_file, save_file
+        from transformers import DynamicCache
+
+        from hf_kvmap.rope import positions_from_attention_mask
+
+        path = self._path(name, ids, mask)
+        if path.is_file():
+            tensors = load_file(path)
+            self.loaded += 1
+            layers = len(tensors) // 2
+            return DynamicCache(ddp_cache_data=[(tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(layers)])
+        kwargs = {}
+        if mask is not None:
+            kwargs = {
+                "attention_mask": mask,
+                "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
+            }
+        cache = model.get_decoder()(input_ids=ids, use_cache=True, **kwargs).past_key_values
+        tensors = {}
+        for i, layer in enumerate(cache.layers):
+            tensors[f"k{i}"], tensors[f"v{i}"] = layer.keys.contiguous(), layer.values.contiguous()
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+        self.computed += 1
+        return cache
+
+
+def cached_handoff_class():
+    from dataclasses import dataclass
+
+    from hf_kvmap import MappedCache
+    from hf_kvmap.evaluation import Handoff
+
+    @dataclass
+    class CachedHandoff(Handoff):
+        """`Handoff` whose builder prefills come from a `PrefillStore` (the reader side is unchanged)."""
+
+        store: PrefillStore | None = None
+        names: dict | None = None
+
+        @torch.no_grad()
+        def context_cache(self, mode, ids, mask=None):
+            builder, reader = self._models(mode)
+            cache = self.store.cache(self.names[id(builder)], builder, ids, mask)
+            if mode == "mapped":
+                cache = MappedCache.from_source(cache, self.mapper, hold_back=self.hold_back, attention_mask=mask)
+            else:
+                cache.crop(-self.hold_back)
+            return reader, cache
+
+    return CachedHandoff
+
+
+def scores_path(work: Path, items: int, seed: int) -> Path:
+    return work / "eval" / f"scores-items{items}-seed{seed}.json"
+
+
+def cmd_evaluate(args) -> int:
+    """Resumable: every (task, way) score is written to the scores file as soon as it is known and skipped later."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.evaluation import evaluate_items
+    from hf_kvmap.real import corpus
+    from hf_kvmap.real.tasks import real_family_tasks
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    tokenizer = load_tokenizer(SMALL, args.cache_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    documents = corpus.load_manifest(args.manifest)
+    tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=args.tasks.split(","))
+    path = scores_path(work, args.items, args.seed)
+    scores = json.loads(path.read_text()) if path.is_file() else {}
+    models = {SMALL: load_model(SMALL, args.cache_dir), LARGE: load_model(LARGE, args.cache_dir)}
+    names = {id(model): SHORT[name] for name, model in models.items()}
+    store = PrefillStore(work / "eval" / "prefills")
+    CachedHandoff = cached_handoff_class()
+
+    def record(key: str, task, handoff, mode: str) -> None:
+        if key in scores:
+            return
+        start = time.perf_counter()
+        kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
+        value = evaluate_items(handoff, task.kind, task.items, mode, **kwargs)
+        scores[key] = {"score": value, "n_items": len(task.items), "seconds": time.perf_counter() - start}
+        write_json(path, scores)
+        print(f"{key}: {value:.4f} ({scores[key]['seconds']:.0f} s)", flush=True)
+
+    # 1. each model alone (the "source alone" and "target alone" of both directions)
+    alone = CachedHandoff(models[SMALL], models[LARGE], None, tokenizer, store=store, names=names)
+    for task in tasks:
+        record(f"{task.name}|alone|{SHORT[SMALL]}", task, alone, "source")
+        record(f"{task.name}|alone|{SHORT[LARGE]}", task, alone, "target")
+    # 2. every fitted mapper that exists (directions and self-maps), in the target's dtype
+    pairs = [*DIRECTIONS, (SMALL, SMALL), (LARGE, LARGE)]
+    variants = args.variants.split(",")
+    for source, target in pairs:
+        for variant in variants:
+            folder = mapper_dir(work, source, target, variant)
+            if not (folder / "config.json").is_file():
+                continue
+            if source == target and not args.self_maps:
+                continue
+            mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
+            handoff = CachedHandoff(models[source], models[target], mapper, tokenizer, store=store, names=names)
+            for task in tasks:
+                record(f"{task.name}|{direction_name(source, target)}|{variant}", task, handoff, "mapped")
+    print(f"prefills computed {store.computed}, loaded {store.loaded}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -224,6 +446,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("fit", help="ridge mappers (k = 8, k = all) and self-maps from the collected statistics")
+    p.add_argument("--work", type=Path, required=True, help="the folder holding calib/ (mappers/ is written)")
+    p.add_argument("--ridge-lambda", type=float, default=0.01)
+    p.set_defaults(func=cmd_fit)
+
+    p = sub.add_parser("evaluate", help="tasks three ways; resumable, prefills cached on disk")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=MANIFEST)
+    p.add_argument("--items", type=int, default=200, help="items per task")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tasks", default="prose_retrieval,chat_recall,code_recall,code_nll,prose_ppl")
+    p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--self-maps", action="store_true", help="also evaluate the self-map sanity bounds")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_evaluate)
     return parser
 
 

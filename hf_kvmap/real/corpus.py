@@ -33,7 +33,17 @@ logger = logging.get_logger(__name__)
 MANIFEST_VERSION = 1
 HELDOUT_EVERY = 5  # one file in five (by path hash) is held out for evaluation
 STREAMS = ("code", "prose", "chat")
-_SKIP_STDLIB = ("test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages", "ensurepip", "encodings")
+_SKIP_STDLIB = (
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "tkinter",
+    "turtledemo",
+    "site-packages",
+    "ensurepip",
+    "encodings",
+)
 _MIN_DOCSTRING = 200
 
 
@@ -107,7 +117,9 @@ def discover(stdlib: str | Path | None = None, doc_root: str | Path = "/usr/shar
         candidates += [(p, "prose") for p in sorted(licenses.iterdir()) if p.is_file() and not p.is_symlink()]
     docs = doc_root / "doc"
     if docs.is_dir():
-        for path in sorted(docs.glob("*/copyright")) + sorted(docs.glob("*/README*")) + sorted(docs.glob("*/*.txt.gz")):
+        for path in (
+            sorted(docs.glob("*/copyright")) + sorted(docs.glob("*/README*")) + sorted(docs.glob("*/*.txt.gz"))
+        ):
             if path.is_file() and not path.is_symlink() and 1_000 <= path.stat().st_size <= 300_000:
                 candidates.append((path, "prose"))
     seen: set[str] = set()
