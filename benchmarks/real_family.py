@@ -110,12 +110,39 @@ def cmd_manifest(args) -> int:
 # ----------------------------------------------------------------------------------------------------- calibrate
 
 
-def _stats_dir(out: Path, source: str, target: str) -> Path:
-    return out / f"statistics-{direction_name(source, target)}"
+def _stats_dir(checkpoint: Path, source: str, target: str) -> Path:
+    return checkpoint / f"statistics-{direction_name(source, target)}"
+
+
+def checkpoint_dir(out: Path) -> Path | None:
+    """The last complete checkpoint under a calibration folder (None before the first one).
+
+    A checkpoint (`progress.json` and both directions' statistics) is written whole to `checkpoint.tmp` and swapped
+    in by renames, so a job killed at any moment leaves either the previous or the new checkpoint complete.
+    """
+    for name in ("checkpoint", "checkpoint.old"):
+        if (out / name / "progress.json").is_file():
+            return out / name
+    if (out / "progress.json").is_file():  # the first layout: statistics and progress directly in `out`
+        return out
+    return None
+
+
+def _swap_in(out: Path, tmp: Path) -> None:
+    current, old = out / "checkpoint", out / "checkpoint.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if current.exists():
+        os.replace(current, old)
+    os.replace(tmp, current)
+    if old.exists():
+        shutil.rmtree(old)
+    for legacy in [out / "progress.json", *out.glob("statistics-*")]:  # the first layout, now superseded
+        shutil.rmtree(legacy) if legacy.is_dir() else legacy.unlink()
 
 
 def cmd_calibrate(args) -> int:
-    """Resumable: `progress.json` lists the chunks already summed into the saved statistics; a run skips them."""
+    """Resumable: the checkpoint's `progress.json` lists the chunks summed into its statistics; a run skips them."""
     from hf_kvmap import CalibrationStatistics
     from hf_kvmap.fitting import tokenizer_fingerprint
     from hf_kvmap.real import corpus
@@ -137,8 +164,10 @@ def cmd_calibrate(args) -> int:
         "stride": args.stride,
         "seed": args.seed,
     }
-    progress_path = out / "progress.json"
-    progress = json.loads(progress_path.read_text()) if progress_path.is_file() else {"setting": setting, "done": {}}
+    checkpoint = checkpoint_dir(out)
+    progress = (
+        json.loads((checkpoint / "progress.json").read_text()) if checkpoint else {"setting": setting, "done": {}}
+    )
     if progress["setting"] != setting:
         raise SystemExit(
             f"{out} holds statistics of another setting ({progress['setting']}, asked {setting}); use another --out."
@@ -147,7 +176,7 @@ def cmd_calibrate(args) -> int:
     for index in list(progress["done"]):
         got = corpus.sequences_sha256(chunks[int(index)]) if int(index) < len(chunks) else None
         if got != progress["done"][index]["sha256"]:
-            raise SystemExit(f"Chunk {index} recorded in {progress_path} is not the chunk this manifest now gives.")
+            raise SystemExit(f"Chunk {index} recorded in {checkpoint} is not the chunk this manifest now gives.")
     print(f"calibration: {len(chunks)} chunks of {args.chunk} x {args.seq_len} tokens; {len(todo)} to do", flush=True)
     if not todo:
         return 0
@@ -156,9 +185,8 @@ def cmd_calibrate(args) -> int:
     fingerprint = tokenizer_fingerprint(tokenizer)
     stats = {}
     for source, target in DIRECTIONS:
-        folder = _stats_dir(out, source, target)
-        if progress["done"]:
-            stats[(source, target)] = CalibrationStatistics.load(folder)
+        if checkpoint:
+            stats[(source, target)] = CalibrationStatistics.load(_stats_dir(checkpoint, source, target))
         else:
             stats[(source, target)] = CalibrationStatistics(
                 replay[source].config,
@@ -177,22 +205,24 @@ def cmd_calibrate(args) -> int:
         chunk_start = time.perf_counter()
         for source, target in DIRECTIONS:
             stats[(source, target)].accumulate(replay[source], replay[target], batch, progress=False)
-        for (source, target), stat in stats.items():
-            folder = _stats_dir(out, source, target)
-            tmp = folder.with_name(folder.name + ".tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            stat.save(tmp)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
         progress["done"][str(index)] = {
             "sha256": corpus.sequences_sha256(chunks[index]),
             "seconds": time.perf_counter() - chunk_start,
         }
-        progress["forward_seconds"] = {SHORT[n]: r.forward_seconds for n, r in replay.items()}
+        progress["forward_seconds"] = {
+            SHORT[n]: progress.get("forward_seconds", {}).get(SHORT[n], 0.0) + r.forward_seconds
+            for n, r in replay.items()
+        }
+        for r in replay.values():
+            r.forward_seconds = 0.0
         progress["positions"] = stats[DIRECTIONS[0]].count()
-        write_json(progress_path, progress)
+        tmp = out / "checkpoint.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        for (source, target), stat in stats.items():
+            stat.save(_stats_dir(tmp, source, target))
+        write_json(tmp / "progress.json", progress)
+        _swap_in(out, tmp)
         print(
             f"chunk {index}: {progress['done'][str(index)]['seconds']:.0f} s, {len(progress['done'])}/{len(chunks)} "
             f"done, {progress['positions']} positions",
@@ -246,21 +276,61 @@ def self_statistics(stats, side: str):
 VARIANTS = {"ridge-k8": 8, "ridge-all": None}
 
 
+@torch.no_grad()
+def ridge_all_mapper(stats, selection, ridge_lambda: float):
+    """The k = all ridge mapper, solved with one Cholesky factorization per kind for every target layer at once.
+
+    `mapper_from_statistics` factors the same source Gram once per target layer and kind; with k = all every
+    target layer reads the same inputs, so one factorization serves all of them (2 instead of 2 L_t for a
+    7,168-wide Gram). Same centered ridge with bias and absolute lambda; a test ties it to the library's solve.
+    """
+    from hf_kvmap import MapperModel
+    from hf_kvmap.fitting import selection_config
+
+    selection = selection.with_top_k(None)
+    config = selection_config(stats, selection, kind="ridge", ridge_lambda=ridge_lambda, lambda_convention="absolute")
+    mapper = MapperModel(config)
+    for kind, attr in (("key", "key_proj"), ("value", "value_proj")):
+        part = stats[kind]
+        n = float(part.count)
+        sx, sy = part.source_sum.double(), part.target_sum.double()
+        sxx = part.gram.double() - torch.outer(sx, sx) / n
+        sxx.diagonal().add_(ridge_lambda)
+        sxy = part.cross.double() - torch.outer(sx, sy) / n
+        weight = torch.cholesky_solve(sxy, torch.linalg.cholesky(sxx))  # (F_s, F_t)
+        bias = sy / n - (sx / n) @ weight
+        del sxx, sxy
+        for layer_idx, layer in enumerate(mapper.layers):
+            rows = stats.source_columns(config.source_layers[layer_idx])
+            cols = stats.target_columns(layer_idx)
+            proj = getattr(layer, attr)
+            proj.weight.copy_(weight[:, cols][rows].T.to(proj.weight.dtype))
+            proj.bias.copy_(bias[cols].to(proj.bias.dtype))
+    mapper.selection = selection
+    return mapper
+
+
 def cmd_fit(args) -> int:
     from hf_kvmap import CalibrationStatistics, mapper_from_statistics
     from hf_kvmap.fitting import LayerSelection
 
     work = Path(args.work)
-    progress = json.loads((work / "calib" / "progress.json").read_text())
+    checkpoint = checkpoint_dir(work / "calib")
+    if checkpoint is None:
+        raise SystemExit(f"No calibration checkpoint under {work / 'calib'}; run the calibrate command first.")
+    progress = json.loads((checkpoint / "progress.json").read_text())
     fitted = {}
     for source, target in DIRECTIONS:
-        stats = CalibrationStatistics.load(_stats_dir(work / "calib", source, target))
+        stats = CalibrationStatistics.load(_stats_dir(checkpoint, source, target))
         start = time.perf_counter()
         selection = LayerSelection.from_statistics(stats)
         for variant, top_k in VARIANTS.items():
-            mapper = mapper_from_statistics(
-                stats, ridge_lambda=args.ridge_lambda, selection=selection.with_top_k(top_k)
-            )
+            if top_k is None:
+                mapper = ridge_all_mapper(stats, selection, args.ridge_lambda)
+            else:
+                mapper = mapper_from_statistics(
+                    stats, ridge_lambda=args.ridge_lambda, selection=selection.with_top_k(top_k)
+                )
             folder = mapper_dir(work, source, target, variant)
             mapper.save_pretrained(folder)
             fitted[f"{direction_name(source, target)}/{variant}"] = {
@@ -272,7 +342,7 @@ def cmd_fit(args) -> int:
             start = time.perf_counter()
         # the source model onto itself: a sanity bound on what a ridge of these features can do at all
         self_stats = self_statistics(stats, "source")
-        mapper = mapper_from_statistics(self_stats, top_k=None, ridge_lambda=args.ridge_lambda)
+        mapper = ridge_all_mapper(self_stats, LayerSelection.from_statistics(self_stats), args.ridge_lambda)
         folder = mapper_dir(work, source, source, "ridge-all")
         mapper.save_pretrained(folder)
         fitted[f"{direction_name(source, source)}/ridge-all"] = {
@@ -423,6 +493,368 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- analyze
+
+
+def _layer_r2(predicted: list[torch.Tensor], true: list[torch.Tensor]) -> float:
+    """R^2 over all heads and dims of one layer, pooled over sequences (centered per dim)."""
+    x = torch.cat([p.double().transpose(1, 2).reshape(-1, p.shape[1] * p.shape[3]) for p in predicted])
+    y = torch.cat([t.double().transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3]) for t in true])
+    ss_res = (x - y).square().sum()
+    ss_tot = (y - y.mean(0)).square().sum()
+    return float(1 - ss_res / ss_tot)
+
+
+def cmd_analyze(args) -> int:
+    """Held-out per-layer R^2 of every fitted mapper on the perplexity tasks' contexts (prefills from the store),
+    and the attention-output cosine (`hf_kvmap.diagnostics.diagnose`) of the direction mappers on held-out text."""
+    from hf_kvmap import MappedCache, MapperModel
+    from hf_kvmap.diagnostics import diagnose
+    from hf_kvmap.real import corpus
+    from hf_kvmap.real.tasks import real_family_tasks
+    from hf_kvmap.rope import RotaryCodec
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    tokenizer = load_tokenizer(SMALL, args.cache_dir)
+    documents = corpus.load_manifest(args.manifest)
+    tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=["code_nll", "prose_ppl"])
+    models = {SMALL: load_model(SMALL, args.cache_dir), LARGE: load_model(LARGE, args.cache_dir)}
+    store = PrefillStore(work / "eval" / "prefills")
+    contexts = []
+    for task in tasks:
+        for item in task.items:
+            ids = torch.tensor([tokenizer(item.text)["input_ids"]])
+            contexts.append(ids[:, : max(2, int(ids.shape[1] * 0.5))])  # the prefix the perplexity protocol prefills
+    out_path = work / "analysis.json"
+    results = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    for source, target in [*DIRECTIONS, (SMALL, SMALL), (LARGE, LARGE)]:
+        for variant in args.variants.split(","):
+            folder = mapper_dir(work, source, target, variant)
+            key = f"{direction_name(source, target)}/{variant}"
+            if not (folder / "config.json").is_file() or key in results:
+                continue
+            start = time.perf_counter()
+            mapper = MapperModel.from_pretrained(folder, dtype=torch.float32)
+            codec = RotaryCodec(models[target].config)
+            per_layer = {"key": [[] for _ in range(models[target].config.num_hidden_layers)]}
+            per_layer["value"] = [[] for _ in per_layer["key"]]
+            truths = {"key": [[] for _ in per_layer["key"]], "value": [[] for _ in per_layer["key"]]}
+            for ids in contexts:
+                mapped = MappedCache.from_source(store.cache(SHORT[source], models[source], ids, None), mapper)
+                true = store.cache(SHORT[target], models[target], ids, None)
+                table = codec.table(torch.arange(ids.shape[1] - 1)[None])
+                for layer, (m, t) in enumerate(zip(mapped.layers, true.layers)):
+                    per_layer["key"][layer].append(table.strip(m.keys.float()))
+                    truths["key"][layer].append(table.strip(t.keys[:, :, :-1].float()))
+                    per_layer["value"][layer].append(m.values.float())
+                    truths["value"][layer].append(t.values[:, :, :-1].float())
+            entry = {
+                f"{kind}_r2": [_layer_r2(per_layer[kind][i], truths[kind][i]) for i in range(len(per_layer[kind]))]
+                for kind in ("key", "value")
+            }
+            entry["positions"] = sum(int(ids.shape[1] - 1) for ids in contexts)
+            if source != target and args.attention_sequences:
+                text = tasks[1].items[0].text
+                ids = torch.tensor([tokenizer(text)["input_ids"][: args.attention_tokens]])
+                diag = diagnose(models[source], models[target], mapper.to(torch.bfloat16), [ids], query_tokens=8)
+                entry["attention_cosine"] = [
+                    sum(layer["attention_cosine"]) / len(layer["attention_cosine"]) for layer in diag["layers"]
+                ]
+                entry["attention_summary"] = diag["summary"]
+            entry["seconds"] = time.perf_counter() - start
+            results[key] = entry
+            write_json(out_path, results)
+            mean = {k: sum(entry[f"{k}_r2"]) / len(entry[f"{k}_r2"]) for k in ("key", "value")}
+            print(f"{key}: held-out R^2 K {mean['key']:.3f} V {mean['value']:.3f}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- latency
+
+
+def cmd_latency(args) -> int:
+    """`MappedCache.from_source` (mapper in the target's dtype) vs the target body re-prefilling the same tokens,
+    interleaved in one run (`hf_kvmap.evaluation.measure_latency`), beside `hf_kvmap.flops.flop_bound`."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.evaluation import Handoff, measure_latency
+    from hf_kvmap.flops import flop_bound
+    from hf_kvmap.reporting import environment_info
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    models = {SMALL: load_model(SMALL, args.cache_dir), LARGE: load_model(LARGE, args.cache_dir)}
+    lengths = [int(n) for n in args.tokens.split(",")]
+    out_path = work / "latency.json"
+    results = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": {}}
+    for source, target in DIRECTIONS:
+        for variant in args.variants.split(","):
+            key = f"{direction_name(source, target)}/{variant}"
+            folder = mapper_dir(work, source, target, variant)
+            if key in results["rows"] or not (folder / "config.json").is_file():
+                continue
+            mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
+            handoff = Handoff(source=models[source], target=models[target], mapper=mapper, tokenizer=None)
+            with torch.no_grad():
+                rows = measure_latency(handoff, lengths, repeats=args.repeats, warmup=args.warmup)
+            for row in rows:
+                bound = flop_bound(mapper, models[target].config, row["tokens"] - handoff.hold_back)
+                row["flop_bound"] = bound.ratio
+                row["fraction_of_bound"] = row["speedup"] / bound.ratio
+            results["rows"][key] = {
+                "mapper_dtype": str(mapper.dtype).removeprefix("torch."),
+                "mapper_parameters": sum(p.numel() for p in mapper.parameters()),
+                "rows": rows,
+            }
+            results["run"] = {"repeats": args.repeats, "warmup": args.warmup, "threads": args.threads}
+            results["environment"] = environment_info()
+            write_json(out_path, results)
+            for row in rows:
+                print(
+                    f"{key} {row['tokens']}: mapper {row['mapper_ms']:.0f} ms, prefill {row['prefill_ms']:.0f} ms, "
+                    f"{row['speedup']:.2f}x (bound {row['flop_bound']:.2f}x)",
+                    flush=True,
+                )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- report
+
+RESULTS = HERE / "results" / "real_family.json"
+PLOT = HERE / "results" / "real_family.png"
+CARDS = HERE.parent / "model_cards" / "real"
+CONFIGS = HERE / "results" / "real_family_configs"
+
+
+def assemble(scores: dict, source: str, target: str, variant: str) -> dict | None:
+    """One handoff's results in the layout `hf_kvmap.evaluation.evaluate_tasks` returns (the card reads it)."""
+    from hf_kvmap.metrics import load_retention
+    from hf_kvmap.real.tasks import TASK_META
+
+    results = {"tasks": {}, "perplexity": {}}
+    direction = direction_name(source, target)
+    for name, meta in TASK_META.items():
+        keys = {
+            "source": f"{name}|alone|{SHORT[source]}",
+            "target": f"{name}|alone|{SHORT[target]}",
+            "mapped": f"{name}|{direction}|{variant}",
+        }
+        if not all(key in scores for key in keys.values()):
+            continue
+        row = {mode: scores[key]["score"] for mode, key in keys.items()}
+        row["n_items"] = scores[keys["mapped"]]["n_items"]
+        if meta["kind"] == "perplexity":
+            results["perplexity"][name] = row
+        else:
+            results["tasks"][name] = {**row, "chance": meta["chance"], "kind": meta["kind"]}
+    if not results["tasks"] and not results["perplexity"]:
+        return None
+    scored = results["tasks"]
+    if scored:
+        names = list(scored)
+        metric = load_retention().compute(
+            predictions=[scored[n]["mapped"] for n in names],
+            references=[scored[n]["target"] for n in names],
+            chance=[scored[n]["chance"] for n in names],
+            task_names=names,
+            generation_tasks=[n for n in names if scored[n]["kind"] == "exact_match" and scored[n]["chance"] == 0],
+        )
+        for name in names:
+            scored[name].update(metric["per_task"][name])
+        results["summary"] = {
+            "retention": metric["retention"],
+            "floor_normalized_retention": metric["floor_normalized_retention"],
+            "generation_tasks": sorted(metric["generation"]),
+        }
+    return results
+
+
+def _fmt(value, digits=3) -> str:
+    from hf_kvmap.reporting import fmt_number
+
+    return "n/a" if value is None else fmt_number(value, digits)
+
+
+def report_markdown(report: dict) -> str:
+    run = report["run"]
+    lines = [
+        f"Written by `python benchmarks/real_family.py report` from `benchmarks/results/real_family.json`. "
+        f"Calibration: {run['calibration']['sequences']} sequences x {run['calibration']['seq_len']} tokens of the "
+        f"pinned real corpus (code, prose and chat-formatted prose), stride {run['calibration']['stride']}: "
+        f"{run['calibration']['positions']} positions (the paper: 500 x 1,024 at stride 4, about 128K). "
+        f"Items per task: {run['items_per_task']} (seed {run['seed']}). Mappers in bfloat16, the models' dtype.",
+        "",
+    ]
+    for direction, entry in report["directions"].items():
+        lines += [f"**{direction}**", ""]
+        lines += ["| task | kind | source alone | target alone | " + " | ".join(entry["variants"]) + " |"]
+        lines += ["|---|---|---|---|" + "---|" * len(entry["variants"])]
+        names = sorted({n for v in entry["variants"].values() for n in [*v["tasks"], *v["perplexity"]]})
+        for name in names:
+            first = next(v for v in entry["variants"].values() if name in v["tasks"] or name in v["perplexity"])
+            row = first["tasks"].get(name) or first["perplexity"][name]
+            kind = row.get("kind", "perplexity")
+            cells = []
+            for variant in entry["variants"].values():
+                cell = variant["tasks"].get(name) or variant["perplexity"].get(name)
+                if cell is None:
+                    cells.append("")
+                elif kind == "perplexity":
+                    cells.append(_fmt(cell["mapped"]))
+                else:
+                    floor = cell.get("floor_normalized_retention")
+                    cells.append(f"{_fmt(cell['mapped'])} (floor-norm. {_fmt(floor)})")
+            lines.append(
+                f"| {name} | {kind} | {_fmt(row['source'])} | {_fmt(row['target'])} | " + " | ".join(cells) + " |"
+            )
+        lines.append("")
+    if report.get("self_maps"):
+        lines += ["Ridge self-maps (each model's cache mapped onto itself; a sanity bound of the fit):", ""]
+        lines += ["| model | task | alone | self-mapped |", "|---|---|---|---|"]
+        for name, entry in report["self_maps"].items():
+            for task, row in {**entry["tasks"], **entry["perplexity"]}.items():
+                lines.append(f"| {name} | {task} | {_fmt(row['target'])} | {_fmt(row['mapped'])} |")
+        lines.append("")
+    if report.get("analysis"):
+        lines += [
+            "Held-out fit quality (perplexity contexts; keys in content space), mean over target layers:",
+            "",
+            "| mapper | key R^2 | value R^2 | attention cosine (mean / min layer) |",
+            "|---|---|---|---|",
+        ]
+        for key, entry in report["analysis"].items():
+            k = sum(entry["key_r2"]) / len(entry["key_r2"])
+            v = sum(entry["value_r2"]) / len(entry["value_r2"])
+            att = entry.get("attention_summary")
+            cos = (
+                f"{_fmt(att['mean_attention_cosine'])} / {_fmt(att['min_layer_attention_cosine'])}"
+                if att
+                else "not run"
+            )
+            lines.append(f"| {key} | {_fmt(k)} | {_fmt(v)} | {cos} |")
+        lines.append("")
+    if report.get("latency"):
+        lines += [
+            "Mapper (bfloat16) vs the target body re-prefilling the same tokens, timed interleaved in one run "
+            f"({report['latency']['run']['threads']} thread(s), medians of {report['latency']['run']['repeats']}):",
+            "",
+            "| mapper | tokens | mapper ms | re-prefill ms | speedup | FLOP bound | fraction of bound |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key, entry in report["latency"]["rows"].items():
+            for row in entry["rows"]:
+                lines.append(
+                    f"| {key} | {row['tokens']} | {_fmt(row['mapper_ms'], 0)} | {_fmt(row['prefill_ms'], 0)} | "
+                    f"{_fmt(row['speedup'], 2)}x | {_fmt(row['flop_bound'], 2)}x | {_fmt(row['fraction_of_bound'], 2)} |"
+                )
+        lines.append("")
+    lines.append("![real family](benchmarks/results/real_family.png)")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = list(report["directions"])
+    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        variants = report["directions"][direction]["variants"]
+        first = next(iter(variants.values()))
+        names = list(first["tasks"])
+        bars = {"source alone": [first["tasks"][n]["source"] for n in names]}
+        bars["target alone"] = [first["tasks"][n]["target"] for n in names]
+        for variant, entry in variants.items():
+            bars[variant] = [entry["tasks"].get(n, {}).get("mapped", float("nan")) for n in names]
+        width = 0.8 / len(bars)
+        for i, (label, values) in enumerate(bars.items()):
+            ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+        for x, name in enumerate(names):
+            chance = first["tasks"][name]["chance"]
+            ax.hlines(chance, x - 0.1, x + 0.9, colors="k", linestyles="dotted")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{direction} (dotted: chance)")
+        ax.set_ylabel("accuracy")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_report(args) -> int:
+    from hf_kvmap import MapperConfig
+    from hf_kvmap.card import render_card
+    from hf_kvmap.reporting import environment_info, update_file_section
+
+    work = Path(args.work)
+    scores = json.loads(scores_path(work, args.items, args.seed).read_text())
+    fit = json.loads((work / "fit.json").read_text())
+    progress = fit["calibration"]
+    calibration = {
+        "sequences": len(progress["done"]) * progress["setting"]["chunk"],
+        "seq_len": progress["setting"]["seq_len"],
+        "stride": progress["setting"]["stride"],
+        "positions": progress["positions"],
+        "manifest_sha256": progress["setting"]["manifest_sha256"],
+        "forward_seconds": progress.get("forward_seconds"),
+    }
+    report = {
+        "run": {
+            "items_per_task": args.items,
+            "seed": args.seed,
+            "calibration": calibration,
+            "ridge_lambda": fit["ridge_lambda"],
+            "models": {
+                SHORT[name]: json.loads((model_folder(name, args.cache_dir) / "obtain.json").read_text())
+                for name in (SMALL, LARGE)
+            },
+            "scores_seconds": sum(entry["seconds"] for entry in scores.values()),
+        },
+        "directions": {},
+        "self_maps": {},
+        "fit": fit["mappers"],
+        "environment": environment_info(),
+    }
+    CONFIGS.mkdir(parents=True, exist_ok=True)
+    CARDS.mkdir(parents=True, exist_ok=True)
+    for source, target in DIRECTIONS:
+        direction = direction_name(source, target)
+        variants = {}
+        for variant in VARIANTS:
+            results = assemble(scores, source, target, variant)
+            if results is not None:
+                variants[variant] = results
+        if variants:
+            report["directions"][direction] = {"variants": variants}
+        for variant, results in variants.items():
+            config = MapperConfig.from_pretrained(mapper_dir(work, source, target, variant))
+            name = f"qwen2.5-coder-{direction}-{variant}"
+            config.save_pretrained(CONFIGS / name)
+            card_results = {
+                **results,
+                "run": {"task_set": "real-family tasks", "items_per_task": args.items, "seed": args.seed},
+                "environment": report["environment"],
+            }
+            render_card(config, card_results, model_name=name).save(CARDS / f"{name}.md")
+    for name in (SMALL, LARGE):
+        results = assemble(scores, name, name, "ridge-all")
+        if results is not None:
+            report["self_maps"][SHORT[name]] = results
+    if (work / "analysis.json").is_file():
+        report["analysis"] = json.loads((work / "analysis.json").read_text())
+    if (work / "latency.json").is_file():
+        report["latency"] = json.loads((work / "latency.json").read_text())
+    write_json(RESULTS, report)
+    plot_report(report, PLOT)
+    update_file_section(HERE.parent / "README.md", "real-family", report_markdown(report))
+    print(f"wrote {RESULTS}, {PLOT}, {CARDS}/, README section real-family")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -462,6 +894,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-maps", action="store_true", help="also evaluate the self-map sanity bounds")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("analyze", help="held-out per-layer R^2 and attention cosine of the fitted mappers")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=MANIFEST)
+    p.add_argument("--items", type=int, default=200, help="the evaluate run whose perplexity contexts are used")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--attention-sequences", type=int, default=1, help="0 skips the attention cosine")
+    p.add_argument("--attention-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("latency", help="mapper vs target re-prefill beside the FLOP bound")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--tokens", default="512,1024,2048,4096")
+    p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_latency)
+
+    p = sub.add_parser("report", help="results JSON, plot, cards and README section from the other commands")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--items", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1234)
+    p.set_defaults(func=cmd_report)
     return parser
 
 

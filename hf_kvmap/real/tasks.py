@@ -130,7 +130,10 @@ def code_recall(tokenizer, documents, items: int, tokens: int = 160, seed: int =
         if not defined:
             continue
         name = rng.choice(defined)
-        distractors = rng.sample([n for n in pool if n not in chunk], 3)
+        others = [n for n in pool if n not in chunk]
+        if len(others) < 3:
+            raise ValueError("The held-out code defines too few distinct function names for 3 distractors.")
+        distractors = rng.sample(others, 3)
         choices = [name, *distractors]
         rng.shuffle(choices)
         context = chunk.rstrip() + "\n\n\n# the function defined above, once more:\nresult = "
@@ -175,3 +178,13 @@ def real_family_tasks(
     if unknown:
         raise ValueError(f"Unknown real-family tasks {unknown}; known: {TASK_NAMES}.")
     return [build[name]() for name in names]
+
+
+# How each task is scored and its chance level (what `hf_kvmap.evaluation.evaluate_tasks` records per task).
+TASK_META = {
+    "prose_retrieval": {"kind": "exact_match", "chance": 0.0},
+    "chat_recall": {"kind": "exact_match", "chance": 0.0},
+    "code_recall": {"kind": "choice", "chance": 0.25},
+    "code_nll": {"kind": "perplexity", "chance": None},
+    "prose_ppl": {"kind": "perplexity", "chance": None},
+}

@@ -1,0 +1,200 @@
+"""The real-family pipeline on tiny stand-ins (no real weights): corpus manifest, tasks, the k = all solve, the
+self-map statistics, resumable checkpoints and the retention assembly of `benchmarks/real_family.py`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SUPPORTED, build_model
+
+from hf_kvmap import CalibrationStatistics, MappedCache, mapper_from_statistics
+from hf_kvmap.fitting import LayerSelection
+from hf_kvmap.real import corpus
+from hf_kvmap.real.tasks import TASK_META, real_family_tasks
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("real_family", BENCHMARKS / "real_family.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WORDS = "the keeper of the light wrote every evening about wind and waves and ships that passed".split()
+
+
+def fake_machine(root: Path, files: int = 12) -> tuple[Path, Path]:
+    """A stand-in standard library (Python files with docstrings) and a /usr/share with licenses and docs."""
+    stdlib, share = root / "lib", root / "share"
+    (stdlib / "pkg").mkdir(parents=True)
+    (stdlib / "test").mkdir()
+    (share / "common-licenses").mkdir(parents=True)
+    for i in range(files):
+        prose = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(60)) + "."
+        code = f'"""Module {i}. {prose}"""\n'
+        for k in range(8):
+            code += f'\n\ndef function_{WORDS[k]}_{i}(value):\n    """{prose}"""\n    return value + {i * k}\n'
+        (stdlib / "pkg" / f"mod{i}.py").write_text(code)
+        (share / "common-licenses" / f"LICENSE-{i}").write_text(f"License {i}.\n\n" + (prose + "\n\n") * 6)
+    (stdlib / "test" / "test_skipped.py").write_text("x = 1\n" * 1000)
+    return stdlib, share
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE tokenizer trained here (every character round-trips), with a chat template."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([" ".join(WORDS) + " def return value"] * 10, vocab_size=300, special_tokens=["<eos>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tokenizer
+
+
+def test_manifest_pins_the_files_and_refuses_changes(tmp_path):
+    stdlib, share = fake_machine(tmp_path)
+    documents = corpus.discover(stdlib, share)
+    assert {d.kind for d in documents} == {"code", "prose"}
+    assert not any("test_skipped" in d.path for d in documents)
+    assert {d.split for d in documents} == {"calibration", "heldout"}
+    manifest = corpus.build_manifest(tmp_path / "m.json", documents)
+    assert corpus.load_manifest(tmp_path / "m.json") == documents
+    assert manifest["sha256"] == corpus.manifest_sha256(documents)
+    Path(documents[0].path).write_text("changed")
+    with pytest.raises(ValueError, match=r"0 pinned files are missing and 1 changed"):
+        corpus.load_manifest(tmp_path / "m.json")
+    data = json.loads((tmp_path / "m.json").read_text())
+    data["files"][1][2] = "heldout" if data["files"][1][2] == "calibration" else "calibration"
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="edited by hand"):
+        corpus.load_manifest(tmp_path / "m.json", verify=False)
+
+
+def test_calibration_sequences_are_fixed_and_extend(tmp_path, byte_tokenizer):
+    tokenizer = byte_tokenizer
+    documents = corpus.discover(*fake_machine(tmp_path))
+    short = corpus.calibration_sequences(tokenizer, documents, 3, length=64)
+    longer = corpus.calibration_sequences(tokenizer, documents, 6, length=64)
+    assert longer[:3] == short and all(len(seq) == 64 for seq in longer)
+    chat = tokenizer.decode(longer[2])
+    assert "Continue this text" in chat  # the third stream is chat-formatted prose
+    assert corpus.sequences_sha256(short) == corpus.sequences_sha256(longer[:3])
+    with pytest.raises(ValueError, match="ran out"):
+        corpus.calibration_sequences(tokenizer, documents, 10_000, length=64)
+
+
+def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer):
+    tokenizer = byte_tokenizer
+    documents = corpus.discover(*fake_machine(tmp_path, files=30))
+    held_out = {d.path for d in documents if d.split == "heldout"}
+    tasks = {t.name: t for t in real_family_tasks(tokenizer, documents, items=3)}
+    assert set(tasks) == set(TASK_META)
+    for name, task in tasks.items():
+        assert task.kind == TASK_META[name]["kind"] and task.items, name
+    retrieval = tasks["prose_retrieval"].items[0]
+    assert f"is {retrieval.answer}." in retrieval.prompt and retrieval.answer.isdigit()
+    recall = tasks["code_recall"].items[0]
+    assert recall.choices[recall.label].removesuffix("(") in recall.context
+    assert sum(choice.removesuffix("(") in recall.context for choice in recall.choices) == 1
+    assert held_out  # every task reads held-out files only (calibration files never feed them)
+    calibration_text = "".join(Path(d.path).read_text() for d in documents if d.split == "calibration")
+    assert tasks["code_nll"].items[0].text not in calibration_text
+
+
+def _tiny_pair_stats():
+    source, target = build_model(SUPPORTED["qwen2-biased-k"](), seed=0), build_model(SUPPORTED["qwen2-biased-k"](), 1)
+    ids = [torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    return source, target, CalibrationStatistics.collect(source, target, ids, progress=False)
+
+
+def test_ridge_all_equals_the_library_solve(script):
+    _, _, stats = _tiny_pair_stats()
+    selection = LayerSelection.from_statistics(stats)
+    fast = script.ridge_all_mapper(stats, selection, 0.01)
+    reference = mapper_from_statistics(stats, selection=selection.with_top_k(None), ridge_lambda=0.01)
+    assert fast.config.source_layers == reference.config.source_layers
+    for (name, a), (_, b) in zip(fast.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_self_map_statistics_recover_the_identity(script):
+    source, _, stats = _tiny_pair_stats()
+    self_stats = script.self_statistics(stats, "source")
+    direct = CalibrationStatistics.collect(
+        source,
+        source,
+        [torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(i)) for i in range(3)],
+        progress=False,
+    )
+    for kind in ("key", "value"):
+        torch.testing.assert_close(self_stats[kind].cross, direct[kind].cross)
+        torch.testing.assert_close(self_stats[kind].target_sumsq, direct[kind].target_sumsq)
+    mapper = script.ridge_all_mapper(self_stats, LayerSelection.from_statistics(self_stats), 1e-6)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        cache = source(ids, use_cache=True).past_key_values
+        mapped = MappedCache.from_source(cache, mapper)
+        for layer, original in zip(mapped.layers, cache.layers):
+            torch.testing.assert_close(layer.values, original.values[:, :, :19], rtol=1e-3, atol=1e-3)
+        plain = source.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(
+            source.generate(ids, past_key_values=mapped, max_new_tokens=6, do_sample=False, pad_token_id=0), plain
+        )
+    with pytest.raises(ValueError, match="source side"):
+        script.self_statistics(stats, "target")
+
+
+def test_checkpoint_swap_keeps_a_complete_one(script, tmp_path):
+    assert script.checkpoint_dir(tmp_path) is None
+    (tmp_path / "progress.json").write_text("{}")  # the first layout
+    assert script.checkpoint_dir(tmp_path) == tmp_path
+    tmp = tmp_path / "checkpoint.tmp"
+    tmp.mkdir()
+    (tmp / "progress.json").write_text('{"n": 1}')
+    script._swap_in(tmp_path, tmp)
+    assert script.checkpoint_dir(tmp_path) == tmp_path / "checkpoint" and not (tmp_path / "progress.json").exists()
+    # killed between the two renames of the next swap: the previous checkpoint is still found
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")
+    assert script.checkpoint_dir(tmp_path) == tmp_path / "checkpoint.old"
+
+
+def test_body_replay_runs_each_batch_once(script):
+    model = build_model(SUPPORTED["qwen2-biased-k"]())
+    replay = script.BodyReplay(model)
+    ids = torch.randint(3, 128, (1, 12))
+    first = replay(ids, use_cache=True)
+    assert replay(ids.clone(), use_cache=True) is first
+    assert replay(torch.randint(3, 128, (1, 12)), use_cache=True) is not first
+    with torch.no_grad():
+        truth = model(ids, use_cache=True).past_key_values
+    torch.testing.assert_close(first.past_key_values.layers[1].keys, truth.layers[1].keys)
+
+
+def test_assemble_computes_retention_only_against_the_pair(script):
+    scores = {}
+    values = {"alone|0.5b": 0.5, "alone|1.5b": 1.0, "0.5b-to-1.5b|ridge-k8": 0.25, "1.5b-to-0.5b|ridge-k8": 0.5}
+    for name in TASK_META:
+        for way, value in values.items():
+            scores[f"{name}|{way}"] = {
+                "score": value + (2.0 if TASK_META[name]["kind"] == "perplexity" else 0),
+                "n_items": 4,
+            }
+    up = script.assemble(scores, script.SMALL, script.LARGE, "ridge-k8")
+    assert up["tasks"]["prose_retrieval"]["retention"] == pytest.approx(0.25)
+    assert up["tasks"]["code_recall"]["floor_normalized_retention"] == pytest.approx(0.0)  # 0.25 is chance
+    assert up["perplexity"]["code_nll"] == {"source": 2.5, "target": 3.0, "mapped": 2.25, "n_items": 4}
+    down = script.assemble(scores, script.LARGE, script.SMALL, "ridge-k8")
+    assert down["tasks"]["chat_recall"]["retention"] == pytest.approx(1.0)
+    assert script.assemble(scores, script.SMALL, script.LARGE, "ridge-all") is None
