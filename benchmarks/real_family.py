@@ -276,6 +276,17 @@ def self_statistics(stats, side: str):
 VARIANTS = {"ridge-k8": 8, "ridge-all": None}
 
 
+def save_atomically(mapper, folder: Path) -> None:
+    """Save to `<folder>.tmp` and rename, so a reader (a running evaluate) never sees half a mapper."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    mapper.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
 @torch.no_grad()
 def ridge_all_mapper(stats, selection, ridge_lambda: float):
     """The k = all ridge mapper, solved with one Cholesky factorization per kind for every target layer at once.
@@ -332,7 +343,7 @@ def cmd_fit(args) -> int:
                     stats, ridge_lambda=args.ridge_lambda, selection=selection.with_top_k(top_k)
                 )
             folder = mapper_dir(work, source, target, variant)
-            mapper.save_pretrained(folder)
+            save_atomically(mapper, folder)
             fitted[f"{direction_name(source, target)}/{variant}"] = {
                 "seconds": time.perf_counter() - start,
                 "positions": stats.count(),
@@ -344,7 +355,7 @@ def cmd_fit(args) -> int:
         self_stats = self_statistics(stats, "source")
         mapper = ridge_all_mapper(self_stats, LayerSelection.from_statistics(self_stats), args.ridge_lambda)
         folder = mapper_dir(work, source, source, "ridge-all")
-        mapper.save_pretrained(folder)
+        save_atomically(mapper, folder)
         fitted[f"{direction_name(source, source)}/ridge-all"] = {
             "seconds": time.perf_counter() - start,
             "positions": stats.count(),
@@ -470,25 +481,28 @@ def cmd_evaluate(args) -> int:
         write_json(path, scores)
         print(f"{key}: {value:.4f} ({scores[key]['seconds']:.0f} s)", flush=True)
 
-    # 1. each model alone (the "source alone" and "target alone" of both directions)
+    # Task by task: each model alone (the "source alone" and "target alone" of both directions), then every fitted
+    # mapper that exists (directions, and self-maps with --self-maps), in the target's dtype. A second pass picks up
+    # mappers that were fitted while the first one ran.
     alone = CachedHandoff(models[SMALL], models[LARGE], None, tokenizer, store=store, names=names)
-    for task in tasks:
-        record(f"{task.name}|alone|{SHORT[SMALL]}", task, alone, "source")
-        record(f"{task.name}|alone|{SHORT[LARGE]}", task, alone, "target")
-    # 2. every fitted mapper that exists (directions and self-maps), in the target's dtype
-    pairs = [*DIRECTIONS, (SMALL, SMALL), (LARGE, LARGE)]
-    variants = args.variants.split(",")
-    for source, target in pairs:
-        for variant in variants:
-            folder = mapper_dir(work, source, target, variant)
-            if not (folder / "config.json").is_file():
-                continue
-            if source == target and not args.self_maps:
-                continue
-            mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
-            handoff = CachedHandoff(models[source], models[target], mapper, tokenizer, store=store, names=names)
-            for task in tasks:
-                record(f"{task.name}|{direction_name(source, target)}|{variant}", task, handoff, "mapped")
+    pairs = [*DIRECTIONS] + ([(SMALL, SMALL), (LARGE, LARGE)] if args.self_maps else [])
+    loaded = {}
+    for _ in range(2):
+        for task in tasks:
+            record(f"{task.name}|alone|{SHORT[SMALL]}", task, alone, "source")
+            record(f"{task.name}|alone|{SHORT[LARGE]}", task, alone, "target")
+            for variant in args.variants.split(","):
+                for source, target in pairs:
+                    folder = mapper_dir(work, source, target, variant)
+                    if not (folder / "config.json").is_file():
+                        continue
+                    if folder not in loaded:
+                        mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
+                        loaded[folder] = CachedHandoff(
+                            models[source], models[target], mapper, tokenizer, store=store, names=names
+                        )
+                    key = f"{task.name}|{direction_name(source, target)}|{variant}"
+                    record(key, task, loaded[folder], "mapped")
     print(f"prefills computed {store.computed}, loaded {store.loaded}")
     return 0
 
