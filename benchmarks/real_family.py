@@ -144,7 +144,7 @@ def _swap_in(out: Path, tmp: Path) -> None:
 def cmd_calibrate(args) -> int:
     """Resumable: the checkpoint's `progress.json` lists the chunks summed into its statistics; a run skips them."""
     from hf_kvmap import CalibrationStatistics
-    from hf_kvmap.fitting import tokenizer_fingerprint
+    from hf_kvmap.artifacts import tokenizer_fingerprint
     from hf_kvmap.real import corpus
 
     torch.set_num_threads(args.threads)
@@ -242,15 +242,15 @@ def self_statistics(stats, side: str):
     """Statistics of a model mapped onto itself, from either direction's statistics (its Gram is in both ways of
     holding it: as the source Gram, or, for the target side, not at all, so only `side="source"` is possible)."""
     from hf_kvmap import CalibrationStatistics
-    from hf_kvmap.statistics import KindStatistics
+    from hf_kvmap.moments import PartStatistics
 
     if side != "source":
         raise ValueError("Only the source side of a statistics object carries its full Gram.")
-    config = stats.source_config
+    config = stats.source_summary
     self_stats = CalibrationStatistics(
         config,
         config,
-        kinds=stats.kinds,
+        parts=stats.parts,
         stride=stats.stride,
         dtype=stats.dtype,
         source_model_id=stats.source_model_id,
@@ -258,9 +258,9 @@ def self_statistics(stats, side: str):
         tokenizer_fingerprint=stats.tokenizer_fingerprint,
         _allocate=False,
     )
-    for kind in stats.kinds:
-        own = stats[kind]
-        self_stats.stats[kind] = KindStatistics(
+    for part in stats.parts:
+        own = stats[part]
+        self_stats.stats[part] = PartStatistics(
             count=own.count.clone(),
             source_sum=own.source_sum.clone(),
             target_sum=own.source_sum.clone(),
@@ -289,41 +289,39 @@ def save_atomically(mapper, folder: Path) -> None:
 
 @torch.no_grad()
 def ridge_all_mapper(stats, selection, ridge_lambda: float):
-    """The k = all ridge mapper, solved with one Cholesky factorization per kind for every target layer at once.
+    """The k = all ridge mapper, solved with one Cholesky factorization per part for every target layer at once.
 
-    `mapper_from_statistics` factors the same source Gram once per target layer and kind; with k = all every
+    `mapper_from_statistics` factors the same source Gram once per target layer and part; with k = all every
     target layer reads the same inputs, so one factorization serves all of them (2 instead of 2 L_t for a
     7,168-wide Gram). Same centered ridge with bias and absolute lambda; a test ties it to the library's solve.
     """
-    from hf_kvmap import MapperModel
-    from hf_kvmap.fitting import selection_config
+    from hf_kvmap import FitOptions, MapperModel
+    from hf_kvmap.fitting import FittedMapper, fitted_config
 
     selection = selection.with_top_k(None)
-    config = selection_config(stats, selection, kind="ridge", ridge_lambda=ridge_lambda, lambda_convention="absolute")
-    mapper = MapperModel(config)
-    for kind, attr in (("key", "key_proj"), ("value", "value_proj")):
-        part = stats[kind]
-        n = float(part.count)
-        sx, sy = part.source_sum.double(), part.target_sum.double()
-        sxx = part.gram.double() - torch.outer(sx, sx) / n
+    options = FitOptions(kind="ridge", top_k=None, ridge_lambda=ridge_lambda, lambda_convention="absolute")
+    config = fitted_config(stats, selection, options)
+    state = {}
+    for part in ("key", "value"):
+        moments = stats[part]
+        n = float(moments.count)
+        sx, sy = moments.source_sum.double(), moments.target_sum.double()
+        sxx = moments.gram.double() - torch.outer(sx, sx) / n
         sxx.diagonal().add_(ridge_lambda)
-        sxy = part.cross.double() - torch.outer(sx, sy) / n
+        sxy = moments.cross.double() - torch.outer(sx, sy) / n
         weight = torch.cholesky_solve(sxy, torch.linalg.cholesky(sxx))  # (F_s, F_t)
         bias = sy / n - (sx / n) @ weight
         del sxx, sxy
-        for layer_idx, layer in enumerate(mapper.layers):
+        for layer_idx in range(stats.target_geometry.num_layers):
             rows = stats.source_columns(config.source_layers[layer_idx])
             cols = stats.target_columns(layer_idx)
-            proj = getattr(layer, attr)
-            proj.weight.copy_(weight[:, cols][rows].T.to(proj.weight.dtype))
-            proj.bias.copy_(bias[cols].to(proj.bias.dtype))
-    mapper.selection = selection
-    return mapper
+            state[f"layers.{layer_idx}.{part}_proj.weight"] = weight[:, cols][rows].T.contiguous()
+            state[f"layers.{layer_idx}.{part}_proj.bias"] = bias[cols].clone()
+    return MapperModel.from_fitted(FittedMapper(config, state, selection, torch.float32))
 
 
 def cmd_fit(args) -> int:
-    from hf_kvmap import CalibrationStatistics, mapper_from_statistics
-    from hf_kvmap.fitting import LayerSelection
+    from hf_kvmap import CalibrationStatistics, LayerSelection, mapper_from_statistics
 
     work = Path(args.work)
     checkpoint = checkpoint_dir(work / "calib")
@@ -475,8 +473,8 @@ def cmd_evaluate(args) -> int:
         if key in scores:
             return
         start = time.perf_counter()
-        kwargs = {"stop": task.stop} if task.kind == "exact_match" else {}
-        value = evaluate_items(handoff, task.kind, task.items, mode, **kwargs)
+        kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
+        value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
         scores[key] = {"score": value, "n_items": len(task.items), "seconds": time.perf_counter() - start}
         write_json(path, scores)
         print(f"{key}: {value:.4f} ({scores[key]['seconds']:.0f} s)", flush=True)
@@ -657,10 +655,10 @@ def assemble(scores: dict, source: str, target: str, variant: str) -> dict | Non
             continue
         row = {mode: scores[key]["score"] for mode, key in keys.items()}
         row["n_items"] = scores[keys["mapped"]]["n_items"]
-        if meta["kind"] == "perplexity":
+        if meta["task_type"] == "perplexity":
             results["perplexity"][name] = row
         else:
-            results["tasks"][name] = {**row, "chance": meta["chance"], "kind": meta["kind"]}
+            results["tasks"][name] = {**row, "chance": meta["chance"], "task_type": meta["task_type"]}
     if not results["tasks"] and not results["perplexity"]:
         return None
     scored = results["tasks"]
@@ -671,7 +669,9 @@ def assemble(scores: dict, source: str, target: str, variant: str) -> dict | Non
             references=[scored[n]["target"] for n in names],
             chance=[scored[n]["chance"] for n in names],
             task_names=names,
-            generation_tasks=[n for n in names if scored[n]["kind"] == "exact_match" and scored[n]["chance"] == 0],
+            generation_tasks=[
+                n for n in names if scored[n]["task_type"] == "exact_match" and scored[n]["chance"] == 0
+            ],
         )
         for name in names:
             scored[name].update(metric["per_task"][name])
@@ -701,13 +701,13 @@ def report_markdown(report: dict) -> str:
     ]
     for direction, entry in report["directions"].items():
         lines += [f"**{direction}**", ""]
-        lines += ["| task | kind | source alone | target alone | " + " | ".join(entry["variants"]) + " |"]
+        lines += ["| task | type | source alone | target alone | " + " | ".join(entry["variants"]) + " |"]
         lines += ["|---|---|---|---|" + "---|" * len(entry["variants"])]
         names = sorted({n for v in entry["variants"].values() for n in [*v["tasks"], *v["perplexity"]]})
         for name in names:
             first = next(v for v in entry["variants"].values() if name in v["tasks"] or name in v["perplexity"])
             row = first["tasks"].get(name) or first["perplexity"][name]
-            kind = row.get("kind", "perplexity")
+            kind = row.get("task_type", "perplexity")
             cells = []
             for variant in entry["variants"].values():
                 cell = variant["tasks"].get(name) or variant["perplexity"].get(name)

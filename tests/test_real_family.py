@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SUPPORTED, build_model
 
-from hf_kvmap import CalibrationStatistics, MappedCache, mapper_from_statistics
-from hf_kvmap.fitting import LayerSelection
+from hf_kvmap import CalibrationStatistics, LayerSelection, MappedCache, mapper_from_statistics
 from hf_kvmap.real import corpus
 from hf_kvmap.real.tasks import TASK_META, real_family_tasks
 
@@ -102,7 +100,7 @@ def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer):
     tasks = {t.name: t for t in real_family_tasks(tokenizer, documents, items=3)}
     assert set(tasks) == set(TASK_META)
     for name, task in tasks.items():
-        assert task.kind == TASK_META[name]["kind"] and task.items, name
+        assert task.task_type == TASK_META[name]["task_type"] and task.items, name
     retrieval = tasks["prose_retrieval"].items[0]
     assert f"is {retrieval.answer}." in retrieval.prompt and retrieval.answer.isdigit()
     recall = tasks["code_recall"].items[0]
@@ -113,14 +111,15 @@ def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer):
     assert tasks["code_nll"].items[0].text not in calibration_text
 
 
-def _tiny_pair_stats():
-    source, target = build_model(SUPPORTED["qwen2-biased-k"](), seed=0), build_model(SUPPORTED["qwen2-biased-k"](), 1)
+def _tiny_pair_stats(tiny):
+    source = tiny.model(tiny.arch_config("qwen2-biased-k"), seed=0)
+    target = tiny.model(tiny.arch_config("qwen2-biased-k"), seed=1)
     ids = [torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     return source, target, CalibrationStatistics.collect(source, target, ids, progress=False)
 
 
-def test_ridge_all_equals_the_library_solve(script):
-    _, _, stats = _tiny_pair_stats()
+def test_ridge_all_equals_the_library_solve(script, tiny):
+    _, _, stats = _tiny_pair_stats(tiny)
     selection = LayerSelection.from_statistics(stats)
     fast = script.ridge_all_mapper(stats, selection, 0.01)
     reference = mapper_from_statistics(stats, selection=selection.with_top_k(None), ridge_lambda=0.01)
@@ -129,8 +128,8 @@ def test_ridge_all_equals_the_library_solve(script):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_self_map_statistics_recover_the_identity(script):
-    source, _, stats = _tiny_pair_stats()
+def test_self_map_statistics_recover_the_identity(script, tiny):
+    source, _, stats = _tiny_pair_stats(tiny)
     self_stats = script.self_statistics(stats, "source")
     direct = CalibrationStatistics.collect(
         source,
@@ -170,8 +169,8 @@ def test_checkpoint_swap_keeps_a_complete_one(script, tmp_path):
     assert script.checkpoint_dir(tmp_path) == tmp_path / "checkpoint.old"
 
 
-def test_body_replay_runs_each_batch_once(script):
-    model = build_model(SUPPORTED["qwen2-biased-k"]())
+def test_body_replay_runs_each_batch_once(script, tiny):
+    model = tiny.model(tiny.arch_config("qwen2-biased-k"))
     replay = script.BodyReplay(model)
     ids = torch.randint(3, 128, (1, 12))
     first = replay(ids, use_cache=True)
@@ -188,7 +187,7 @@ def test_assemble_computes_retention_only_against_the_pair(script):
     for name in TASK_META:
         for way, value in values.items():
             scores[f"{name}|{way}"] = {
-                "score": value + (2.0 if TASK_META[name]["kind"] == "perplexity" else 0),
+                "score": value + (2.0 if TASK_META[name]["task_type"] == "perplexity" else 0),
                 "n_items": 4,
             }
     up = script.assemble(scores, script.SMALL, script.LARGE, "ridge-k8")

@@ -180,11 +180,11 @@ def real_family_tasks(
     return [build[name]() for name in names]
 
 
-# How each task is scored and its chance level (what `hf_kvmap.evaluation.evaluate_tasks` records per task).
+# How each task is scored and its chance level (the fields `hf_kvmap.evaluation.evaluate_tasks` records per task).
 TASK_META = {
-    "prose_retrieval": {"kind": "exact_match", "chance": 0.0},
-    "chat_recall": {"kind": "exact_match", "chance": 0.0},
-    "code_recall": {"kind": "choice", "chance": 0.25},
-    "code_nll": {"kind": "perplexity", "chance": None},
-    "prose_ppl": {"kind": "perplexity", "chance": None},
+    "prose_retrieval": {"task_type": "exact_match", "chance": 0.0},
+    "chat_recall": {"task_type": "exact_match", "chance": 0.0},
+    "code_recall": {"task_type": "choice", "chance": 0.25},
+    "code_nll": {"task_type": "perplexity", "chance": None},
+    "prose_ppl": {"task_type": "perplexity", "chance": None},
 }
