@@ -799,6 +799,20 @@ def plot_report(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def weightless_mapper(config):
+    """A `MapperModel` of `config` on the meta device: what the card needs (shapes, parameter count), no weights."""
+    from hf_kvmap import MapperModel
+
+    with torch.device("meta"):
+        return MapperModel(config)
+
+
+def card_results(report: dict, results: dict) -> dict:
+    """What a real-family card renders: one handoff's results with the run's setting and environment."""
+    run = {"task_set": "real-family tasks", "items_per_task": report["run"]["items_per_task"]}
+    return {**results, "run": {**run, "seed": report["run"]["seed"]}, "environment": report["environment"]}
+
+
 def cmd_report(args) -> int:
     from hf_kvmap import MapperConfig
     from hf_kvmap.card import render_card
@@ -848,12 +862,8 @@ def cmd_report(args) -> int:
             config = MapperConfig.from_pretrained(mapper_dir(work, source, target, variant))
             name = f"qwen2.5-coder-{direction}-{variant}"
             config.save_pretrained(CONFIGS / name)
-            card_results = {
-                **results,
-                "run": {"task_set": "real-family tasks", "items_per_task": args.items, "seed": args.seed},
-                "environment": report["environment"],
-            }
-            render_card(config, card_results, model_name=name).save(CARDS / f"{name}.md")
+            card = render_card(weightless_mapper(config), card_results(report, results), model_name=name)
+            card.save(CARDS / f"{name}.md")
     for name in (SMALL, LARGE):
         results = assemble(scores, name, name, "ridge-all")
         if results is not None:

@@ -197,3 +197,26 @@ def test_assemble_computes_retention_only_against_the_pair(script):
     down = script.assemble(scores, script.LARGE, script.SMALL, "ridge-k8")
     assert down["tasks"]["chat_recall"]["retention"] == pytest.approx(1.0)
     assert script.assemble(scores, script.SMALL, script.LARGE, "ridge-all") is None
+
+
+def test_real_family_results_cards_and_readme_have_not_drifted(script):
+    """The committed results JSON renders exactly the committed cards (from the committed mapper configs) and the
+    README section."""
+    from hf_kvmap import MapperConfig
+    from hf_kvmap.card import render_card
+
+    if not script.RESULTS.is_file():
+        pytest.skip("no real-family results committed")
+    report = json.loads(script.RESULTS.read_text())
+    cards = sorted(script.CARDS.glob("*.md"))
+    assert cards, "results without cards"
+    for card in cards:
+        name = card.stem
+        direction, variant = name.removeprefix("qwen2.5-coder-").rsplit("-ridge-", 1)
+        results = report["directions"][direction]["variants"][f"ridge-{variant}"]
+        config = MapperConfig.from_pretrained(script.CONFIGS / name)
+        mapper = script.weightless_mapper(config)
+        rendered = render_card(mapper, script.card_results(report, results), model_name=name)
+        assert card.read_text().strip() == str(rendered).strip(), name
+    readme = (BENCHMARKS.parent / "README.md").read_text()
+    assert script.report_markdown(report).strip() in readme
