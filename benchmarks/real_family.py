@@ -517,68 +517,90 @@ def _layer_r2(predicted: list[torch.Tensor], true: list[torch.Tensor]) -> float:
     return float(1 - ss_res / ss_tot)
 
 
+def held_out_r2(mapper, source_model, target_model, source, target, store, contexts) -> dict:
+    """Per target layer R^2 of the mapped keys (content space) and values against the target's own cache."""
+    from hf_kvmap import MappedCache
+    from hf_kvmap.rope import RotaryCodec
+
+    codec = RotaryCodec(target_model.config)
+    layers = target_model.config.num_hidden_layers
+    mapped_parts = {"key": [[] for _ in range(layers)], "value": [[] for _ in range(layers)]}
+    true_parts = {"key": [[] for _ in range(layers)], "value": [[] for _ in range(layers)]}
+    for ids in contexts:
+        mapped = MappedCache.from_source(store.cache(SHORT[source], source_model, ids, None), mapper)
+        true = store.cache(SHORT[target], target_model, ids, None)
+        table = codec.table(torch.arange(ids.shape[1] - 1)[None])
+        for layer, (m, t) in enumerate(zip(mapped.layers, true.layers)):
+            mapped_parts["key"][layer].append(table.strip(m.keys.float()))
+            true_parts["key"][layer].append(table.strip(t.keys[:, :, :-1].float()))
+            mapped_parts["value"][layer].append(m.values.float())
+            true_parts["value"][layer].append(t.values[:, :, :-1].float())
+    entry = {
+        f"{part}_r2": [_layer_r2(mapped_parts[part][i], true_parts[part][i]) for i in range(layers)]
+        for part in ("key", "value")
+    }
+    entry["positions"] = sum(int(ids.shape[1] - 1) for ids in contexts)
+    return entry
+
+
 def cmd_analyze(args) -> int:
     """Held-out per-layer R^2 of every fitted mapper on the perplexity tasks' contexts (prefills from the store),
     and the attention-output cosine (`hf_kvmap.diagnostics.diagnose`) of the direction mappers on held-out text."""
-    from hf_kvmap import MappedCache, MapperModel
+    from hf_kvmap import MapperModel
     from hf_kvmap.diagnostics import diagnose
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
-    from hf_kvmap.rope import RotaryCodec
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     tokenizer = load_tokenizer(SMALL, args.cache_dir)
     documents = corpus.load_manifest(args.manifest)
-    tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=["code_nll", "prose_ppl"])
+    names = args.contexts.split(",")
+    tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=names)
     models = {SMALL: load_model(SMALL, args.cache_dir), LARGE: load_model(LARGE, args.cache_dir)}
     store = PrefillStore(work / "eval" / "prefills")
-    contexts = []
+    contexts = []  # exactly the prefixes the evaluation prefilled (so the store has both models' caches)
     for task in tasks:
         for item in task.items:
-            ids = torch.tensor([tokenizer(item.text)["input_ids"]])
-            contexts.append(ids[:, : max(2, int(ids.shape[1] * 0.5))])  # the prefix the perplexity protocol prefills
+            if task.task_type == "perplexity":
+                ids = torch.tensor([tokenizer(item.text)["input_ids"]])
+                contexts.append(ids[:, : max(2, int(ids.shape[1] * 0.5))])
+            elif task.task_type == "choice":
+                contexts.append(torch.tensor([tokenizer(item.context)["input_ids"]]))
+            else:
+                raise SystemExit(f"analyze reads single-sequence contexts; {task.name} is batched with padding.")
     out_path = work / "analysis.json"
     results = json.loads(out_path.read_text()) if out_path.is_file() else {}
     for source, target in [*DIRECTIONS, (SMALL, SMALL), (LARGE, LARGE)]:
         for variant in args.variants.split(","):
             folder = mapper_dir(work, source, target, variant)
             key = f"{direction_name(source, target)}/{variant}"
-            if not (folder / "config.json").is_file() or key in results:
+            if not (folder / "config.json").is_file():
+                continue
+            wants_attention = source != target and args.attention_sequences > 0
+            if key in results and ("attention_summary" in results[key] or not wants_attention):
                 continue
             start = time.perf_counter()
             mapper = MapperModel.from_pretrained(folder, dtype=torch.float32)
-            codec = RotaryCodec(models[target].config)
-            per_layer = {"key": [[] for _ in range(models[target].config.num_hidden_layers)]}
-            per_layer["value"] = [[] for _ in per_layer["key"]]
-            truths = {"key": [[] for _ in per_layer["key"]], "value": [[] for _ in per_layer["key"]]}
-            for ids in contexts:
-                mapped = MappedCache.from_source(store.cache(SHORT[source], models[source], ids, None), mapper)
-                true = store.cache(SHORT[target], models[target], ids, None)
-                table = codec.table(torch.arange(ids.shape[1] - 1)[None])
-                for layer, (m, t) in enumerate(zip(mapped.layers, true.layers)):
-                    per_layer["key"][layer].append(table.strip(m.keys.float()))
-                    truths["key"][layer].append(table.strip(t.keys[:, :, :-1].float()))
-                    per_layer["value"][layer].append(m.values.float())
-                    truths["value"][layer].append(t.values[:, :, :-1].float())
-            entry = {
-                f"{kind}_r2": [_layer_r2(per_layer[kind][i], truths[kind][i]) for i in range(len(per_layer[kind]))]
-                for kind in ("key", "value")
-            }
-            entry["positions"] = sum(int(ids.shape[1] - 1) for ids in contexts)
-            if source != target and args.attention_sequences:
-                text = tasks[1].items[0].text
-                ids = torch.tensor([tokenizer(text)["input_ids"][: args.attention_tokens]])
+            entry = results.get(key) or held_out_r2(
+                mapper, models[source], models[target], source, target, store, contexts
+            )
+            entry["contexts"] = names
+            if wants_attention:
+                ids = contexts[0][:, : args.attention_tokens]
                 diag = diagnose(models[source], models[target], mapper.to(torch.bfloat16), [ids], query_tokens=8)
                 entry["attention_cosine"] = [
                     sum(layer["attention_cosine"]) / len(layer["attention_cosine"]) for layer in diag["layers"]
                 ]
                 entry["attention_summary"] = diag["summary"]
-            entry["seconds"] = time.perf_counter() - start
+            entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - start
             results[key] = entry
             write_json(out_path, results)
             mean = {k: sum(entry[f"{k}_r2"]) / len(entry[f"{k}_r2"]) for k in ("key", "value")}
-            print(f"{key}: held-out R^2 K {mean['key']:.3f} V {mean['value']:.3f}", flush=True)
+            cosine = entry.get("attention_summary", {}).get("mean_attention_cosine")
+            print(
+                f"{key}: held-out R^2 K {mean['key']:.3f} V {mean['value']:.3f}, attention cosine {cosine}", flush=True
+            )
     return 0
 
 
@@ -773,7 +795,9 @@ def plot_report(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     directions = list(report["directions"])
-    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4), squeeze=False)
+    analysis = report.get("analysis", {})
+    rows = 2 if analysis else 1
+    fig, axes = plt.subplots(rows, len(directions), figsize=(6 * len(directions), 4 * rows), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         variants = report["directions"][direction]["variants"]
         first = next(iter(variants.values()))
@@ -786,13 +810,26 @@ def plot_report(report: dict, path: Path) -> None:
         for i, (label, values) in enumerate(bars.items()):
             ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
         for x, name in enumerate(names):
-            chance = first["tasks"][name]["chance"]
-            ax.hlines(chance, x - 0.1, x + 0.9, colors="k", linestyles="dotted")
+            ax.hlines(
+                first["tasks"][name]["chance"], x - width / 2, x + 0.8 - width / 2, colors="k", linestyles="dotted"
+            )
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
         ax.set_ylim(0, 1.05)
-        ax.set_title(f"{direction} (dotted: chance)")
-        ax.set_ylabel("accuracy")
+        ax.set_title(f"{direction}: accuracy (dotted: chance)")
         ax.legend(fontsize=7)
+    if analysis:
+        for ax, direction in zip(axes[1], directions):
+            target = direction.split("-to-")[1]
+            for key, entry in analysis.items():
+                if not (key.startswith(direction + "/") or key.startswith(f"{target}-to-{target}/")):
+                    continue
+                line = ax.plot(entry["key_r2"], label=f"{key} keys")[0]
+                ax.plot(entry["value_r2"], linestyle="--", color=line.get_color(), label=f"{key} values")
+            ax.set_ylim(-1, 1.02)
+            ax.axhline(0, color="k", linewidth=0.5)
+            ax.set_xlabel("target layer")
+            ax.set_title(f"held-out R^2 per layer (target {target}; clipped at -1)")
+            ax.legend(fontsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -925,6 +962,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--items", type=int, default=200, help="the evaluate run whose perplexity contexts are used")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--contexts", default="code_nll,prose_ppl", help="tasks whose contexts are scored (no padding)")
     p.add_argument("--attention-sequences", type=int, default=1, help="0 skips the attention cosine")
     p.add_argument("--attention-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
