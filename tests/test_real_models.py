@@ -153,13 +153,18 @@ def _mapper_folders():
     return sorted(p for p in Path(work).glob("mappers/*/*") if (p / "config.json").is_file())
 
 
+@pytest.fixture(scope="module")
+def qwen_pair():
+    small, tokenizer = load(QWEN_SMALL, dtype=torch.bfloat16)
+    large, _ = load(QWEN_LARGE, dtype=torch.bfloat16)
+    return {"0.5b": small, "1.5b": large}, tokenizer
+
+
 @needs(QWEN_SMALL, QWEN_LARGE)
 @pytest.mark.skipif(not _mapper_folders(), reason="no fitted mappers (set HF_KVMAP_REAL_WORK)")
 @pytest.mark.parametrize("folder", _mapper_folders(), ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_qwen_mappers_load_map_and_generate(folder):
-    small, tokenizer = load(QWEN_SMALL, dtype=torch.bfloat16)
-    large, _ = load(QWEN_LARGE, dtype=torch.bfloat16)
-    by_size = {"0.5b": small, "1.5b": large}
+def test_qwen_mappers_load_map_and_generate(folder, qwen_pair):
+    by_size, tokenizer = qwen_pair
     source_name, target_name = folder.parent.name.split("-to-")
     source, target = by_size[source_name], by_size[target_name]
     mapper = MapperModel.from_pretrained(folder, dtype=torch.bfloat16)
