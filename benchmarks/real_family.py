@@ -720,6 +720,17 @@ def report_markdown(report: dict) -> str:
         f"{run['calibration']['positions']} positions (the paper: 500 x 1,024 at stride 4, about 128K). "
         f"Items per task: {run['items_per_task']} (seed {run['seed']}). Mappers in bfloat16, the models' dtype.",
         "",
+        "Every mapper in these tables comes from one command (the weights stay outside the repository; sequence `i` "
+        "does not depend on `--sequences`, so this gives the same statistics as the longer run that stopped here):",
+        "",
+        "```bash",
+        f"hf-kvmap obtain {SMALL} && hf-kvmap obtain {LARGE} && python benchmarks/real_family.py calibrate --out "
+        f"$WORK/calib --sequences {run['calibration']['sequences']} --seq-len {run['calibration']['seq_len']} "
+        f"--chunk {run['calibration']['chunk']} --stride {run['calibration']['stride']} && python "
+        f"benchmarks/real_family.py fit --work $WORK --ridge-lambda {run['ridge_lambda']}"
+        "   # -> $WORK/mappers/<direction>/<variant>/",
+        "```",
+        "",
     ]
     for direction, entry in report["directions"].items():
         lines += [f"**{direction}**", ""]
@@ -772,7 +783,9 @@ def report_markdown(report: dict) -> str:
     if report.get("latency"):
         lines += [
             "Mapper (bfloat16) vs the target body re-prefilling the same tokens, timed interleaved in one run "
-            f"({report['latency']['run']['threads']} thread(s), medians of {report['latency']['run']['repeats']}):",
+            f"({report['latency']['run']['threads']} thread(s), median of {report['latency']['run']['repeats']} timed "
+            f"run(s) after {report['latency']['run']['warmup']} warm-up run(s), on a CPU shared with other jobs, so "
+            "single runs are noisy):",
             "",
             "| mapper | tokens | mapper ms | re-prefill ms | speedup | FLOP bound | fraction of bound |",
             "|---|---|---|---|---|---|---|",
@@ -863,6 +876,7 @@ def cmd_report(args) -> int:
         "sequences": len(progress["done"]) * progress["setting"]["chunk"],
         "seq_len": progress["setting"]["seq_len"],
         "stride": progress["setting"]["stride"],
+        "chunk": progress["setting"]["chunk"],
         "positions": progress["positions"],
         "manifest_sha256": progress["setting"]["manifest_sha256"],
         "forward_seconds": progress.get("forward_seconds"),
