@@ -266,3 +266,28 @@ def test_cli_fit_records_the_top_k_it_used(tiny, tmp_path):
     assert mapper.config.calibration["top_k"] == 2 and all(len(s) == 2 for s in mapper.config.source_layers)
     card = (out / "README.md").read_text()
     assert "| source layers per target layer (k) | 2 |" in card and "| calibration top_k | 2 |" in card
+
+
+def test_demo_printout_says_not_measurable_where_the_target_is_at_chance():
+    """The demo's printed table, like the README and the cards, reports no retention for a task the target cannot do
+    better than chance, and the numbers for one it can."""
+    from hf_kvmap.commands.demo import format_table
+
+    row = {"source": 0.005, "target": 0.005, "mapped": 0.005, "chance": 0.0, "n_items": 200}
+    results = {
+        "tasks": {
+            "arithmetic": {**row, "retention": 1.0, "floor_normalized_retention": 1.0},
+            "recall": {
+                **row,
+                "target": 0.99,
+                "mapped": 0.845,
+                "retention": 0.854,
+                "floor_normalized_retention": 0.854,
+            },
+        }
+    }
+    lines = format_table(results).splitlines()
+    arithmetic = next(line for line in lines if line.startswith("arithmetic"))
+    recall = next(line for line in lines if line.startswith("recall"))
+    assert arithmetic.count("not measurable") == 2 and "1.000" not in arithmetic
+    assert recall.split()[-2:] == ["0.854", "0.854"]

@@ -35,13 +35,16 @@ def add_parser(subparsers) -> None:
 
 
 def format_table(results: dict) -> str:
+    from ..reporting import retention_cells
+
     lines = [
-        f"{'task':<12}{'source':>9}{'target':>9}{'mapped':>9}{'chance':>9}{'retention':>11}{'floor-norm':>12}",
+        f"{'task':<12}{'source':>9}{'target':>9}{'mapped':>9}{'chance':>9}{'retention':>16}{'floor-norm':>16}",
     ]
     for name, row in results["tasks"].items():
+        raw, floor = retention_cells(row)  # "not measurable" where the target does not beat chance
         lines.append(
             f"{name:<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}{row['chance']:>9.2f}"
-            f"{row['retention']:>11.3f}{row['floor_normalized_retention']:>12.3f}"
+            f"{raw:>16}{floor:>16}"
         )
     for name, row in results.get("perplexity", {}).items():
         lines.append(f"{name + ' (ppl)':<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}")
