@@ -215,3 +215,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# One MLP-fitting setup shared by the modules that test what a fitted MLP mapper does (module-scoped: fitted once
+# per test module that asks for it).
+@pytest.fixture(scope="module")
+def mlp_pair(tiny):
+    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
+    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
+        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    """Two calibration batches of 4 x 48 random tokens (seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def fitted(mlp_pair, calibration):
+    """`(mapper, kwargs)`: a small MLP mapper fitted on `mlp_pair` and the keyword arguments it was fitted with."""
+    from hf_kvmap import fit_mapper
+
+    source, target = mlp_pair
+    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
+    return fit_mapper(source, target, calibration, kind="mlp", **kwargs), kwargs

@@ -11,7 +11,6 @@ from transformers import DynamicCache, Qwen3Config
 from hf_kvmap import (
     MappedCache,
     MapperModel,
-    fit_mapper,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,31 +98,6 @@ def test_mapped_cache_follows_the_reader_dtype(tiny):
     out = tiny.greedy(target, ids, cache=cache, new=4)
     assert out.shape == (1, 16)
     assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.get_seq_length() == 15
-
-
-@pytest.fixture(scope="module")
-def mlp_pair(tiny):
-    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
-    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
-        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
-    )
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
-
-
-def fit_mlp(source, target, calibration, **kwargs):
-    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def fitted(mlp_pair, calibration):
-    source, target = mlp_pair
-    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
-    return fit_mlp(source, target, calibration, **kwargs), kwargs
 
 
 def test_mapped_cache_from_mlp_mapper_shapes_and_devices(mlp_pair, fitted):

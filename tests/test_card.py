@@ -12,7 +12,6 @@ from huggingface_hub import ModelCard
 
 from hf_kvmap import (
     MapperModel,
-    fit_mapper,
 )
 from hf_kvmap.artifacts import tokenizer_fingerprint
 from hf_kvmap.cli import main as cli_main
@@ -159,31 +158,6 @@ def test_push_to_hub_uploads_weights_config_and_generated_card(tmp_path, monkeyp
     assert sorted(uploaded) == ["README.md", "config.json", "evaluation.json", "model.safetensors"]
     card = uploaded["README.md"].decode()
     assert 'MapperModel.from_pretrained("org/small-to-large"' in card and "## Retention" in card
-
-
-@pytest.fixture(scope="module")
-def mlp_pair(tiny):
-    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
-    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
-        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
-    )
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
-
-
-def fit_mlp(source, target, calibration, **kwargs):
-    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def fitted(mlp_pair, calibration):
-    source, target = mlp_pair
-    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
-    return fit_mlp(source, target, calibration, **kwargs), kwargs
 
 
 def test_card_reports_mlp_training_and_curves_are_plotted(tmp_path, fitted):

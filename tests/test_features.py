@@ -67,20 +67,6 @@ def test_gathered_window_reaches_between_strided_positions(tiny):
         strided.inputs("key", [0], context_window=3)
 
 
-@pytest.fixture(scope="module")
-def mlp_pair(tiny):
-    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
-    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
-        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
-    )
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
-
-
 def test_feature_memory_bound_is_enforced(mlp_pair, calibration):
     source, target = mlp_pair
     per_position = feature_bytes_per_position(source.config, target.config, 2)

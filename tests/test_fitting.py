@@ -329,27 +329,6 @@ def test_windowed_mlp_mapper_trains_and_maps(tiny):
     assert torch.isfinite(target(ids[:, -1:], past_key_values=cache).logits).all()
 
 
-@pytest.fixture(scope="module")
-def mlp_pair(tiny):
-    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
-    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
-        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
-    )
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
-
-
-@pytest.fixture(scope="module")
-def fitted(mlp_pair, calibration):
-    source, target = mlp_pair
-    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
-    return fit_mlp(source, target, calibration, **kwargs), kwargs
-
-
 def test_mlp_fit_records_training_and_is_reproducible(mlp_pair, calibration, fitted):
     mapper, kwargs = fitted
     config = mapper.config

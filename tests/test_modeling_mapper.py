@@ -13,7 +13,6 @@ from hf_kvmap import (
     MappedCache,
     MapperConfig,
     MapperModel,
-    fit_mapper,
 )
 from hf_kvmap.configuration_mapper import summarize_model_config
 from hf_kvmap.rope import RotaryCodec
@@ -226,31 +225,6 @@ def test_planted_shift_is_applied_exactly_and_left_padding_changes_nothing(tiny)
                 torch.testing.assert_close(
                     mapped.values[row : row + 1, :, start:], single.values, rtol=1e-4, atol=1e-5
                 )
-
-
-@pytest.fixture(scope="module")
-def mlp_pair(tiny):
-    """A 2-layer source and a 3-layer target with mismatched KV geometry (4 heads x 8 vs 2 heads x 16)."""
-    return tiny.model(tiny.config(vocab=64, layers=2)), tiny.model(
-        tiny.config(vocab=64, layers=3, kv_heads=4, head_dim=8), seed=1
-    )
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 64, (4, 48), generator=generator) for _ in range(2)]
-
-
-def fit_mlp(source, target, calibration, **kwargs):
-    return fit_mapper(source, target, calibration, kind="mlp", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def fitted(mlp_pair, calibration):
-    source, target = mlp_pair
-    kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
-    return fit_mlp(source, target, calibration, **kwargs), kwargs
 
 
 def test_save_and_load_round_trip_is_exact(tmp_path, fitted):
