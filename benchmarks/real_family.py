@@ -662,7 +662,7 @@ CONFIGS = HERE / "results" / "real_family_configs"
 
 def assemble(scores: dict, source: str, target: str, variant: str) -> dict | None:
     """One handoff's results in the layout `hf_kvmap.evaluation.evaluate_tasks` returns (the card reads it)."""
-    from hf_kvmap.metrics import load_retention
+    from hf_kvmap.evaluation import summarize_retention
     from hf_kvmap.real.tasks import TASK_META
 
     results = {"tasks": {}, "perplexity": {}}
@@ -683,26 +683,7 @@ def assemble(scores: dict, source: str, target: str, variant: str) -> dict | Non
             results["tasks"][name] = {**row, "chance": meta["chance"], "task_type": meta["task_type"]}
     if not results["tasks"] and not results["perplexity"]:
         return None
-    scored = results["tasks"]
-    if scored:
-        names = list(scored)
-        metric = load_retention().compute(
-            predictions=[scored[n]["mapped"] for n in names],
-            references=[scored[n]["target"] for n in names],
-            chance=[scored[n]["chance"] for n in names],
-            task_names=names,
-            generation_tasks=[
-                n for n in names if scored[n]["task_type"] == "exact_match" and scored[n]["chance"] == 0
-            ],
-        )
-        for name in names:
-            scored[name].update(metric["per_task"][name])
-        results["summary"] = {
-            "retention": metric["retention"],
-            "floor_normalized_retention": metric["floor_normalized_retention"],
-            "generation_tasks": sorted(metric["generation"]),
-        }
-    return results
+    return summarize_retention(results)
 
 
 def _fmt(value, digits=3) -> str:

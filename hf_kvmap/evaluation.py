@@ -299,8 +299,6 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
     NaN (`null` in JSON) with `retention_measurable: false` wherever the target does not beat chance over the task's
     items.
     """
-    from .metrics import load_retention
-
     results: dict = {"tasks": {}, "perplexity": {}}
     bar = tqdm(total=len(tasks) * len(MODES), desc="evaluating", disable=not progress)
     for task in tasks:
@@ -319,6 +317,18 @@ def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool =
                 "task_type": task.task_type,
             }
     bar.close()
+    return summarize_retention(results)
+
+
+def summarize_retention(results: dict) -> dict:
+    """Add each task's retention (raw and floor-normalized, "not measurable" where the target does not beat chance
+    over `n_items`) and the summary over the tasks to a three-way `results` dict, in place; returns it.
+
+    Args:
+        results (`dict`): `{"tasks": {name: {"source", "target", "mapped", "chance", "n_items", "task_type"}}, ...}`.
+    """
+    from .metrics import load_retention
+
     scored = results["tasks"]
     if scored:
         names = list(scored)
