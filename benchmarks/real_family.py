@@ -401,7 +401,8 @@ class PrefillStore:
 
         from hf_kvmap.rope import positions_from_attention_mask
 
-        path = self._path(name, ids, mask)
+        # the dtype is part of the key: a bfloat16 prefill must never stand in for a float32 one
+        path = self._path(f"{name}-{str(model.dtype).removeprefix('torch.')}", ids, mask)
         if path.is_file():
             tensors = load_file(path)
             self.loaded += 1

@@ -105,8 +105,8 @@ def mapper_path(source: str, target: str) -> Path:
     if not (path / "config.json").exists():
         shipped = sorted(p.name for p in MAPPERS_DIR.iterdir() if (p / "config.json").exists())
         raise FileNotFoundError(
-            f"No mapper {path.name} in this installation (it has {', '.join(shipped) or 'none'}): a wheel carries only "
-            "the demo's mapper. Use a clone of the repository (`pip install -e .`), or fit it with "
+            f"No mapper {path.name} in this installation (it has {', '.join(shipped) or 'none'}): the package ships "
+            "four (tiny-s/m/x -> tiny-l, tiny-l -> tiny-s). Reinstall the package, or fit it with "
             f"`python examples/fit_tiny_family_mappers.py --pairs {source}:{target}`."
         )
     return path
