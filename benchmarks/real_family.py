@@ -143,7 +143,10 @@ def _swap_in(out: Path, tmp: Path) -> None:
     if old.exists():
         shutil.rmtree(old)
     for legacy in [out / "progress.json", *out.glob("statistics-*")]:  # the first layout, now superseded
-        shutil.rmtree(legacy) if legacy.is_dir() else legacy.unlink()
+        if legacy.is_dir():
+            shutil.rmtree(legacy)
+        elif legacy.exists():
+            legacy.unlink()
 
 
 def cmd_calibrate(args) -> int:
@@ -229,6 +232,11 @@ def cmd_calibrate(args) -> int:
             stat.save(_stats_dir(tmp, source, target))
         write_json(tmp / "progress.json", progress)
         _swap_in(out, tmp)
+        if len(progress["done"]) in args.snapshots:  # kept whole, for fits along the calibration-scale curve
+            snapshot = out / f"snapshot-{progress['positions']}"
+            if not snapshot.exists():
+                shutil.copytree(out / "checkpoint", snapshot.with_name(snapshot.name + ".tmp"))
+                os.replace(snapshot.with_name(snapshot.name + ".tmp"), snapshot)
         print(
             f"chunk {index}: {progress['done'][str(index)]['seconds']:.0f} s, {len(progress['done'])}/{len(chunks)} "
             f"done, {progress['positions']} positions",
@@ -330,9 +338,10 @@ def cmd_fit(args) -> int:
     from hf_kvmap import CalibrationStatistics, LayerSelection, mapper_from_statistics
 
     work = Path(args.work)
-    checkpoint = checkpoint_dir(work / "calib")
+    calibration = Path(args.calibration) if args.calibration else work / "calib"
+    checkpoint = checkpoint_dir(calibration)
     if checkpoint is None:
-        raise SystemExit(f"No calibration checkpoint under {work / 'calib'}; run the calibrate command first.")
+        raise SystemExit(f"No calibration checkpoint under {calibration}; run the calibrate command first.")
     progress = json.loads((checkpoint / "progress.json").read_text())
     fitted = {}
     for source, target in DIRECTIONS:
@@ -973,10 +982,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resume later)")
+    p.add_argument(
+        "--snapshots",
+        type=lambda text: {int(n) for n in text.split(",") if n},
+        default=set(),
+        help="chunk counts at which a copy of the checkpoint is kept (e.g. 2,4,8,16,32), for the scale curve",
+    )
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("fit", help="ridge mappers (k = 8, k = all) and self-maps from the collected statistics")
     p.add_argument("--work", type=Path, required=True, help="the folder holding calib/ (mappers/ is written)")
+    p.add_argument("--calibration", type=Path, default=None, help="a calibration folder or snapshot (default calib/)")
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.set_defaults(func=cmd_fit)
 
