@@ -8,6 +8,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .flops import mapper_parameters
 from .reporting import fmt_number, retention_cells, retention_measurable
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
@@ -183,7 +184,9 @@ def render_card(
     `diagnostics`, `run`, `environment`). Unknown values are left out of the card.
     """
     config = getattr(mapper, "config", mapper)
-    num_parameters = sum(p.numel() for p in mapper.parameters()) if hasattr(mapper, "parameters") else 0
+    # what the mapper holds, fitted weights and the target's key-norm weights it copies (`flops.mapper_parameters`
+    # counts both; it works from the config alone, so a card rendered from a config gets the same count)
+    num_parameters = mapper_parameters(config)
     model_name = model_name or repo_id or f"{config.source_summary['model_type']}-kv-mapper"
     source, target = _side(config, "source"), _side(config, "target")
     depth = (config.source_geometry.num_layers, config.target_geometry.num_layers)
@@ -251,6 +254,7 @@ def render_card(
         objective_rows=_objective_rows(config),
         top_k=", ".join(sorted({str(len(layers)) for layers in config.source_layers})),
         num_parameters=num_parameters,
+        key_norm=getattr(config, "key_norm", False),
         ridge_lambda=config.ridge_lambda,
         lambda_convention=config.lambda_convention,
         calibration=calibration,

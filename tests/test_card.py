@@ -213,3 +213,15 @@ def test_retention_where_the_target_does_not_beat_chance_is_not_measurable(tmp_p
     assert "| arithmetic | exact_match | 0.005 | 0.005 | 0.005 | 0.00 | not measurable | not measurable |" in text
     results = _front_matter(text)["model-index"][0]["results"]
     assert {r["dataset"]["name"] for r in results} == {"choice", "recall"}  # no arithmetic figure published
+
+
+def test_card_parameter_count_is_what_the_mapper_holds_key_norm_weights_included():
+    from hf_kvmap import zoo
+    from hf_kvmap.card import render_card
+
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    assert mapper.config.key_norm  # the shipped tiny-m -> tiny-l mapper copies the target's key norm
+    held = sum(p.numel() for p in mapper.parameters()) + sum(b.numel() for b in mapper.buffers())
+    row = f"| parameters (with the target's key-norm weights it copies) | {held:,} |"
+    assert row in str(render_card(mapper))
+    assert row in str(render_card(mapper.config))  # the same count from the config alone
