@@ -149,8 +149,12 @@ def _swap_in(out: Path, tmp: Path) -> None:
             legacy.unlink()
 
 
-def cmd_calibrate(args) -> int:
-    """Resumable: the checkpoint's `progress.json` lists the chunks summed into its statistics; a run skips them."""
+def cmd_calibrate(args, models: dict | None = None, after_checkpoint=None) -> int:
+    """Resumable: the checkpoint's `progress.json` lists the chunks summed into its statistics; a run skips them.
+
+    `models` (`{name: model}`) reuses models a caller has loaded; `after_checkpoint(progress, snapshot)` is called
+    after every checkpoint (`snapshot`: the folder kept for `--snapshots`, else None), in this process, so a caller
+    can score a snapshot with the same models instead of a second process holding a second copy of them."""
     from hf_kvmap import CalibrationStatistics
     from hf_kvmap.artifacts import tokenizer_fingerprint
     from hf_kvmap.real import corpus
@@ -189,8 +193,9 @@ def cmd_calibrate(args) -> int:
     print(f"calibration: {len(chunks)} chunks of {args.chunk} x {args.seq_len} tokens; {len(todo)} to do", flush=True)
     if not todo:
         return 0
-    small, large = load_model(SMALL, args.cache_dir, args.dtype), load_model(LARGE, args.cache_dir, args.dtype)
-    replay = {SMALL: BodyReplay(small), LARGE: BodyReplay(large)}
+    if models is None:
+        models = {name: load_model(name, args.cache_dir, args.dtype) for name in (SMALL, LARGE)}
+    replay = {SMALL: BodyReplay(models[SMALL]), LARGE: BodyReplay(models[LARGE])}
     fingerprint = tokenizer_fingerprint(tokenizer)
     stats = {}
     for source, target in DIRECTIONS:
@@ -232,6 +237,7 @@ def cmd_calibrate(args) -> int:
             stat.save(_stats_dir(tmp, source, target))
         write_json(tmp / "progress.json", progress)
         _swap_in(out, tmp)
+        snapshot = None
         if len(progress["done"]) in args.snapshots:  # kept whole, for fits along the calibration-scale curve
             snapshot = out / f"snapshot-{progress['positions']}"
             if not snapshot.exists():
@@ -242,6 +248,8 @@ def cmd_calibrate(args) -> int:
             f"done, {progress['positions']} positions",
             flush=True,
         )
+        if after_checkpoint is not None:
+            after_checkpoint(progress, snapshot)
     return 0
 
 

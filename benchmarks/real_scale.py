@@ -54,15 +54,151 @@ def fit(stats, variant: str, ridge_lambda: float):
     return mapper_from_statistics(stats, ridge_lambda=ridge_lambda, selection=selection.with_top_k(top_k))
 
 
+def mapper_folder(work: Path, positions: int, direction: str, variant: str) -> Path:
+    return work / "mappers" / str(positions) / direction / variant
+
+
+def perplexity_contexts(tokenizer, tasks) -> list[torch.Tensor]:
+    """The first half of every perplexity item (the context the evaluation prefills): held-out text for R^2."""
+    contexts = []
+    for task in tasks:
+        if task.task_type == "perplexity":
+            for item in task.items:
+                ids = torch.tensor([tokenizer(item.text)["input_ids"]])
+                contexts.append(ids[:, : max(2, int(ids.shape[1] * 0.5))])
+    return contexts
+
+
+class Scorer:
+    """The items, the prefill store and the scores file of one scale study, over models loaded once."""
+
+    def __init__(self, args, models: dict | None = None):
+        from hf_kvmap.real import corpus
+        from hf_kvmap.real.tasks import real_family_tasks
+
+        self.args = args
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        documents = corpus.load_manifest(args.manifest)
+        self.tasks = real_family_tasks(
+            self.tokenizer, documents, items=args.items, seed=args.seed, names=args.tasks.split(",")
+        )
+        self.models = models or {
+            name: rf.load_model(name, args.cache_dir, args.dtype) for name in (rf.SMALL, rf.LARGE)
+        }
+        self.names = {id(model): rf.SHORT[name] for name, model in self.models.items()}
+        self.store = rf.PrefillStore(self.work / "prefills")
+        self.handoff_class = rf.cached_handoff_class()
+        self.path = self.work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
+        self.scores = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.contexts = perplexity_contexts(self.tokenizer, self.tasks)
+        self.directions = [d for d in rf.DIRECTIONS if rf.direction_name(*d) in args.directions.split(",")]
+
+    def handoff(self, source: str, target: str, mapper):
+        m = self.models
+        return self.handoff_class(m[source], m[target], mapper, self.tokenizer, store=self.store, names=self.names)
+
+    def record(self, key: str, task, handoff, mode: str, **extra) -> None:
+        from hf_kvmap.evaluation import evaluate_items
+
+        if key in self.scores:
+            return
+        start = time.perf_counter()
+        kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
+        value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
+        seconds = time.perf_counter() - start
+        self.scores[key] = {"score": value, "n_items": len(task.items), "seconds": seconds, **extra}
+        rf.write_json(self.path, self.scores)
+        print(f"{key}: {value:.4f} ({seconds:.0f} s)", flush=True)
+
+    def alone(self) -> None:
+        handoff = self.handoff(rf.SMALL, rf.LARGE, None)
+        for task in self.tasks:
+            self.record(f"{task.name}|alone|{rf.SHORT[rf.SMALL]}", task, handoff, "source")
+            self.record(f"{task.name}|alone|{rf.SHORT[rf.LARGE]}", task, handoff, "target")
+
+    def score(self, positions: int, folder: Path) -> None:
+        """Fit every variant of every direction on the snapshot `folder` and score it (skipping what is scored)."""
+        from hf_kvmap import CalibrationStatistics
+
+        for source, target in self.directions:
+            direction = rf.direction_name(source, target)
+            todo = [
+                v
+                for v in self.args.variants.split(",")
+                if any(f"{t.name}|{positions}|{direction}|{v}" not in self.scores for t in self.tasks)
+            ]
+            if not todo:
+                continue
+            stats = CalibrationStatistics.load(rf._stats_dir(folder, source, target))
+            for variant in todo:
+                start = time.perf_counter()
+                mapper = fit(stats, variant, self.args.ridge_lambda)
+                fit_seconds = time.perf_counter() - start
+                rf.save_atomically(mapper, mapper_folder(self.work, positions, direction, variant))
+                mapper = mapper.to(self.models[target].dtype)
+                key = f"r2|{positions}|{direction}|{variant}"
+                if key not in self.scores and self.contexts:
+                    m = self.models
+                    self.scores[key] = rf.held_out_r2(
+                        mapper, m[source], m[target], source, target, self.store, self.contexts
+                    )
+                    rf.write_json(self.path, self.scores)
+                handoff = self.handoff(source, target, mapper)
+                for task in self.tasks:
+                    key = f"{task.name}|{positions}|{direction}|{variant}"
+                    extra = {"fit_seconds": fit_seconds, "ridge_lambda": self.args.ridge_lambda}
+                    self.record(key, task, handoff, "mapped", **extra)
+            del stats
+
+
 def cmd_run(args) -> int:
-    from hf_kvmap import CalibrationStatistics
-    from hf_kvmap.evaluation import evaluate_items
+    torch.set_num_threads(args.threads)
+    scorer = Scorer(args)
+    scorer.alone()
+    for positions, folder in snapshots(Path(args.calibration)):
+        scorer.score(positions, folder)
+    print(f"prefills computed {scorer.store.computed}, loaded {scorer.store.loaded}; scores in {scorer.path}")
+    return 0
+
+
+def cmd_follow(args) -> int:
+    """Calibrate (as `real_family.py calibrate`, resumable) and score each snapshot as it is kept, in one process
+    holding one copy of the two models (two processes holding two copies do not fit in 24 GiB)."""
+    torch.set_num_threads(args.threads)
+    scorer = Scorer(args)
+    scorer.alone()
+    for positions, folder in snapshots(Path(args.out)):
+        if folder.name.startswith("snapshot-"):
+            scorer.score(positions, folder)
+
+    def after_checkpoint(progress, snapshot):
+        if snapshot is not None:
+            scorer.score(int(progress["positions"]), snapshot)
+
+    calibration = argparse.Namespace(**{**vars(args), "seed": args.calibration_seed})  # --seed is the items' seed
+    return rf.cmd_calibrate(calibration, models=scorer.models, after_checkpoint=after_checkpoint)
+
+
+def cmd_swap(args) -> int:
+    """`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache except one mapped layer
+    (then only the mapped keys, only the mapped values of every layer), for the mapper fitted at `--positions`
+    (default: the largest scored); prefills from the store, so each swap costs only the target's reading."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.diagnostics import layer_swap
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    source, target = args.direction.split("-to-")
+    source, target = {v: k for k, v in rf.SHORT.items()}[source], {v: k for k, v in rf.SHORT.items()}[target]
+    fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / args.direction / args.variant).is_dir())
+    positions = args.positions or fitted[-1]
+    folder = mapper_folder(work, positions, args.direction, args.variant)
     tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -70,47 +206,25 @@ def cmd_run(args) -> int:
     tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=args.tasks.split(","))
     models = {name: rf.load_model(name, args.cache_dir, args.dtype) for name in (rf.SMALL, rf.LARGE)}
     names = {id(model): rf.SHORT[name] for name, model in models.items()}
+    mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
     store = rf.PrefillStore(work / "prefills")
-    CachedHandoff = rf.cached_handoff_class()
-    path = work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
-    scores = json.loads(path.read_text()) if path.is_file() else {}
-
-    def record(key: str, task, handoff, mode: str, **extra) -> None:
-        if key in scores:
-            return
-        start = time.perf_counter()
-        kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
-        value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
-        scores[key] = {"score": value, "n_items": len(task.items), "seconds": time.perf_counter() - start, **extra}
-        rf.write_json(path, scores)
-        print(f"{key}: {value:.4f} ({scores[key]['seconds']:.0f} s)", flush=True)
-
-    alone = CachedHandoff(models[rf.SMALL], models[rf.LARGE], None, tokenizer, store=store, names=names)
+    handoff = rf.cached_handoff_class()(models[source], models[target], mapper, tokenizer, store=store, names=names)
+    path = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
     for task in tasks:
-        record(f"{task.name}|alone|{rf.SHORT[rf.SMALL]}", task, alone, "source")
-        record(f"{task.name}|alone|{rf.SHORT[rf.LARGE]}", task, alone, "target")
-    directions = [d for d in rf.DIRECTIONS if rf.direction_name(*d) in args.directions.split(",")]
-    for positions, folder in snapshots(Path(args.calibration)):
-        for source, target in directions:
-            direction = rf.direction_name(source, target)
-            todo = [
-                v
-                for v in args.variants.split(",")
-                if any(f"{t.name}|{positions}|{direction}|{v}" not in scores for t in tasks)
-            ]
-            if not todo:
-                continue
-            stats = CalibrationStatistics.load(rf._stats_dir(folder, source, target))
-            for variant in todo:
-                start = time.perf_counter()
-                mapper = fit(stats, variant, args.ridge_lambda).to(models[target].dtype)
-                fit_seconds = time.perf_counter() - start
-                handoff = CachedHandoff(models[source], models[target], mapper, tokenizer, store=store, names=names)
-                for task in tasks:
-                    key = f"{task.name}|{positions}|{direction}|{variant}"
-                    record(key, task, handoff, "mapped", fit_seconds=fit_seconds, ridge_lambda=args.ridge_lambda)
-            del stats
-    print(f"prefills computed {store.computed}, loaded {store.loaded}; scores in {path}")
+        key = f"{task.name}|{positions}|{args.direction}|{args.variant}"
+        if key in results:
+            continue
+        start = time.perf_counter()
+        results[key] = {**layer_swap(handoff, task), "seconds": time.perf_counter() - start, "n_items": args.items}
+        rf.write_json(path, results)
+        row = results[key]
+        worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=task.task_type == "perplexity")[:4]
+        print(
+            f"{key}: target {row['target']:.3f}, mapped {row['mapped']:.3f}, keys only {row['keys_only']:.3f}, "
+            f"values only {row['values_only']:.3f}; worst single layers {worst}",
+            flush=True,
+        )
     return 0
 
 
@@ -122,7 +236,7 @@ def assemble_curve(scores: dict) -> dict:
     curves: dict = {}
     for key in scores:
         parts = key.split("|")
-        if len(parts) != 4:
+        if len(parts) != 4 or parts[0] == "r2":
             continue
         _, positions, direction, variant = parts
         curves.setdefault(f"{direction}/{variant}", set()).add(int(positions))
@@ -148,6 +262,11 @@ def assemble_curve(scores: dict) -> dict:
                 else:
                     results["tasks"][task] = {**row, "chance": meta["chance"], "task_type": meta["task_type"]}
             summarize_retention(results)
+            r2 = scores.get(f"r2|{positions}|{direction}|{variant}")
+            if r2 is not None:
+                results["held_out_r2"] = {
+                    part: sum(r2[f"{part}_r2"]) / len(r2[f"{part}_r2"]) for part in ("key", "value")
+                }
             rows.append({"positions": positions, **results})
         out[name] = rows
     return out
@@ -160,7 +279,7 @@ def plot_curve(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({t for rows in curves.values() for row in rows for t in row["tasks"]})
-    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4 * (len(tasks) + 1), 3.4))
+    fig, axes = plt.subplots(1, len(tasks) + 2, figsize=(3.6 * (len(tasks) + 2), 3.4))
     for name, rows in curves.items():
         x = [row["positions"] for row in rows]
         for ax, task in zip(axes, tasks):
@@ -171,8 +290,12 @@ def plot_curve(curves: dict, path: Path) -> None:
                 ax.axhline(target[0], color="gray", ls=":", lw=1)
             ax.set_title(f"{task} (dotted: each target alone)", fontsize=9)
         y = [row["perplexity"].get("code_nll", {}).get("mapped") for row in rows]
-        axes[-1].plot(x, y, marker="o", label=name)
-        axes[-1].set_title("code NLL after the handoff (lower is better)", fontsize=9)
+        axes[-2].plot(x, y, marker="o", label=name)
+        axes[-2].set_title("code NLL after the handoff (lower is better)", fontsize=9)
+        for part, style in (("key", "-"), ("value", "--")):
+            y = [row.get("held_out_r2", {}).get(part) for row in rows]
+            axes[-1].plot(x, y, style, marker="o", label=f"{name} {part}")
+        axes[-1].set_title("held-out R^2 (mean over layers; solid K, dashed V)", fontsize=9)
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("calibration positions")
@@ -197,6 +320,9 @@ def cmd_report(args) -> int:
         "alone": {k: v for k, v in scores.items() if "|alone|" in k},
         "curves": curves,
     }
+    swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
+    if swap.is_file():
+        report["layer_swap"] = json.loads(swap.read_text())
     rf.write_json(RESULTS, report)
     plot_curve(curves, PLOT)
     for name, rows in curves.items():
@@ -226,6 +352,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("follow", help="calibrate and score each snapshot as it is kept, one process")
+    p.add_argument("--out", type=Path, required=True, help="the calibration folder (as calibrate --out)")
+    p.add_argument("--work", type=Path, required=True, help="scores and prefills are kept here")
+    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
+    p.add_argument("--sequences", type=int, default=500)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=4)
+    p.add_argument("--stride", type=int, default=2)
+    p.add_argument("--calibration-seed", dest="calibration_seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--snapshots", type=lambda t: {int(n) for n in t.split(",") if n}, default={2, 4, 8, 16, 32, 64})
+    p.add_argument("--tasks", default=TASKS)
+    p.add_argument("--directions", default="0.5b-to-1.5b")
+    p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--ridge-lambda", type=float, default=0.01)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_follow)
+    p = sub.add_parser("swap", help="layer_swap of one fitted mapper on real weights")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
+    p.add_argument("--tasks", default="prose_retrieval,code_nll")
+    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p.add_argument("--variant", default="ridge-all")
+    p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_swap)
     p = sub.add_parser("report", help="write the results JSON and the plot")
     p.add_argument("--work", type=Path, required=True)
     p.set_defaults(func=cmd_report)

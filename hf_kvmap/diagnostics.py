@@ -118,16 +118,19 @@ def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_toke
 
 @dataclass
 class _SwapHandoff(Handoff):
-    """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`."""
+    """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`.
 
+    Caches come from `base` (any [`Handoff`], so one that keeps its prefills on disk keeps them here too)."""
+
+    base: Handoff | None = None
     layers: tuple = ()
     parts: tuple = ("keys", "values")
 
     def context_cache(self, mode: str, ids: torch.Tensor, mask: torch.Tensor | None = None):
         if mode != "mapped":
-            return super().context_cache(mode, ids, mask)
-        reader, true = super().context_cache("target", ids, mask)
-        _, mapped = super().context_cache("mapped", ids, mask)
+            return self.base.context_cache(mode, ids, mask)
+        reader, true = self.base.context_cache("target", ids, mask)
+        _, mapped = self.base.context_cache("mapped", ids, mask)
         data = []
         for idx, (own, other) in enumerate(zip(true.layers, mapped.layers)):
             swap = idx in self.layers
@@ -145,7 +148,8 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
     single swap but not the full mapping fails from accumulated error; one that collapses at one layer points at it.
 
     Args:
-        handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer.
+        handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer; the caches come from its
+            `context_cache` (a subclass that keeps prefills on disk serves every swap from them).
         task ([`~hf_kvmap.evaluation.TaskSpec`]): the task to score (accuracy, or perplexity for `perplexity` tasks).
         layers (iterable of `int`, *optional*): target layers to swap one at a time (default: all).
 
@@ -163,6 +167,7 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
             handoff.mapper,
             handoff.tokenizer,
             handoff.hold_back,
+            base=handoff,
             layers=tuple(swap_layers),
             parts=parts,
         )

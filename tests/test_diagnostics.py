@@ -71,3 +71,25 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
     assert result["keys_only"] == pytest.approx(result["target"], rel=1e-5)
     assert result["layers"][1] != pytest.approx(result["target"], rel=1e-3)
     assert result["values_only"] == pytest.approx(result["layers"][1], rel=1e-5)
+
+
+def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):
+    """A Handoff subclass that serves caches its own way (e.g. prefills kept on disk) serves every swap."""
+    from dataclasses import dataclass
+
+    from hf_kvmap.diagnostics import layer_swap
+
+    @dataclass
+    class Counting(Handoff):
+        calls: int = 0
+
+        def context_cache(self, mode, ids, mask=None):
+            self.calls += 1
+            return super().context_cache(mode, ids, mask)
+
+    task = TaskSpec("text", "perplexity", corpus.make_eval_set("text", 2, seed=3, n_chars=64))
+    counting = Counting(handoff.source, handoff.target, handoff.mapper, handoff.tokenizer)
+    result = layer_swap(counting, task, layers=[1])
+    # target + mapped by itself + one swap layer + keys_only + values_only; each swap reads target and mapped caches
+    assert counting.calls == len(task.items) * (1 + 1 + 3 * 2)
+    assert result["layers"][1] == pytest.approx(result["target"], rel=1e-5)
