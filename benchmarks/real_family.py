@@ -33,7 +33,7 @@ DIRECTIONS = ((SMALL, LARGE), (LARGE, SMALL))
 
 
 def direction_name(source: str, target: str) -> str:
-    return f"{SHORT[source]}-to-{SHORT[target]}"
+    return f"{SHORT.get(source, source)}-to-{SHORT.get(target, target)}"
 
 
 def model_folder(name: str, cache_dir: str | None) -> Path:
@@ -693,8 +693,11 @@ CARDS = HERE.parent / "model_cards" / "real"
 CONFIGS = HERE / "results" / "real_family_configs"
 
 
-def assemble(scores: dict, source: str, target: str, variant: str) -> dict | None:
-    """One handoff's results in the layout `hf_kvmap.evaluation.evaluate_tasks` returns (the card reads it)."""
+def assemble(scores: dict, source: str, target: str, variant: str, run: str | None = None) -> dict | None:
+    """One handoff's results in the layout `hf_kvmap.evaluation.evaluate_tasks` returns (the card reads it).
+
+    Scores are keyed `task|alone|model` and `task|direction|variant`, or `task|run|direction|variant` with `run`
+    (e.g. the calibration size of a fit along the scale curve); `source`/`target` are full or short names."""
     from hf_kvmap.evaluation import summarize_retention
     from hf_kvmap.real.tasks import TASK_META
 
@@ -702,9 +705,9 @@ def assemble(scores: dict, source: str, target: str, variant: str) -> dict | Non
     direction = direction_name(source, target)
     for name, meta in TASK_META.items():
         keys = {
-            "source": f"{name}|alone|{SHORT[source]}",
-            "target": f"{name}|alone|{SHORT[target]}",
-            "mapped": f"{name}|{direction}|{variant}",
+            "source": f"{name}|alone|{SHORT.get(source, source)}",
+            "target": f"{name}|alone|{SHORT.get(target, target)}",
+            "mapped": f"{name}|{direction}|{variant}" if run is None else f"{name}|{run}|{direction}|{variant}",
         }
         if not all(key in scores for key in keys.values()):
             continue

@@ -230,9 +230,6 @@ def cmd_swap(args) -> int:
 
 def assemble_curve(scores: dict) -> dict:
     """Per (direction, variant): one three-way results row (retention, floor-normalized) per calibration size."""
-    from hf_kvmap.evaluation import summarize_retention
-    from hf_kvmap.real.tasks import TASK_META
-
     curves: dict = {}
     for key in scores:
         parts = key.split("|")
@@ -246,22 +243,9 @@ def assemble_curve(scores: dict) -> dict:
         source, target = direction.split("-to-")
         rows = []
         for positions in sorted(sizes):
-            results = {"tasks": {}, "perplexity": {}}
-            for task, meta in TASK_META.items():
-                keys = {
-                    "source": f"{task}|alone|{source}",
-                    "target": f"{task}|alone|{target}",
-                    "mapped": f"{task}|{positions}|{direction}|{variant}",
-                }
-                if not all(k in scores for k in keys.values()):
-                    continue
-                row = {mode: scores[k]["score"] for mode, k in keys.items()}
-                row["n_items"] = scores[keys["mapped"]]["n_items"]
-                if meta["task_type"] == "perplexity":
-                    results["perplexity"][task] = row
-                else:
-                    results["tasks"][task] = {**row, "chance": meta["chance"], "task_type": meta["task_type"]}
-            summarize_retention(results)
+            results = rf.assemble(scores, source, target, variant, run=str(positions))
+            if results is None:
+                continue
             r2 = scores.get(f"r2|{positions}|{direction}|{variant}")
             if r2 is not None:
                 results["held_out_r2"] = {
