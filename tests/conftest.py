@@ -242,3 +242,69 @@ def fitted(mlp_pair, calibration):
     source, target = mlp_pair
     kwargs = dict(top_k=2, hidden_size=32, epochs=2, batch_tokens=64, val_fraction=0.25, seed=3, progress=False)
     return fit_mapper(source, target, calibration, kind="mlp", **kwargs), kwargs
+
+
+# ---- shared set-ups (one place for what several test modules build the same way)
+
+
+@pytest.fixture(scope="module")
+def self_model(tiny):
+    """A 3-layer random model whose output is sharpened, so greedy decoding is not decided by rounding noise."""
+    model = tiny.model(sharpen=False, layers=3, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def random_pair(tiny):
+    """A source and a deeper target with the same KV geometry (independent random weights)."""
+    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
+
+
+@pytest.fixture(scope="module")
+def random_pair_stats(tiny, random_pair):
+    from hf_kvmap import CalibrationStatistics
+
+    source, target = random_pair
+    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def identity_handoff(tiny):
+    """A 2-layer model handing off to itself through the identity mapper."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.evaluation import Handoff
+    from hf_kvmap.zoo import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tiny.model(config, seed=2)
+    return Handoff(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
+
+
+@pytest.fixture
+def provenance_mapper(tiny):
+    """An identity mapper carrying full provenance (model ids, revisions, tokenizer, calibration)."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.artifacts import tokenizer_fingerprint
+    from hf_kvmap.zoo import load_tokenizer
+
+    return MapperModel.identity(
+        tiny.SUPPORTED["qwen3"](),
+        source_model_id="org/small",
+        source_revision="a" * 40,
+        target_model_id="org/large",
+        target_revision="b" * 40,
+        tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
+        calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
+    )

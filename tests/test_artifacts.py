@@ -11,22 +11,12 @@ from safetensors.torch import load_file, save_file
 from hf_kvmap import (
     MapperModel,
 )
-from hf_kvmap.artifacts import tokenizer_fingerprint
 from hf_kvmap.zoo import load_tokenizer
 
 
 @pytest.fixture
-def mapper(tiny):
-    config = tiny.SUPPORTED["qwen3"]()
-    return MapperModel.identity(
-        config,
-        source_model_id="org/small",
-        source_revision="a" * 40,
-        target_model_id="org/large",
-        target_revision="b" * 40,
-        tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
-        calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
-    )
+def mapper(provenance_mapper):
+    return provenance_mapper
 
 
 def test_tampered_weights_are_refused(tmp_path, mapper):

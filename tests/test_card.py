@@ -13,10 +13,8 @@ from huggingface_hub import ModelCard
 from hf_kvmap import (
     MapperModel,
 )
-from hf_kvmap.artifacts import tokenizer_fingerprint
 from hf_kvmap.cli import main as cli_main
 from hf_kvmap.plotting import plot_training_curves
-from hf_kvmap.zoo import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,23 +59,14 @@ RESULTS = {
 }
 
 
-@pytest.fixture
-def mapper(tiny):
-    config = tiny.SUPPORTED["qwen3"]()
-    return MapperModel.identity(
-        config,
-        source_model_id="org/small",
-        source_revision="a" * 40,
-        target_model_id="org/large",
-        target_revision="b" * 40,
-        tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
-        calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
-    )
-
-
 def _front_matter(text: str) -> dict:
     assert text.startswith("---\n")
     return yaml.safe_load(text.split("---\n")[1])
+
+
+@pytest.fixture
+def mapper(provenance_mapper):
+    return provenance_mapper
 
 
 def test_card_yaml_holds_the_approval_tuple(tmp_path, mapper):

@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config
 
 from hf_kvmap import (
     MapperModel,
 )
 from hf_kvmap.evaluation import Handoff, TaskSpec
-from hf_kvmap.zoo import corpus, load_tokenizer
+from hf_kvmap.zoo import corpus
 
 
 @pytest.fixture(scope="module")
-def handoff(tiny):
-    tokenizer = load_tokenizer()
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = tiny.model(config, seed=2)
-    return Handoff(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
+def handoff(identity_handoff):
+    return identity_handoff
 
 
 def test_diagnostics_of_identity_mapper_are_perfect(handoff):

@@ -8,15 +8,16 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config
 
-from hf_kvmap import (
-    MapperModel,
-)
 from hf_kvmap.cli import main as cli_main
 from hf_kvmap.evaluation import Handoff, TaskSpec, evaluate_tasks
 from hf_kvmap.metrics import RETENTION_PATH, load_retention
-from hf_kvmap.zoo import corpus, load_tokenizer
+from hf_kvmap.zoo import corpus
+
+
+@pytest.fixture(scope="module")
+def handoff(identity_handoff):
+    return identity_handoff
 
 
 def test_retention_metric_hand_computed():
@@ -45,23 +46,6 @@ def test_retention_metric_loads_offline_with_evaluate(monkeypatch):
     assert metric.compute(predictions=[0.4], references=[0.8])["retention"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="not among task_names"):
         metric.compute(predictions=[0.4], references=[0.8], task_names=["x"], generation_tasks=["y"])
-
-
-@pytest.fixture(scope="module")
-def handoff(tiny):
-    tokenizer = load_tokenizer()
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = tiny.model(config, seed=2)
-    return Handoff(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
 
 
 def test_identity_handoff_equals_target_alone(handoff):

@@ -31,27 +31,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> No
     assert error <= rel * scale, f"max error {error:.3e} > {rel:g} * {scale:.3e}"
 
 
-@pytest.fixture(scope="module")
-def self_model(tiny):
-    model = tiny.model(sharpen=False, layers=3, seed=0)
-    # Random init is near-uniform; sharpen the output so greedy decoding is not decided by rounding noise.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def pair(tiny):
-    """A source and a deeper target with the same KV geometry (independent random weights)."""
-    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
-
-
-@pytest.fixture(scope="module")
-def pair_stats(tiny, pair):
-    source, target = pair
-    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
-
-
 def test_planted_relation_recovered_exactly(tiny):
     source_config = tiny.config(layers=4, kv_heads=2, head_dim=4, heads=2, hidden=8)
     target_config = tiny.config(layers=3, kv_heads=2, head_dim=4, heads=2, hidden=8)
@@ -165,17 +144,17 @@ def _direct_ridge(x, y, lam):
     return w.T, my - mx @ w
 
 
-def test_one_statistics_object_serves_every_k(tiny, pair, pair_stats):
-    source, target = pair
+def test_one_statistics_object_serves_every_k(tiny, random_pair, random_pair_stats):
+    source, target = random_pair
     data = tiny.batches(seed=2)
     src_k, src_v = _direct_features(source, data, stride=2)
     tgt_k, tgt_v = _direct_features(target, data, stride=2)
-    selection = LayerSelection.from_statistics(pair_stats, None)
+    selection = LayerSelection.from_statistics(random_pair_stats, None)
     for k in (1, 2, None):
-        mapper = mapper_from_statistics(pair_stats, top_k=k, ridge_lambda=0.01, dtype=torch.float64)
+        mapper = mapper_from_statistics(random_pair_stats, top_k=k, ridge_lambda=0.01, dtype=torch.float64)
         # the same k from a pre-computed selection (no re-probe) and from freshly collected statistics
         swept = mapper_from_statistics(
-            pair_stats, selection=selection.with_top_k(k), ridge_lambda=0.01, dtype=torch.float64
+            random_pair_stats, selection=selection.with_top_k(k), ridge_lambda=0.01, dtype=torch.float64
         )
         fresh = fit_mapper(
             source, target, data, top_k=k, ridge_lambda=0.01, dtype=torch.float64, stride=2, progress=False
@@ -202,11 +181,11 @@ def test_one_statistics_object_serves_every_k(tiny, pair, pair_stats):
                 assert_close(proj.bias, bias, 1e-8)
 
 
-def test_per_token_lambda_convention(pair_stats):
-    n = pair_stats.count()
-    absolute = mapper_from_statistics(pair_stats, top_k=2, ridge_lambda=0.5 * n, dtype=torch.float64)
+def test_per_token_lambda_convention(random_pair_stats):
+    n = random_pair_stats.count()
+    absolute = mapper_from_statistics(random_pair_stats, top_k=2, ridge_lambda=0.5 * n, dtype=torch.float64)
     per_token = mapper_from_statistics(
-        pair_stats, top_k=2, ridge_lambda=0.5, lambda_convention="per_token", dtype=torch.float64
+        random_pair_stats, top_k=2, ridge_lambda=0.5, lambda_convention="per_token", dtype=torch.float64
     )
     assert per_token.config.lambda_convention == "per_token"
     assert torch.allclose(absolute.layers[0].key_proj.weight, per_token.layers[0].key_proj.weight, atol=1e-12)
@@ -244,8 +223,8 @@ def test_mismatched_geometry_beats_mean_predictor(tiny):
     assert mapped_err < mean_err
 
 
-def test_restricted_target_layers(tiny, pair, pair_stats):
-    source, target = pair
+def test_restricted_target_layers(tiny, random_pair, random_pair_stats):
+    source, target = random_pair
     data = tiny.batches(seed=2)
     low = CalibrationStatistics.collect(source, target, data, stride=2, target_layers=[0, 1], progress=False)
     high = CalibrationStatistics.collect(source, target, data, stride=2, target_layers=[2], progress=False)
@@ -253,9 +232,9 @@ def test_restricted_target_layers(tiny, pair, pair_stats):
         mapper_from_statistics(low, top_k=2)
     scores = r2_matrix(high)["key"]
     assert torch.isnan(scores[:2]).all() and not torch.isnan(scores[2]).any()
-    assert torch.allclose(scores[2], r2_matrix(pair_stats)["key"][2], atol=1e-12)
+    assert torch.allclose(scores[2], r2_matrix(random_pair_stats)["key"][2], atol=1e-12)
     parts = mapper_from_statistics([low, high], top_k=2, dtype=torch.float64)
-    whole = mapper_from_statistics(pair_stats, top_k=2, dtype=torch.float64)
+    whole = mapper_from_statistics(random_pair_stats, top_k=2, dtype=torch.float64)
     assert parts.config.source_layers == whole.config.source_layers
     for a, b in zip(parts.parameters(), whole.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-10)

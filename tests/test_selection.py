@@ -8,23 +8,10 @@ import pytest
 import torch
 
 from hf_kvmap import (
-    CalibrationStatistics,
     LayerSelection,
 )
 from hf_kvmap.plotting import plot_selection
 from hf_kvmap.selection import select_top_k
-
-
-@pytest.fixture(scope="module")
-def pair(tiny):
-    """A source and a deeper target with the same KV geometry (independent random weights)."""
-    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
-
-
-@pytest.fixture(scope="module")
-def pair_stats(tiny, pair):
-    source, target = pair
-    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
 
 
 def test_select_top_k_rules():
@@ -36,8 +23,8 @@ def test_select_top_k_rules():
         select_top_k(scores, 0)
 
 
-def test_selection_json_and_heatmap(pair_stats, tmp_path):
-    selection = LayerSelection.from_statistics(pair_stats, 2)
+def test_selection_json_and_heatmap(random_pair_stats, tmp_path):
+    selection = LayerSelection.from_statistics(random_pair_stats, 2)
     selection.save_selection_json(tmp_path / "selection.json")
     data = json.loads((tmp_path / "selection.json").read_text())
     assert data["source_layers"] == selection.source_layers and data["probe"] == "per_head"

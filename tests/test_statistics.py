@@ -13,36 +13,15 @@ from hf_kvmap import (
 )
 
 
-@pytest.fixture(scope="module")
-def self_model(tiny):
-    model = tiny.model(sharpen=False, layers=3, seed=0)
-    # Random init is near-uniform; sharpen the output so greedy decoding is not decided by rounding noise.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def pair(tiny):
-    """A source and a deeper target with the same KV geometry (independent random weights)."""
-    return tiny.model(sharpen=False, seed=0, layers=4), tiny.model(sharpen=False, seed=1, layers=3)
-
-
-@pytest.fixture(scope="module")
-def pair_stats(tiny, pair):
-    source, target = pair
-    return CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
-
-
-def test_save_load_round_trip_exact(pair_stats, tmp_path):
-    pair_stats.save(tmp_path / "stats")
+def test_save_load_round_trip_exact(random_pair_stats, tmp_path):
+    random_pair_stats.save(tmp_path / "stats")
     assert sorted(os.listdir(tmp_path / "stats")) == ["statistics.json", "statistics.safetensors"]
     meta = json.loads((tmp_path / "stats" / "statistics.json").read_text())
-    assert meta["calibration"]["fingerprint"] == pair_stats.fingerprint and meta["stride"] == 2
+    assert meta["calibration"]["fingerprint"] == random_pair_stats.fingerprint and meta["stride"] == 2
     assert meta["source_summary"]["num_hidden_layers"] == 4
     loaded = CalibrationStatistics.load(tmp_path / "stats")
-    assert loaded.parts == pair_stats.parts and loaded.provenance() == pair_stats.provenance()
-    for name, tensor in pair_stats.state_dict().items():
+    assert loaded.parts == random_pair_stats.parts and loaded.provenance() == random_pair_stats.provenance()
+    for name, tensor in random_pair_stats.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
     with open(tmp_path / "stats" / "statistics.safetensors", "r+b") as handle:  # tamper with one byte
@@ -54,8 +33,8 @@ def test_save_load_round_trip_exact(pair_stats, tmp_path):
         CalibrationStatistics.load(tmp_path / "stats")
 
 
-def test_merge_halves_equals_whole_and_rejects_incompatible(tiny, pair):
-    source, target = pair
+def test_merge_halves_equals_whole_and_rejects_incompatible(tiny, random_pair):
+    source, target = random_pair
     data = tiny.batches(seed=2)
     whole = CalibrationStatistics.collect(source, target, data, stride=2, progress=False)
     first = CalibrationStatistics.collect(source, target, data[2:], stride=2, progress=False)
@@ -80,8 +59,8 @@ def test_merge_halves_equals_whole_and_rejects_incompatible(tiny, pair):
     "parts,target_layers,dtype",
     [(("key", "value"), None, torch.float64), (("key",), [2], torch.float32), (("value",), [0, 2], torch.float64)],
 )
-def test_memory_estimate_matches_collected(tiny, pair, parts, target_layers, dtype):
-    source, target = pair
+def test_memory_estimate_matches_collected(tiny, random_pair, parts, target_layers, dtype):
+    source, target = random_pair
     stats = CalibrationStatistics.collect(
         source,
         target,
@@ -113,8 +92,8 @@ def test_padded_batches_match_unpadded(tiny, self_model):
         assert torch.allclose(padded.state_dict()[name], tensor, rtol=1e-5, atol=1e-4), name
 
 
-def test_update_rejects_bad_shapes(pair):
-    source, target = pair
+def test_update_rejects_bad_shapes(random_pair):
+    source, target = random_pair
     stats = CalibrationStatistics(source.config, target.config)
     with pytest.raises(ValueError, match="width"):
         stats.update(torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5))
@@ -127,8 +106,8 @@ def test_update_rejects_bad_shapes(pair):
         stats.update([layer] * 4, [layer] * 4, [torch.zeros(1, 2, 5, 8)] * 3, [layer] * 3)
 
 
-def test_non_finite_features_are_refused(pair):
-    source, target = pair
+def test_non_finite_features_are_refused(random_pair):
+    source, target = random_pair
     stats = CalibrationStatistics(source.config, target.config, parts=("key",))
     bad = torch.zeros(3, stats.target_width)
     bad[1, 2] = float("nan")
