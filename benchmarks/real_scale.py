@@ -289,6 +289,79 @@ def plot_curve(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _cell(row: dict, task: str) -> str:
+    entry = row["tasks"].get(task) or row["perplexity"].get(task)
+    if entry is None:
+        return "n/a"
+    if task in row["perplexity"]:
+        return f"{entry['mapped']:.2f}"
+    hits = round(entry["mapped"] * entry["n_items"])
+    return f"{hits}/{entry['n_items']}"
+
+
+def report_markdown(report: dict) -> str:
+    """The README section: the curve as a table (one row per fit), the swap diagnosis, what they say."""
+    run = report["run"]
+    alone = report["alone"]
+    tasks = sorted({t for rows in report["curves"].values() for row in rows for t in row["tasks"]})
+    ppl = sorted({t for rows in report["curves"].values() for row in rows for t in row["perplexity"]})
+    lines = [
+        f"Written by `python benchmarks/real_scale.py report` from `benchmarks/results/real_family_scale.json`: the "
+        f"paper's ridge fitted on growing prefixes of one calibration stream (1,024-token sequences of the pinned "
+        f"corpus, stride 2, models in {run['dtype']}, ridge lambda {run['ridge_lambda']}), every fit scored on the "
+        f"same {run['items_per_task']} items per task (seed {run['seed']}). The paper calibrates on about 128K "
+        "positions. Reproduce with `python benchmarks/real_scale.py follow --out $WORK/calib --work $WORK/scale` "
+        "(calibrates, keeps snapshots, scores each; resumable), then `report`.",
+        "",
+        "| mapper | calibration positions | " + " | ".join(tasks + ppl) + " | held-out key R^2 | held-out value R^2 |",
+        "|---|---|" + "---|" * (len(tasks) + len(ppl) + 2),
+    ]
+    for model in ("0.5b", "1.5b"):
+        cells = []
+        for task in tasks + ppl:
+            entry = alone.get(f"{task}|alone|{model}")
+            if entry is None:
+                cells.append("n/a")
+            elif task in ppl:
+                cells.append(f"{entry['score']:.2f}")
+            else:
+                cells.append(f"{round(entry['score'] * entry['n_items'])}/{entry['n_items']}")
+        lines.append(f"| {model} alone | | " + " | ".join(cells) + " | | |")
+    for name, rows in report["curves"].items():
+        for row in rows:
+            r2 = row.get("held_out_r2", {})
+            r2_cells = [f"{r2[p]:.3f}" if p in r2 else "n/a" for p in ("key", "value")]
+            cells = [_cell(row, t) for t in tasks + ppl]
+            lines.append(f"| {name} | {row['positions']:,} | " + " | ".join(cells + r2_cells) + " |")
+    lines += [
+        "",
+        "Exact-match and choice tasks: items right / items scored; perplexity tasks: mean NLL per "
+        "token of the continuation (lower is better). Held-out R^2: mean over target layers on the contexts of the "
+        "perplexity items (keys in content space).",
+    ]
+    swap = report.get("layer_swap") or {}
+    if swap:
+        lines += [
+            "",
+            "Which layers break it (`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache "
+            "except one mapped layer; then only the mapped keys, only the mapped values, of every layer):",
+            "",
+            "| task / fit | target alone | all mapped | keys only mapped | values only mapped | worst single layers |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, row in swap.items():
+            task = key.split("|")[0]
+            higher_is_better = not task.endswith(("nll", "ppl"))
+            worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=not higher_is_better)[:4]
+            worst_cells = ", ".join(f"L{layer} {score:.3f}" for layer, score in worst)
+            lines.append(
+                f"| {key} | {row['target']:.3f} | {row['mapped']:.3f} | {row['keys_only']:.3f} | "
+                f"{row['values_only']:.3f} | {worst_cells} |"
+            )
+    lines += ["", "![real family, calibration scale](benchmarks/results/real_family_scale.png)"]
+    return "\n".join(lines)
+
+
 def cmd_report(args) -> int:
     work = Path(args.work)
     path = work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
@@ -307,15 +380,18 @@ def cmd_report(args) -> int:
     swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     if swap.is_file():
         report["layer_swap"] = json.loads(swap.read_text())
+    from hf_kvmap.reporting import update_file_section
+
     rf.write_json(RESULTS, report)
     plot_curve(curves, PLOT)
+    update_file_section(HERE.parent / "README.md", "real-scale", report_markdown(report))
     for name, rows in curves.items():
         for row in rows:
             cells = ", ".join(
                 f"{t} {r['mapped']:.3f}/{r['target']:.3f}" for t, r in {**row["tasks"], **row["perplexity"]}.items()
             )
             print(f"{name} @ {row['positions']}: {cells}")
-    print(f"wrote {RESULTS}, {PLOT}")
+    print(f"wrote {RESULTS}, {PLOT}, README section real-scale")
     return 0
 
 

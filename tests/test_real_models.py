@@ -100,7 +100,15 @@ def test_smol_identity_batched_left_padding(smol):
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     assert (mask == 0).any()  # the first row is padded on the left
-    cache = MappedCache.from_source(prefill(model, ids, mask), MapperModel.identity(model.config), attention_mask=mask)
+    from hf_kvmap.rope import positions_from_attention_mask
+
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)  # as the prefill used them
+    cache = MappedCache.from_source(
+        prefill(model, ids, mask),
+        MapperModel.identity(model.config),
+        attention_mask=mask,
+        source_position_ids=positions,
+    )
     assert torch.equal(greedy(model, tokenizer, ids, mask, cache=cache), greedy(model, tokenizer, ids, mask))
 
 
