@@ -502,7 +502,8 @@ def cmd_evaluate(args) -> int:
         start = time.perf_counter()
         kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
         value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
-        scores[key] = {"score": value, "n_items": len(task.items), "seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        scores[key] = {"score": value, "n_items": len(task.items), "seconds": seconds, "dtype": args.dtype}
         write_json(path, scores)
         print(f"{key}: {value:.4f} ({scores[key]['seconds']:.0f} s)", flush=True)
 
@@ -652,6 +653,7 @@ def cmd_latency(args) -> int:
         LARGE: load_model(LARGE, args.cache_dir, args.dtype),
     }
     lengths = [int(n) for n in args.tokens.split(",")]
+    load_average = os.getloadavg()[0]  # what else ran when the timing started (recorded beside the rows)
     out_path = work / "latency.json"
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": {}}
     for source, target in DIRECTIONS:
@@ -673,7 +675,12 @@ def cmd_latency(args) -> int:
                 "mapper_parameters": sum(p.numel() for p in mapper.parameters()),
                 "rows": rows,
             }
-            results["run"] = {"repeats": args.repeats, "warmup": args.warmup, "threads": args.threads}
+            results["run"] = {
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "threads": args.threads,
+                "load_average": load_average,
+            }
             results["environment"] = environment_info()
             write_json(out_path, results)
             for row in rows:
@@ -748,13 +755,14 @@ def report_markdown(report: dict) -> str:
         f"Calibration: {run['calibration']['sequences']} sequences x {run['calibration']['seq_len']} tokens of the "
         f"pinned real corpus (code, prose and chat-formatted prose), stride {run['calibration']['stride']}: "
         f"{run['calibration']['positions']} positions (the paper: 500 x 1,024 at stride 4, about 128K). "
-        f"Items per task: {run['items_per_task']} (seed {run['seed']}). Mappers in bfloat16, the models' dtype.",
+        f"Items per task: {run['items_per_task']} (seed {run['seed']}). Models and mappers in {' and '.join(run.get('dtype', ['bfloat16']))}.",
         "",
         "Every mapper in these tables comes from one command (the weights stay outside the repository; sequence `i` "
         "does not depend on `--sequences`, so this gives the same statistics as the longer run that stopped here):",
         "",
         "```bash",
-        f"hf-kvmap obtain {SMALL} && hf-kvmap obtain {LARGE} && python benchmarks/real_family.py calibrate --out "
+        f"hf-kvmap obtain {SMALL} && hf-kvmap obtain {LARGE} && python benchmarks/real_family.py "
+        f"--dtype {run['calibration'].get('dtype', 'bfloat16')} calibrate --out "
         f"$WORK/calib --sequences {run['calibration']['sequences']} --seq-len {run['calibration']['seq_len']} "
         f"--chunk {run['calibration']['chunk']} --stride {run['calibration']['stride']} && python "
         f"benchmarks/real_family.py fit --work $WORK --ridge-lambda {run['ridge_lambda']}"
@@ -813,10 +821,16 @@ def report_markdown(report: dict) -> str:
         lines.append("")
     if report.get("latency"):
         lines += [
-            "Mapper (bfloat16) vs the target body re-prefilling the same tokens, timed interleaved in one run "
+            f"Mapper ({' and '.join(sorted({e['mapper_dtype'] for e in report['latency']['rows'].values()}))}) vs "
+            "the target body re-prefilling the same tokens, timed interleaved in one run "
             f"({report['latency']['run']['threads']} thread(s), median of {report['latency']['run']['repeats']} timed "
-            f"run(s) after {report['latency']['run']['warmup']} warm-up run(s), on a CPU shared with other jobs, so "
-            "single runs are noisy):",
+            f"run(s) after {report['latency']['run']['warmup']} warm-up run(s); "
+            + (
+                f"1-minute load average {report['latency']['run']['load_average']:.2f} on "
+                f"{report['latency']['environment'].get('cpu_count', os.cpu_count())} cores when it started):"
+                if "load_average" in report["latency"]["run"]
+                else "on a CPU shared with other jobs, so single runs are noisy):"
+            ),
             "",
             "| mapper | tokens | mapper ms | re-prefill ms | speedup | FLOP bound | fraction of bound |",
             "|---|---|---|---|---|---|---|",
@@ -918,6 +932,7 @@ def cmd_report(args) -> int:
         "positions": progress["positions"],
         "manifest_sha256": progress["setting"]["manifest_sha256"],
         "forward_seconds": progress.get("forward_seconds"),
+        "dtype": progress["setting"].get("dtype", "bfloat16"),  # runs before `--dtype` existed were bfloat16
     }
     report = {
         "run": {
@@ -930,6 +945,8 @@ def cmd_report(args) -> int:
                 for name in (SMALL, LARGE)
             },
             "scores_seconds": sum(entry["seconds"] for entry in scores.values()),
+            # scores written before `--dtype` existed were all bfloat16 runs
+            "dtype": sorted({entry.get("dtype", "bfloat16") for entry in scores.values()}),
         },
         "directions": {},
         "self_maps": {},
