@@ -183,6 +183,65 @@ def cmd_follow(args) -> int:
     return rf.cmd_calibrate(calibration, models=scorer.models, after_checkpoint=after_checkpoint)
 
 
+def cmd_finetune(args) -> int:
+    """What the objectives bring on real weights: the ridge fitted at `--positions`, fine-tuned by the per-layer
+    attention objective (`hf_kvmap.attention_objective`) on calibration sequences of another seed, then scored on
+    the same items as every fit of the curve (variant `<variant>-attn`)."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.attention_objective import attention_finetune
+    from hf_kvmap.real import corpus
+
+    torch.set_num_threads(args.threads)
+    scorer = Scorer(args)
+    work = Path(args.work)
+    short = {v: k for k, v in rf.SHORT.items()}
+    source, target = (short[n] for n in args.direction.split("-to-"))
+    fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / args.direction / args.variant).is_dir())
+    positions = args.positions or fitted[-1]
+    name = f"{args.variant}-attn"
+    out = mapper_folder(work, positions, args.direction, name)
+    if (out / "config.json").is_file():
+        mapper = MapperModel.from_pretrained(out, dtype=torch.float32)
+    else:
+        mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, args.variant))
+        mapper = mapper.to(torch.float32)
+        documents = corpus.load_manifest(args.manifest)
+        rows = corpus.calibration_sequences(
+            scorer.tokenizer, documents, args.sequences, args.seq_len, seed=args.calibration_seed
+        )
+        result = attention_finetune(
+            mapper,
+            scorer.models[source],
+            scorer.models[target],
+            [torch.tensor(rows)],
+            steps=args.steps,
+            batch_size=args.batch_size,
+            eval_every=args.eval_every,
+            patience=args.patience,
+            val_sequences=args.val_sequences,
+            cache_references=True,
+        )
+        rf.save_atomically(mapper, out)
+        rf.write_json(out / "finetune.json", result.to_dict())
+        print(
+            f"attention fine-tune: held-out error {result.initial_val_error:.4f} -> {result.best_val_error:.4f} "
+            f"(step {result.best_step} of {result.steps_run}, {result.seconds:.0f} s)",
+            flush=True,
+        )
+    mapper = mapper.to(scorer.models[target].dtype)
+    handoff = scorer.handoff(source, target, mapper)
+    key = f"r2|{positions}|{args.direction}|{name}"
+    if key not in scorer.scores and scorer.contexts:
+        m = scorer.models
+        scorer.scores[key] = rf.held_out_r2(
+            mapper, m[source], m[target], source, target, scorer.store, scorer.contexts
+        )
+        rf.write_json(scorer.path, scorer.scores)
+    for task in scorer.tasks:
+        scorer.record(f"{task.name}|{positions}|{args.direction}|{name}", task, handoff, "mapped")
+    return 0
+
+
 def cmd_swap(args) -> int:
     """`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache except one mapped layer
     (then only the mapped keys, only the mapped values of every layer), for the mapper fitted at `--positions`
@@ -256,32 +315,38 @@ def assemble_curve(scores: dict) -> dict:
     return out
 
 
-def plot_curve(curves: dict, path: Path) -> None:
+def plot_curve(curves: dict, path: Path, alone: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    alone = alone or {}
     tasks = sorted({t for rows in curves.values() for row in rows for t in row["tasks"]})
     fig, axes = plt.subplots(1, len(tasks) + 2, figsize=(3.6 * (len(tasks) + 2), 3.4))
-    for name, rows in curves.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ticks = sorted({row["positions"] for rows in curves.values() for row in rows})
+    for color, (name, rows) in zip(colors, curves.items()):
         x = [row["positions"] for row in rows]
         for ax, task in zip(axes, tasks):
-            y = [row["tasks"].get(task, {}).get("mapped") for row in rows]
-            ax.plot(x, y, marker="o", label=name)
-            target = [row["tasks"][task]["target"] for row in rows if task in row["tasks"]]
-            if target:
-                ax.axhline(target[0], color="gray", ls=":", lw=1)
-            ax.set_title(f"{task} (dotted: each target alone)", fontsize=9)
+            ax.plot(x, [row["tasks"].get(task, {}).get("mapped") for row in rows], marker="o", color=color, label=name)
+            ax.set_title(f"{task} after the handoff", fontsize=9)
         y = [row["perplexity"].get("code_nll", {}).get("mapped") for row in rows]
-        axes[-2].plot(x, y, marker="o", label=name)
+        axes[-2].plot(x, y, marker="o", color=color, label=name)
         axes[-2].set_title("code NLL after the handoff (lower is better)", fontsize=9)
         for part, style in (("key", "-"), ("value", "--")):
             y = [row.get("held_out_r2", {}).get(part) for row in rows]
-            axes[-1].plot(x, y, style, marker="o", label=f"{name} {part}")
-        axes[-1].set_title("held-out R^2 (mean over layers; solid K, dashed V)", fontsize=9)
+            axes[-1].plot(x, y, style, marker="o", color=color, label=f"{name} {part}")
+        axes[-1].set_title("held-out R^2, mean over layers (solid K, dashed V)", fontsize=9)
+    for ax, task in zip(axes[:-1], [*tasks, "code_nll"]):
+        for model, style in (("1.5b", ":"), ("0.5b", "-.")):
+            entry = alone.get(f"{task}|alone|{model}")
+            if entry is not None:
+                ax.axhline(entry["score"], color="gray", ls=style, lw=1, label=f"{model} alone")
     for ax in axes:
-        ax.set_xscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("calibration positions")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -308,7 +373,7 @@ def report_markdown(report: dict) -> str:
     lines = [
         f"Written by `python benchmarks/real_scale.py report` from `benchmarks/results/real_family_scale.json`: the "
         f"paper's ridge fitted on growing prefixes of one calibration stream (1,024-token sequences of the pinned "
-        f"corpus, stride 2, models in {run['dtype']}, ridge lambda {run['ridge_lambda']}), every fit scored on the "
+        f"corpus, stride 2, models in {run['dtype']}, ridge lambda {', '.join(f'{v:g}' for v in run['ridge_lambda'])}), every fit scored on the "
         f"same {run['items_per_task']} items per task (seed {run['seed']}). The paper calibrates on about 128K "
         "positions. Reproduce with `python benchmarks/real_scale.py follow --out $WORK/calib --work $WORK/scale` "
         "(calibrates, keeps snapshots, scores each; resumable), then `report`.",
@@ -383,7 +448,7 @@ def cmd_report(args) -> int:
     from hf_kvmap.reporting import update_file_section
 
     rf.write_json(RESULTS, report)
-    plot_curve(curves, PLOT)
+    plot_curve(curves, PLOT, report["alone"])
     update_file_section(HERE.parent / "README.md", "real-scale", report_markdown(report))
     for name, rows in curves.items():
         for row in rows:
@@ -429,6 +494,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_follow)
+    p = sub.add_parser("finetune", help="attention-objective fine-tune of one fitted ridge, scored like the curve")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
+    p.add_argument("--tasks", default=TASKS)
+    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
+    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p.add_argument("--variant", default="ridge-k8")
+    p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
+    p.add_argument("--sequences", type=int, default=32, help="fine-tune sequences (the last --val-sequences held out)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--calibration-seed", dest="calibration_seed", type=int, default=1, help="not the ridge's stream")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--patience", type=int, default=3)
+    p.add_argument("--val-sequences", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_finetune)
     p = sub.add_parser("swap", help="layer_swap of one fitted mapper on real weights")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--manifest", type=Path, default=rf.MANIFEST)

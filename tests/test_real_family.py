@@ -224,3 +224,43 @@ def test_real_family_results_cards_and_readme_have_not_drifted(script):
         assert card.read_text().strip() == str(rendered).strip(), name
     readme = (BENCHMARKS.parent / "README.md").read_text()
     assert script.report_markdown(report).strip() in readme
+
+
+@pytest.fixture(scope="module")
+def scale_script(script):
+    import sys
+
+    sys.modules.setdefault("real_family", script)  # real_scale imports it by name
+    spec = importlib.util.spec_from_file_location("real_scale", BENCHMARKS / "real_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
+    scores = {
+        "prose_retrieval|alone|0.5b": {"score": 1.0, "n_items": 16},
+        "prose_retrieval|alone|1.5b": {"score": 1.0, "n_items": 16},
+        "code_recall|alone|0.5b": {"score": 0.875, "n_items": 16},
+        "code_recall|alone|1.5b": {"score": 0.875, "n_items": 16},
+        "prose_retrieval|2048|0.5b-to-1.5b|ridge-k8": {"score": 0.0, "n_items": 16},
+        "code_recall|2048|0.5b-to-1.5b|ridge-k8": {"score": 0.25, "n_items": 16},
+        "prose_retrieval|8192|0.5b-to-1.5b|ridge-k8": {"score": 0.5, "n_items": 16},
+        "code_recall|8192|0.5b-to-1.5b|ridge-k8": {"score": 0.875, "n_items": 16},
+        "r2|8192|0.5b-to-1.5b|ridge-k8": {"key_r2": [0.5, 0.7], "value_r2": [0.1, 0.3]},
+    }
+    rows = scale_script.assemble_curve(scores)["0.5b-to-1.5b/ridge-k8"]
+    assert [row["positions"] for row in rows] == [2048, 8192]  # sorted by calibration size, r2 rows not a fit
+    assert rows[0]["tasks"]["code_recall"]["floor_normalized_retention"] == pytest.approx(0.0)  # chance is 0.25
+    assert rows[1]["tasks"]["prose_retrieval"]["retention"] == pytest.approx(0.5)
+    assert rows[1]["tasks"]["code_recall"]["floor_normalized_retention"] == pytest.approx(1.0)
+    assert rows[1]["held_out_r2"] == pytest.approx({"key": 0.6, "value": 0.2})
+    assert "held_out_r2" not in rows[0]
+
+
+def test_scale_results_and_readme_have_not_drifted(scale_script):
+    if not scale_script.RESULTS.is_file():
+        pytest.skip("no calibration-scale results committed")
+    report = json.loads(scale_script.RESULTS.read_text())
+    readme = (BENCHMARKS.parent / "README.md").read_text()
+    assert scale_script.report_markdown(report).strip() in readme
