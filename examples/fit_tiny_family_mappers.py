@@ -22,6 +22,7 @@ import torch
 from hf_kvmap import MapperModel, flops, zoo
 from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
+from hf_kvmap.configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, OBJECTIVES
 from hf_kvmap.diagnostics import diagnose
 from hf_kvmap.evaluation import Handoff, evaluate_tasks
 from hf_kvmap.reporting import environment_info
@@ -47,11 +48,25 @@ def main(argv=None) -> None:
         help="a context window for one map only (repeatable), e.g. 3:key=3:both",
     )
     parser.add_argument("--key-norm", action="store_true", help="normalise predicted keys with the target's key norm")
-    parser.add_argument("--objective", choices=("mse", "kl"), default="mse", help="kl: end-to-end fine-tune after")
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="mse",
+        help="kl: end-to-end fine-tune after the fit; attention: per-layer attention-output fine-tune; attention+kl",
+    )
     parser.add_argument("--kl-steps", type=int, default=400, help="most KL fine-tune steps (default: 400)")
     parser.add_argument("--kl-lr", type=float, default=3e-4, help="KL fine-tune learning rate (default: 3e-4)")
-    parser.add_argument("--kl-docs", type=int, default=256, help="KL sequences (zoo.context_batches; default: 256)")
-    parser.add_argument("--kl-length", type=int, default=320, help="tokens per KL sequence (default: 320)")
+    parser.add_argument("--attn-steps", type=int, default=400, help="most attention fine-tune steps (default: 400)")
+    parser.add_argument(
+        "--attn-lr", type=float, default=1e-3, help="attention fine-tune learning rate (default: 1e-3)"
+    )
+    parser.add_argument("--attn-patience", type=int, default=6, help="attention fine-tune patience (evaluations)")
+    parser.add_argument("--attn-loss", choices=ATTENTION_LOSSES, default="output", help="attention loss (output)")
+    parser.add_argument("--attn-space", choices=ATTENTION_SPACES, default="residual", help="attention space")
+    parser.add_argument(
+        "--kl-docs", type=int, default=256, help="fine-tune sequences (zoo.context_batches; default: 256)"
+    )
+    parser.add_argument("--kl-length", type=int, default=320, help="tokens per fine-tune sequence (default: 320)")
     parser.add_argument("--stride", type=int, default=1, help="keep every stride-th calibration position")
     parser.add_argument("--hidden-size", type=int, default=128, help="MLP hidden size (default: 128)")
     parser.add_argument("--epochs", type=int, default=20, help="MLP epochs (default: 20)")
@@ -80,12 +95,18 @@ def main(argv=None) -> None:
         layer, part, entry = parse_layer_window(spec)
         layer_inputs.setdefault(layer, {})[part] = entry
     objective_options = {}
-    if args.objective == "kl":
+    if args.objective != "mse":
         objective_options = {
-            "objective": "kl",
+            "objective": args.objective,
             "kl_steps": args.kl_steps,
             "kl_lr": args.kl_lr,
             "kl_cache_references": True,  # a few MB for the tiny family
+            "attn_steps": args.attn_steps,
+            "attn_lr": args.attn_lr,
+            "attn_patience": args.attn_patience,
+            "attn_loss": args.attn_loss,
+            "attn_space": args.attn_space,
+            "attn_cache_references": True,
             "kl_calibration": zoo.context_batches(tokenizer, args.kl_docs, args.kl_length, batch_size=16),
         }
     for pair in args.pairs:

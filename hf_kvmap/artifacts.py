@@ -52,9 +52,16 @@ MAPPING_FIELDS = (
     "source_summary",
     "target_summary",
 )
-#: Mapping fields added later, covered only where they differ from these defaults (so the hash of a mapper without
-#: them is the one it was saved with).
-OPTIONAL_MAPPING_FIELDS = {"layer_inputs": {}, "key_norm": False, "key_norm_eps": 1e-6}
+#: Fields added later, covered only where they differ from these defaults (so the hash of a mapper without them is
+#: the one it was saved with). `objective` is `None` in configs written before it and `"mse"` for a fit without a
+#: fine-tune: neither is hashed.
+OPTIONAL_MAPPING_FIELDS = {
+    "layer_inputs": ({},),
+    "key_norm": (False,),
+    "key_norm_eps": (1e-6,),
+    "objective": (None, "mse"),
+    "objective_settings": ({},),
+}
 
 
 def _hash_tensors(digest, tensors) -> None:
@@ -82,9 +89,10 @@ def content_hash(tensors, config: MapperConfig) -> str:
     digest = hashlib.sha256()
     _hash_tensors(digest, tensors)
     fields = {name: getattr(config, name) for name in MAPPING_FIELDS}
-    for name, default in OPTIONAL_MAPPING_FIELDS.items():
-        if getattr(config, name, default) != default:
-            fields[name] = getattr(config, name)
+    for name, defaults in OPTIONAL_MAPPING_FIELDS.items():
+        value = getattr(config, name, defaults[0])
+        if all(value != default for default in defaults):
+            fields[name] = value
     digest.update(b"config|" + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     return "sha256:" + digest.hexdigest()
 

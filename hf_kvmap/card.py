@@ -97,12 +97,31 @@ def _objective_rows(config) -> list[tuple[str, str]]:
             rows.append((f"target layer {layer} {part} map reads", f"source {reads}, context window {window}"))
     if getattr(config, "key_norm", False):
         rows.append(("key normalisation", f"the target's per-head key norm (eps {config.key_norm_eps:g})"))
-    record = (config.calibration or {}).get("kl_finetune")
+    calibration = config.calibration or {}
+    record = calibration.get("attention_finetune")
+    if record:
+        settings = record["settings"]
+        measure = "attention logits over the mapped keys" if settings["loss"] == "logits" else (
+            "attention output" + (" through the output projection" if settings["space"] == "residual" else "")
+        )  # fmt: skip
+        relative = "relative " if settings["normalize"] else ""
+        rows.append(
+            (
+                "objective" if "kl_finetune" not in calibration else "objective (first stage)",
+                f"fit, then the per-layer {measure} through the frozen target's own queries: held-out "
+                f"{relative}error {fmt_number(record['initial_val_error'], 4, 'g')} -> "
+                f"{fmt_number(record['best_val_error'], 4, 'g')} (best step {record['best_step']} of "
+                f"{record['steps_run']}; Adam lr {settings['lr']:g}, {settings['batch_size']} sequences per step, "
+                f"{record['sequences_train']} + {record['sequences_val']} held-out sequences of "
+                f"{record['sequence_length']} tokens)",
+            )
+        )
+    record = calibration.get("kl_finetune")
     if record:
         settings = record["settings"]
         rows.append(
             (
-                "objective",
+                "objective" if "attention_finetune" not in calibration else "objective (second stage)",
                 f"fit, then end-to-end KL through the frozen target: held-out KL "
                 f"{fmt_number(record['initial_val_kl'], 4, 'g')} -> {fmt_number(record['best_val_kl'], 4, 'g')} "
                 f"(best step {record['best_step']} of {record['steps_run']}; Adam lr {settings['lr']:g}, "

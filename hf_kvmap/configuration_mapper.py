@@ -20,7 +20,9 @@ MAPPER_KINDS = ("ridge", "mlp")
 INPUT_KINDS = ("same", "both")
 LAMBDA_CONVENTIONS = ("absolute", "per_token")
 MLP_INITS = ("ridge", "random")
-OBJECTIVES = ("mse", "kl")
+OBJECTIVES = ("mse", "kl", "attention", "attention+kl")
+ATTENTION_LOSSES = ("output", "logits")
+ATTENTION_SPACES = ("residual", "heads")
 PARTS = ("key", "value")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
@@ -132,10 +134,16 @@ class FitOptions:
         objective (`str`, *optional*, defaults to `"mse"`): `"mse"`: the maps minimise the content-space error of
             the keys and values (closed form or MLP training). `"kl"`: that fit is then fine-tuned end to end, so
             that the frozen target reading the mapped cache reproduces its own next-token distributions on
-            calibration text (`hf_kvmap.objectives.kl_finetune`).
+            calibration text (`hf_kvmap.objectives.kl_finetune`). `"attention"`: that fit is then fine-tuned so that
+            in every target layer the target's own queries read the same attention output from the mapped cache as
+            from its own (`hf_kvmap.attention_objective.attention_finetune`; no backward through the target).
+            `"attention+kl"`: the attention fine-tune, then the KL one.
         kl_steps, kl_lr, kl_batch_size, kl_eval_every, kl_patience, kl_val_sequences, kl_min_prefix,
             kl_cache_references: the end-to-end
             fine-tune (see `hf_kvmap.objectives.kl_finetune`).
+        attn_steps, attn_lr, attn_batch_size, attn_eval_every, attn_patience, attn_val_sequences, attn_min_prefix,
+            attn_loss, attn_space, attn_normalize, attn_cache_references: the attention fine-tune (see
+            `hf_kvmap.attention_objective.attention_finetune`).
         hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
         epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
             `hf_kvmap.training.train_headwise_mlp`).
@@ -164,6 +172,17 @@ class FitOptions:
     kl_val_sequences: int = 32
     kl_min_prefix: int = 32
     kl_cache_references: bool = False
+    attn_steps: int = 400
+    attn_lr: float = 1e-3
+    attn_batch_size: int = 8
+    attn_eval_every: int = 25
+    attn_patience: int | None = 6
+    attn_val_sequences: int = 32
+    attn_min_prefix: int = 32
+    attn_loss: str = "output"
+    attn_space: str = "residual"
+    attn_normalize: bool = True
+    attn_cache_references: bool = False
     hidden_size: int = 1024
     epochs: int = 20
     batch_tokens: int = 4096
@@ -198,6 +217,15 @@ class FitOptions:
         check_int("kl_patience", self.kl_patience, 0, allow_none=True)
         check_int("kl_val_sequences", self.kl_val_sequences, 1)
         check_int("kl_min_prefix", self.kl_min_prefix, 1)
+        check_int("attn_steps", self.attn_steps, 0)
+        check_number("attn_lr", self.attn_lr, 0, strict=True)
+        check_int("attn_batch_size", self.attn_batch_size, 1)
+        check_int("attn_eval_every", self.attn_eval_every, 1)
+        check_int("attn_patience", self.attn_patience, 0, allow_none=True)
+        check_int("attn_val_sequences", self.attn_val_sequences, 1)
+        check_int("attn_min_prefix", self.attn_min_prefix, 1)
+        check_choice("attn_loss", self.attn_loss, ATTENTION_LOSSES)
+        check_choice("attn_space", self.attn_space, ATTENTION_SPACES)
         check_number("ridge_lambda", self.ridge_lambda, 0)
         check_int("hidden_size", self.hidden_size, 1)
         check_int("epochs", self.epochs, 0)
@@ -234,6 +262,22 @@ class FitOptions:
             "cache_references",
         )
         return {name: getattr(self, f"kl_{name}") for name in names} | {"seed": self.seed}
+
+    def attention_settings(self) -> dict[str, Any]:
+        """The settings `hf_kvmap.attention_objective.attention_finetune` takes from these options (and the seed)."""
+        names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "loss")
+        names += ("space", "normalize", "cache_references")
+        return {name: getattr(self, f"attn_{name}") for name in names} | {"seed": self.seed}
+
+    @property
+    def objective_stages(self) -> tuple[str, ...]:
+        """The fine-tunes after the fit, in order (`()` for `"mse"`)."""
+        return tuple(stage for stage in self.objective.split("+") if stage != "mse")
+
+    def objective_settings(self) -> dict[str, dict[str, Any]]:
+        """`{stage: its settings}` of every fine-tune of the objective (what `MapperConfig.objective_settings`
+        records)."""
+        return {stage: getattr(self, f"{stage}_settings")() for stage in self.objective_stages}
 
     def mlp_settings(self) -> dict[str, Any]:
         """The settings `hf_kvmap.training.train_headwise_mlp` takes from these options (all but the seed)."""
@@ -289,6 +333,13 @@ class MapperConfig(PretrainedConfig):
             the target into the mapper (`layers.<i>.key_norm_weight`).
         key_norm_eps (`float`, *optional*, defaults to 1e-6):
             The epsilon of that normalisation (the target's `rms_norm_eps`).
+        objective (`str`, *optional*):
+            What the weights were fitted for, one of `OBJECTIVES` (see `FitOptions.objective`): `"mse"` (the fit
+            alone), or the fine-tunes that followed it (`"kl"`, `"attention"`, `"attention+kl"`). `None`: not
+            recorded (configs written before this field; their fine-tunes are in `calibration`).
+        objective_settings (`dict`, *optional*):
+            `{stage: settings}` of each fine-tune of `objective` (`FitOptions.objective_settings`); what each run
+            did is in `calibration["kl_finetune"]` / `calibration["attention_finetune"]`.
         ridge_lambda (`float`, *optional*, defaults to 0.01):
             The ridge penalty the weights were fitted with.
         lambda_convention (`str`, *optional*, defaults to `"absolute"`):
@@ -334,6 +385,8 @@ class MapperConfig(PretrainedConfig):
         layer_inputs: dict | None = None,
         key_norm: bool = False,
         key_norm_eps: float = 1e-6,
+        objective: str | None = None,
+        objective_settings: dict | None = None,
         source_model_id: str | None = None,
         source_revision: str | None = None,
         target_model_id: str | None = None,
@@ -361,6 +414,8 @@ class MapperConfig(PretrainedConfig):
         self.layer_inputs = normalize_layer_inputs(layer_inputs)
         self.key_norm = bool(key_norm)
         self.key_norm_eps = float(key_norm_eps)
+        self.objective = objective
+        self.objective_settings = copy.deepcopy(dict(objective_settings)) if objective_settings else {}
         self.source_model_id = source_model_id
         self.source_revision = source_revision
         self.target_model_id = target_model_id
@@ -415,6 +470,15 @@ class MapperConfig(PretrainedConfig):
         check_int("mlp_hidden_size", self.mlp_hidden_size, 1)
         check_number("ridge_lambda", self.ridge_lambda, 0)
         check_number("key_norm_eps", self.key_norm_eps, 0)
+        if self.objective is not None:
+            check_choice("objective", self.objective, OBJECTIVES)
+        stages = [stage for stage in (self.objective or "").split("+") if stage and stage != "mse"]
+        unknown = sorted(set(self.objective_settings) - set(stages))
+        if unknown:
+            raise ValueError(
+                f"objective_settings names {unknown}, which are not fine-tunes of objective={self.objective!r} "
+                f"(its stages: {stages})."
+            )
         if self.source_summary is None or self.target_summary is None:
             return  # a bare config (e.g. `MapperConfig()` while loading) is completed by `from_dict`
         for side, summary in (("source_summary", self.source_summary), ("target_summary", self.target_summary)):

@@ -301,6 +301,8 @@ def fitted_config(
         "context_window": options.context_window,
         "layer_inputs": options.layer_inputs,
         "key_norm": options.key_norm,
+        "objective": options.objective,
+        "objective_settings": options.objective_settings(),
         **fields,
     }
     return MapperConfig(

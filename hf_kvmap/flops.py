@@ -36,8 +36,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
+    "FINETUNE_OBJECTIVES",
     "FlopBound",
     "attention_flops",
+    "finetune_step_cost",
     "body_parameters",
     "flop_bound",
     "mapper_parameters",
@@ -176,3 +178,100 @@ def flop_bound(mapper: Any, target_config: Any, tokens: int) -> FlopBound:
         prefill_flops=linear + attention,
         ratio=(linear + attention) / mapper_flops,
     )
+
+
+#: The fine-tunes [`finetune_step_cost`] counts.
+FINETUNE_OBJECTIVES = ("attention", "kl")
+
+
+def _lm_head_flops(config: dict[str, Any], tokens: int) -> int:
+    return 2 * tokens * int(config["hidden_size"]) * int(config["vocab_size"])
+
+
+def _suffix_attention_flops(config: dict[str, Any], prefix: int, suffix: int) -> int:
+    """All layers' causal attention of `suffix` queries (positions `prefix..`) over the keys before them:
+    `L * 4 * n_heads * head_dim * (suffix * prefix + suffix**2 / 2)` (`QK^T` and `AV`)."""
+    layers, _, heads, _, head_dim = _geometry(config)
+    return layers * 4 * heads * head_dim * (suffix * prefix + suffix * suffix // 2)
+
+
+def finetune_step_cost(
+    objective: str,
+    source_config: Any,
+    target_config: Any,
+    mapper_params: int,
+    *,
+    batch: int,
+    tokens: int,
+    prefix: int,
+    dtype_bytes: int = 2,
+) -> dict[str, Any]:
+    r"""
+    FLOPs and memory of one step of a fine-tune (`"attention"`: `hf_kvmap.attention_objective`; `"kl"`:
+    `hf_kvmap.objectives`) on `batch` sequences of `tokens` tokens cut at `prefix`, counted from configs.
+
+    Conventions (beyond the module's): a backward costs twice its forward where weights get gradients (the
+    mapper) and once where only activations do (the frozen target's linear layers: no weight gradients), attention
+    backward twice its forward; the mapper trains in float32 with Adam (weights, gradients and two moments:
+    16 bytes per parameter). Both objectives prefill the source on the prefix and run the target on the whole
+    sequence without gradients (the reference).
+
+    - `"attention"`: per target layer, the suffix queries attend over the sequence twice (mapped and own cache)
+      and the mapped one is back-propagated; through the output projection (forward both, backward once). Memory for
+      the backward: per layer the suffix queries, outputs and their gradients and the sequence's keys and values
+      (float32), no target activations.
+    - `"kl"`: the reference forward also computes the LM head on the suffix; then the target runs the suffix on the
+      mapped cache with gradients, LM head included, and is back-propagated through every layer. Memory for the
+      backward: per suffix token and layer the inputs the backward of each op needs (`4 hidden + 3 q_width +
+      2 kv_width + 3 intermediate` values in `dtype_bytes`), plus the suffix logits and their gradient (float32).
+
+    Returns:
+        `{"objective", "flops": {part: FLOPs}, "total_flops", "target_forwards", "memory_bytes": {part: bytes},
+        "total_memory_bytes"}`; `target_forwards` is `total_flops` over one no-gradient target forward of the
+        sequences (LM head included).
+    """
+    if objective not in FINETUNE_OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not one of {FINETUNE_OBJECTIVES}.")
+    if not 0 < prefix < tokens:
+        raise ValueError(f"prefix={prefix} must cut the {tokens} tokens into two non-empty parts.")
+    source, target = _text_fields(source_config), _text_fields(target_config)
+    layers, hidden, heads, kv_heads, head_dim = _geometry(target)
+    suffix = tokens - prefix
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    flops = {
+        "source prefix prefill": batch * prefill_flops(source, prefix),
+        "target reference forward": batch * prefill_flops(target, tokens),
+        "mapper forward and backward": batch * 6 * prefix * mapper_params,
+    }
+    memory = {"mapper and Adam state": 16 * mapper_params}
+    attention = batch * _suffix_attention_flops(target, prefix, suffix)
+    if objective == "attention":
+        projection = batch * layers * 2 * suffix * q_width * hidden
+        flops["attention of the suffix queries (mapped, own, backward)"] = 4 * attention
+        flops["output projections (mapped, own, backward)"] = 3 * projection
+        memory["queries, outputs and gradients of the suffix, keys and values"] = (
+            4 * batch * layers * (3 * suffix * q_width + 2 * hidden * suffix + 2 * tokens * kv_width)
+        )
+    else:
+        linear = batch * 2 * suffix * body_parameters(target)
+        lm_head = batch * _lm_head_flops(target, suffix)
+        flops["target reference forward"] += lm_head
+        flops["target suffix forward on the mapped cache"] = linear + attention + lm_head
+        flops["target suffix backward (activations only)"] = linear + 2 * attention + lm_head
+        per_token = 4 * hidden + 3 * q_width + 2 * kv_width + 3 * int(target["intermediate_size"])
+        memory["target activations of the suffix"] = dtype_bytes * batch * suffix * layers * per_token
+        memory["suffix logits and gradients"] = 4 * 3 * batch * suffix * int(target["vocab_size"])
+        memory["mapped cache (leaf of the graph)"] = 4 * 2 * batch * layers * prefix * kv_width
+    total = sum(flops.values())
+    forward = batch * (prefill_flops(target, tokens) + _lm_head_flops(target, tokens))
+    return {
+        "objective": objective,
+        "batch": batch,
+        "tokens": tokens,
+        "prefix": prefix,
+        "flops": flops,
+        "total_flops": total,
+        "target_forwards": total / forward,
+        "memory_bytes": memory,
+        "total_memory_bytes": sum(memory.values()),
+    }

@@ -391,10 +391,10 @@ class MapperModel(MapperPreTrainedModel):
     @classmethod
     def from_fitted(cls, fitted: fitting.FittedMapper, **objective_inputs) -> MapperModel:
         """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
-        dtype it was fitted for; one fitted with `objective="kl"` is first fine-tuned through both models
-        (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`; see
-        `hf_kvmap.objectives.finetune_fitted`)."""
-        if fitted.options is not None and fitted.options.objective == "kl":
+        dtype it was fitted for; one fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is first
+        fine-tuned with both models (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`;
+        see `hf_kvmap.objectives.finetune_fitted`)."""
+        if fitted.options is not None and fitted.options.objective_stages:
             return finetune_fitted(cls, fitted, **objective_inputs)
         with torch.device("meta"):  # every weight is copied in below; skip the random init
             model = cls(fitted.config)
@@ -418,7 +418,7 @@ class MapperModel(MapperPreTrainedModel):
             kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
                 `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
                 arguments of `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
-                `kl_calibration`: the sequences of the `objective="kl"` fine-tune (default: `calibration`).
+                `kl_calibration`: the sequences of the fine-tunes (`objective="kl"`, `"attention"`, ...).
 
         Example:
 

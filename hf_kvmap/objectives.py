@@ -20,19 +20,18 @@ objective is the one that sees the whole read path (every layer and how their er
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from .configuration_mapper import FitOptions, check_int, check_number
-from .features import unpack_batch
+from .attention_objective import attention_finetune
+from .configuration_mapper import FitOptions
+from .finetune import calibration_rows, finetune_settings, frozen, optimize, split_calibration
 
 logger = logging.get_logger(__name__)
 
@@ -54,24 +53,6 @@ class KLFinetuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def calibration_rows(calibration: Iterable) -> torch.Tensor:
-    """All calibration sequences as one `(N, T)` LongTensor; refuses padded or unequal-length sequences (the KL
-    objective cuts every sequence at shared points)."""
-    rows = []
-    for batch in calibration:
-        input_ids, attention_mask = unpack_batch(batch)
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError(
-                "The KL objective takes unpadded sequences of one length; this calibration batch is padded. Cut the "
-                "calibration text into fixed-length sequences (e.g. `hf_kvmap.zoo.calibration_batches`)."
-            )
-        rows.append(input_ids)
-    lengths = sorted({int(r.shape[1]) for r in rows})
-    if len(lengths) != 1:
-        raise ValueError(f"The KL objective takes sequences of one length; the calibration has lengths {lengths}.")
-    return torch.cat(rows)
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -205,7 +186,8 @@ def kl_finetune(
         lr (`float`): Adam's learning rate.
         batch_size (`int`): sequences per step.
         eval_every (`int`): steps between held-out evaluations.
-        patience (`int`, *optional*): evaluations without improvement before stopping (`None`: never stop early).
+        patience (`int`, *optional*): evaluations without a new best (among the trained states) before stopping
+            (`None`: never stop early).
         val_sequences (`int`): sequences held out (a seeded choice).
         min_prefix (`int`): the shortest mapped prefix and the shortest suffix; the cut is uniform in between.
         seed (`int`): seeds the held-out choice, the batches and the cuts.
@@ -217,114 +199,86 @@ def kl_finetune(
     Returns:
         [`KLFinetuneResult`]; it is also recorded in `mapper.config.calibration["kl_finetune"]`.
     """
-    check_int("steps", steps, 0)
-    check_number("lr", lr, 0, strict=True)
-    check_int("batch_size", batch_size, 1)
-    check_int("eval_every", eval_every, 1)
-    check_int("patience", patience, 0, allow_none=True)
-    check_int("val_sequences", val_sequences, 1)
-    check_int("min_prefix", min_prefix, 1)
-    rows = calibration_rows(calibration)
-    count, length = rows.shape
-    if count <= val_sequences:
-        raise ValueError(
-            f"The KL objective holds out val_sequences={val_sequences} sequences but the calibration has {count}; "
-            "pass more sequences or a smaller val_sequences."
-        )
-    if length <= 2 * min_prefix:
-        raise ValueError(f"Sequences of {length} tokens are too short for min_prefix={min_prefix} on both sides.")
-    settings = {
-        "steps": steps,
-        "lr": lr,
-        "batch_size": batch_size,
-        "eval_every": eval_every,
-        "patience": patience,
-        "val_sequences": val_sequences,
-        "min_prefix": min_prefix,
-        "seed": seed,
-        "cache_references": cache_references,
-        "optimizer": "adam",
-        "loss": "KL(target own cache || target mapped cache), next-token distributions after the cut",
-    }
-    generator = torch.Generator().manual_seed(int(seed))
-    order = torch.randperm(count, generator=generator)
-    val_rows, train_rows = rows[order[:val_sequences]], rows[order[val_sequences:]]
-    splits = sorted({max(min_prefix, min(length - min_prefix, round(length * f))) for f in (0.25, 0.5, 0.75)})
-    frozen = [(p, p.requires_grad) for model in (source_model, target_model) for p in model.parameters()]
-    for param, _ in frozen:
-        param.requires_grad_(False)
-    params = [p for p in mapper.parameters() if p.requires_grad]
+    settings = finetune_settings(
+        steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, seed, cache_references
+    ) | {"loss": "KL(target own cache || target mapped cache), next-token distributions after the cut"}
+    data = split_calibration(calibration, settings, "KL")
     started = time.perf_counter()
-    try:
-        train_refs = _References(source_model, target_model, train_rows, cache_references, batch_size)
-        val_refs = _References(source_model, target_model, val_rows, cache_references, batch_size)
-        initial = best = held_out_kl(mapper, source_model, target_model, val_rows, splits, batch_size, val_refs)
-        best_state = {name: t.detach().clone() for name, t in mapper.state_dict().items()}
-        history = [{"step": 0, "val_kl": initial, "seconds": 0.0}]
-        best_step, bad, step = 0, 0, 0
-        optimizer = torch.optim.Adam(params, lr=lr)
-        bar = tqdm(total=steps, desc="KL fine-tune", unit="step", disable=not progress)
-        bar.set_postfix(val_kl=f"{initial:.4g}")
-        for step in range(1, steps + 1):
-            index = torch.randint(len(train_rows), (batch_size,), generator=generator)
-            split = int(torch.randint(min_prefix, length - min_prefix + 1, (), generator=generator))
-            loss = mapped_kl(mapper, source_model, target_model, train_rows[index], split, **train_refs.take(index))
-            if not math.isfinite(loss.item()):
-                raise ValueError(f"The KL loss became {loss.item()} at step {step}; lower kl_lr.")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            bar.update(1)
-            if step % eval_every and step != steps:
-                continue
-            value = held_out_kl(mapper, source_model, target_model, val_rows, splits, batch_size, val_refs)
-            history.append(
-                {"step": step, "train_kl": loss.item(), "val_kl": value, "seconds": time.perf_counter() - started}
-            )
-            bar.set_postfix(val_kl=f"{value:.4g}", best=f"{best:.4g}")
-            if value < best:
-                best, best_step, bad = value, step, 0
-                best_state = {name: t.detach().clone() for name, t in mapper.state_dict().items()}
-            else:
-                bad += 1
-                if patience is not None and bad > patience:
-                    break
-        bar.close()
-        with torch.no_grad():
-            mapper.load_state_dict(best_state)
-    finally:
-        for param, flag in frozen:
-            param.requires_grad_(flag)
+    with frozen(source_model, target_model):
+        train_refs = _References(source_model, target_model, data.train_rows, cache_references, batch_size)
+        val_refs = _References(source_model, target_model, data.val_rows, cache_references, batch_size)
+
+        def step_loss(step: int) -> torch.Tensor:
+            index, split = data.draw(batch_size)
+            rows = data.train_rows[index]
+            return mapped_kl(mapper, source_model, target_model, rows, split, **train_refs.take(index))
+
+        def evaluate() -> float:
+            return held_out_kl(mapper, source_model, target_model, data.val_rows, data.splits, batch_size, val_refs)
+
+        run = optimize(
+            mapper,
+            step_loss,
+            evaluate,
+            settings,
+            desc="KL fine-tune",
+            metric="val_kl",
+            train_metric="train_kl",
+            lr_option="kl_lr",
+            progress=progress,
+        )
     result = KLFinetuneResult(
         settings=settings,
-        initial_val_kl=initial,
-        best_val_kl=best,
-        best_step=best_step,
-        steps_run=step,
+        initial_val_kl=run.initial,
+        best_val_kl=run.best,
+        best_step=run.best_unit,
+        steps_run=run.units_run,
         seconds=time.perf_counter() - started,
-        sequences_train=len(train_rows),
-        sequences_val=len(val_rows),
-        sequence_length=length,
-        history=history,
+        sequences_train=len(data.train_rows),
+        sequences_val=len(data.val_rows),
+        sequence_length=data.length,
+        history=run.history,
     )
-    logger.info(f"KL fine-tune: held-out KL {initial:.4g} -> {best:.4g} (best step {best_step} of {step}).")
+    logger.info(
+        f"KL fine-tune: held-out KL {run.initial:.4g} -> {run.best:.4g} (best step {run.best_unit} of {run.units_run})."
+    )
     mapper.config.calibration = {**mapper.config.calibration, "kl_finetune": result.to_dict()}
     return result
+
+
+#: The fine-tune of each objective stage (`FitOptions.objective_stages`), as `(function, settings of FitOptions)`.
+FINETUNES = {
+    "attention": (attention_finetune, FitOptions.attention_settings),
+    "kl": (kl_finetune, FitOptions.kl_settings),
+}
 
 
 def finetune_fitted(
     model_class, fitted, source_model=None, target_model=None, calibration=None, progress: bool = True
 ):
-    """A `FittedMapper` fitted with `objective="kl"` packaged as `model_class` (`MapperModel`) in float32, fine-tuned
-    by [`kl_finetune`] with its options on `calibration`, then cast to the dtype it was fitted for."""
+    """A `FittedMapper` fitted with a fine-tuning objective (`"kl"`, `"attention"`, `"attention+kl"`) packaged as
+    `model_class` (`MapperModel`) in float32, fine-tuned by each stage's function of `FINETUNES` in turn with its
+    options on `calibration`, then cast to the dtype it was fitted for."""
+    options = fitted.options
     if source_model is None or target_model is None or calibration is None:
         raise ValueError(
-            "objective='kl' fine-tunes through both models: pass source_model, target_model and calibration."
+            f"objective={options.objective!r} fine-tunes with both models: pass source_model, target_model and "
+            "calibration."
         )
-    options = fitted.options
+    calibration = list(calibration)
     model = model_class.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
-    kl_finetune(model, source_model, target_model, calibration, progress=progress, **options.kl_settings())
+    for stage in options.objective_stages:
+        finetune, settings = FINETUNES[stage]
+        finetune(model, source_model, target_model, calibration, progress=progress, **settings(options))
     return model.to(fitted.dtype).eval()
 
 
-__all__ = ["KLFinetuneResult", "calibration_rows", "finetune_fitted", "held_out_kl", "kl_finetune", "mapped_kl"]
+__all__ = [
+    "FINETUNES",
+    "KLFinetuneResult",
+    "calibration_rows",
+    "finetune_fitted",
+    "held_out_kl",
+    "kl_finetune",
+    "mapped_kl",
+]

@@ -46,8 +46,9 @@ def _mapper_summary(config: dict | None) -> str:
             parts.append(f"layer {layer} {part}s: context window {spec.get('context_window', 0)}{kinds}")
     if config.get("key_norm"):
         parts.append("target key norm")
-    if config.get("objective") == "kl":
-        parts.append("KL fine-tuned")
+    stages = [stage for stage in (config.get("objective") or "").split("+") if stage and stage != "mse"]
+    if stages:
+        parts.append(" then ".join({"kl": "KL", "attention": "attention"}[stage] for stage in stages) + " fine-tuned")
     return " (" + ", ".join(parts) + ")"
 
 

@@ -6,7 +6,6 @@ a held-out split from [`split_rows`]), starting from the ridge solution. `hf_kvm
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .configuration_mapper import FitOptions, check_number
+from .early_stopping import train_with_early_stopping
 from .modeling_mlp import HeadwiseMLP
 from .regression import regression_metrics, ridge_solve
 
@@ -198,17 +198,10 @@ def train_headwise_mlp(
     scheduler = None
     if warmup_steps:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
-    history: list[dict[str, float]] = []
     scale2 = out_scale**2
-    # The weights kept are the best on validation *including the initialization* (the ridge solution with
-    # init="ridge"); early stopping watches the best *trained* epoch only, so a first Adam step that knocks the MLP off
-    # the ridge solution does not end training before it recovers.
-    best_val = standardized_val_mse() if has_val else nan
-    best_state = copy.deepcopy(model.state_dict()) if has_val else None
-    best_trained = float("inf")
-    best_epoch, stale, epochs_run = 0, 0, 0
     n_train = x_train.shape[0]
-    for epoch in range(1, epochs + 1):
+
+    def train_epoch(epoch: int) -> dict[str, float]:
         model.train()
         order = torch.randperm(n_train, generator=generator).to(device)
         loss_sum = 0.0
@@ -224,30 +217,22 @@ def train_headwise_mlp(
                 scheduler.step()
             loss_sum += float(loss.detach()) * rows.numel()
         model.eval()
-        epochs_run = epoch
-        record = {"epoch": epoch, "train_mse": loss_sum / n_train * scale2}
-        if has_val:
-            val = standardized_val_mse()
-            record["val_mse"] = val * scale2
-            if val < best_val:
-                best_val, best_epoch = val, epoch
-                best_state = copy.deepcopy(model.state_dict())
-            if val < best_trained:
-                best_trained, stale = val, 0
-            else:
-                stale += 1
-        history.append(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(val_mse=f"{record.get('val_mse', nan):.4g}", refresh=False)
-        if has_val and patience is not None and stale >= patience:
-            break
-    if bar is not None and epochs_run < epochs:
-        bar.update(epochs - epochs_run)
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    else:
-        best_epoch = epochs_run
+        return {"train_mse": loss_sum / n_train * scale2}
+
+    # The weights kept are the best on validation *including the initialization* (the ridge solution with
+    # init="ridge"); patience counts the trained epochs only (`hf_kvmap.early_stopping`).
+    stopping = train_with_early_stopping(
+        model,
+        train_epoch,
+        (lambda: standardized_val_mse() * scale2) if has_val else None,
+        units=epochs,
+        patience=patience,
+        unit="epoch",
+        metric="val_mse",
+        bar=bar,
+        clock=False,
+    )
+    best_epoch, epochs_run, history = stopping.best_unit, stopping.units_run, stopping.history
     model.requires_grad_(False)
     model.fold_affine(in_mean, in_scale, out_mean, out_scale)
     train_mse, _ = regression_metrics(model, x_train.float(), y_train, num_heads)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             "context_window": mapper.config.context_window,
             "layer_inputs": mapper.config.layer_inputs,
             "key_norm": mapper.config.key_norm,
-            "objective": "kl" if mapper.config.calibration.get("kl_finetune") else "mse",
+            "objective": mapper.config.objective or ("kl" if mapper.config.calibration.get("kl_finetune") else "mse"),
             "parameters": sum(p.numel() for p in mapper.parameters()),
         },
         "items_per_task": args.items,

@@ -11,7 +11,16 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, MLP_INITS, OBJECTIVES, FitOptions
+from ..configuration_mapper import (
+    ATTENTION_LOSSES,
+    ATTENTION_SPACES,
+    INPUT_KINDS,
+    LAMBDA_CONVENTIONS,
+    MAPPER_KINDS,
+    MLP_INITS,
+    OBJECTIVES,
+    FitOptions,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -57,6 +66,17 @@ _KL_FLAGS = (
     ("--kl-patience", {"type": int}, "Evaluations without a better held-out KL before stopping"),
     ("--kl-val-sequences", {"type": int}, "Calibration sequences held out"),
     ("--kl-min-prefix", {"type": int}, "Shortest mapped prefix (and suffix) of a cut"),
+)
+_ATTN_FLAGS = (
+    ("--attn-steps", {"type": int}, "Most Adam steps"),
+    ("--attn-lr", {"type": float}, "Adam learning rate"),
+    ("--attn-batch-size", {"type": int}, "Sequences per step"),
+    ("--attn-eval-every", {"type": int}, "Steps between held-out evaluations"),
+    ("--attn-patience", {"type": int}, "Evaluations without a better held-out error before stopping"),
+    ("--attn-val-sequences", {"type": int}, "Calibration sequences held out"),
+    ("--attn-min-prefix", {"type": int}, "Shortest mapped prefix (and suffix) of a cut"),
+    ("--attn-loss", {"choices": ATTENTION_LOSSES}, "output: attention outputs; logits: logits over the mapped keys"),
+    ("--attn-space", {"choices": ATTENTION_SPACES}, "residual: outputs through o_proj; heads: the heads' outputs"),
 )
 _TEXT_BLOCK_CHARS = 1 << 16
 
@@ -117,12 +137,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=OBJECTIVES,
         default=FitOptions.objective,
         help="mse: the fit alone; kl: then fine-tune end to end so the target reading the mapped cache reproduces "
-        "its own next-token distributions on the calibration text (default: %(default)s)",
+        "its own next-token distributions on the calibration text; attention: then fine-tune so that the target's "
+        "own queries read the same attention output in every layer (no backward through the target); "
+        "attention+kl: both in turn (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--attn-no-normalize",
+        dest="attn_normalize",
+        action="store_false",
+        help="Attention fine-tune: mean squared error per layer instead of relative to the reference's energy",
     )
     for group, flags in (
         (parser, _MAPPER_FLAGS),
         (parser.add_argument_group("MLP training (--kind mlp)"), _MLP_FLAGS),
         (parser.add_argument_group("end-to-end fine-tune (--objective kl)"), _KL_FLAGS),
+        (parser.add_argument_group("attention fine-tune (--objective attention)"), _ATTN_FLAGS),
     ):
         for flag, extra, text in flags:
             field = flag[2:].replace("-", "_")
@@ -288,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
     from ._models import check_model_folder
 
     try:
-        fields = {flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS + _KL_FLAGS}
+        fields = {
+            flag[2:].replace("-", "_"): None for flag, _, _ in _MAPPER_FLAGS + _MLP_FLAGS + _KL_FLAGS + _ATTN_FLAGS
+        }
         fields = {name: getattr(args, name) for name in fields}
         fields["top_k"] = None if str(args.top_k).lower() == "all" else int(args.top_k)
         layer_inputs: dict = {}
@@ -300,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
             layer_inputs=layer_inputs or None,
             key_norm=args.key_norm,
             objective=args.objective,
+            attn_normalize=args.attn_normalize,
             stride=args.stride,
             statistics_dtype=getattr(torch, args.dtype),
             max_memory_bytes=int(args.max_feature_memory * 2**30),
@@ -307,12 +339,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:  # a bad value, or a --top-k that is neither an integer nor 'all'
         raise SystemExit(f"hf-kvmap fit: {err}") from None
-    needs_models = options.fits_on_features or options.key_norm or options.objective == "kl"
+    needs_models = options.fits_on_features or options.key_norm or bool(options.objective_stages)
     if needs_models and args.from_stats:
         raise SystemExit(
             "hf-kvmap fit: --from-stats solves a plain ridge from saved statistics, but an MLP mapper, a "
-            "--context-window, --layer-window, --input-kinds both, --key-norm or --objective kl needs both models "
-            "(features streamed through them, the target's key norm, or a fine-tune through the target); drop "
+            "--context-window, --layer-window, --input-kinds both, --key-norm or --objective other than mse needs both "
+            "models (features streamed through them, the target's key norm, or a fine-tune with the target); drop "
             "--from-stats and pass --source, --target and --data."
         )
     source = target = batches = tokenizer = None

@@ -1,0 +1,181 @@
+"""What every fine-tune of a fitted mapper shares (`hf_kvmap.objectives`: end-to-end KL;
+`hf_kvmap.attention_objective`: per-layer attention output): the calibration as fixed-length rows, the seeded
+held-out split and cut points, the frozen models, and the optimizer loop with held-out early stopping
+(`hf_kvmap.early_stopping`) and progress.
+
+Every objective cuts a calibration sequence at a point `p`: the source prefills tokens `< p`, the mapper maps that
+cache, and the target reads tokens `>= p` on top of it, as in serving. Training cuts at a uniform random point
+between `min_prefix` and `T - min_prefix`; held-out sequences are cut at a quarter, half and three quarters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .configuration_mapper import check_int, check_number
+from .early_stopping import StoppingResult, train_with_early_stopping
+from .features import unpack_batch
+
+
+def calibration_rows(calibration: Iterable, objective: str = "KL") -> torch.Tensor:
+    """All calibration sequences as one `(N, T)` LongTensor; refuses padded or unequal-length sequences (the
+    fine-tunes cut every sequence at shared points)."""
+    rows = []
+    for batch in calibration:
+        input_ids, attention_mask = unpack_batch(batch)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(
+                f"The {objective} objective takes unpadded sequences of one length; this calibration batch is padded. "
+                "Cut the calibration text into fixed-length sequences (e.g. `hf_kvmap.zoo.calibration_batches`)."
+            )
+        rows.append(input_ids)
+    lengths = sorted({int(r.shape[1]) for r in rows})
+    if len(lengths) != 1:
+        raise ValueError(
+            f"The {objective} objective takes sequences of one length; the calibration has lengths {lengths}."
+        )
+    return torch.cat(rows)
+
+
+@dataclass
+class CalibrationSplit:
+    """The calibration of one fine-tune: training and held-out rows, the held-out cut points, the seeded generator
+    that draws the batches and training cuts."""
+
+    train_rows: torch.Tensor
+    val_rows: torch.Tensor
+    splits: list[int]
+    min_prefix: int
+    generator: torch.Generator
+
+    @property
+    def length(self) -> int:
+        return int(self.train_rows.shape[1])
+
+    def draw(self, batch_size: int) -> tuple[torch.Tensor, int]:
+        """`(row indices, cut)` of one training step."""
+        index = torch.randint(len(self.train_rows), (batch_size,), generator=self.generator)
+        cut = int(torch.randint(self.min_prefix, self.length - self.min_prefix + 1, (), generator=self.generator))
+        return index, cut
+
+
+def finetune_settings(
+    steps: int,
+    lr: float,
+    batch_size: int,
+    eval_every: int,
+    patience: int | None,
+    val_sequences: int,
+    min_prefix: int,
+    seed: int,
+    cache_references: bool,
+) -> dict[str, Any]:
+    """The settings every fine-tune records (and its optimizer); raises `ValueError` naming the first bad one."""
+    check_int("steps", steps, 0)
+    check_number("lr", lr, 0, strict=True)
+    check_int("batch_size", batch_size, 1)
+    check_int("eval_every", eval_every, 1)
+    check_int("patience", patience, 0, allow_none=True)
+    check_int("val_sequences", val_sequences, 1)
+    check_int("min_prefix", min_prefix, 1)
+    names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "seed")
+    values = (steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, seed)
+    return dict(zip(names, values)) | {"cache_references": bool(cache_references), "optimizer": "adam"}
+
+
+def split_calibration(calibration: Iterable, settings: dict[str, Any], objective: str) -> CalibrationSplit:
+    """The rows of `calibration` ([`calibration_rows`]) split into training and `settings["val_sequences"]` held-out
+    rows (a choice seeded by `settings["seed"]`), with the held-out cut points; refuses too few or too short
+    sequences."""
+    val_sequences, min_prefix, seed = settings["val_sequences"], settings["min_prefix"], settings["seed"]
+    rows = calibration_rows(calibration, objective)
+    count, length = rows.shape
+    if count <= val_sequences:
+        raise ValueError(
+            f"The {objective} objective holds out val_sequences={val_sequences} sequences but the calibration has "
+            f"{count}; pass more sequences or a smaller val_sequences."
+        )
+    if length <= 2 * min_prefix:
+        raise ValueError(f"Sequences of {length} tokens are too short for min_prefix={min_prefix} on both sides.")
+    generator = torch.Generator().manual_seed(int(seed))
+    order = torch.randperm(count, generator=generator)
+    splits = sorted({max(min_prefix, min(length - min_prefix, round(length * f))) for f in (0.25, 0.5, 0.75)})
+    return CalibrationSplit(rows[order[val_sequences:]], rows[order[:val_sequences]], splits, min_prefix, generator)
+
+
+@contextmanager
+def frozen(*models):
+    """No gradient into `models`' parameters for the duration; their `requires_grad` flags are restored after."""
+    flags = [(p, p.requires_grad) for model in models for p in model.parameters()]
+    for param, _ in flags:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+
+def optimize(
+    mapper,
+    step_loss: Callable[[int], torch.Tensor],
+    evaluate: Callable[[], float],
+    settings: dict[str, Any],
+    *,
+    desc: str,
+    metric: str,
+    train_metric: str,
+    lr_option: str,
+    progress: bool,
+) -> StoppingResult:
+    """Adam (`settings["lr"]`) on every mapper parameter that requires gradients, one `step_loss(step)` per step
+    for at most `settings["steps"]`, held-out early stopping on `evaluate` every `settings["eval_every"]` steps with
+    `settings["patience"]`, keeping the best state ([`train_with_early_stopping`]). The history starts with the
+    starting state (step 0)."""
+    steps, lr, eval_every, patience = (settings[name] for name in ("steps", "lr", "eval_every", "patience"))
+    params = [p for p in mapper.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+
+    def train_step(step: int) -> dict[str, float]:
+        loss = step_loss(step)
+        if not math.isfinite(loss.item()):
+            raise ValueError(f"The {desc} loss became {loss.item()} at step {step}; lower {lr_option}.")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return {train_metric: loss.item()}
+
+    bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress)
+    try:
+        result = train_with_early_stopping(
+            mapper,
+            train_step,
+            evaluate,
+            units=steps,
+            eval_every=eval_every,
+            patience=patience,
+            unit="step",
+            metric=metric,
+            bar=bar,
+        )
+    finally:
+        bar.close()
+    result.history.insert(0, {"step": 0, metric: result.initial, "seconds": 0.0})
+    return result
+
+
+__all__ = [
+    "CalibrationSplit",
+    "calibration_rows",
+    "finetune_settings",
+    "frozen",
+    "optimize",
+    "split_calibration",
+]
