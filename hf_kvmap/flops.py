@@ -226,9 +226,12 @@ def finetune_step_cost(
       2 kv_width + 3 intermediate` values in `dtype_bytes`), plus the suffix logits and their gradient (float32).
 
     Returns:
-        `{"objective", "flops": {part: FLOPs}, "total_flops", "target_forwards", "memory_bytes": {part: bytes},
-        "total_memory_bytes"}`; `target_forwards` is `total_flops` over one no-gradient target forward of the
-        sequences (LM head included).
+        `{"objective", "flops": {part: FLOPs}, "total_flops", "target_forwards", "total_flops_cached_references",
+        "target_forwards_cached_references", "memory_bytes": {part: bytes}, "total_memory_bytes"}`;
+        `target_forwards` is `total_flops` over one no-gradient target forward of the sequences (LM head included);
+        the `cached_references` totals leave out the reference forwards (computed once per sequence and kept, as
+        `cache_references=True` does, they are shared by every epoch). The memory counts what this implementation
+        keeps for one backward over all layers at once.
     """
     if objective not in FINETUNE_OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not one of {FINETUNE_OBJECTIVES}.")
@@ -263,6 +266,7 @@ def finetune_step_cost(
         memory["suffix logits and gradients"] = 4 * 3 * batch * suffix * int(target["vocab_size"])
         memory["mapped cache (leaf of the graph)"] = 4 * 2 * batch * layers * prefix * kv_width
     total = sum(flops.values())
+    references = flops["source prefix prefill"] + flops["target reference forward"]
     forward = batch * (prefill_flops(target, tokens) + _lm_head_flops(target, tokens))
     return {
         "objective": objective,
@@ -272,6 +276,8 @@ def finetune_step_cost(
         "flops": flops,
         "total_flops": total,
         "target_forwards": total / forward,
+        "total_flops_cached_references": total - references,
+        "target_forwards_cached_references": (total - references) / forward,
         "memory_bytes": memory,
         "total_memory_bytes": sum(memory.values()),
     }

@@ -318,3 +318,39 @@ def test_variant_parameters_at_paper_scale(tmp_path):
         assert rows[f"ridge-l3w3-kn ({count} windowed key maps)"]["parameters"] == expected
     assert rows["ridge-w3"]["parameters"] == ridge + 128 * extra_per_map
     assert json.loads((tmp_path / "p.json").read_text())["variants"]["ridge"]["vs_ridge"] == 1.0
+
+
+def test_finetune_step_cost_counts_each_objective_from_its_parts(tmp_path):
+    """One fine-tune step at Qwen3 14B -> 32B: both objectives pay the same reference forwards and mapper update;
+    the attention objective adds per layer four suffix attentions and three output projections, the KL objective a
+    suffix forward (LM head included) and its activation-only backward; with cached references only those remain."""
+    from hf_kvmap.flops import finetune_step_cost
+
+    params, batch, tokens, prefix = 10**9, 8, 1024, 512
+    cost = {o: finetune_step_cost(o, QWEN3_14B, QWEN3_32B, params, batch=batch, tokens=tokens, prefix=prefix)
+            for o in ("attention", "kl")}  # fmt: skip
+    shared = (
+        batch * prefill_flops(QWEN3_14B, prefix) + batch * prefill_flops(QWEN3_32B, tokens) + batch * 6 * 512 * params
+    )
+    lm_head = 2 * 512 * 5120 * 151936 * batch
+    suffix_attention = batch * 64 * 4 * 64 * 128 * (512 * 512 + 512 * 512 // 2)
+    projection = batch * 64 * 2 * 512 * 8192 * 5120
+    assert cost["attention"]["total_flops"] == shared + 4 * suffix_attention + 3 * projection
+    linear = batch * 2 * 512 * body_parameters(QWEN3_32B)
+    kl_extra = (linear + suffix_attention + lm_head) + (linear + 2 * suffix_attention + lm_head)
+    assert cost["kl"]["total_flops"] == shared + lm_head + kl_extra
+    for row in cost.values():
+        assert row["total_flops_cached_references"] == row["total_flops"] - (
+            batch * prefill_flops(QWEN3_14B, prefix) + row["flops"]["target reference forward"]
+        )
+        assert row["memory_bytes"]["mapper and Adam state"] == 16 * params
+    assert cost["kl"]["total_flops"] > cost["attention"]["total_flops"]
+    with pytest.raises(ValueError, match="objective"):
+        finetune_step_cost("mse", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=4)
+    with pytest.raises(ValueError, match="prefix"):
+        finetune_step_cost("kl", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=8)
+    spec = importlib.util.spec_from_file_location("objective_costs", BENCHMARKS / "objective_costs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main(["--json", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["counted"] == json.loads(json.dumps(result["counted"]))

@@ -204,7 +204,8 @@ def test_fit_with_objective_kl_records_it_and_keeps_its_dtype(tiny):
     assert mapper.config.key_norm and mapper.config.layer_inputs == {"1": WINDOW[1]}
 
 
-def test_cli_fit_objective_kl_key_norm_and_layer_window(tiny, tmp_path):
+@pytest.mark.parametrize("objective", ["kl", "attention"])
+def test_cli_fit_objective_key_norm_and_layer_window(tiny, tmp_path, objective):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -221,19 +222,29 @@ def test_cli_fit_objective_kl_key_norm_and_layer_window(tiny, tmp_path):
     out = tmp_path / "kl"
     args = ["fit", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--data"]
     args += [str(tmp_path / "data.txt"), "--top-k", "1", "--seq-len", "24", "--max-sequences", "40", "--stride", "1"]
-    args += ["--layer-window", "2:key=1:both", "--key-norm", "--objective", "kl", "--kl-steps", "4"]
-    args += ["--kl-eval-every", "2", "--kl-val-sequences", "8", "--kl-min-prefix", "6", "--kl-batch-size", "4"]
+    prefix = {"kl": "--kl", "attention": "--attn"}[objective]
+    args += ["--layer-window", "2:key=1:both", "--key-norm", "--objective", objective, f"{prefix}-steps", "4"]
+    args += [f"{prefix}-eval-every", "2", f"{prefix}-val-sequences", "8", f"{prefix}-min-prefix", "6"]
+    args += [f"{prefix}-batch-size", "4"] + (["--attn-loss", "logits", "--attn-no-normalize"] * (objective != "kl"))
     assert cli_main([*args, "--out", str(out), "--no-progress"]) == 0
     mapper = MapperModel.from_pretrained(out)
     assert mapper.config.layer_inputs == {"2": {"key": {"context_window": 1, "input_kinds": "both"}}}
-    assert mapper.config.key_norm and mapper.config.calibration["kl_finetune"]["steps_run"] == 4
+    record = mapper.config.calibration[f"{objective}_finetune"]
+    assert mapper.config.key_norm and record["steps_run"] == 4 and mapper.config.objective == objective
     card = (out / "README.md").read_text()
-    assert "| target layer 2 key map reads | source keys and values, context window 1 |" in card
-    assert "end-to-end KL through the frozen target" in card and "key normalisation" in card
+    assert (
+        "| target layer 2 key map reads | source keys and values, context window 1 |" in card
+        and "key normalis" in card
+    )
+    if objective == "kl":
+        assert "end-to-end KL through the frozen target" in card
+    else:
+        assert record["settings"]["loss"] == "logits" and record["settings"]["normalize"] is False
+        assert "per-layer attention logits over the mapped keys through the frozen target's own queries" in card
     saved = json.loads((out / "config.json").read_text())
     assert saved["layer_inputs"] == {"2": {"key": {"context_window": 1, "input_kinds": "both"}}}
     for bad in ("2:query=1", "two:key=1", "2:key=1:both:x"):
         with pytest.raises(SystemExit, match="LAYER:PART"):
             cli_main(["fit", "--layer-window", bad, "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="drop --from-stats"):
-        cli_main(["fit", "--objective", "kl", "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
+        cli_main(["fit", "--objective", objective, "--from-stats", str(tmp_path), "--out", str(tmp_path / "x")])
