@@ -122,7 +122,8 @@ def _objective_rows(config) -> list[tuple[str, str]]:
         rows.append(
             (
                 "objective" if "attention_finetune" not in calibration else "objective (second stage)",
-                f"fit, then end-to-end KL through the frozen target: held-out KL "
+                f"{'fit' if 'attention_finetune' not in calibration else 'attention fine-tune'}, then end-to-end KL "
+                f"through the frozen target: held-out KL "
                 f"{fmt_number(record['initial_val_kl'], 4, 'g')} -> {fmt_number(record['best_val_kl'], 4, 'g')} "
                 f"(best step {record['best_step']} of {record['steps_run']}; Adam lr {settings['lr']:g}, "
                 f"{settings['batch_size']} sequences per step, {record['sequences_train']} + "
