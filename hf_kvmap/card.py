@@ -102,13 +102,14 @@ def _objective_rows(config) -> list[tuple[str, str]]:
     if record:
         settings = record["settings"]
         measure = "attention logits over the mapped keys" if settings["loss"] == "logits" else (
-            "attention output" + (" through the output projection" if settings["space"] == "residual" else "")
+            "attention output over the mapped cache" + (" (through the output projection)"
+                                                        if settings["space"] == "residual" else "")
         )  # fmt: skip
         relative = "relative " if settings["normalize"] else ""
         rows.append(
             (
                 "objective" if "kl_finetune" not in calibration else "objective (first stage)",
-                f"fit, then the per-layer {measure} through the frozen target's own queries: held-out "
+                f"fit, then the per-layer {measure} of the frozen target's own queries: held-out "
                 f"{relative}error {fmt_number(record['initial_val_error'], 4, 'g')} -> "
                 f"{fmt_number(record['best_val_error'], 4, 'g')} (best step {record['best_step']} of "
                 f"{record['steps_run']}; Adam lr {settings['lr']:g}, {settings['batch_size']} sequences per step, "

@@ -162,7 +162,7 @@ def test_fit_with_objective_attention_records_it_round_trips_and_is_hashed(tiny,
     loaded = MapperModel.from_pretrained(tmp_path / "m")
     assert loaded.config.objective == "attention+kl" and loaded.config.objective_settings == config.objective_settings
     card = (tmp_path / "m" / "README.md").read_text()
-    assert "attention output through the frozen target's own queries" in card and "end-to-end KL" in card
+    assert "per-layer attention output over the mapped cache of the frozen target" in card and "end-to-end KL" in card
     # the settings are covered by the content hash: an edited record is refused
     saved = json.loads((tmp_path / "m" / "config.json").read_text())
     saved["objective_settings"]["attention"]["lr"] = 0.5

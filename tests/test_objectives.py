@@ -240,7 +240,7 @@ def test_cli_fit_objective_key_norm_and_layer_window(tiny, tmp_path, objective):
         assert "end-to-end KL through the frozen target" in card
     else:
         assert record["settings"]["loss"] == "logits" and record["settings"]["normalize"] is False
-        assert "per-layer attention logits over the mapped keys through the frozen target's own queries" in card
+        assert "per-layer attention logits over the mapped keys of the frozen target's own queries" in card
     saved = json.loads((out / "config.json").read_text())
     assert saved["layer_inputs"] == {"2": {"key": {"context_window": 1, "input_kinds": "both"}}}
     for bad in ("2:query=1", "two:key=1", "2:key=1:both:x"):
