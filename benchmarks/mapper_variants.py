@@ -259,6 +259,9 @@ def main(argv=None) -> dict:
         help="`hf-kvmap eval` JSONs of the chosen variants on items not used to choose them (named <variant>_<dir>.json): "
         "rendered into the README's mapper-held-out section with --readme",
     )
+    parser.add_argument(
+        "--held-out-section", default="mapper-held-out", help="the README section --held-out rewrites with --readme"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     parser.add_argument(
         "--reuse",
@@ -276,7 +279,7 @@ def main(argv=None) -> dict:
         if args.readme:
             update_file_section(args.readme, args.section, f"Generated from `{args.json.as_posix()}`.\n\n{text}")
             if args.held_out:
-                update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
+                update_file_section(args.readme, args.held_out_section, held_out_section(args.held_out))
         return result
     if not args.variant:
         raise SystemExit("mapper_variants: pass --variant NAME=FOLDER (at least one), or --rechoose.")
@@ -342,7 +345,7 @@ def main(argv=None) -> dict:
         source = args.json.as_posix()
         update_file_section(args.readme, args.section, f"Generated from `{source}`.\n\n{text}")
         if args.held_out:
-            update_file_section(args.readme, "mapper-held-out", held_out_section(args.held_out))
+            update_file_section(args.readme, args.held_out_section, held_out_section(args.held_out))
     print(text)
     return result
 
