@@ -119,7 +119,7 @@ def test_readme_attention_objective_comparison_is_generated_from_the_committed_j
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "mlp",
         "tiny-m-to-tiny-l": "ridge-l3w3-kn-attn-kl",
-        "tiny-s-to-tiny-l": "ridge-l3w3-kn-attn1500",
+        "tiny-s-to-tiny-l": "ridge-l3w3-kn-attn-kl",
         "tiny-x-to-tiny-l": "ridge-l3w3-kn-attn-kl",
     }
     # every variant of the comparison of the shipped choice is in this one, as it was measured there
