@@ -405,6 +405,16 @@ def report_markdown(report: dict) -> str:
         "token of the continuation (lower is better). Held-out R^2: mean over target layers on the contexts of the "
         "perplexity items (keys in content space).",
     ]
+    for name, result in (report.get("finetunes") or {}).items():
+        settings = result["settings"]
+        lines += [
+            "",
+            f"`{name}`: the ridge fitted at that size, then fine-tuned by the per-layer attention objective "
+            f"(`real_scale.py finetune`: {result['sequences_train']} sequences of {result['sequence_length']} tokens "
+            f"of another calibration seed, {result['sequences_val']} held out, Adam {settings['lr']:g}, "
+            f"{result['steps_run']} steps in {result['seconds']:.0f} s): held-out attention error "
+            f"{result['initial_val_error']:.4f} -> {result['best_val_error']:.4f} (best at step {result['best_step']}).",
+        ]
     swap = report.get("layer_swap") or {}
     if swap:
         lines += [
@@ -443,6 +453,13 @@ def cmd_report(args) -> int:
         "alone": {k: v for k, v in scores.items() if "|alone|" in k},
         "curves": curves,
     }
+    finetunes = {}
+    for record in sorted((work / "mappers").glob("*/*/*/finetune.json")):
+        positions, direction, variant = record.parent.relative_to(work / "mappers").parts
+        result = json.loads(record.read_text())
+        finetunes[f"{direction}/{variant}@{positions}"] = {k: v for k, v in result.items() if k != "history"}
+    if finetunes:
+        report["finetunes"] = finetunes
     swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     if swap.is_file():
         report["layer_swap"] = json.loads(swap.read_text())
