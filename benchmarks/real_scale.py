@@ -139,20 +139,32 @@ class Scorer:
                 mapper = fit(stats, variant, self.args.ridge_lambda)
                 fit_seconds = time.perf_counter() - start
                 rf.save_atomically(mapper, mapper_folder(self.work, positions, direction, variant))
-                mapper = mapper.to(self.models[target].dtype)
-                key = f"r2|{positions}|{direction}|{variant}"
-                if key not in self.scores and self.contexts:
-                    m = self.models
-                    self.scores[key] = rf.held_out_r2(
-                        mapper, m[source], m[target], source, target, self.store, self.contexts
-                    )
-                    rf.write_json(self.path, self.scores)
-                handoff = self.handoff(source, target, mapper)
-                for task in self.tasks:
-                    key = f"{task.name}|{positions}|{direction}|{variant}"
-                    extra = {"fit_seconds": fit_seconds, "ridge_lambda": self.args.ridge_lambda}
-                    self.record(key, task, handoff, "mapped", **extra)
+                extra = {"fit_seconds": fit_seconds, "ridge_lambda": self.args.ridge_lambda}
+                self.score_mapper(positions, source, target, variant, mapper, **extra)
             del stats
+
+    def score_mapper(self, positions: int, source: str, target: str, variant: str, mapper, **extra) -> None:
+        """Held-out R^2 and every task of one fitted mapper, keyed by its calibration size (skipping what is scored)."""
+        direction = rf.direction_name(source, target)
+        mapper = mapper.to(self.models[target].dtype)
+        key = f"r2|{positions}|{direction}|{variant}"
+        if key not in self.scores and self.contexts:
+            m = self.models
+            self.scores[key] = rf.held_out_r2(mapper, m[source], m[target], source, target, self.store, self.contexts)
+            rf.write_json(self.path, self.scores)
+        handoff = self.handoff(source, target, mapper)
+        for task in self.tasks:
+            self.record(f"{task.name}|{positions}|{direction}|{variant}", task, handoff, "mapped", **extra)
+
+
+def fitted_mapper(work: Path, direction: str, variant: str, positions: int | None) -> tuple[str, str, int]:
+    """`(source, target, positions)` of a mapper `run`/`follow` fitted: at `positions`, or the largest size fitted."""
+    short = {v: k for k, v in rf.SHORT.items()}
+    source, target = (short[n] for n in direction.split("-to-"))
+    fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / direction / variant).is_dir())
+    if not fitted:
+        raise SystemExit(f"No {direction}/{variant} fitted under {work / 'mappers'}; run `follow` or `run` first.")
+    return source, target, positions or fitted[-1]
 
 
 def cmd_run(args) -> int:
@@ -194,10 +206,7 @@ def cmd_finetune(args) -> int:
     torch.set_num_threads(args.threads)
     scorer = Scorer(args)
     work = Path(args.work)
-    short = {v: k for k, v in rf.SHORT.items()}
-    source, target = (short[n] for n in args.direction.split("-to-"))
-    fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / args.direction / args.variant).is_dir())
-    positions = args.positions or fitted[-1]
+    source, target, positions = fitted_mapper(work, args.direction, args.variant, args.positions)
     name = f"{args.variant}-attn"
     out = mapper_folder(work, positions, args.direction, name)
     if (out / "config.json").is_file():
@@ -229,17 +238,7 @@ def cmd_finetune(args) -> int:
             f"(step {result.best_step} of {result.steps_run}, {result.seconds:.0f} s)",
             flush=True,
         )
-    mapper = mapper.to(scorer.models[target].dtype)
-    handoff = scorer.handoff(source, target, mapper)
-    key = f"r2|{positions}|{args.direction}|{name}"
-    if key not in scorer.scores and scorer.contexts:
-        m = scorer.models
-        scorer.scores[key] = rf.held_out_r2(
-            mapper, m[source], m[target], source, target, scorer.store, scorer.contexts
-        )
-        rf.write_json(scorer.path, scorer.scores)
-    for task in scorer.tasks:
-        scorer.record(f"{task.name}|{positions}|{args.direction}|{name}", task, handoff, "mapped")
+    scorer.score_mapper(positions, source, target, name, mapper)
     return 0
 
 
@@ -249,29 +248,17 @@ def cmd_swap(args) -> int:
     (default: the largest scored); prefills from the store, so each swap costs only the target's reading."""
     from hf_kvmap import MapperModel
     from hf_kvmap.diagnostics import layer_swap
-    from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    source, target = args.direction.split("-to-")
-    source, target = {v: k for k, v in rf.SHORT.items()}[source], {v: k for k, v in rf.SHORT.items()}[target]
-    fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / args.direction / args.variant).is_dir())
-    positions = args.positions or fitted[-1]
+    source, target, positions = fitted_mapper(work, args.direction, args.variant, args.positions)
+    scorer = Scorer(args)
     folder = mapper_folder(work, positions, args.direction, args.variant)
-    tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    documents = corpus.load_manifest(args.manifest)
-    tasks = real_family_tasks(tokenizer, documents, items=args.items, seed=args.seed, names=args.tasks.split(","))
-    models = {name: rf.load_model(name, args.cache_dir, args.dtype) for name in (rf.SMALL, rf.LARGE)}
-    names = {id(model): rf.SHORT[name] for name, model in models.items()}
-    mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
-    store = rf.PrefillStore(work / "prefills")
-    handoff = rf.cached_handoff_class()(models[source], models[target], mapper, tokenizer, store=store, names=names)
+    mapper = MapperModel.from_pretrained(folder, dtype=scorer.models[target].dtype)
+    handoff = scorer.handoff(source, target, mapper)
     path = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    for task in tasks:
+    for task in scorer.tasks:
         key = f"{task.name}|{positions}|{args.direction}|{args.variant}"
         if key in results:
             continue
@@ -535,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
     p.add_argument("--tasks", default="prose_retrieval,code_nll")
+    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
     p.add_argument("--direction", default="0.5b-to-1.5b")
     p.add_argument("--variant", default="ridge-all")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")

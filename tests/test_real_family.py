@@ -264,3 +264,38 @@ def test_scale_results_and_readme_have_not_drifted(scale_script):
     report = json.loads(scale_script.RESULTS.read_text())
     readme = (BENCHMARKS.parent / "README.md").read_text()
     assert scale_script.report_markdown(report).strip() in readme
+
+
+def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_path, monkeypatch):
+    """`Scorer.score_mapper` (shared by the curve and the fine-tune) writes R^2 and every task, and skips both later."""
+    rf = scale_script.rf
+    calls = []
+    monkeypatch.setattr(rf, "held_out_r2", lambda *a: calls.append("r2") or {"key_r2": [0.5], "value_r2": [0.25]})
+    scorer = object.__new__(scale_script.Scorer)
+    model = type("Model", (), {"dtype": torch.float32})()
+    scorer.models = {rf.SMALL: model, rf.LARGE: model}
+    scorer.store, scorer.contexts, scorer.scores, scorer.path = None, [torch.zeros(1, 2)], {}, tmp_path / "s.json"
+    scorer.tasks = [type("Task", (), {"name": "code_recall"})(), type("Task", (), {"name": "code_nll"})()]
+    scorer.handoff = lambda source, target, mapper: (source, target)
+    scorer.record = lambda key, task, handoff, mode, **extra: calls.append((key, handoff, mode, extra))
+    mapper = torch.nn.Linear(1, 1)
+    for _ in range(2):
+        scorer.score_mapper(16384, rf.SMALL, rf.LARGE, "ridge-k8-attn", mapper, fit_seconds=1.0)
+    assert calls.count("r2") == 1 and json.loads(scorer.path.read_text()) == {
+        "r2|16384|0.5b-to-1.5b|ridge-k8-attn": {"key_r2": [0.5], "value_r2": [0.25]}
+    }
+    pair = (rf.SMALL, rf.LARGE)
+    assert calls[1:3] == [
+        ("code_recall|16384|0.5b-to-1.5b|ridge-k8-attn", pair, "mapped", {"fit_seconds": 1.0}),
+        ("code_nll|16384|0.5b-to-1.5b|ridge-k8-attn", pair, "mapped", {"fit_seconds": 1.0}),
+    ]
+
+
+def test_scale_fitted_mapper_resolves_the_direction_and_the_largest_fit(scale_script, tmp_path):
+    rf = scale_script.rf
+    for positions in (2048, 16384, 8192):
+        (tmp_path / "mappers" / str(positions) / "0.5b-to-1.5b" / "ridge-k8").mkdir(parents=True)
+    assert scale_script.fitted_mapper(tmp_path, "0.5b-to-1.5b", "ridge-k8", None) == (rf.SMALL, rf.LARGE, 16384)
+    assert scale_script.fitted_mapper(tmp_path, "0.5b-to-1.5b", "ridge-k8", 2048)[2] == 2048
+    with pytest.raises(SystemExit, match="No 0.5b-to-1.5b/ridge-all fitted"):
+        scale_script.fitted_mapper(tmp_path, "0.5b-to-1.5b", "ridge-all", None)
