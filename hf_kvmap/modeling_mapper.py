@@ -31,14 +31,14 @@ from .artifacts import (
 )
 from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
-from .features import mapper_inputs
 from .geometry import KVGeometry, check_supported_layout
 from .key_norm import normalize_keys
+from .mapping import map_target_layer
 from .modeling_mlp import HeadwiseMLP
 from .objectives import finetune_fitted
 from .placement import execution_devices
 from .reporting import write_json
-from .rope import RotaryCodec, RotaryTable
+from .rope import RotaryCodec
 
 logger = logging.get_logger(__name__)
 
@@ -271,13 +271,15 @@ class MapperModel(MapperPreTrainedModel):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         r"""
         Map per-layer source keys/values into the target's, built layer by layer (peak extra memory: one layer's
-        features plus the RoPE-stripped keys of the source layers still to be read).
+        features plus the RoPE-stripped keys and the values of the source layers still to be read).
 
-        Per target layer, the features of its selected source layers are written into one buffer (keys stripped of
-        the source's rope, each source layer once per device), laid out by [`mapper_inputs`], multiplied by the
-        layer's key and value maps at once for all target heads, and the keys re-rotated with the target's rope,
-        written straight into contiguous cache tensors. With gradients enabled (not in `MappedCache.from_source`) it
-        is differentiable in the mapper's parameters: `hf_kvmap.objectives` trains through it.
+        Per target layer (`hf_kvmap.mapping.map_target_layer`), the features of its selected source layers (keys
+        stripped of the source's rope, each source layer once per device) are laid out by [`mapper_inputs`],
+        multiplied by the layer's key and value maps at once for all target heads (an affine map of plain inputs
+        outside autograd accumulates one product per source layer instead of building the feature tensor), and the
+        keys re-rotated with the target's rope, written straight into contiguous cache tensors. With gradients
+        enabled (not in `MappedCache.from_source`) it is differentiable in the mapper's parameters:
+        `hf_kvmap.objectives` trains through it.
 
         Args:
             source_keys, source_values (sequence of `torch.Tensor`): one `(batch, n_kv_src, seq, head_dim_src)`
@@ -310,82 +312,27 @@ class MapperModel(MapperPreTrainedModel):
         for idx, selected in enumerate(config.source_layers):
             for source_layer in selected:
                 last_use[(source_layer, work_devices[idx])] = idx
-        content_keys: dict = {}
+        content: dict = {}
         mapped = []
         for idx in range(num_target):
-            keys, values = self._map_layer(
+            keys, values = map_target_layer(
+                config,
                 idx,
+                self.layers[idx],
                 source_kv,
                 source_rope,
                 target_rope,
                 length,
                 dtype,
                 work_devices[idx],
-                content_keys,
+                content,
                 position_ids if config.max_context_window else None,
             )
             device = work_devices[idx] if devices is None else torch.device(devices[idx])
             mapped.append((keys.to(device), values.to(device)))
             for key in [key for key, last in last_use.items() if last == idx]:
-                content_keys.pop(key, None)
+                content.pop(key, None)
         return mapped
-
-    def _map_layer(
-        self,
-        layer_idx: int,
-        source_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        source_rope: RotaryTable,
-        target_rope: RotaryTable,
-        length: int,
-        dtype: torch.dtype,
-        work_device: torch.device,
-        content_keys: dict,
-        position_ids: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target layer `layer_idx` from the first `length` source tokens, computed on `work_device`.
-
-        `content_keys` (shared by the layers of one mapping) keeps each source layer's RoPE-stripped keys, keyed by
-        `(source_layer, device)`, so that a source layer selected by several target layers is stripped once.
-        """
-        mapper_layer = self.layers[layer_idx]
-        work_dtype = next(mapper_layer.parameters()).dtype
-        selected = self.config.source_layers[layer_idx]
-        src, tgt = self.config.source_geometry, self.config.target_geometry
-        batch = source_kv[0][0].shape[0]
-
-        content_keys = {} if content_keys is None else content_keys
-        key_features = torch.empty(
-            batch, length, len(selected), src.num_kv_heads, src.head_dim, dtype=work_dtype, device=work_device
-        )
-        value_features = torch.empty_like(key_features)
-        for slot, source_layer in enumerate(selected):
-            keys, values = source_kv[source_layer]
-            content = content_keys.get((source_layer, work_device))
-            if content is None:
-                keys = keys[:, :, :length].to(work_device, non_blocking=True)
-                content = source_rope.strip(keys).transpose(1, 2).to(work_dtype)
-                content_keys[(source_layer, work_device)] = content
-            key_features[:, :, slot] = content
-            value_features[:, :, slot] = values[:, :, :length].to(work_device, non_blocking=True).transpose(1, 2)
-        key_features, value_features = key_features.view(batch, length, -1), value_features.view(batch, length, -1)
-        key_features, value_features = mapper_inputs(
-            self.config, key_features, value_features, position_ids, layer_idx
-        )
-        keys, values = mapper_layer(key_features, value_features)
-        del key_features, value_features
-        shape = (batch, tgt.num_kv_heads, length, tgt.head_dim)
-        keys = keys.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
-        values = values.view(batch, length, tgt.num_kv_heads, tgt.head_dim).transpose(1, 2)
-        if keys.requires_grad or values.requires_grad:  # training through the mapping: no in-place writes
-            return target_rope.apply(keys.float()).to(dtype), values.to(dtype).contiguous()
-        mapped_keys = torch.empty(shape, dtype=dtype, device=keys.device)
-        mapped_values = torch.empty(shape, dtype=dtype, device=values.device)
-        if dtype == torch.float32:  # rotate straight into the contiguous cache tensor
-            target_rope.apply(keys.float(), out=mapped_keys)
-        else:  # rotate in float32, round once
-            mapped_keys.copy_(target_rope.apply(keys.float()))
-        mapped_values.copy_(values)
-        return mapped_keys, mapped_values
 
     # ------------------------------------------------------------------------------------------ fitting
     @classmethod

@@ -282,3 +282,27 @@ def test_saving_into_the_current_folder_swaps_the_folder_itself(tiny, tmp_path, 
     MapperModel.identity(config, dtype=torch.bfloat16).save_pretrained(".")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mapper"]
     assert MapperModel.from_pretrained(tmp_path / "mapper").dtype == torch.bfloat16
+
+
+def test_direct_affine_way_matches_the_feature_tensor_way():
+    """Outside autograd an affine map of plain inputs accumulates one product per source layer (`hf_kvmap.mapping`);
+    the shipped tiny-m -> tiny-l mapper mixes such layers with a windowed one and has a key norm: both ways give the
+    same cache up to float rounding, and the direct way is taken exactly where it applies."""
+    from hf_kvmap import zoo
+    from hf_kvmap.mapping import direct_affine
+
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    ids = torch.tensor([zoo.load_tokenizer()("ab=123\ncd=456\nef=789\n?cd=")["input_ids"]])
+    cache = zoo.load_model("tiny-m")(ids, use_cache=True).past_key_values
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    with torch.no_grad():
+        direct = mapper(keys, values)
+        taken = [direct_affine(mapper.config, idx, layer) for idx, layer in enumerate(mapper.layers)]
+    windowed = {int(layer) for layer in mapper.config.layer_inputs}
+    assert taken == [idx not in windowed for idx in range(len(mapper.layers))] and windowed and any(taken)
+    with torch.enable_grad():  # autograd: the feature-tensor way everywhere
+        assert not any(direct_affine(mapper.config, idx, layer) for idx, layer in enumerate(mapper.layers))
+        general = [(k.detach(), v.detach()) for k, v in mapper(keys, values)]
+    for (k_direct, v_direct), (k_general, v_general) in zip(direct, general):
+        torch.testing.assert_close(k_direct, k_general, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_direct, v_general, rtol=1e-5, atol=1e-5)
