@@ -133,6 +133,7 @@ class Scorer:
             ]
             if not todo:
                 continue
+            self.record_calibration(positions, folder)
             stats = CalibrationStatistics.load(rf._stats_dir(folder, source, target))
             for variant in todo:
                 start = time.perf_counter()
@@ -142,6 +143,14 @@ class Scorer:
                 extra = {"fit_seconds": fit_seconds, "ridge_lambda": self.args.ridge_lambda}
                 self.score_mapper(positions, source, target, variant, mapper, **extra)
             del stats
+
+    def record_calibration(self, positions: int, folder: Path) -> None:
+        """What the statistics of a snapshot cost: the seconds of its chunks (both models' forwards and the sums)."""
+        key = f"calibration|{positions}"
+        if key not in self.scores:
+            done = json.loads((folder / "progress.json").read_text())["done"]
+            self.scores[key] = {"seconds": sum(c["seconds"] for c in done.values()), "chunks": len(done)}
+            rf.write_json(self.path, self.scores)
 
     def score_mapper(self, positions: int, source: str, target: str, variant: str, mapper, **extra) -> None:
         """Held-out R^2 and every task of one fitted mapper, keyed by its calibration size (skipping what is scored)."""
@@ -280,7 +289,7 @@ def assemble_curve(scores: dict) -> dict:
     curves: dict = {}
     for key in scores:
         parts = key.split("|")
-        if len(parts) != 4 or parts[0] == "r2":
+        if len(parts) != 4 or parts[0] in ("r2", "calibration"):
             continue
         _, positions, direction, variant = parts
         curves.setdefault(f"{direction}/{variant}", set()).add(int(positions))
@@ -298,6 +307,15 @@ def assemble_curve(scores: dict) -> dict:
                 results["held_out_r2"] = {
                     part: sum(r2[f"{part}_r2"]) / len(r2[f"{part}_r2"]) for part in ("key", "value")
                 }
+            fit_seconds = [
+                v["fit_seconds"]
+                for k, v in scores.items()
+                if k.endswith(f"|{positions}|{name.replace('/', '|')}") and "fit_seconds" in v
+            ]
+            if fit_seconds:
+                results["fit_seconds"] = fit_seconds[0]
+            if f"calibration|{positions}" in scores:
+                results["calibration_seconds"] = scores[f"calibration|{positions}"]["seconds"]
             rows.append({"positions": positions, **results})
         out[name] = rows
     return out
@@ -366,8 +384,10 @@ def report_markdown(report: dict) -> str:
         "positions. Reproduce with `python benchmarks/real_scale.py follow --out $WORK/calib --work $WORK/scale` "
         "(calibrates, keeps snapshots, scores each; resumable), then `report`.",
         "",
-        "| mapper | calibration positions | " + " | ".join(tasks + ppl) + " | held-out key R^2 | held-out value R^2 |",
-        "|---|---|" + "---|" * (len(tasks) + len(ppl) + 2),
+        "| mapper | calibration positions | "
+        + " | ".join(tasks + ppl)
+        + " | held-out key R^2 | held-out value R^2 | fit s | calibration s |",
+        "|---|---|" + "---|" * (len(tasks) + len(ppl) + 4),
     ]
     for model in ("0.5b", "1.5b"):
         cells = []
@@ -379,18 +399,21 @@ def report_markdown(report: dict) -> str:
                 cells.append(f"{entry['score']:.2f}")
             else:
                 cells.append(f"{round(entry['score'] * entry['n_items'])}/{entry['n_items']}")
-        lines.append(f"| {model} alone | | " + " | ".join(cells) + " | | |")
+        lines.append(f"| {model} alone | | " + " | ".join(cells) + " | | | | |")
     for name, rows in report["curves"].items():
         for row in rows:
             r2 = row.get("held_out_r2", {})
             r2_cells = [f"{r2[p]:.3f}" if p in r2 else "n/a" for p in ("key", "value")]
             cells = [_cell(row, t) for t in tasks + ppl]
+            r2_cells += [f"{row[k]:,.0f}" if k in row else "" for k in ("fit_seconds", "calibration_seconds")]
             lines.append(f"| {name} | {row['positions']:,} | " + " | ".join(cells + r2_cells) + " |")
     lines += [
         "",
         "Exact-match and choice tasks: items right / items scored; perplexity tasks: mean NLL per "
         "token of the continuation (lower is better). Held-out R^2: mean over target layers on the contexts of the "
-        "perplexity items (keys in content space).",
+        "perplexity items (keys in content space). Fit s: solving the ridge from the statistics (layer selection "
+        "included); calibration s: the pass that gathered them (both models' forwards and the sums, in "
+        "chunks of 4 x 1,024 tokens on one or two threads of a machine shared with other work).",
     ]
     for name, result in (report.get("finetunes") or {}).items():
         settings = result["settings"]

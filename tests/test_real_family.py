@@ -246,8 +246,10 @@ def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
         "prose_retrieval|2048|0.5b-to-1.5b|ridge-k8": {"score": 0.0, "n_items": 16},
         "code_recall|2048|0.5b-to-1.5b|ridge-k8": {"score": 0.25, "n_items": 16},
         "prose_retrieval|8192|0.5b-to-1.5b|ridge-k8": {"score": 0.5, "n_items": 16},
-        "code_recall|8192|0.5b-to-1.5b|ridge-k8": {"score": 0.875, "n_items": 16},
+        "code_recall|8192|0.5b-to-1.5b|ridge-k8": {"score": 0.875, "n_items": 16, "fit_seconds": 3.0},
+        "code_recall|8192|0.5b-to-1.5b|ridge-k8-attn": {"score": 0.875, "n_items": 16, "fit_seconds": 99.0},
         "r2|8192|0.5b-to-1.5b|ridge-k8": {"key_r2": [0.5, 0.7], "value_r2": [0.1, 0.3]},
+        "calibration|8192": {"seconds": 960.0, "chunks": 4},
     }
     rows = scale_script.assemble_curve(scores)["0.5b-to-1.5b/ridge-k8"]
     assert [row["positions"] for row in rows] == [2048, 8192]  # sorted by calibration size, r2 rows not a fit
@@ -256,6 +258,9 @@ def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
     assert rows[1]["tasks"]["code_recall"]["floor_normalized_retention"] == pytest.approx(1.0)
     assert rows[1]["held_out_r2"] == pytest.approx({"key": 0.6, "value": 0.2})
     assert "held_out_r2" not in rows[0]
+    # what the fit and the calibration pass cost, from this variant's own record (not the -attn one's)
+    assert (rows[1]["fit_seconds"], rows[1]["calibration_seconds"]) == (3.0, 960.0)
+    assert "fit_seconds" not in rows[0] and "calibration_seconds" not in rows[0]
 
 
 def test_scale_results_and_readme_have_not_drifted(scale_script):
