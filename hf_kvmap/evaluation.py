@@ -359,28 +359,45 @@ def _timed(fn, *args, **kwargs) -> float:
 
 
 @torch.no_grad()
-def measure_latency(handoff: Handoff, lengths: Sequence[int], repeats: int = 5, warmup: int = 1) -> list[dict]:
+def measure_latency(
+    handoff: Handoff, lengths: Sequence[int], repeats: int = 5, warmup: int = 1, first_token: bool = False
+) -> list[dict]:
     """Median wall time of `MappedCache.from_source` vs the target's body re-prefilling the same tokens.
 
-    The two are timed interleaved in one run (same machine state); the body excludes the LM head.
+    The two are timed interleaved in one run (same machine state); the body excludes the LM head. With
+    `first_token=True` the whole handoff to the first token is timed beside them: mapping, the target reading its
+    held-back tokens over the mapped cache and its next-token logits (`first_token_handoff_ms`), against the target
+    prefilling the whole prompt to the same logits (`first_token_prefill_ms`).
     """
     rows = []
     vocab = handoff.target.config.vocab_size
     body = handoff.target.get_decoder()
+
+    def handoff_first_token(ids, source_cache):
+        cache = MappedCache.from_source(source_cache, handoff.mapper, hold_back=handoff.hold_back)
+        handoff.target(input_ids=ids[:, -handoff.hold_back :], past_key_values=cache, logits_to_keep=1)
+
     for length in lengths:
         ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
         source_cache = output_cache(handoff.source(input_ids=ids, use_cache=True))
         prefix = ids[:, : length - handoff.hold_back]
-        mapper_times, prefill_times = [], []
+        times: dict[str, list[float]] = {}
         for trial in range(warmup + repeats):
-            mapper_s = _timed(MappedCache.from_source, source_cache, handoff.mapper, hold_back=handoff.hold_back)
-            prefill_s = _timed(body, input_ids=prefix, use_cache=True)
+            timed = {
+                "mapper_ms": _timed(
+                    MappedCache.from_source, source_cache, handoff.mapper, hold_back=handoff.hold_back
+                ),
+                "prefill_ms": _timed(body, input_ids=prefix, use_cache=True),
+            }
+            if first_token:
+                timed["first_token_handoff_ms"] = _timed(handoff_first_token, ids, source_cache)
+                timed["first_token_prefill_ms"] = _timed(handoff.target, input_ids=ids, logits_to_keep=1)
             if trial >= warmup:
-                mapper_times.append(mapper_s)
-                prefill_times.append(prefill_s)
-        mapper_ms = 1000 * sorted(mapper_times)[repeats // 2]
-        prefill_ms = 1000 * sorted(prefill_times)[repeats // 2]
-        rows.append(
-            {"tokens": length, "mapper_ms": mapper_ms, "prefill_ms": prefill_ms, "speedup": prefill_ms / mapper_ms}
-        )
+                for name, seconds in timed.items():
+                    times.setdefault(name, []).append(1000 * seconds)
+        row = {"tokens": length, **{name: sorted(values)[repeats // 2] for name, values in times.items()}}
+        row["speedup"] = row["prefill_ms"] / row["mapper_ms"]
+        if first_token:
+            row["first_token_speedup"] = row["first_token_prefill_ms"] / row["first_token_handoff_ms"]
+        rows.append(row)
     return rows

@@ -251,3 +251,16 @@ def test_every_malformed_task_line_is_reported_with_its_line_before_any_model_ru
     monkeypatch.setattr(models, "load_causal_lm", no_model)
     with pytest.raises(SystemExit, match=f"{path}:2: not valid JSON"):
         cli_main(["eval", "--source", "tiny-s", "--target", "tiny-l", "--tasks", str(path)])
+
+
+def test_measure_latency_times_the_handoff_to_first_token_beside_the_prefill(identity_handoff):
+    from hf_kvmap.evaluation import measure_latency
+
+    rows = measure_latency(identity_handoff, [12, 20], repeats=1, warmup=0, first_token=True)
+    assert [row["tokens"] for row in rows] == [12, 20]
+    for row in rows:
+        assert all(row[name] > 0 for name in ("mapper_ms", "prefill_ms", "first_token_handoff_ms"))
+        assert row["speedup"] == row["prefill_ms"] / row["mapper_ms"]
+        assert row["first_token_speedup"] == row["first_token_prefill_ms"] / row["first_token_handoff_ms"]
+    plain = measure_latency(identity_handoff, [12], repeats=1, warmup=0)
+    assert set(plain[0]) == {"tokens", "mapper_ms", "prefill_ms", "speedup"}  # the first-token timing is opt-in
