@@ -18,7 +18,8 @@ values are then not trained).
 
 Cost per step: one source forward on the prefix and one target forward on the sequence, both without gradients
 (the reference; `cache_references=True` computes them once), the mapper's forward and backward, and per target layer
-one attention of the suffix queries over the sequence with its backward. Nothing is back-propagated through the
+one attention of the suffix queries over the sequence with its backward. Each layer is mapped and back-propagated
+on its own, so the memory of the backward is one layer's graph, not every layer's (the gradients are the same). Nothing is back-propagated through the
 target's layers: unlike the KL objective, no activation of the target is kept and no backward runs through it.
 What it does not see is how errors compound from one layer into the queries of the next.
 """
@@ -151,6 +152,7 @@ def attention_errors(
     loss: str = FitOptions.attn_loss,
     space: str = FitOptions.attn_space,
     normalize: bool = FitOptions.attn_normalize,
+    backward: float | None = None,
 ) -> list[torch.Tensor]:
     r"""
     Per target layer, the error the target's queries at positions `>= split` see when the mapper's map of the
@@ -167,6 +169,9 @@ def attention_errors(
         space (`str`): with `loss="output"`, `"residual"` (through the output projection) or `"heads"`.
         normalize (`bool`): divide each layer's squared error by the reference's squared norm (else: mean over
             elements).
+        backward (`float`, *optional*): back-propagate `backward` times each layer's error as soon as it is computed
+            (the layer is mapped on its own), so that one layer's graph is alive at a time instead of every layer's;
+            the gradients accumulate to those of `backward * sum(errors)`, and the errors come back detached.
 
     Returns:
         One scalar tensor per target layer.
@@ -180,7 +185,11 @@ def attention_errors(
     values = [v[:, :, :split] for _, v in source_kv]
     batch = keys[0].shape[0]
     position_ids = torch.arange(split, device=keys[0].device).expand(batch, split)
-    mapped = mapper(keys, values, position_ids, dtype=torch.float32)
+    num_layers = len(reads.keys)
+    if backward is None:
+        mapped = iter(mapper(keys, values, position_ids, dtype=torch.float32))
+    else:  # one layer's mapping and graph at a time
+        mapped = (mapper(keys, values, position_ids, dtype=torch.float32, layers=[i])[0] for i in range(num_layers))
     errors = []
     for layer, (mapped_keys, mapped_values) in enumerate(mapped):
         query, own_keys, own_values = (t.to(mapped_keys.device) for t in (reads.queries[layer][:, :, split:],
@@ -206,7 +215,11 @@ def attention_errors(
                     reference = _project(reads.modules[layer], reference)
                 ours = _project(reads.modules[layer], ours)
         error = (ours - reference).square()
-        errors.append(error.sum() / reference.square().sum().clamp_min(1e-30) if normalize else error.mean())
+        error = error.sum() / reference.square().sum().clamp_min(1e-30) if normalize else error.mean()
+        if backward is not None and error.requires_grad:
+            (backward * error).backward()
+            error = error.detach()
+        errors.append(error)
     return errors
 
 
@@ -330,9 +343,10 @@ def attention_finetune(
                 initial_layers.extend(per_layer)
             return value
 
-        def step_loss(step: int) -> torch.Tensor:
+        def step_loss(step: int) -> torch.Tensor:  # the mean over layers, back-propagated one layer at a time
             index, split = data.draw(batch_size)
-            errors = attention_errors(mapper, *train_reads.take(index), split, **loss_settings)
+            source_kv, reads = train_reads.take(index)
+            errors = attention_errors(mapper, source_kv, reads, split, backward=1 / len(reads.keys), **loss_settings)
             return torch.stack(errors).mean()
 
         run = optimize(

@@ -136,6 +136,7 @@ def optimize(
     progress: bool,
 ) -> StoppingResult:
     """Adam (`settings["lr"]`) on every mapper parameter that requires gradients, one `step_loss(step)` per step
+    (back-propagated here, or, returned without a graph, by `step_loss` itself as it went)
     for at most `settings["steps"]`, held-out early stopping on `evaluate` every `settings["eval_every"]` steps with
     `settings["patience"]`, keeping the best state ([`train_with_early_stopping`]). The history starts with the
     starting state (step 0)."""
@@ -144,11 +145,12 @@ def optimize(
     optimizer = torch.optim.Adam(params, lr=lr)
 
     def train_step(step: int) -> dict[str, float]:
+        optimizer.zero_grad(set_to_none=True)
         loss = step_loss(step)
         if not math.isfinite(loss.item()):
             raise ValueError(f"The {desc} loss became {loss.item()} at step {step}; lower {lr_option}.")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if loss.requires_grad:  # else `step_loss` has back-propagated as it went (e.g. one layer at a time)
+            loss.backward()
         optimizer.step()
         return {train_metric: loss.item()}
 

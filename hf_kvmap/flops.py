@@ -218,8 +218,8 @@ def finetune_step_cost(
 
     - `"attention"`: per target layer, the suffix queries attend over the sequence twice (mapped and own cache)
       and the mapped one is back-propagated; through the output projection (forward both, backward once). Memory for
-      the backward: per layer the suffix queries, outputs and their gradients and the sequence's keys and values
-      (float32), no target activations.
+      the backward: the suffix queries, outputs and their gradients and the sequence's keys and values of one layer
+      (float32; each layer is mapped and back-propagated on its own), no target activations.
     - `"kl"`: the reference forward also computes the LM head on the suffix; then the target runs the suffix on the
       mapped cache with gradients, LM head included, and is back-propagated through every layer. Memory for the
       backward: per suffix token and layer the inputs the backward of each op needs (`4 hidden + 3 q_width +
@@ -231,7 +231,8 @@ def finetune_step_cost(
         `target_forwards` is `total_flops` over one no-gradient target forward of the sequences (LM head included);
         the `cached_references` totals leave out the reference forwards (computed once per sequence and kept, as
         `cache_references=True` does, they are shared by every epoch). The memory counts what this implementation
-        keeps for one backward over all layers at once.
+        keeps for one backward (the attention objective: one layer's; KL: every layer's); the cached references
+        themselves are not counted.
     """
     if objective not in FINETUNE_OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not one of {FINETUNE_OBJECTIVES}.")
@@ -252,8 +253,8 @@ def finetune_step_cost(
         projection = batch * layers * 2 * suffix * q_width * hidden
         flops["attention of the suffix queries (mapped, own, backward)"] = 4 * attention
         flops["output projections (mapped, own, backward)"] = 3 * projection
-        memory["queries, outputs and gradients of the suffix, keys and values"] = (
-            4 * batch * layers * (3 * suffix * q_width + 2 * hidden * suffix + 2 * tokens * kv_width)
+        memory["queries, outputs and gradients of the suffix, keys and values (one layer at a time)"] = (
+            4 * batch * (3 * suffix * q_width + 2 * hidden * suffix + 2 * tokens * kv_width)
         )
     else:
         linear = batch * 2 * suffix * body_parameters(target)

@@ -268,6 +268,7 @@ class MapperModel(MapperPreTrainedModel):
         source_position_ids: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         r"""
         Map per-layer source keys/values into the target's, built layer by layer (peak extra memory: one layer's
@@ -291,9 +292,12 @@ class MapperModel(MapperPreTrainedModel):
             dtype (`torch.dtype`, *optional*): dtype of the mapped tensors; defaults to the source's.
             devices (sequence of devices, *optional*): where each target layer's tensors go; defaults to the device
                 of the mapper layer that produces it.
+            layers (sequence of `int`, *optional*): map only these target layers (in this order; e.g. one at a time,
+                so that a training objective keeps one layer's graph at a time); default every layer.
 
         Returns:
-            One `(keys, values)` pair per target layer, `(batch, n_kv_tgt, seq, head_dim_tgt)`.
+            One `(keys, values)` pair per target layer (per entry of `layers`), `(batch, n_kv_tgt, seq,
+            head_dim_tgt)`.
         """
         config = self.config
         source_kv = check_source_tensors(list(zip(source_keys, source_values)), config)
@@ -307,14 +311,17 @@ class MapperModel(MapperPreTrainedModel):
         source_rope = self.rotary("source").table(position_ids if source_position_ids is None else source_position_ids)
         target_rope = self.rotary("target").table(position_ids)
         work_devices = execution_devices(self, self.layers)
+        order = list(range(num_target)) if layers is None else [int(layer) for layer in layers]
+        if any(not 0 <= layer < num_target for layer in order):
+            raise ValueError(f"layers={list(layers)} names a layer outside the target's {num_target} layers.")
         # strip each source layer once per device; drop it after the last target layer that reads it there
         last_use = {}
-        for idx, selected in enumerate(config.source_layers):
-            for source_layer in selected:
+        for idx in order:
+            for source_layer in config.source_layers[idx]:
                 last_use[(source_layer, work_devices[idx])] = idx
         content: dict = {}
         mapped = []
-        for idx in range(num_target):
+        for idx in order:
             keys, values = map_target_layer(
                 config,
                 idx,

@@ -88,6 +88,45 @@ def test_attention_error_is_zero_for_the_identity_and_positive_when_perturbed(ti
         attention_errors(identity, source_kv, reads, 10, loss="kl")
 
 
+@pytest.mark.parametrize("loss", ["output", "logits"])
+def test_layer_at_a_time_backward_gives_the_gradients_of_the_mean(tiny, loss):
+    """`backward=` maps and back-propagates one layer at a time (one layer's graph alive): the same errors, and the
+    gradients of the mean error over layers, as one backward over every layer; a windowed layer included."""
+    model = tiny.model(seed=4)
+    ids = tiny.batches(count=1, size=3, length=24)[0]
+    reads, source_kv = target_reads(model, ids), _source_kv(model, ids)
+    config = MapperConfig(
+        source_summary=summarize_model_config(model.config), target_summary=summarize_model_config(model.config),
+        layer_inputs=WINDOW,
+    )  # fmt: skip
+    mapper = MapperModel(config)
+    errors = attention_errors(mapper, source_kv, reads, 10, loss=loss)
+    torch.stack(errors).mean().backward()
+    expected = {name: p.grad.clone() for name, p in mapper.named_parameters() if p.grad is not None}
+    mapper.zero_grad(set_to_none=True)
+    layerwise = attention_errors(mapper, source_kv, reads, 10, loss=loss, backward=1 / len(errors))
+    assert all(not e.requires_grad for e in layerwise)
+    torch.testing.assert_close(torch.stack(layerwise), torch.stack(errors).detach())
+    got = {name: p.grad for name, p in mapper.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(expected) and len(got) > 0
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-9)
+
+
+def test_mapping_named_layers_alone_gives_those_layers(tiny):
+    model = tiny.model(seed=4)
+    ids = tiny.batches(count=1, size=2, length=16)[0]
+    source_kv = _source_kv(model, ids)
+    mapper = _perturbed_identity(model.config)
+    keys, values = [k for k, _ in source_kv], [v for _, v in source_kv]
+    with torch.no_grad():
+        every = mapper(keys, values)
+        last_first = mapper(keys, values, layers=[1, 0])
+    assert all(torch.equal(a, b) for a, b in zip(last_first[0] + last_first[1], every[1] + every[0]))
+    with pytest.raises(ValueError, match="layers"):
+        mapper(keys, values, layers=[model.config.num_hidden_layers])
+
+
 def test_attention_finetune_of_the_identity_changes_nothing(tiny):
     model = tiny.model(seed=5)
     mapper = MapperModel.identity(model.config)

@@ -344,6 +344,11 @@ def test_finetune_step_cost_counts_each_objective_from_its_parts(tmp_path):
             batch * prefill_flops(QWEN3_14B, prefix) + row["flops"]["target reference forward"]
         )
         assert row["memory_bytes"]["mapper and Adam state"] == 16 * params
+    # the attention objective back-propagates one layer at a time: one layer's suffix queries, outputs, gradients
+    # and the sequence's keys and values (float32), where KL keeps every layer's activations
+    one_layer = 4 * batch * (3 * 512 * 8192 + 2 * 5120 * 512 + 2 * 1024 * 1024)
+    assert cost["attention"]["total_memory_bytes"] == 16 * params + one_layer
+    assert cost["kl"]["total_memory_bytes"] - 16 * params > 64 * one_layer
     assert cost["kl"]["total_flops"] > cost["attention"]["total_flops"]
     with pytest.raises(ValueError, match="objective"):
         finetune_step_cost("mse", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=4)
