@@ -445,7 +445,6 @@ class PrefillStore:
 def cached_handoff_class():
     from dataclasses import dataclass
 
-    from hf_kvmap import MappedCache
     from hf_kvmap.evaluation import Handoff
 
     @dataclass
@@ -460,7 +459,7 @@ def cached_handoff_class():
             builder, reader = self._models(mode)
             cache = self.store.cache(self.names[id(builder)], builder, ids, mask)
             if mode == "mapped":
-                cache = MappedCache.from_source(cache, self.mapper, hold_back=self.hold_back, attention_mask=mask)
+                cache = self.mapped_cache(cache, ids, mask)
             else:
                 cache.crop(-self.hold_back)
             return reader, cache

@@ -97,9 +97,12 @@ class Scorer:
         self.contexts = perplexity_contexts(self.tokenizer, self.tasks)
         self.directions = [d for d in rf.DIRECTIONS if rf.direction_name(*d) in args.directions.split(",")]
 
-    def handoff(self, source: str, target: str, mapper):
+    def handoff(self, source: str, target: str, mapper, target_first_layer: bool = False):
         m = self.models
-        return self.handoff_class(m[source], m[target], mapper, self.tokenizer, store=self.store, names=self.names)
+        return self.handoff_class(
+            m[source], m[target], mapper, self.tokenizer, target_first_layer=target_first_layer, store=self.store,
+            names=self.names,
+        )  # fmt: skip
 
     def record(self, key: str, task, handoff, mode: str, **extra) -> None:
         from hf_kvmap.evaluation import evaluate_items
@@ -152,16 +155,19 @@ class Scorer:
             self.scores[key] = {"seconds": sum(c["seconds"] for c in done.values()), "chunks": len(done)}
             rf.write_json(self.path, self.scores)
 
-    def score_mapper(self, positions: int, source: str, target: str, variant: str, mapper, **extra) -> None:
-        """Held-out R^2 and every task of one fitted mapper, keyed by its calibration size (skipping what is scored)."""
+    def score_mapper(
+        self, positions: int, source: str, target: str, variant: str, mapper, target_first_layer: bool = False, **extra
+    ) -> None:
+        """Held-out R^2 and every task of one fitted mapper, keyed by its calibration size (skipping what is scored);
+        with `target_first_layer` the handoff has the target compute its first layer (no R^2: the same map)."""
         direction = rf.direction_name(source, target)
         mapper = mapper.to(self.models[target].dtype)
         key = f"r2|{positions}|{direction}|{variant}"
-        if key not in self.scores and self.contexts:
+        if key not in self.scores and self.contexts and not target_first_layer:
             m = self.models
             self.scores[key] = rf.held_out_r2(mapper, m[source], m[target], source, target, self.store, self.contexts)
             rf.write_json(self.path, self.scores)
-        handoff = self.handoff(source, target, mapper)
+        handoff = self.handoff(source, target, mapper, target_first_layer)
         for task in self.tasks:
             self.record(f"{task.name}|{positions}|{direction}|{variant}", task, handoff, "mapped", **extra)
 
@@ -267,20 +273,43 @@ def cmd_swap(args) -> int:
     handoff = scorer.handoff(source, target, mapper)
     path = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
+    layers = None if args.layers == "all" else [int(n) for n in args.layers.split(",") if n]
+    own_layers = [int(n) for n in args.own_layers.split(",") if n]
+    suffix = "" if layers is None and not own_layers else f"|swap-{args.layers}|own-{args.own_layers or 'none'}"
     for task in scorer.tasks:
-        key = f"{task.name}|{positions}|{args.direction}|{args.variant}"
+        key = f"{task.name}|{positions}|{args.direction}|{args.variant}{suffix}"
         if key in results:
             continue
         start = time.perf_counter()
-        results[key] = {**layer_swap(handoff, task), "seconds": time.perf_counter() - start, "n_items": args.items}
+        row = layer_swap(handoff, task, layers=layers, own_layers=own_layers)
+        results[key] = {**row, "seconds": time.perf_counter() - start, "n_items": args.items}
         rf.write_json(path, results)
-        row = results[key]
         worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=task.task_type == "perplexity")[:4]
         print(
             f"{key}: target {row['target']:.3f}, mapped {row['mapped']:.3f}, keys only {row['keys_only']:.3f}, "
-            f"values only {row['values_only']:.3f}; worst single layers {worst}",
+            f"values only {row['values_only']:.3f}; worst single layers {worst}; all but {row.get('all_but')}",
             flush=True,
         )
+    return 0
+
+
+FIRST_LAYER = "+target-L0"
+
+
+def cmd_first_layer(args) -> int:
+    """The fitted mappers scored again with the target computing its own first layer from the token ids
+    (`MappedCache.from_source(..., target_model=, input_ids=)`), as variant `<variant>+target-L0`: what the map
+    keeps once layer 0, which `swap` shows breaks retrieval alone, is exact."""
+    from hf_kvmap import MapperModel
+
+    torch.set_num_threads(args.threads)
+    scorer = Scorer(args)
+    work = Path(args.work)
+    for item in args.fits.split(","):
+        positions, variant = item.split(":")
+        source, target, positions = fitted_mapper(work, args.direction, variant, int(positions))
+        mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, variant))
+        scorer.score_mapper(positions, source, target, variant + FIRST_LAYER, mapper, target_first_layer=True)
     return 0
 
 
@@ -430,19 +459,23 @@ def report_markdown(report: dict) -> str:
         lines += [
             "",
             "Which layers break it (`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache "
-            "except one mapped layer; then only the mapped keys, only the mapped values, of every layer):",
+            "except one mapped layer; then only the mapped keys, only the mapped values, of every layer; and the converse, "
+            "every layer mapped except one that stays the target's own):",
             "",
-            "| task / fit | target alone | all mapped | keys only mapped | values only mapped | worst single layers |",
-            "|---|---|---|---|---|---|",
+            "| task / fit | target alone | all mapped | keys only mapped | values only mapped | worst single layers | "
+            "all mapped but one, the target's own |",
+            "|---|---|---|---|---|---|---|",
         ]
         for key, row in swap.items():
             task = key.split("|")[0]
             higher_is_better = not task.endswith(("nll", "ppl"))
             worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=not higher_is_better)[:4]
-            worst_cells = ", ".join(f"L{layer} {score:.3f}" for layer, score in worst)
+            worst_cells = ", ".join(f"L{layer} {score:.3f}" for layer, score in worst) or "not run"
+            own_cells = ", ".join(f"all but L{layer}: {score:.3f}" for layer, score in row.get("all_but", {}).items())
             lines.append(
-                f"| {key} | {row['target']:.3f} | {row['mapped']:.3f} | {row['keys_only']:.3f} | "
-                f"{row['values_only']:.3f} | {worst_cells} |"
+                f"| {task}, {key.split('|')[2]}/{key.split('|')[3]} at {int(key.split('|')[1]):,} positions | "
+                f"{row['target']:.3f} | {row['mapped']:.3f} | "
+                f"{row['keys_only']:.3f} | {row['values_only']:.3f} | {worst_cells} | {own_cells or 'not run'} |"
             )
     lines += ["", "![real family, calibration scale](benchmarks/results/real_family_scale.png)"]
     return "\n".join(lines)
@@ -549,8 +582,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", default="0.5b-to-1.5b")
     p.add_argument("--variant", default="ridge-all")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
+    p.add_argument("--layers", default="all", help="layers to swap in one at a time ('all', or a list, may be empty)")
+    p.add_argument("--own-layers", default="", help="layers kept the target's own, one at a time, the rest mapped")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_swap)
+    p = sub.add_parser("first-layer", help="score fitted mappers with the target computing its first layer")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
+    p.add_argument("--tasks", default=TASKS)
+    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
+    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_first_layer)
     p = sub.add_parser("report", help="write the results JSON and the plot")
     p.add_argument("--work", type=Path, required=True)
     p.set_defaults(func=cmd_report)

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging
 
 from ._compat import init_cache_with_layers, model_id, model_revision, unhooked_forward
+from .first_layer import target_first_layer
 from .modeling_mapper import MapperModel, check_finite_pairs, check_source_tensors
 from .rope import positions_from_attention_mask
 
@@ -174,6 +175,8 @@ class MappedCache(DynamicCache):
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
         check_finite: bool = True,
+        target_model=None,
+        input_ids: torch.Tensor | None = None,
     ) -> MappedCache:
         r"""
         Map a prefilled source cache into the cache the target model expects.
@@ -202,6 +205,10 @@ class MappedCache(DynamicCache):
             devices (sequence of devices, *optional*): the device of each target layer. Defaults to the device of the
                 mapper layer that produces it (place the mapper with `mapper_device_map(target)` to match).
             check_finite (`bool`, *optional*, defaults to `True`): refuse a source cache holding NaN or inf.
+            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): the target and the
+                prompt's `(batch, seq)` token ids, together: the target's first layer is then not mapped but computed
+                by the target from the ids (`hf_kvmap.first_layer`; its keys and values depend on nothing else), exact
+                at the cost of one embedding lookup and two projections per token.
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
@@ -252,7 +259,12 @@ class MappedCache(DynamicCache):
             position_ids = positions_from_attention_mask(mask, batch, seq, device)
             if source_position_ids is None:  # a plain forward: every row at 0 .. seq - 1
                 source_position_ids = positions_from_attention_mask(None, batch, seq, device)
+        if (target_model is None) != (input_ids is None):
+            raise ValueError("Pass `target_model` and `input_ids` together (the target computes its first layer).")
+        if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
+            raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
         length = seq - hold_back
+        num_target = len(config.source_layers)
         mapped = unhooked_forward(mapper)(
             [keys[:, :, :length] for keys, _ in source_kv],
             [values[:, :, :length] for _, values in source_kv],
@@ -260,7 +272,14 @@ class MappedCache(DynamicCache):
             source_position_ids=None if source_position_ids is None else source_position_ids[:, :length],
             dtype=dtype,
             devices=devices,
+            layers=None if target_model is None else range(1, num_target),
         )
+        if target_model is not None:
+            keys, values = target_first_layer(target_model, input_ids[:, :length], position_ids[:, :length])
+            device = torch.device(devices[0]) if devices is not None else next(mapper.layers[0].parameters()).device
+            device = keys.device if device.type == "meta" else device  # weights offloaded by accelerate
+            out_dtype = dtype or source_kv[0][0].dtype
+            mapped.insert(0, (keys.to(device, out_dtype), values.to(device, out_dtype)))
         info = {
             "mapper": model_id(config),
             "mapper_revision": model_revision(config),
@@ -269,6 +288,7 @@ class MappedCache(DynamicCache):
             "target_model_id": config.target_model_id,
             "mapped_tokens": length,
             "hold_back": hold_back,
+            "first_layer": "mapped" if target_model is None else "target",
         }
         return cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
 

@@ -140,25 +140,33 @@ class _SwapHandoff(Handoff):
         return reader, DynamicCache(ddp_cache_data=data)
 
 
-def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> dict:
-    """Which mapped layer (and whether its keys or values) breaks a task.
+def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None, own_layers: Iterable[int] = ()) -> dict:
+    """Which mapped layer (and whether its keys or values) breaks a task, and whether the rest of the map holds.
 
     The target reads its own cache everywhere except one layer, which comes from the mapper; the task is scored for
     each layer in turn, then with only the keys (only the values) of every layer mapped. A task that survives every
     single swap but not the full mapping fails from accumulated error; one that collapses at one layer points at it.
+    For each of `own_layers` the converse is scored too: every layer mapped except that one, which is the target's
+    own (does the task hold once that layer is right?).
 
     Args:
         handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer; the caches come from its
             `context_cache` (a subclass that keeps prefills on disk serves every swap from them).
         task ([`~hf_kvmap.evaluation.TaskSpec`]): the task to score (accuracy, or perplexity for `perplexity` tasks).
         layers (iterable of `int`, *optional*): target layers to swap one at a time (default: all).
+        own_layers (iterable of `int`, *optional*): target layers to keep the target's own, one at a time, with every
+            other layer mapped (default: none).
 
     Returns:
-        `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`.
+        `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`,
+        and `"all_but": {layer: score}` when `own_layers` is given.
     """
     kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
     num_layers = handoff.mapper.config.target_geometry.num_layers
     layers = range(num_layers) if layers is None else layers
+    own_layers = list(own_layers)
+    if any(not 0 <= layer < num_layers for layer in own_layers):
+        raise ValueError(f"own_layers={own_layers} names a layer outside the target's {num_layers} layers.")
 
     def score(mode: str, swap_layers=(), parts=("keys", "values")) -> float:
         probe = _SwapHandoff(
@@ -173,7 +181,7 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
         )
         return evaluate_items(probe, task.task_type, task.items, mode, **kwargs)
 
-    return {
+    result = {
         "task": task.name,
         "target": score("target"),
         "mapped": evaluate_items(handoff, task.task_type, task.items, "mapped", **kwargs),
@@ -181,3 +189,8 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None) -> d
         "keys_only": score("mapped", tuple(range(num_layers)), ("keys",)),
         "values_only": score("mapped", tuple(range(num_layers)), ("values",)),
     }
+    if own_layers:
+        result["all_but"] = {
+            layer: score("mapped", tuple(i for i in range(num_layers) if i != layer)) for layer in own_layers
+        }
+    return result

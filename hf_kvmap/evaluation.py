@@ -33,6 +33,8 @@ class Handoff:
         mapper ([`MapperModel`], *optional*): maps the source cache into the target's; `mapped` mode needs it.
         tokenizer: the shared tokenizer.
         hold_back (`int`, defaults to 1): final context tokens the reader runs itself.
+        target_first_layer (`bool`, defaults to `False`): in `mapped` mode the target computes its first layer from
+            the token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`).
     """
 
     source: torch.nn.Module
@@ -40,6 +42,14 @@ class Handoff:
     mapper: torch.nn.Module | None
     tokenizer: object
     hold_back: int = 1
+    target_first_layer: bool = False
+
+    def mapped_cache(self, cache, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs):
+        """`MappedCache.from_source` of the source's `cache` of `ids`, as this handoff maps (hold-back, first layer)."""
+        exact = {"target_model": self.target, "input_ids": ids} if self.target_first_layer else {}
+        return MappedCache.from_source(
+            cache, self.mapper, hold_back=self.hold_back, attention_mask=mask, **exact, **kwargs
+        )
 
     def _models(self, mode: str):
         if mode not in MODES:
@@ -62,13 +72,7 @@ class Handoff:
             }
         cache = output_cache(builder(input_ids=ids, use_cache=True, **kwargs))
         if mode == "mapped":
-            cache = MappedCache.from_source(
-                cache,
-                self.mapper,
-                hold_back=self.hold_back,
-                attention_mask=mask,
-                source_position_ids=kwargs.get("position_ids"),
-            )
+            cache = self.mapped_cache(cache, ids, mask, source_position_ids=kwargs.get("position_ids"))
         else:
             cache.crop(-self.hold_back)
         return reader, cache

@@ -211,3 +211,44 @@ def test_a_cache_longer_than_the_models_positions_warns_once(tiny, caplog):
         MappedCache.from_source(pairs, mapper)
     warnings = [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
     assert len(warnings) == 1 and f"{long} tokens" in warnings[0].getMessage()
+
+
+def test_target_first_layer_is_what_the_targets_own_forward_caches(tiny, arch):
+    """Layer 0's keys and values depend only on the tokens and their positions: computed from the ids they equal
+    the target's own prefill, for every supported architecture (and at shifted positions)."""
+    from hf_kvmap.first_layer import target_first_layer
+
+    model = tiny.model(config=tiny.SUPPORTED[arch](), seed=3)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).expand(2, 12) + torch.tensor([[0], [5]])
+    with torch.no_grad():
+        own = model(input_ids=ids, position_ids=positions, use_cache=True).past_key_values.layers[0]
+    keys, values = target_first_layer(model, ids, positions)
+    torch.testing.assert_close(keys, own.keys, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values, own.values, rtol=1e-5, atol=1e-6)
+
+
+def test_from_source_with_the_target_computes_its_first_layer(tiny):
+    """With `target_model` and `input_ids` the first layer is the target's own (a deliberately wrong mapper's layer 0
+    is not used) and every other layer is what the mapper alone gives; one without the other is refused."""
+    from hf_kvmap import MappedCache, MapperModel
+
+    model = tiny.model(seed=3)
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    mapper = MapperModel.identity(model.config)
+    with torch.no_grad():
+        mapper.layers[0].key_proj.weight.mul_(-1.0)
+        source = model(input_ids=ids, use_cache=True).past_key_values
+        plain = MappedCache.from_source(source, mapper)
+        exact = MappedCache.from_source(source, mapper, target_model=model, input_ids=ids)
+    own = source.layers[0]
+    torch.testing.assert_close(exact.layers[0].keys, own.keys[:, :, :9], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exact.layers[0].values, own.values[:, :, :9], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(plain.layers[0].keys, own.keys[:, :, :9], atol=1e-3)
+    for a, b in zip(exact.layers[1:], plain.layers[1:]):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert exact.mapping_info["first_layer"] == "target" and plain.mapping_info["first_layer"] == "mapped"
+    with pytest.raises(ValueError, match="together"):
+        MappedCache.from_source(source, mapper, target_model=model)
+    with pytest.raises(ValueError, match="input_ids"):
+        MappedCache.from_source(source, mapper, target_model=model, input_ids=ids[:, :5])

@@ -58,6 +58,13 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
     assert result["keys_only"] == pytest.approx(result["target"], rel=1e-5)
     assert result["layers"][1] != pytest.approx(result["target"], rel=1e-3)
     assert result["values_only"] == pytest.approx(result["layers"][1], rel=1e-5)
+    # the converse: every layer mapped but the damaged one, which is the target's own, gives the target's score
+    converse = layer_swap(probe, task, layers=[], own_layers=[0, 1])
+    assert converse["layers"] == {}
+    assert converse["all_but"][1] == pytest.approx(converse["target"], rel=1e-5)
+    assert converse["all_but"][0] == pytest.approx(converse["mapped"], rel=1e-5)
+    with pytest.raises(ValueError, match="own_layers"):
+        layer_swap(probe, task, layers=[], own_layers=[9])
 
 
 def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):

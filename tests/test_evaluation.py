@@ -264,3 +264,21 @@ def test_measure_latency_times_the_handoff_to_first_token_beside_the_prefill(ide
         assert row["first_token_speedup"] == row["first_token_prefill_ms"] / row["first_token_handoff_ms"]
     plain = measure_latency(identity_handoff, [12], repeats=1, warmup=0)
     assert set(plain[0]) == {"tokens", "mapper_ms", "prefill_ms", "speedup"}  # the first-token timing is opt-in
+
+
+def test_handoff_with_the_targets_first_layer_ignores_a_broken_layer_zero_map(handoff):
+    """`target_first_layer=True`: the target computes its layer 0 from the ids, so an identity mapper whose layer-0
+    maps are wrecked hands off exactly as the target alone; without it the wreck shows."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.evaluation import evaluate_items
+
+    wrecked = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        wrecked.layers[0].key_proj.weight.mul_(-3.0)
+        wrecked.layers[0].value_proj.weight.mul_(-3.0)
+    items = corpus.make_eval_set("text", 3, seed=4, n_chars=96)
+    alone = evaluate_items(handoff, "perplexity", items, "target")
+    fixed = Handoff(handoff.source, handoff.target, wrecked, handoff.tokenizer, target_first_layer=True)
+    broken = Handoff(handoff.source, handoff.target, wrecked, handoff.tokenizer)
+    assert evaluate_items(fixed, "perplexity", items, "mapped") == pytest.approx(alone, rel=1e-5)
+    assert evaluate_items(broken, "perplexity", items, "mapped") != pytest.approx(alone, rel=1e-2)

@@ -281,7 +281,7 @@ def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_
     scorer.models = {rf.SMALL: model, rf.LARGE: model}
     scorer.store, scorer.contexts, scorer.scores, scorer.path = None, [torch.zeros(1, 2)], {}, tmp_path / "s.json"
     scorer.tasks = [type("Task", (), {"name": "code_recall"})(), type("Task", (), {"name": "code_nll"})()]
-    scorer.handoff = lambda source, target, mapper: (source, target)
+    scorer.handoff = lambda source, target, mapper, first=False: (source, target, first)
     scorer.record = lambda key, task, handoff, mode, **extra: calls.append((key, handoff, mode, extra))
     mapper = torch.nn.Linear(1, 1)
     for _ in range(2):
@@ -289,10 +289,17 @@ def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_
     assert calls.count("r2") == 1 and json.loads(scorer.path.read_text()) == {
         "r2|16384|0.5b-to-1.5b|ridge-k8-attn": {"key_r2": [0.5], "value_r2": [0.25]}
     }
-    pair = (rf.SMALL, rf.LARGE)
+    pair = (rf.SMALL, rf.LARGE, False)
     assert calls[1:3] == [
         ("code_recall|16384|0.5b-to-1.5b|ridge-k8-attn", pair, "mapped", {"fit_seconds": 1.0}),
         ("code_nll|16384|0.5b-to-1.5b|ridge-k8-attn", pair, "mapped", {"fit_seconds": 1.0}),
+    ]
+    # the target's own first layer: a handoff that computes it, no R^2 (the same map), its own variant name
+    calls.clear()
+    scorer.score_mapper(16384, rf.SMALL, rf.LARGE, "ridge-k8+target-L0", mapper, target_first_layer=True)
+    assert calls == [
+        ("code_recall|16384|0.5b-to-1.5b|ridge-k8+target-L0", (rf.SMALL, rf.LARGE, True), "mapped", {}),
+        ("code_nll|16384|0.5b-to-1.5b|ridge-k8+target-L0", (rf.SMALL, rf.LARGE, True), "mapped", {}),
     ]
 
 
