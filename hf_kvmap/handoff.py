@@ -173,6 +173,7 @@ def probe_context(
     *,
     source_position_ids: torch.Tensor | None = None,
     clock: _Clock | None = None,
+    target_first_layer: bool = False,
 ) -> ProbeContext:
     """Stages 2 and 3 of `handoff`: source prefill (unless `source_cache` is given), mapping of all prompt tokens but
     the last `hold_back`, and the target's run of the held-back tokens but the last. Returns the [`ProbeContext`]
@@ -197,6 +198,7 @@ def probe_context(
             hold_back=hold_back,
             attention_mask=attention_mask,
             source_position_ids=source_position_ids,
+            **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
         )
     tail_logits = None
     if hold_back > 1:
@@ -236,6 +238,7 @@ def handoff(
     tokenizer=None,
     audit_tokens: int = 8,
     source_position_ids: torch.Tensor | None = None,
+    target_first_layer: bool = False,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -267,6 +270,9 @@ def handoff(
         audit_tokens (`int`, *optional*, defaults to 8): size of the audit (0 turns it off).
         source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions a given left-padded `source_cache` was
             prefilled at, when they were not a plain forward's `0 .. T-1` (e.g. `generate`-style, from the mask).
+        target_first_layer (`bool`, *optional*, defaults to `False`): the target computes its first layer from the
+            token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`; its
+            keys and values depend on nothing else). The probe's calibration was made without it.
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -325,6 +331,7 @@ def handoff(
             hold_back,
             source_position_ids=source_position_ids,
             clock=clock,
+            target_first_layer=target_first_layer,
         )
     except ValueError as err:
         return refuse(f"mapping failed: {err}")

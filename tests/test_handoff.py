@@ -92,6 +92,25 @@ def test_accepted_cache_is_the_mapped_one(models):
     assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
 
 
+def test_handoff_with_the_targets_first_layer_serves_the_targets_layer_zero(models):
+    """`target_first_layer=True`: an identity mapper whose layer 0 is wrecked still hands off the target's own cache
+    (the audit certifies it exact), in a left-padded batch too; without the flag the audit refuses the wreck."""
+    source, target, config = models
+    mapper = MapperModel.identity(config)
+    with torch.no_grad():
+        mapper.layers[0].key_proj.weight.mul_(-2.0)
+        mapper.layers[0].value_proj.weight.mul_(-2.0)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    guard = {"probe": "prefix_audit", "threshold": 1e-3}
+    cache, report = handoff(target, target, mapper, ids, attention_mask=mask, target_first_layer=True, **guard)
+    assert report.accepted and isinstance(cache, MappedCache) and cache.mapping_info["first_layer"] == "target"
+    assert torch.equal(greedy(target, ids, cache, mask), greedy(target, ids, None, mask))
+    _, plain = handoff(target, target, mapper, ids, attention_mask=mask, **guard)
+    assert not plain.accepted
+
+
 def test_left_padded_batch_is_mapped_at_the_right_positions(models, tiny):
     """Left padding: handoff's own source prefill (mask-derived positions), a given plain-forward cache, and a given
     generate-style cache with its positions all map exactly (the audit certifies it) and generate the target's
