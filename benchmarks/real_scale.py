@@ -309,6 +309,8 @@ def cmd_first_layer(args) -> int:
         positions, variant = item.split(":")
         source, target, positions = fitted_mapper(work, args.direction, variant, int(positions))
         mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, variant))
+        if args.also_plain:  # the same mapper as it maps alone, on the same items (skipped where scored)
+            scorer.score_mapper(positions, source, target, variant, mapper)
         scorer.score_mapper(positions, source, target, variant + FIRST_LAYER, mapper, target_first_layer=True)
     return 0
 
@@ -593,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
     p.add_argument("--direction", default="0.5b-to-1.5b")
     p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
+    p.add_argument("--also-plain", action="store_true", help="score each mapper without the first layer too")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_first_layer)
     p = sub.add_parser("report", help="write the results JSON and the plot")
