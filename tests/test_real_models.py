@@ -146,6 +146,24 @@ def test_smol_rerope_exact_at_layer_zero(smol):
     torch.testing.assert_close(mapped.layers[0].values, prefill(other, ids).layers[0].values[:, :, : ids.shape[1] - 1])
 
 
+def test_smol_first_layer_from_the_ids_is_its_own(smol):
+    """`target_first_layer` on real weights: SmolLM2's layer-0 keys and values computed from the ids of a ~400-token
+    chat equal its own prefill's, and a handoff whose layer-0 map is wrecked generates the model's own tokens."""
+    from hf_kvmap.first_layer import target_first_layer
+
+    model, tokenizer = smol
+    ids = chat_ids(tokenizer, [{"role": "user", "content": PROSE * 4}])
+    own = prefill(model, ids).layers[0]
+    keys, values = target_first_layer(model, ids, torch.arange(ids.shape[1]).expand_as(ids))
+    assert ((keys - own.keys).norm() / own.keys.norm()).item() < 1e-5
+    assert ((values - own.values).norm() / own.values.norm()).item() < 1e-5
+    mapper = MapperModel.identity(model.config)
+    with torch.no_grad():
+        mapper.layers[0].key_proj.weight.mul_(-1.0)
+    cache = MappedCache.from_source(prefill(model, ids), mapper, target_model=model, input_ids=ids)
+    assert torch.equal(greedy(model, tokenizer, ids, cache=cache), greedy(model, tokenizer, ids))
+
+
 @needs(QWEN_SMALL)
 def test_qwen_identity_mapping_is_token_identical():
     model, tokenizer = load(QWEN_SMALL, dtype=torch.bfloat16)
