@@ -3,8 +3,10 @@ position (embedding, input norm, key/value projections, the key norm where the a
 handoff can have the target compute them exactly instead of mapping them, at the cost of one embedding lookup and two
 projections per token (no attention, no MLP).
 
-On the real Qwen2.5-Coder 0.5B -> 1.5B pair, the mapped keys of the target's layer 0 alone break retrieval of a
-planted number (`benchmarks/real_scale.py swap`): every other layer can be mapped.
+On the real Qwen2.5-Coder 0.5B -> 1.5B pair, mapping the target's layer 0 alone (every other layer its own) breaks
+the retrieval of a planted number, where mapping any other single layer alone does not (`benchmarks/real_scale.py
+swap`); with layer 0 exact and every other layer mapped, retrieval still fails there (`real_scale.py first-layer`):
+an exact first layer is necessary on that pair, not sufficient.
 """
 
 from __future__ import annotations
