@@ -359,3 +359,42 @@ def test_finetune_step_cost_counts_each_objective_from_its_parts(tmp_path):
     spec.loader.exec_module(script)
     result = script.main(["--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["counted"] == json.loads(json.dumps(result["counted"]))
+
+
+def test_retention_curve_counts_each_design_and_keeps_the_frontier(tmp_path):
+    """The curve: a variant's design comes from its name (a fine-tune changes no shape), its parameters are counted
+    from that design and must agree with what the comparison recorded, and the frontier keeps exactly the variants
+    no other one beats on both retention and size (speed)."""
+    spec = importlib.util.spec_from_file_location("retention_curve", BENCHMARKS / "retention_curve.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.design_of("ridge-l3w3-kn-attn-kl") == ("ridge-lNw3-kn", 3)
+    assert script.design_of("ridge-l1w3-kn") == ("ridge-lNw3-kn", 1)
+    assert script.design_of("mlp-w3-e40") == ("mlp-w3", None)
+    with pytest.raises(SystemExit, match="no design known"):
+        script.design_of("lowrank-r16")
+    points = [("a", 1.0, 0.2), ("b", 1.0, 0.5), ("c", 2.0, 0.9), ("d", 3.0, 0.8)]
+    assert script.frontier(points, larger_is_better=False) == ["b", "c"]
+    assert script.frontier(points, larger_is_better=True) == ["c", "d"]
+
+    def row(mapped, parameters=None):
+        tasks = {"recall": {"source": 0.1, "target": 0.9, "mapped": mapped, "chance": 0.0, "n_items": 200}}
+        return {"tasks": tasks, "perplexity": {}, "run": {"parameters": parameters}, "latency": []}
+
+    source, target = script.tiny_summary("tiny-m"), script.tiny_summary("tiny-l")
+    windowed = script.count("ridge-lNw3-kn", 3, source, target, None)
+    comparison = {"directions": {"tiny-m-to-tiny-l": {"ridge": row(0.0), "ridge-l3w3-kn-kl": row(0.45, windowed)}}}
+    path = tmp_path / "comparison.json"
+    path.write_text(json.dumps(comparison))
+    result = script.main(["--comparison", str(path), "--json", str(tmp_path / "curve.json")])
+    rows = result["directions"]["tiny-m-to-tiny-l"]["variants"]
+    assert rows["ridge-l3w3-kn-kl"]["choice_items"] == {"tasks": {"recall": 0.5}, "mean": 0.5}
+    # one windowed key map reads the source keys and values at t..t-3: 8x the inputs of that one map
+    ridge = rows["ridge"]["parameters_tiny"]
+    per_map = (ridge // (2 * target["num_hidden_layers"])) - target["num_key_value_heads"] * target["head_dim"]
+    key_norm = target["num_hidden_layers"] * target["head_dim"]
+    assert windowed == ridge + 7 * per_map + key_norm
+    comparison["directions"]["tiny-m-to-tiny-l"]["ridge-l3w3-kn-kl"] = row(0.45, windowed + 1)
+    path.write_text(json.dumps(comparison))
+    with pytest.raises(SystemExit, match="recorded"):
+        script.main(["--comparison", str(path), "--json", str(tmp_path / "curve.json")])
