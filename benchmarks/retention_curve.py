@@ -205,6 +205,7 @@ def plot(result: dict, path: Path) -> bool:
         ):
             ax = axes[row_index][column]
             tasks = result["directions"][direction]["tasks"]
+            top = 1.0
             for name, row in rows.items():
                 x = row["speedup"].get("1024") if axis_key == "speedup_1024" else row[axis_key]
                 if x is None:
@@ -216,6 +217,7 @@ def plot(result: dict, path: Path) -> bool:
                     color = f"C{slot}"
                     ax.scatter([x], [y], marker="o", color=color, label=f"{task} (choice items)")
                     held = (row["held_out"] or {}).get("tasks", {}).get(task)
+                    top = max(top, y, held or 0.0)
                     if held is not None:
                         ax.scatter([x], [held], marker="x", color=color, label=f"{task} (held out)")
                     if slot == 0:
@@ -230,7 +232,7 @@ def plot(result: dict, path: Path) -> bool:
                 ax.xaxis.set_minor_formatter(NullFormatter())
             ax.axhline(0.9, color="grey", linestyle=":", linewidth=0.8)
             ax.set_xlabel(label, fontsize=8)
-            ax.set_ylim(-0.05, 1.05)
+            ax.set_ylim(-0.05, top + 0.05)
             if column == 0:
                 ax.set_ylabel("floor-normalized retention per task", fontsize=8)
             ax.set_title(direction, fontsize=9)

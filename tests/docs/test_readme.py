@@ -154,3 +154,50 @@ def test_readme_shipped_comparison_is_generated_from_the_committed_json():
     assert sorted(path.stem for path in paths) == sorted(f"{c['variant']}_{d}" for d, c in results["choice"].items())
     names = ", ".join(f"`{path.relative_to(ROOT).as_posix()}`" for path in paths)
     assert held.strip() == f"Generated from {names} (`hf-kvmap eval`).\n\n{script.held_out_markdown(paths)}"
+
+
+def _script(name: str):
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return script
+
+
+def _section(name: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    return re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", readme, re.DOTALL).group(1)
+
+
+def test_readme_package_weight_is_generated_from_the_committed_json():
+    result = json.loads((ROOT / "benchmarks" / "results" / "package_size.json").read_text())
+    assert _section("package-weight").strip() == _script("package_size").markdown(result).strip()
+    shipped = sorted(p.name for p in (ROOT / "hf_kvmap" / "zoo" / "mappers").iterdir() if p.is_dir())
+    assert sorted(result["sizes"]["mapper_bytes"]) == shipped
+
+
+def test_readme_retention_curve_is_generated_from_the_committed_comparison():
+    """The curve's JSON is what the script builds from the comparison and held-out files it names, and the README
+    section is its table."""
+    script = _script("retention_curve")
+    path = "benchmarks/results/retention_curve.json"
+    result = json.loads((ROOT / path).read_text())
+    comparison = json.loads((ROOT / result["run"]["comparison"]).read_text())
+    held_out = {}
+    for name in result["run"]["held_out"]:
+        variant, _, direction = Path(name).stem.partition("_")
+        held_out[(variant, direction)] = json.loads((ROOT / name).read_text())
+    from transformers import Qwen3Config
+
+    from hf_kvmap.configuration_mapper import summarize_model_config
+
+    qwen = tuple(summarize_model_config(Qwen3Config(**script.QWEN3[n])) for n in ("14B", "32B"))
+    assert json.loads(json.dumps(script.build(comparison, held_out, qwen))) == result["directions"]
+    expected = f"Generated from `{path}` by `benchmarks/retention_curve.py`.\n\n{script.markdown(result)}"
+    assert _section("retention-curve").strip() == expected.strip()
