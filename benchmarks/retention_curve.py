@@ -13,8 +13,8 @@ items (named `<variant>_<direction>.json`), and writes, per direction and varian
 
 A fine-tune changes a mapper's weights, never its shape, so every objective of one design shares its design's fields.
 
-    python benchmarks/retention_curve.py --comparison benchmarks/results/mapper_variants_shipped.json \\
-        --held-out benchmarks/results/held_out/*.json benchmarks/results/held_out_attention/*.json \\
+    python benchmarks/retention_curve.py --comparison benchmarks/results/mapper_variants_longer.json \\
+        --held-out benchmarks/results/held_out/*.json benchmarks/results/held_out_attention/*.json benchmarks/results/held_out_longer/*.json \\
         --json benchmarks/results/retention_curve.json --plot benchmarks/results/retention_curve.png
 """
 
