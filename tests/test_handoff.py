@@ -266,18 +266,23 @@ def _broken(mapper, how):
         if how == "zeroed":
             for parameter in broken.parameters():
                 parameter.zero_()
-        else:  # every target layer gets the weights of the next layer of the same shapes (a wrong map)
+        else:  # every map gets the weights of the same map of the next layer of its shape (a wrong map); a map
+            # no other layer shares the shape of (a windowed one) sends each KV head's output to the next head
             layers = list(broken.layers)
-            states = [copy.deepcopy(layer.state_dict()) for layer in layers]
-            shapes = [{name: tensor.shape for name, tensor in state.items()} for state in states]
-            moved = 0
-            for idx, layer in enumerate(layers):
-                others = [(idx + step) % len(layers) for step in range(1, len(layers))]
-                donor = next((other for other in others if shapes[other] == shapes[idx]), None)
-                if donor is not None:
-                    layer.load_state_dict(states[donor])
-                    moved += 1
-            assert moved >= len(layers) - 1, "too few layers share shapes to mismatch"
+            heads = broken.config.target_geometry.num_kv_heads
+            for part in ("key_proj", "value_proj"):
+                maps = [getattr(layer, part) for layer in layers]
+                states = [copy.deepcopy(module.state_dict()) for module in maps]
+                for idx, module in enumerate(maps):
+                    others = [(idx + step) % len(maps) for step in range(1, len(maps))]
+                    shape = module.weight.shape
+                    donor = next((other for other in others if maps[other].weight.shape == shape), None)
+                    if donor is not None:
+                        module.load_state_dict(states[donor])
+                        continue
+                    assert heads > 1, "a map with no donor and one KV head cannot be mismatched"
+                    for tensor in (module.weight, module.bias):
+                        tensor.copy_(tensor.roll(shape[0] // heads, dims=0))
     return broken
 
 
