@@ -523,6 +523,17 @@ def cmd_report(args) -> int:
     return 0
 
 
+def fit_command(sub, name: str, help: str, tasks: str) -> argparse.ArgumentParser:
+    """A subcommand about one direction's fitted mappers: the options `finetune`, `swap` and `first-layer` share."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
+    p.add_argument("--tasks", default=tasks)
+    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
+    p.add_argument("--direction", default="0.5b-to-1.5b")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", default=None, help="hf-kvmap obtain cache (default ~/.cache/hf-kvmap)")
@@ -557,12 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_follow)
-    p = sub.add_parser("finetune", help="attention-objective fine-tune of one fitted ridge, scored like the curve")
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
-    p.add_argument("--tasks", default=TASKS)
-    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
-    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p = fit_command(sub, "finetune", "attention-objective fine-tune of one fitted ridge, scored like the curve", TASKS)
     p.add_argument("--variant", default="ridge-k8")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
     p.add_argument("--sequences", type=int, default=32, help="fine-tune sequences (the last --val-sequences held out)")
@@ -576,24 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-sequences", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_finetune)
-    p = sub.add_parser("swap", help="layer_swap of one fitted mapper on real weights")
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
-    p.add_argument("--tasks", default="prose_retrieval,code_nll")
-    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
-    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p = fit_command(sub, "swap", "layer_swap of one fitted mapper on real weights", "prose_retrieval,code_nll")
     p.add_argument("--variant", default="ridge-all")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
     p.add_argument("--layers", default="all", help="layers to swap in one at a time ('all', or a list, may be empty)")
     p.add_argument("--own-layers", default="", help="layers kept the target's own, one at a time, the rest mapped")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_swap)
-    p = sub.add_parser("first-layer", help="score fitted mappers with the target computing its first layer")
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, default=rf.MANIFEST)
-    p.add_argument("--tasks", default=TASKS)
-    p.add_argument("--directions", default="0.5b-to-1.5b", help=argparse.SUPPRESS)
-    p.add_argument("--direction", default="0.5b-to-1.5b")
+    p = fit_command(sub, "first-layer", "score fitted mappers with the target computing its first layer", TASKS)
     p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
     p.add_argument("--also-plain", action="store_true", help="score each mapper without the first layer too")
     p.add_argument("--threads", type=int, default=1)
