@@ -366,7 +366,8 @@ def _timed(fn, *args, **kwargs) -> float:
 def measure_latency(
     handoff: Handoff, lengths: Sequence[int], repeats: int = 5, warmup: int = 1, first_token: bool = False
 ) -> list[dict]:
-    """Median wall time of `MappedCache.from_source` vs the target's body re-prefilling the same tokens.
+    """Median wall time of the handoff's mapping (`Handoff.mapped_cache`: `MappedCache.from_source`) vs the target's
+    body re-prefilling the same tokens.
 
     The two are timed interleaved in one run (same machine state); the body excludes the LM head. With
     `first_token=True` the whole handoff to the first token is timed beside them: mapping, the target reading its
@@ -378,7 +379,7 @@ def measure_latency(
     body = handoff.target.get_decoder()
 
     def handoff_first_token(ids, source_cache):
-        cache = MappedCache.from_source(source_cache, handoff.mapper, hold_back=handoff.hold_back)
+        cache = handoff.mapped_cache(source_cache, ids)
         handoff.target(input_ids=ids[:, -handoff.hold_back :], past_key_values=cache, logits_to_keep=1)
 
     for length in lengths:
@@ -388,9 +389,7 @@ def measure_latency(
         times: dict[str, list[float]] = {}
         for trial in range(warmup + repeats):
             timed = {
-                "mapper_ms": _timed(
-                    MappedCache.from_source, source_cache, handoff.mapper, hold_back=handoff.hold_back
-                ),
+                "mapper_ms": _timed(handoff.mapped_cache, source_cache, ids),
                 "prefill_ms": _timed(body, input_ids=prefix, use_cache=True),
             }
             if first_token:
