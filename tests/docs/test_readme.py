@@ -103,30 +103,37 @@ def test_readme_objectives_comparison_is_generated_from_the_committed_json():
         "tiny-s-to-tiny-l": "ridge-l3w3-kn-kl",
         "tiny-x-to-tiny-l": "ridge-l3w3-kn-kl",
     }
-    # the choices are what the rule gives on the rows
+    _assert_the_rule_chose(script, results)
+
+
+def _assert_the_rule_chose(script, results: dict) -> None:
+    """The recorded choice per direction is what the rule gives on the comparison's rows."""
     assert {d: script.choose(rows)["variant"] for d, rows in results["directions"].items()} == {
         d: c["variant"] for d, c in results["choice"].items()
     }
+
+
+def _assert_keeps_every_row_of(results: dict, *earlier: str) -> None:
+    """Every variant of each comparison `results` extends is in it, as it was measured there."""
+    for name in earlier:
+        rows_then = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["directions"]
+        for direction, rows in rows_then.items():
+            for variant, row in rows.items():
+                assert results["directions"][direction][variant] == row, (name, direction, variant)
 
 
 def test_attention_objective_comparison_keeps_every_earlier_row():
     path = "benchmarks/results/mapper_variants_attention.json"
     script = _variants_section("mapper-variants-objectives", path)[0]
     results = json.loads((ROOT / path).read_text())
-    assert {d: script.choose(rows)["variant"] for d, rows in results["directions"].items()} == {
-        d: c["variant"] for d, c in results["choice"].items()
-    }
+    _assert_the_rule_chose(script, results)
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "mlp",
         "tiny-m-to-tiny-l": "ridge-l3w3-kn-attn-kl",
         "tiny-s-to-tiny-l": "ridge-l3w3-kn-attn-kl",
         "tiny-x-to-tiny-l": "ridge-l3w3-kn-attn-kl",
     }
-    # every variant of the comparison it extends is in this one, as it was measured there
-    earlier = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants_objectives.json").read_text())
-    for direction, rows in earlier["directions"].items():
-        for variant, row in rows.items():
-            assert results["directions"][direction][variant] == row
+    _assert_keeps_every_row_of(results, "mapper_variants_objectives.json")
 
 
 def test_readme_shipped_comparison_is_generated_from_the_committed_json():
@@ -136,20 +143,14 @@ def test_readme_shipped_comparison_is_generated_from_the_committed_json():
     path = "benchmarks/results/mapper_variants_longer.json"
     script, results, section, table = _variants_section("mapper-variants-shipped", path)
     assert section.strip() == f"Generated from `{path}`.\n\n{table}".strip()
-    assert {d: script.choose(rows)["variant"] for d, rows in results["directions"].items()} == {
-        d: c["variant"] for d, c in results["choice"].items()
-    }
+    _assert_the_rule_chose(script, results)
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "ridge-l1w3-kn-attn-kl",
         "tiny-m-to-tiny-l": "ridge-l3w3-kn-attn4000-kl",
         "tiny-s-to-tiny-l": "ridge-l3w3-kn-attn-kl",
         "tiny-x-to-tiny-l": "ridge-l3w3-kn-attn4000-kl",
     }
-    for earlier in ("mapper_variants_attention.json", "mapper_variants_shipped.json"):
-        rows_then = json.loads((ROOT / "benchmarks" / "results" / earlier).read_text())["directions"]
-        for direction, rows in rows_then.items():
-            for variant, row in rows.items():
-                assert results["directions"][direction][variant] == row, (earlier, direction, variant)
+    _assert_keeps_every_row_of(results, "mapper_variants_attention.json", "mapper_variants_shipped.json")
     held = _section("mapper-held-out-shipped")
     names = re.findall(r"`(benchmarks/results/[^`]+\.json)`", held.split("\n", 1)[0])
     paths = [ROOT / name for name in names]
