@@ -275,19 +275,22 @@ def cmd_swap(args) -> int:
     results = json.loads(path.read_text()) if path.is_file() else {}
     layers = None if args.layers == "all" else [int(n) for n in args.layers.split(",") if n]
     own_layers = [int(n) for n in args.own_layers.split(",") if n]
+    own_first = [int(n) for n in args.own_first.split(",") if n]
     suffix = "" if layers is None and not own_layers else f"|swap-{args.layers}|own-{args.own_layers or 'none'}"
+    suffix += f"|own-first-{args.own_first}" if own_first else ""
     for task in scorer.tasks:
         key = f"{task.name}|{positions}|{args.direction}|{args.variant}{suffix}"
         if key in results:
             continue
         start = time.perf_counter()
-        row = layer_swap(handoff, task, layers=layers, own_layers=own_layers)
+        row = layer_swap(handoff, task, layers=layers, own_layers=own_layers, own_first=own_first)
         results[key] = {**row, "seconds": time.perf_counter() - start, "n_items": args.items}
         rf.write_json(path, results)
         worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=task.task_type == "perplexity")[:4]
         print(
             f"{key}: target {row['target']:.3f}, mapped {row['mapped']:.3f}, keys only {row['keys_only']:.3f}, "
-            f"values only {row['values_only']:.3f}; worst single layers {worst}; all but {row.get('all_but')}",
+            f"values only {row['values_only']:.3f}; worst single layers {worst}; all but {row.get('all_but')}; "
+            f"own first {row.get('own_first')}",
             flush=True,
         )
     return 0
@@ -587,6 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
     p.add_argument("--layers", default="all", help="layers to swap in one at a time ('all', or a list, may be empty)")
     p.add_argument("--own-layers", default="", help="layers kept the target's own, one at a time, the rest mapped")
+    p.add_argument(
+        "--own-first",
+        default="",
+        help="numbers n of leading layers kept the target's own (layers 0..n-1), the rest mapped",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_swap)
     p = fit_command(sub, "first-layer", "score fitted mappers with the target computing its first layer", TASKS)

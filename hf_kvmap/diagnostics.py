@@ -140,14 +140,22 @@ class _SwapHandoff(Handoff):
         return reader, DynamicCache(ddp_cache_data=data)
 
 
-def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None, own_layers: Iterable[int] = ()) -> dict:
+def layer_swap(
+    handoff: Handoff,
+    task,
+    layers: Iterable[int] | None = None,
+    own_layers: Iterable[int] = (),
+    own_first: Iterable[int] = (),
+) -> dict:
     """Which mapped layer (and whether its keys or values) breaks a task, and whether the rest of the map holds.
 
     The target reads its own cache everywhere except one layer, which comes from the mapper; the task is scored for
     each layer in turn, then with only the keys (only the values) of every layer mapped. A task that survives every
     single swap but not the full mapping fails from accumulated error; one that collapses at one layer points at it.
     For each of `own_layers` the converse is scored too: every layer mapped except that one, which is the target's
-    own (does the task hold once that layer is right?).
+    own (does the task hold once that layer is right?), and for each `n` of `own_first` the target's own first `n`
+    layers with the rest mapped (how many exact layers does the task need? the cache a target gets by running its
+    own first `n` layers and mapping the rest).
 
     Args:
         handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer; the caches come from its
@@ -156,10 +164,12 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None, own_
         layers (iterable of `int`, *optional*): target layers to swap one at a time (default: all).
         own_layers (iterable of `int`, *optional*): target layers to keep the target's own, one at a time, with every
             other layer mapped (default: none).
+        own_first (iterable of `int`, *optional*): numbers of leading target layers to keep the target's own, with
+            every later layer mapped (default: none).
 
     Returns:
         `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`,
-        and `"all_but": {layer: score}` when `own_layers` is given.
+        with `"all_but": {layer: score}` when `own_layers` is given and `"own_first": {n: score}` when `own_first` is.
     """
     kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
     num_layers = handoff.mapper.config.target_geometry.num_layers
@@ -167,6 +177,11 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None, own_
     own_layers = list(own_layers)
     if any(not 0 <= layer < num_layers for layer in own_layers):
         raise ValueError(f"own_layers={own_layers} names a layer outside the target's {num_layers} layers.")
+    own_first = list(own_first)
+    if any(not 0 <= n <= num_layers for n in own_first):
+        raise ValueError(
+            f"own_first={own_first} asks for more than the target's {num_layers} layers (or fewer than 0)."
+        )
 
     def score(mode: str, swap_layers=(), parts=("keys", "values")) -> float:
         probe = _SwapHandoff(
@@ -193,4 +208,6 @@ def layer_swap(handoff: Handoff, task, layers: Iterable[int] | None = None, own_
         result["all_but"] = {
             layer: score("mapped", tuple(i for i in range(num_layers) if i != layer)) for layer in own_layers
         }
+    if own_first:
+        result["own_first"] = {n: score("mapped", tuple(range(n, num_layers))) for n in own_first}
     return result

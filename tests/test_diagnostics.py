@@ -65,6 +65,13 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
     assert converse["all_but"][0] == pytest.approx(converse["mapped"], rel=1e-5)
     with pytest.raises(ValueError, match="own_layers"):
         layer_swap(probe, task, layers=[], own_layers=[9])
+    # the target's own first n layers, the rest mapped: n=0 is the full map, n=2 (past the damage) the target's own
+    first = layer_swap(probe, task, layers=[], own_first=[0, 1, 2])
+    assert first["own_first"][0] == pytest.approx(first["mapped"], rel=1e-5)
+    assert first["own_first"][1] == pytest.approx(first["mapped"], rel=1e-5)
+    assert first["own_first"][2] == pytest.approx(first["target"], rel=1e-5)
+    with pytest.raises(ValueError, match="own_first"):
+        layer_swap(probe, task, layers=[], own_first=[99])
 
 
 def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):
