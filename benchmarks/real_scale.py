@@ -257,6 +257,100 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+# the mappers that need features (a context window, keys and values read together, the MLP): name -> FitOptions
+# fields; "ridge-k8-feat" is the plain per-position ridge on the same features, the control for their scale
+FEATURE_VARIANTS = {
+    "ridge-k8-feat": {},
+    "ridge-k8-w1": {"context_window": 1},
+    "ridge-k8-w3": {"context_window": 3},
+    "ridge-k8-both": {"input_kinds": "both"},
+    "ridge-k8-w1-both": {"context_window": 1, "input_kinds": "both"},
+    "mlp-k8": {"kind": "mlp"},
+}
+
+
+def cmd_features(args) -> int:
+    """Mappers that need calibration features on real weights (`FEATURE_VARIANTS`): one pass of both models over
+    `--sequences` calibration sequences keeps the content-space features in memory (`hf_kvmap.gather_features`),
+    every variant is fitted on them with the k = 8 layer selection of the statistics at `--selection-positions`,
+    and scored like every fit of the curve, under the number of feature positions it was fitted on."""
+    from hf_kvmap import CalibrationStatistics, FitOptions, LayerSelection, MapperModel, fit
+    from hf_kvmap.features import gather_features
+    from hf_kvmap.fitting import _max_context_window
+    from hf_kvmap.real import corpus
+
+    torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in FEATURE_VARIANTS]
+    if unknown:
+        raise SystemExit(f"Unknown feature variants {unknown}; choose from {sorted(FEATURE_VARIANTS)}.")
+    scorer = Scorer(args)
+    short = {v: k for k, v in rf.SHORT.items()}
+    source, target = (short[n] for n in args.direction.split("-to-"))
+    folder = dict(snapshots(Path(args.calibration))).get(args.selection_positions)
+    if folder is None:
+        raise SystemExit(f"No snapshot of {args.selection_positions} positions under {args.calibration}.")
+    stats = CalibrationStatistics.load(rf._stats_dir(folder, source, target))
+    selection = LayerSelection.from_statistics(stats).with_top_k(8)
+    options = {
+        v: FitOptions(ridge_lambda=args.ridge_lambda, stride=args.stride, **FEATURE_VARIANTS[v]) for v in variants
+    }
+    documents = corpus.load_manifest(args.manifest)
+    rows = corpus.calibration_sequences(
+        scorer.tokenizer, documents, args.sequences, args.seq_len, seed=args.calibration_seed
+    )
+    batches = [torch.tensor(rows[i : i + args.batch]) for i in range(0, len(rows), args.batch)]
+    window = max(_max_context_window(o, stats.target_geometry.num_layers) for o in options.values())
+    start = time.perf_counter()
+    features = gather_features(
+        scorer.models[source],
+        scorer.models[target],
+        batches,
+        source_layers=sorted({layer for layers in selection.source_layers for layer in layers}),
+        stride=args.stride,
+        context_window=window,
+        max_memory_bytes=None,
+    )
+    feature_seconds = time.perf_counter() - start
+    positions = features.num_positions
+    print(f"features: {positions} positions, window {window}, {feature_seconds:.0f} s", flush=True)
+    for variant in variants:
+        out = mapper_folder(scorer.work, positions, args.direction, variant)
+        if (out / "config.json").is_file():
+            mapper = MapperModel.from_pretrained(out, dtype=torch.float32)
+        else:
+            start = time.perf_counter()
+            fitted = fit(
+                scorer.models[source],
+                scorer.models[target],
+                batches,
+                options=options[variant],
+                statistics=stats,
+                selection=selection,
+                features=features,
+                tokenizer=scorer.tokenizer,
+            )
+            mapper = MapperModel.from_fitted(fitted)
+            fit_seconds = time.perf_counter() - start
+            rf.save_atomically(mapper, out)
+            rf.write_json(
+                out / "features.json",
+                {
+                    "fit_seconds": fit_seconds,
+                    "feature_seconds": feature_seconds,
+                    "sequences": args.sequences,
+                    "seq_len": args.seq_len,
+                    "stride": args.stride,
+                    "calibration_seed": args.calibration_seed,
+                    "selection_positions": args.selection_positions,
+                },
+            )
+            print(f"{variant}: fitted in {fit_seconds:.0f} s", flush=True)
+        extra = json.loads((out / "features.json").read_text())
+        scorer.score_mapper(positions, source, target, variant, mapper, **extra)
+    return 0
+
+
 def cmd_swap(args) -> int:
     """`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache except one mapped layer
     (then only the mapped keys, only the mapped values of every layer), for the mapper fitted at `--positions`
@@ -465,11 +559,12 @@ def report_markdown(report: dict) -> str:
             "",
             "Which layers break it (`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache "
             "except one mapped layer; then only the mapped keys, only the mapped values, of every layer; and the converse, "
-            "every layer mapped except one that stays the target's own):",
+            "every layer mapped except one that stays the target's own; and the target's own first n layers with the "
+            "rest mapped, the cache a target gets by running its first n layers itself):",
             "",
             "| task / fit | target alone | all mapped | keys only mapped | values only mapped | worst single layers | "
-            "all mapped but one, the target's own |",
-            "|---|---|---|---|---|---|---|",
+            "all mapped but one, the target's own | the target's own first n layers, the rest mapped |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for key, row in swap.items():
             task = key.split("|")[0]
@@ -477,10 +572,12 @@ def report_markdown(report: dict) -> str:
             worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=not higher_is_better)[:4]
             worst_cells = ", ".join(f"L{layer} {score:.3f}" for layer, score in worst) or "not run"
             own_cells = ", ".join(f"all but L{layer}: {score:.3f}" for layer, score in row.get("all_but", {}).items())
+            first_cells = ", ".join(f"{n}: {score:.3f}" for n, score in row.get("own_first", {}).items())
             lines.append(
                 f"| {task}, {key.split('|')[2]}/{key.split('|')[3]} at {int(key.split('|')[1]):,} positions | "
                 f"{row['target']:.3f} | {row['mapped']:.3f} | "
-                f"{row['keys_only']:.3f} | {row['values_only']:.3f} | {worst_cells} | {own_cells or 'not run'} |"
+                f"{row['keys_only']:.3f} | {row['values_only']:.3f} | {worst_cells} | {own_cells or 'not run'} | "
+                f"{first_cells or 'not run'} |"
             )
     lines += ["", "![real family, calibration scale](benchmarks/results/real_family_scale.png)"]
     return "\n".join(lines)
@@ -585,6 +682,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-sequences", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_finetune)
+    p = fit_command(sub, "features", "fit and score the mappers that need features (windows, both kinds, MLP)", TASKS)
+    p.add_argument("--calibration", type=Path, required=True, help="the calibration folder (its snapshots)")
+    p.add_argument("--selection-positions", type=int, default=32768, help="the snapshot whose k = 8 selection is used")
+    p.add_argument("--variants", default="ridge-k8-feat,ridge-k8-w1,ridge-k8-w3,ridge-k8-both")
+    p.add_argument("--sequences", type=int, default=24)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2, help="sequences per forward")
+    p.add_argument("--calibration-seed", dest="calibration_seed", type=int, default=2, help="not the ridge's stream")
+    p.add_argument("--ridge-lambda", type=float, default=0.01)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_features)
     p = fit_command(sub, "swap", "layer_swap of one fitted mapper on real weights", "prose_retrieval,code_nll")
     p.add_argument("--variant", default="ridge-all")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")

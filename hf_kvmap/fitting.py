@@ -345,7 +345,9 @@ def fit(
             collected with disjoint `target_layers` may be passed together for a statistics-only ridge.
         selection (`LayerSelection`, *optional*): a precomputed selection (e.g. `LayerSelection.with_top_k`), to
             sweep `k` without re-probing.
-        features (`CalibrationFeatures`, *optional*): precomputed features for a fit on features.
+        features (`CalibrationFeatures`, *optional*): precomputed features; when given, the maps are fitted on them
+            whatever the kind (a per-position ridge too: solved on these positions, the statistics then give only
+            the selection and the geometry).
         tokenizer (*optional*): the shared tokenizer; its fingerprint is recorded (or pass `tokenizer_fingerprint`).
         device (*optional*): where statistics and features live and training runs (default: the source model's
             input device).
@@ -358,7 +360,8 @@ def fit(
     """
     options = (options or FitOptions()).replace(**option_changes)
     fingerprint = tokenizer_fingerprint or (fingerprint_of(tokenizer) if tokenizer is not None else None)
-    if options.fits_on_features or statistics is None:
+    on_features = options.fits_on_features or features is not None
+    if (on_features and features is None) or statistics is None:
         if source_model is None or target_model is None or calibration is None:
             raise ValueError(
                 "Pass the source and target models and the calibration data (only a per-position ridge can be "
@@ -367,8 +370,12 @@ def fit(
         calibration = list(calibration)
         if device is None:
             device = input_device(source_model)
-    if options.fits_on_features and options.kind == "mlp" and options.init == "ridge":
-        head_dim = KVGeometry.from_config(target_model.config).head_dim
+    if on_features and options.kind == "mlp" and options.init == "ridge":  # before any pass
+        if target_model is not None:
+            head_dim = KVGeometry.from_config(target_model.config).head_dim
+        else:  # statistics and features were given (checked above)
+            first = statistics if isinstance(statistics, CalibrationStatistics) else next(iter(statistics), None)
+            head_dim = first.target_geometry.head_dim if first is not None else 0
         if options.hidden_size < 2 * head_dim:
             raise ValueError(
                 f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * head_dim} (got {options.hidden_size}); "
@@ -381,7 +388,7 @@ def fit(
     parts = [statistics] if isinstance(statistics, CalibrationStatistics) else list(statistics)
     if not parts or not all(isinstance(p, CalibrationStatistics) for p in parts):
         raise ValueError("Pass a CalibrationStatistics (or a sequence of them covering disjoint target layers).")
-    if options.fits_on_features and (len(parts) > 1 or parts[0].target_layers is not None):
+    if on_features and (len(parts) > 1 or parts[0].target_layers is not None):
         raise ValueError(
             f"The statistics cover target layers {parts[0].target_layers} only; fitting on features needs the "
             "selection of every target layer. Collect statistics with target_layers=None."
@@ -391,7 +398,7 @@ def fit(
         raise ValueError("Pass either `source_layers` or `selection`, not both.")
     selection = selection or _select(parts, options)
     first = parts[0]
-    if not options.fits_on_features:
+    if not on_features:
         state, record = _solve_from_statistics(owner, selection, options), {}
     else:
         if features is None:

@@ -375,3 +375,24 @@ def test_fit_with_given_statistics_and_features_without_validation(mlp_pair, cal
             epochs=1,
             progress=False,
         )
+
+
+def test_given_features_are_fitted_on_for_a_per_position_ridge_too(mlp_pair, calibration):
+    """A plain ridge with `features` given is solved on them (not silently from the statistics): on the same
+    calibration at stride 1 both solves see the same positions, so they agree; on other features they do not."""
+    from hf_kvmap.fitting import fit
+
+    source, target = mlp_pair
+    stats = CalibrationStatistics.collect(source, target, calibration, progress=False)
+    selection = LayerSelection.from_statistics(stats).with_top_k(1)
+    plain = fit(statistics=stats, selection=selection, progress=False)
+    features = gather_features(source, target, calibration, progress=False)
+    same = fit(statistics=stats, selection=selection, features=features, progress=False)
+    assert "features" in same.config.calibration and "features" not in plain.config.calibration
+    for name, tensor in plain.state_dict.items():
+        assert_close(same.state_dict[name], tensor, 1e-4)
+    half = gather_features(source, target, calibration[:1], progress=False)
+    other = fit(statistics=stats, selection=selection, features=half, progress=False)
+    assert not torch.allclose(
+        other.state_dict["layers.0.key_proj.weight"], plain.state_dict["layers.0.key_proj.weight"]
+    )
