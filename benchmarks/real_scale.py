@@ -266,6 +266,7 @@ FEATURE_VARIANTS = {
     "ridge-k8-both": {"input_kinds": "both"},
     "ridge-k8-w1-both": {"context_window": 1, "input_kinds": "both"},
     "mlp-k8": {"kind": "mlp"},
+    "mlp-k8-h256": {"kind": "mlp", "hidden_size": 256, "epochs": 10},  # a quarter of the paper's width, half its epochs
 }
 
 

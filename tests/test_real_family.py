@@ -311,3 +311,12 @@ def test_scale_fitted_mapper_resolves_the_direction_and_the_largest_fit(scale_sc
     assert scale_script.fitted_mapper(tmp_path, "0.5b-to-1.5b", "ridge-k8", 2048)[2] == 2048
     with pytest.raises(SystemExit, match="No 0.5b-to-1.5b/ridge-all fitted"):
         scale_script.fitted_mapper(tmp_path, "0.5b-to-1.5b", "ridge-all", None)
+
+
+def test_feature_variants_are_valid_fit_options_that_need_features(scale_script):
+    """Every `real_scale.py features` variant is a valid `FitOptions`; all but the control need the features."""
+    from hf_kvmap import FitOptions
+
+    for name, spec in scale_script.FEATURE_VARIANTS.items():
+        options = FitOptions(**spec)
+        assert options.fits_on_features == (name != "ridge-k8-feat"), name
