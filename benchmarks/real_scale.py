@@ -266,7 +266,11 @@ FEATURE_VARIANTS = {
     "ridge-k8-both": {"input_kinds": "both"},
     "ridge-k8-w1-both": {"context_window": 1, "input_kinds": "both"},
     "mlp-k8": {"kind": "mlp"},
-    "mlp-k8-h256": {"kind": "mlp", "hidden_size": 256, "epochs": 10},  # a quarter of the paper's width, half its epochs
+    "mlp-k8-h256": {
+        "kind": "mlp",
+        "hidden_size": 256,
+        "epochs": 10,
+    },  # a quarter of the paper's width, half its epochs
 }
 
 
@@ -275,9 +279,9 @@ def cmd_features(args) -> int:
     `--sequences` calibration sequences keeps the content-space features in memory (`hf_kvmap.gather_features`),
     every variant is fitted on them with the k = 8 layer selection of the statistics at `--selection-positions`,
     and scored like every fit of the curve, under the number of feature positions it was fitted on."""
-    from hf_kvmap import CalibrationStatistics, FitOptions, LayerSelection, MapperModel, fit
+    from hf_kvmap import CalibrationStatistics, FitOptions, LayerSelection, MapperModel
     from hf_kvmap.features import gather_features
-    from hf_kvmap.fitting import _max_context_window
+    from hf_kvmap.fitting import fit
     from hf_kvmap.real import corpus
 
     torch.set_num_threads(args.threads)
@@ -301,7 +305,7 @@ def cmd_features(args) -> int:
         scorer.tokenizer, documents, args.sequences, args.seq_len, seed=args.calibration_seed
     )
     batches = [torch.tensor(rows[i : i + args.batch]) for i in range(0, len(rows), args.batch)]
-    window = max(_max_context_window(o, stats.target_geometry.num_layers) for o in options.values())
+    window = max(o.context_window for o in options.values())  # the variants set no per-layer windows
     start = time.perf_counter()
     features = gather_features(
         scorer.models[source],
@@ -372,20 +376,24 @@ def cmd_swap(args) -> int:
     own_layers = [int(n) for n in args.own_layers.split(",") if n]
     own_first = [int(n) for n in args.own_first.split(",") if n]
     suffix = "" if layers is None and not own_layers else f"|swap-{args.layers}|own-{args.own_layers or 'none'}"
+    own_tokens = [int(n) for n in args.own_tokens.split(",") if n]
     suffix += f"|own-first-{args.own_first}" if own_first else ""
+    suffix += f"|own-tokens-{args.own_tokens}" if own_tokens else ""
     for task in scorer.tasks:
         key = f"{task.name}|{positions}|{args.direction}|{args.variant}{suffix}"
         if key in results:
             continue
         start = time.perf_counter()
-        row = layer_swap(handoff, task, layers=layers, own_layers=own_layers, own_first=own_first)
+        row = layer_swap(
+            handoff, task, layers=layers, own_layers=own_layers, own_first=own_first, own_tokens=own_tokens
+        )
         results[key] = {**row, "seconds": time.perf_counter() - start, "n_items": args.items}
         rf.write_json(path, results)
         worst = sorted(row["layers"].items(), key=lambda kv: kv[1], reverse=task.task_type == "perplexity")[:4]
         print(
             f"{key}: target {row['target']:.3f}, mapped {row['mapped']:.3f}, keys only {row['keys_only']:.3f}, "
             f"values only {row['values_only']:.3f}; worst single layers {worst}; all but {row.get('all_but')}; "
-            f"own first {row.get('own_first')}",
+            f"own first {row.get('own_first')}; own tokens {row.get('own_tokens')}",
             flush=True,
         )
     return 0
@@ -561,11 +569,13 @@ def report_markdown(report: dict) -> str:
             "Which layers break it (`hf_kvmap.diagnostics.layer_swap` on real weights: the target reads its own cache "
             "except one mapped layer; then only the mapped keys, only the mapped values, of every layer; and the converse, "
             "every layer mapped except one that stays the target's own; and the target's own first n layers with the "
-            "rest mapped, the cache a target gets by running its first n layers itself):",
+            "rest mapped, the cache a target gets by running its first n layers itself; and every layer mapped but the "
+            "prompt's first n tokens, which are the target's own, the cache a target gets by prefilling them itself):",
             "",
             "| task / fit | target alone | all mapped | keys only mapped | values only mapped | worst single layers | "
-            "all mapped but one, the target's own | the target's own first n layers, the rest mapped |",
-            "|---|---|---|---|---|---|---|---|",
+            "all mapped but one, the target's own | the target's own first n layers, the rest mapped | "
+            "the target's own first n tokens, the rest mapped |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for key, row in swap.items():
             task = key.split("|")[0]
@@ -574,11 +584,12 @@ def report_markdown(report: dict) -> str:
             worst_cells = ", ".join(f"L{layer} {score:.3f}" for layer, score in worst) or "not run"
             own_cells = ", ".join(f"all but L{layer}: {score:.3f}" for layer, score in row.get("all_but", {}).items())
             first_cells = ", ".join(f"{n}: {score:.3f}" for n, score in row.get("own_first", {}).items())
+            token_cells = ", ".join(f"{n}: {score:.3f}" for n, score in row.get("own_tokens", {}).items())
             lines.append(
                 f"| {task}, {key.split('|')[2]}/{key.split('|')[3]} at {int(key.split('|')[1]):,} positions | "
                 f"{row['target']:.3f} | {row['mapped']:.3f} | "
                 f"{row['keys_only']:.3f} | {row['values_only']:.3f} | {worst_cells} | {own_cells or 'not run'} | "
-                f"{first_cells or 'not run'} |"
+                f"{first_cells or 'not run'} | {token_cells or 'not run'} |"
             )
     lines += ["", "![real family, calibration scale](benchmarks/results/real_family_scale.png)"]
     return "\n".join(lines)
@@ -704,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--own-first",
         default="",
         help="numbers n of leading layers kept the target's own (layers 0..n-1), the rest mapped",
+    )
+    p.add_argument(
+        "--own-tokens",
+        default="",
+        help="numbers n of leading prompt tokens kept the target's own in every layer, the rest mapped",
     )
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_swap)

@@ -18,7 +18,7 @@ from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
 from .evaluation import Handoff, evaluate_items
 from .regression import r2_score
-from .rope import RotaryCodec
+from .rope import RotaryCodec, positions_from_attention_mask
 
 
 def _r2_per_head(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
@@ -118,24 +118,31 @@ def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_toke
 
 @dataclass
 class _SwapHandoff(Handoff):
-    """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`.
+    """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`, and
+    its own cache at the first `own_tokens` positions of every prompt in every layer.
 
     Caches come from `base` (any [`Handoff`], so one that keeps its prefills on disk keeps them here too)."""
 
     base: Handoff | None = None
     layers: tuple = ()
     parts: tuple = ("keys", "values")
+    own_tokens: int = 0
 
     def context_cache(self, mode: str, ids: torch.Tensor, mask: torch.Tensor | None = None):
         if mode != "mapped":
             return self.base.context_cache(mode, ids, mask)
         reader, true = self.base.context_cache("target", ids, mask)
         _, mapped = self.base.context_cache("mapped", ids, mask)
+        length = true.layers[0].keys.shape[-2]
+        positions = positions_from_attention_mask(mask, ids.shape[0], ids.shape[1], ids.device)[:, :length]
+        exact = (positions < self.own_tokens)[:, None, :, None]  # (batch, 1, length, 1): the prompt's first tokens
         data = []
         for idx, (own, other) in enumerate(zip(true.layers, mapped.layers)):
             swap = idx in self.layers
             keys = other.keys.to(own.keys) if swap and "keys" in self.parts else own.keys
             values = other.values.to(own.values) if swap and "values" in self.parts else own.values
+            if self.own_tokens:
+                keys, values = torch.where(exact, own.keys, keys), torch.where(exact, own.values, values)
             data.append((keys, values))
         return reader, DynamicCache(ddp_cache_data=data)
 
@@ -146,6 +153,7 @@ def layer_swap(
     layers: Iterable[int] | None = None,
     own_layers: Iterable[int] = (),
     own_first: Iterable[int] = (),
+    own_tokens: Iterable[int] = (),
 ) -> dict:
     """Which mapped layer (and whether its keys or values) breaks a task, and whether the rest of the map holds.
 
@@ -155,7 +163,9 @@ def layer_swap(
     For each of `own_layers` the converse is scored too: every layer mapped except that one, which is the target's
     own (does the task hold once that layer is right?), and for each `n` of `own_first` the target's own first `n`
     layers with the rest mapped (how many exact layers does the task need? the cache a target gets by running its
-    own first `n` layers and mapping the rest).
+    own first `n` layers and mapping the rest); for each `n` of `own_tokens`, every layer mapped except at the
+    prompt's first `n` tokens (the attention sink and the template's opening), which are the target's own in every
+    layer (the cache a target gets by prefilling those `n` tokens itself).
 
     Args:
         handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer; the caches come from its
@@ -166,10 +176,13 @@ def layer_swap(
             other layer mapped (default: none).
         own_first (iterable of `int`, *optional*): numbers of leading target layers to keep the target's own, with
             every later layer mapped (default: none).
+        own_tokens (iterable of `int`, *optional*): numbers of leading prompt tokens to keep the target's own in
+            every layer, every later position mapped (default: none).
 
     Returns:
         `{"target": score, "mapped": score, "layers": {layer: score}, "keys_only": score, "values_only": score}`,
-        with `"all_but": {layer: score}` when `own_layers` is given and `"own_first": {n: score}` when `own_first` is.
+        with `"all_but": {layer: score}` when `own_layers` is given, `"own_first": {n: score}` when `own_first` is and
+        `"own_tokens": {n: score}` when `own_tokens` is.
     """
     kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
     num_layers = handoff.mapper.config.target_geometry.num_layers
@@ -183,7 +196,11 @@ def layer_swap(
             f"own_first={own_first} asks for more than the target's {num_layers} layers (or fewer than 0)."
         )
 
-    def score(mode: str, swap_layers=(), parts=("keys", "values")) -> float:
+    own_tokens = list(own_tokens)
+    if any(n < 0 for n in own_tokens):
+        raise ValueError(f"own_tokens={own_tokens} has a negative count.")
+
+    def score(mode: str, swap_layers=(), parts=("keys", "values"), tokens: int = 0) -> float:
         probe = _SwapHandoff(
             handoff.source,
             handoff.target,
@@ -193,6 +210,7 @@ def layer_swap(
             base=handoff,
             layers=tuple(swap_layers),
             parts=parts,
+            own_tokens=tokens,
         )
         return evaluate_items(probe, task.task_type, task.items, mode, **kwargs)
 
@@ -210,4 +228,6 @@ def layer_swap(
         }
     if own_first:
         result["own_first"] = {n: score("mapped", tuple(range(n, num_layers))) for n in own_first}
+    if own_tokens:
+        result["own_tokens"] = {n: score("mapped", tuple(range(num_layers)), tokens=n) for n in own_tokens}
     return result

@@ -72,6 +72,13 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
     assert first["own_first"][2] == pytest.approx(first["target"], rel=1e-5)
     with pytest.raises(ValueError, match="own_first"):
         layer_swap(probe, task, layers=[], own_first=[99])
+    # the target's own first n tokens in every layer, the rest mapped: n=0 is the full map, n past every prompt
+    # the target's own cache; in between, neither
+    tokens = layer_swap(probe, task, layers=[], own_tokens=[0, 4, 10_000])
+    assert tokens["own_tokens"][0] == pytest.approx(tokens["mapped"], rel=1e-5)
+    assert tokens["own_tokens"][10_000] == pytest.approx(tokens["target"], rel=1e-5)
+    assert tokens["own_tokens"][4] != pytest.approx(tokens["mapped"], rel=1e-6)
+    assert tokens["own_tokens"][4] != pytest.approx(tokens["target"], rel=1e-6)
 
 
 def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):
@@ -94,3 +101,31 @@ def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):
     # target + mapped by itself + one swap layer + keys_only + values_only; each swap reads target and mapped caches
     assert counting.calls == len(task.items) * (1 + 1 + 3 * 2)
     assert result["layers"][1] == pytest.approx(result["target"], rel=1e-5)
+
+
+def test_own_tokens_are_the_first_real_tokens_of_each_left_padded_row(handoff):
+    """With left padding, the target's own cache replaces the mapped one at each row's first `n` real tokens."""
+    from hf_kvmap.diagnostics import _SwapHandoff
+
+    damaged = MapperModel.identity(handoff.target.config)
+    with torch.no_grad():
+        damaged.layers[0].key_proj.weight.mul_(-1.0)
+        damaged.layers[1].value_proj.weight.mul_(-1.0)
+    base = Handoff(handoff.source, handoff.target, damaged, handoff.tokenizer)
+    layers = tuple(range(damaged.config.target_geometry.num_layers))
+    probe = _SwapHandoff(base.source, base.target, damaged, base.tokenizer, base.hold_back, base=base, layers=layers,
+                         own_tokens=3)  # fmt: skip
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1: five pads, then its first real token at index 5
+    _, swapped = probe.context_cache("mapped", ids, mask)
+    _, true = base.context_cache("target", ids, mask)
+    _, mapped = base.context_cache("mapped", ids, mask)
+    for got, own, other in zip(swapped.layers, true.layers, mapped.layers):
+        for part in ("keys", "values"):
+            got_part, own_part, other_part = (getattr(c, part) for c in (got, own, other))
+            torch.testing.assert_close(got_part[0, :, :3], own_part[0, :, :3])
+            torch.testing.assert_close(got_part[0, :, 3:], other_part[0, :, 3:].to(own_part))
+            torch.testing.assert_close(got_part[1, :, 5:8], own_part[1, :, 5:8])
+            torch.testing.assert_close(got_part[1, :, 8:], other_part[1, :, 8:].to(own_part))
+    assert not torch.allclose(true.layers[0].keys[0, :, 3:], mapped.layers[0].keys[0, :, 3:].to(true.layers[0].keys))
