@@ -562,6 +562,25 @@ def report_markdown(report: dict) -> str:
             f"{result['steps_run']} steps in {result['seconds']:.0f} s): held-out attention error "
             f"{result['initial_val_error']:.4f} -> {result['best_val_error']:.4f} (best at step {result['best_step']}).",
         ]
+    feature_fits = report.get("feature_fits") or {}
+    if feature_fits:
+        lines += [
+            "",
+            "Fitted on features (`real_scale.py features`: one pass of both models keeping the content-space features "
+            "in memory, every variant solved or trained on them with the k = 8 selection of a snapshot's statistics; "
+            "`ridge-k8-feat` is the per-position ridge on the same features, the control; `-w1`/`-w3`: each map also "
+            "reads the 1 / 3 positions before; `-both`: keys and values together; `mlp-k8-h256`: the paper's MLP at "
+            "hidden size 256, ridge-initialized, 10 epochs):",
+            "",
+            "| fit | sequences x tokens (stride) | calibration seed | selection from | feature pass s | fit s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, record in feature_fits.items():
+            lines.append(
+                f"| `{name}` | {record['sequences']} x {record['seq_len']:,} ({record['stride']}) | "
+                f"{record['calibration_seed']} | {record['selection_positions']:,} positions | "
+                f"{record['feature_seconds']:.0f} | {record['fit_seconds']:.0f} |"
+            )
     swap = report.get("layer_swap") or {}
     if swap:
         lines += [
@@ -617,6 +636,12 @@ def cmd_report(args) -> int:
         finetunes[f"{direction}/{variant}@{positions}"] = {k: v for k, v in result.items() if k != "history"}
     if finetunes:
         report["finetunes"] = finetunes
+    feature_fits = {}
+    for record in sorted((work / "mappers").glob("*/*/*/features.json")):
+        positions, direction, variant = record.parent.relative_to(work / "mappers").parts
+        feature_fits[f"{direction}/{variant}@{positions}"] = json.loads(record.read_text())
+    if feature_fits:
+        report["feature_fits"] = feature_fits
     swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     if swap.is_file():
         report["layer_swap"] = json.loads(swap.read_text())
