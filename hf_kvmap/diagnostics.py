@@ -195,7 +195,6 @@ def layer_swap(
         raise ValueError(
             f"own_first={own_first} asks for more than the target's {num_layers} layers (or fewer than 0)."
         )
-
     own_tokens = list(own_tokens)
     if any(n < 0 for n in own_tokens):
         raise ValueError(f"own_tokens={own_tokens} has a negative count.")

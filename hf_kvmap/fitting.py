@@ -9,7 +9,8 @@
 3. **Weights**: the per-position ridge is a sub-block solve of the statistics ([`solve_layer`], no further pass).
    Every other mapper (the MLP kind, `input_kinds="both"`, a `context_window`) is fitted on features kept in memory
    (`hf_kvmap.features.gather_features`, a second pass) by its kind's entry in `FEATURE_FITTERS`: one ridge solve
-   per set of maps reading the same inputs, or MLP training (`hf_kvmap.training`).
+   per set of maps reading the same inputs, or MLP training (`hf_kvmap.training`). Features passed in are always
+   fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
 4. **Config**: [`fitted_config`] records both models, the selection, the options and the calibration provenance.
 
 It returns a [`FittedMapper`] (config, weights, selection); `MapperModel.from_fitted` packages it. The public front
