@@ -406,18 +406,32 @@ def cmd_first_layer(args) -> int:
     """The fitted mappers scored again with the target computing its own first layer from the token ids
     (`MappedCache.from_source(..., target_model=, input_ids=)`), as variant `<variant>+target-L0`: what the map
     keeps once layer 0, which `swap` shows breaks retrieval alone, is exact."""
+    return score_fits(args, plain=args.also_plain, first_layer=True)
+
+
+def cmd_score(args) -> int:
+    """Fitted mappers (and both models alone) scored on the items of `--items` / `--seed`, e.g. a second item set to
+    report the variants on that they were not compared on (`report --held-out ITEMS:SEED` tabulates it)."""
+    return score_fits(args, plain=True, first_layer=False)
+
+
+def score_fits(args, plain: bool, first_layer: bool) -> int:
+    """Score each `--fits` mapper as it maps alone (`plain`) and with the target's own first layer (skipping what
+    is scored), after both models alone."""
     from hf_kvmap import MapperModel
 
     torch.set_num_threads(args.threads)
     scorer = Scorer(args)
+    scorer.alone()
     work = Path(args.work)
     for item in args.fits.split(","):
         positions, variant = item.split(":")
         source, target, positions = fitted_mapper(work, args.direction, variant, int(positions))
         mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, variant))
-        if args.also_plain:  # the same mapper as it maps alone, on the same items (skipped where scored)
+        if plain:
             scorer.score_mapper(positions, source, target, variant, mapper)
-        scorer.score_mapper(positions, source, target, variant + FIRST_LAYER, mapper, target_first_layer=True)
+        if first_layer:
+            scorer.score_mapper(positions, source, target, variant + FIRST_LAYER, mapper, target_first_layer=True)
     return 0
 
 
@@ -507,20 +521,11 @@ def _cell(row: dict, task: str) -> str:
     return f"{hits}/{entry['n_items']}"
 
 
-def report_markdown(report: dict) -> str:
-    """The README section: the curve as a table (one row per fit), the swap diagnosis, what they say."""
-    run = report["run"]
-    alone = report["alone"]
-    tasks = sorted({t for rows in report["curves"].values() for row in rows for t in row["tasks"]})
-    ppl = sorted({t for rows in report["curves"].values() for row in rows for t in row["perplexity"]})
+def curve_table(alone: dict, curves: dict) -> list[str]:
+    """One markdown row per model alone and per fit: every task, held-out R^2, fit and calibration seconds."""
+    tasks = sorted({t for rows in curves.values() for row in rows for t in row["tasks"]})
+    ppl = sorted({t for rows in curves.values() for row in rows for t in row["perplexity"]})
     lines = [
-        f"Written by `python benchmarks/real_scale.py report` from `benchmarks/results/real_family_scale.json`: the "
-        f"paper's ridge fitted on growing prefixes of one calibration stream (1,024-token sequences of the pinned "
-        f"corpus, stride 2, models in {run['dtype']}, ridge lambda {', '.join(f'{v:g}' for v in run['ridge_lambda'])}), every fit scored on the "
-        f"same {run['items_per_task']} items per task (seed {run['seed']}). The paper calibrates on about 128K "
-        "positions. Reproduce with `python benchmarks/real_scale.py follow --out $WORK/calib --work $WORK/scale` "
-        "(calibrates, keeps snapshots, scores each; resumable), then `report`.",
-        "",
         "| mapper | calibration positions | "
         + " | ".join(tasks + ppl)
         + " | held-out key R^2 | held-out value R^2 | fit s | calibration s |",
@@ -537,13 +542,29 @@ def report_markdown(report: dict) -> str:
             else:
                 cells.append(f"{round(entry['score'] * entry['n_items'])}/{entry['n_items']}")
         lines.append(f"| {model} alone | | " + " | ".join(cells) + " | | | | |")
-    for name, rows in report["curves"].items():
+    for name, rows in curves.items():
         for row in rows:
             r2 = row.get("held_out_r2", {})
             r2_cells = [f"{r2[p]:.3f}" if p in r2 else "n/a" for p in ("key", "value")]
             cells = [_cell(row, t) for t in tasks + ppl]
             r2_cells += [f"{row[k]:,.0f}" if k in row else "" for k in ("fit_seconds", "calibration_seconds")]
             lines.append(f"| {name} | {row['positions']:,} | " + " | ".join(cells + r2_cells) + " |")
+    return lines
+
+
+def report_markdown(report: dict) -> str:
+    """The README section: the curve as a table (one row per fit), the swap diagnosis, what they say."""
+    run = report["run"]
+    lines = [
+        f"Written by `python benchmarks/real_scale.py report` from `benchmarks/results/real_family_scale.json`: the "
+        f"paper's ridge fitted on growing prefixes of one calibration stream (1,024-token sequences of the pinned "
+        f"corpus, stride 2, models in {run['dtype']}, ridge lambda {', '.join(f'{v:g}' for v in run['ridge_lambda'])}), every fit scored on the "
+        f"same {run['items_per_task']} items per task (seed {run['seed']}). The paper calibrates on about 128K "
+        "positions. Reproduce with `python benchmarks/real_scale.py follow --out $WORK/calib --work $WORK/scale` "
+        "(calibrates, keeps snapshots, scores each; resumable), then `report`.",
+        "",
+        *curve_table(report["alone"], report["curves"]),
+    ]
     lines += [
         "",
         "Exact-match and choice tasks: items right / items scored; perplexity tasks: mean NLL per "
@@ -552,6 +573,14 @@ def report_markdown(report: dict) -> str:
         "included); calibration s: the pass that gathered them (both models' forwards and the sums, in "
         "chunks of 4 x 1,024 tokens on one or two threads of a machine shared with other work).",
     ]
+    for held in report.get("held_out") or []:
+        lines += [
+            "",
+            f"The same fits on a second item set (`real_scale.py --items {held['items']} --seed {held['seed']} score`, "
+            f"{held['items']} items per task, seed {held['seed']}: items the variants were not compared on):",
+            "",
+            *curve_table(held["alone"], held["curves"]),
+        ]
     for name, result in (report.get("finetunes") or {}).items():
         settings = result["settings"]
         lines += [
@@ -642,6 +671,13 @@ def cmd_report(args) -> int:
         feature_fits[f"{direction}/{variant}@{positions}"] = json.loads(record.read_text())
     if feature_fits:
         report["feature_fits"] = feature_fits
+    for spec in args.held_out:
+        items, seed = (int(n) for n in spec.split(":"))
+        held = json.loads((work / f"scores-items{items}-seed{seed}-{args.dtype}.json").read_text())
+        report.setdefault("held_out", []).append(
+            {"items": items, "seed": seed, "alone": {k: v for k, v in held.items() if "|alone|" in k},
+             "curves": assemble_curve(held)}
+        )  # fmt: skip
     swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     if swap.is_file():
         report["layer_swap"] = json.loads(swap.read_text())
@@ -753,8 +789,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--also-plain", action="store_true", help="score each mapper without the first layer too")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_first_layer)
+    p = fit_command(sub, "score", "score fitted mappers and both models alone on the items of --items/--seed", TASKS)
+    p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_score)
     p = sub.add_parser("report", help="write the results JSON and the plot")
     p.add_argument("--work", type=Path, required=True)
+    p.add_argument(
+        "--held-out",
+        action="append",
+        default=[],
+        metavar="ITEMS:SEED",
+        help="also tabulate the fits scored (`score`) on this item set; repeatable",
+    )
     p.set_defaults(func=cmd_report)
     return parser
 
