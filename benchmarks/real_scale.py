@@ -172,10 +172,16 @@ class Scorer:
             self.record(f"{task.name}|{positions}|{direction}|{variant}", task, handoff, "mapped", **extra)
 
 
-def fitted_mapper(work: Path, direction: str, variant: str, positions: int | None) -> tuple[str, str, int]:
-    """`(source, target, positions)` of a mapper `run`/`follow` fitted: at `positions`, or the largest size fitted."""
+def direction_models(direction: str) -> tuple[str, str]:
+    """`(source, target)` model names of a direction such as `0.5b-to-1.5b`."""
     short = {v: k for k, v in rf.SHORT.items()}
     source, target = (short[n] for n in direction.split("-to-"))
+    return source, target
+
+
+def fitted_mapper(work: Path, direction: str, variant: str, positions: int | None) -> tuple[str, str, int]:
+    """`(source, target, positions)` of a mapper `run`/`follow` fitted: at `positions`, or the largest size fitted."""
+    source, target = direction_models(direction)
     fitted = sorted(int(p.name) for p in (work / "mappers").iterdir() if (p / direction / variant).is_dir())
     if not fitted:
         raise SystemExit(f"No {direction}/{variant} fitted under {work / 'mappers'}; run `follow` or `run` first.")
@@ -290,8 +296,7 @@ def cmd_features(args) -> int:
     if unknown:
         raise SystemExit(f"Unknown feature variants {unknown}; choose from {sorted(FEATURE_VARIANTS)}.")
     scorer = Scorer(args)
-    short = {v: k for k, v in rf.SHORT.items()}
-    source, target = (short[n] for n in args.direction.split("-to-"))
+    source, target = direction_models(args.direction)
     folder = dict(snapshots(Path(args.calibration))).get(args.selection_positions)
     if folder is None:
         raise SystemExit(f"No snapshot of {args.selection_positions} positions under {args.calibration}.")
@@ -323,6 +328,7 @@ def cmd_features(args) -> int:
         out = mapper_folder(scorer.work, positions, args.direction, variant)
         if (out / "config.json").is_file():
             mapper = MapperModel.from_pretrained(out, dtype=torch.float32)
+            record = json.loads((out / "features.json").read_text())
         else:
             start = time.perf_counter()
             fitted = fit(
@@ -338,22 +344,24 @@ def cmd_features(args) -> int:
             mapper = MapperModel.from_fitted(fitted)
             fit_seconds = time.perf_counter() - start
             rf.save_atomically(mapper, out)
-            rf.write_json(
-                out / "features.json",
-                {
-                    "fit_seconds": fit_seconds,
-                    "feature_seconds": feature_seconds,
-                    "sequences": args.sequences,
-                    "seq_len": args.seq_len,
-                    "stride": args.stride,
-                    "calibration_seed": args.calibration_seed,
-                    "selection_positions": args.selection_positions,
-                },
-            )
+            record = {
+                "fit_seconds": fit_seconds,
+                "feature_seconds": feature_seconds,
+                "sequences": args.sequences,
+                "seq_len": args.seq_len,
+                "stride": args.stride,
+                "calibration_seed": args.calibration_seed,
+                "selection_positions": args.selection_positions,
+            }
+            rf.write_json(out / "features.json", record)
             print(f"{variant}: fitted in {fit_seconds:.0f} s", flush=True)
-        extra = json.loads((out / "features.json").read_text())
-        scorer.score_mapper(positions, source, target, variant, mapper, **extra)
+        scorer.score_mapper(positions, source, target, variant, mapper, **record)
     return 0
+
+
+def int_list(text: str) -> list[int]:
+    """`"1,2,4"` -> `[1, 2, 4]`; an empty string is an empty list."""
+    return [int(n) for n in text.split(",") if n]
 
 
 def cmd_swap(args) -> int:
@@ -372,11 +380,9 @@ def cmd_swap(args) -> int:
     handoff = scorer.handoff(source, target, mapper)
     path = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    layers = None if args.layers == "all" else [int(n) for n in args.layers.split(",") if n]
-    own_layers = [int(n) for n in args.own_layers.split(",") if n]
-    own_first = [int(n) for n in args.own_first.split(",") if n]
+    layers = None if args.layers == "all" else int_list(args.layers)
+    own_layers, own_first, own_tokens = (int_list(text) for text in (args.own_layers, args.own_first, args.own_tokens))
     suffix = "" if layers is None and not own_layers else f"|swap-{args.layers}|own-{args.own_layers or 'none'}"
-    own_tokens = [int(n) for n in args.own_tokens.split(",") if n]
     suffix += f"|own-first-{args.own_first}" if own_first else ""
     suffix += f"|own-tokens-{args.own_tokens}" if own_tokens else ""
     for task in scorer.tasks:
@@ -643,6 +649,17 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def mapper_records(work: Path, filename: str) -> dict:
+    """`{"<direction>/<variant>@<positions>": record}` of the `filename` JSON kept beside each fitted mapper (its
+    `history`, when it has one, left out)."""
+    records = {}
+    for path in sorted((work / "mappers").glob(f"*/*/*/{filename}")):
+        positions, direction, variant = path.parent.relative_to(work / "mappers").parts
+        record = json.loads(path.read_text())
+        records[f"{direction}/{variant}@{positions}"] = {k: v for k, v in record.items() if k != "history"}
+    return records
+
+
 def cmd_report(args) -> int:
     work = Path(args.work)
     path = work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
@@ -658,19 +675,10 @@ def cmd_report(args) -> int:
         "alone": {k: v for k, v in scores.items() if "|alone|" in k},
         "curves": curves,
     }
-    finetunes = {}
-    for record in sorted((work / "mappers").glob("*/*/*/finetune.json")):
-        positions, direction, variant = record.parent.relative_to(work / "mappers").parts
-        result = json.loads(record.read_text())
-        finetunes[f"{direction}/{variant}@{positions}"] = {k: v for k, v in result.items() if k != "history"}
-    if finetunes:
-        report["finetunes"] = finetunes
-    feature_fits = {}
-    for record in sorted((work / "mappers").glob("*/*/*/features.json")):
-        positions, direction, variant = record.parent.relative_to(work / "mappers").parts
-        feature_fits[f"{direction}/{variant}@{positions}"] = json.loads(record.read_text())
-    if feature_fits:
-        report["feature_fits"] = feature_fits
+    for key, filename in (("finetunes", "finetune.json"), ("feature_fits", "features.json")):
+        records = mapper_records(work, filename)
+        if records:
+            report[key] = records
     for spec in args.held_out:
         items, seed = (int(n) for n in spec.split(":"))
         held = json.loads((work / f"scores-items{items}-seed{seed}-{args.dtype}.json").read_text())

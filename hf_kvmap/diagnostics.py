@@ -133,9 +133,10 @@ class _SwapHandoff(Handoff):
             return self.base.context_cache(mode, ids, mask)
         reader, true = self.base.context_cache("target", ids, mask)
         _, mapped = self.base.context_cache("mapped", ids, mask)
-        length = true.layers[0].keys.shape[-2]
-        positions = positions_from_attention_mask(mask, ids.shape[0], ids.shape[1], ids.device)[:, :length]
-        exact = (positions < self.own_tokens)[:, None, :, None]  # (batch, 1, length, 1): the prompt's first tokens
+        if self.own_tokens:
+            length = true.layers[0].keys.shape[-2]
+            positions = positions_from_attention_mask(mask, ids.shape[0], ids.shape[1], ids.device)[:, :length]
+            exact = (positions < self.own_tokens)[:, None, :, None]  # (batch, 1, length, 1): the first tokens
         data = []
         for idx, (own, other) in enumerate(zip(true.layers, mapped.layers)):
             swap = idx in self.layers
