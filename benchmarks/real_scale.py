@@ -478,40 +478,75 @@ def assemble_curve(scores: dict) -> dict:
     return out
 
 
-def plot_curve(curves: dict, path: Path, alone: dict | None = None) -> None:
+def split_curves(curves: dict, direction: str) -> tuple[dict, list[tuple[str, dict]]]:
+    """The curves fitted at three or more sizes, and `(label, row)` of every other fit of `direction` with the largest
+    fit of each of those curves beside them (what the plot's two rows show)."""
+    scale = {name: rows for name, rows in curves.items() if len(rows) >= 3}
+    points = [
+        (f"{name.split('/')[1]} @{row['positions'] // 1024}K", row)
+        for name, rows in curves.items()
+        if name.startswith(direction + "/")
+        for row in (rows[-1:] if name in scale else rows)
+    ]
+    return scale, points
+
+
+def plot_curve(curves: dict, path: Path, alone: dict | None = None, direction: str = "0.5b-to-1.5b") -> None:
+    """Top row: the variants fitted at three or more calibration sizes, against the size. Bottom row: every other
+    variant of `direction` (and the largest fit of each curve, for reference) as one dot per fit, read across."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     alone = alone or {}
+    target = direction.split("-to-")[1]
     tasks = sorted({t for rows in curves.values() for row in rows for t in row["tasks"]})
-    fig, axes = plt.subplots(1, len(tasks) + 2, figsize=(3.6 * (len(tasks) + 2), 3.4))
+    metrics = [*tasks, "code_nll", "prose_ppl", "held_out_r2"]
+
+    def value(row: dict, metric: str, part: str = "key"):
+        if metric == "held_out_r2":
+            return row.get("held_out_r2", {}).get(part)
+        return (row["tasks"].get(metric) or row["perplexity"].get(metric, {})).get("mapped")
+
+    def title(metric: str) -> str:
+        if metric == "held_out_r2":
+            return "held-out R^2 (K; V dashed / hollow)"
+        return f"{metric} after the handoff" + (", lower is better" if metric in ("code_nll", "prose_ppl") else "")
+
+    scale, points = split_curves(curves, direction)
+    fig, axes = plt.subplots(2, len(metrics), figsize=(3.6 * len(metrics), 3.4 + 0.28 * len(points) + 1.0))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    ticks = sorted({row["positions"] for rows in curves.values() for row in rows})
-    for color, (name, rows) in zip(colors, curves.items()):
+    ticks = sorted({row["positions"] for rows in scale.values() for row in rows})
+    for color, (name, rows) in zip(colors, scale.items()):
         x = [row["positions"] for row in rows]
-        for ax, task in zip(axes, tasks):
-            ax.plot(x, [row["tasks"].get(task, {}).get("mapped") for row in rows], marker="o", color=color, label=name)
-            ax.set_title(f"{task} after the handoff", fontsize=9)
-        y = [row["perplexity"].get("code_nll", {}).get("mapped") for row in rows]
-        axes[-2].plot(x, y, marker="o", color=color, label=name)
-        axes[-2].set_title("code NLL after the handoff (lower is better)", fontsize=9)
-        for part, style in (("key", "-"), ("value", "--")):
-            y = [row.get("held_out_r2", {}).get(part) for row in rows]
-            axes[-1].plot(x, y, style, marker="o", color=color, label=f"{name} {part}")
-        axes[-1].set_title("held-out R^2, mean over layers (solid K, dashed V)", fontsize=9)
-    for ax, task in zip(axes[:-1], [*tasks, "code_nll"]):
-        for model, style in (("1.5b", ":"), ("0.5b", "-.")):
-            entry = alone.get(f"{task}|alone|{model}")
-            if entry is not None:
-                ax.axhline(entry["score"], color="gray", ls=style, lw=1, label=f"{model} alone")
-    for ax in axes:
+        for ax, metric in zip(axes[0], metrics):
+            ax.plot(x, [value(row, metric) for row in rows], marker="o", color=color, label=name)
+            if metric == "held_out_r2":
+                ax.plot(x, [value(row, metric, "value") for row in rows], "--", marker="o", color=color)
+    for ax, metric in zip(axes[0], metrics):
+        ax.set_title(title(metric), fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("calibration positions")
-    axes[0].legend(fontsize=7)
+    y = range(len(points))
+    for ax, metric in zip(axes[1], metrics):
+        ax.scatter([value(row, metric) for _, row in points], y, color="C0", zorder=3)
+        if metric == "held_out_r2":
+            ax.scatter([value(row, metric, "value") for _, row in points], y, facecolors="none", edgecolors="C0")
+        ax.set_yticks(list(y), [label for label, _ in points] if metric == metrics[0] else [""] * len(points))
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(title(metric), fontsize=9)
+    axes[1][0].set_ylabel(f"{direction}, every fit")
+    for metric, top, bottom in zip(metrics, axes[0], axes[1]):
+        for model, style in ((target, ":"), (direction.split("-to-")[0], "-.")):
+            entry = alone.get(f"{metric}|alone|{model}")
+            if entry is not None:
+                top.axhline(entry["score"], color="gray", ls=style, lw=1, label=f"{model} alone")
+                bottom.axvline(entry["score"], color="gray", ls=style, lw=1)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

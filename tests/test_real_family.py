@@ -263,6 +263,21 @@ def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
     assert "fit_seconds" not in rows[0] and "calibration_seconds" not in rows[0]
 
 
+def test_scale_plot_splits_the_curves_from_the_single_fits(scale_script, tmp_path):
+    row = {"tasks": {"prose_retrieval": {"mapped": 0.0}}, "perplexity": {"code_nll": {"mapped": 4.0}}}
+    curves = {
+        "0.5b-to-1.5b/ridge-k8": [{**row, "positions": p} for p in (2048, 4096, 8192)],
+        "0.5b-to-1.5b/ridge-k8-attn": [{**row, "positions": p} for p in (4096, 8192)],
+        "1.5b-to-0.5b/ridge-k8": [{**row, "positions": 16384}],
+    }
+    scale, points = scale_script.split_curves(curves, "0.5b-to-1.5b")
+    assert list(scale) == ["0.5b-to-1.5b/ridge-k8"]  # three sizes or more make a curve
+    # the curve's largest fit, then every fit of the other variants; other directions stay out
+    assert [label for label, _ in points] == ["ridge-k8 @8K", "ridge-k8-attn @4K", "ridge-k8-attn @8K"]
+    scale_script.plot_curve(curves, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_scale_results_and_readme_have_not_drifted(scale_script):
     if not scale_script.RESULTS.is_file():
         pytest.skip("no calibration-scale results committed")
