@@ -31,6 +31,8 @@ import real_family as rf  # noqa: E402
 RESULTS = HERE / "results" / "real_family_scale.json"
 PLOT = HERE / "results" / "real_family_scale.png"
 TASKS = "prose_retrieval,chat_recall,code_recall,code_nll"
+#: the paper's calibration: 500 sequences x 1,024 tokens at stride 4 (its "~128K tokens"); cards are written from here
+PAPER_POSITIONS = 128_000
 
 
 def snapshots(calibration: Path) -> list[tuple[int, Path]]:
@@ -193,7 +195,8 @@ def cmd_run(args) -> int:
     scorer = Scorer(args)
     scorer.alone()
     for positions, folder in snapshots(Path(args.calibration)):
-        scorer.score(positions, folder)
+        if args.sizes is None or positions in args.sizes:
+            scorer.score(positions, folder)
     print(f"prefills computed {scorer.store.computed}, loaded {scorer.store.loaded}; scores in {scorer.path}")
     return 0
 
@@ -696,6 +699,8 @@ def mapper_records(work: Path, filename: str) -> dict:
 
 
 def cmd_report(args) -> int:
+    from hf_kvmap.reporting import environment_info, update_file_section
+
     work = Path(args.work)
     path = work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
     scores = json.loads(path.read_text())
@@ -724,8 +729,8 @@ def cmd_report(args) -> int:
     swap = work / f"swap-items{args.items}-seed{args.seed}-{args.dtype}.json"
     if swap.is_file():
         report["layer_swap"] = json.loads(swap.read_text())
-    from hf_kvmap.reporting import update_file_section
-
+    report["environment"] = environment_info()
+    cards = write_cards(work, report)
     rf.write_json(RESULTS, report)
     plot_curve(curves, PLOT, report["alone"])
     update_file_section(HERE.parent / "README.md", "real-scale", report_markdown(report))
@@ -735,8 +740,37 @@ def cmd_report(args) -> int:
                 f"{t} {r['mapped']:.3f}/{r['target']:.3f}" for t, r in {**row["tasks"], **row["perplexity"]}.items()
             )
             print(f"{name} @ {row['positions']}: {cells}")
-    print(f"wrote {RESULTS}, {PLOT}, README section real-scale")
+    print(f"wrote {RESULTS}, {PLOT}, README section real-scale, cards {', '.join(cards) or 'none'}")
     return 0
+
+
+def write_cards(work: Path, report: dict) -> list[str]:
+    """A card in `model_cards/real/` for each plain ridge (`ridge-k8`, `ridge-all`) fitted at the paper's calibration
+    scale (`PAPER_POSITIONS` or more), with its results on the curve's items and its held-out R^2; its config is kept
+    beside the 16K fits' (`real_family_configs/`), so the card can be rendered again without the weights."""
+    from hf_kvmap import MapperConfig
+    from hf_kvmap.card import render_card
+
+    names = []
+    for curve, rows in report["curves"].items():
+        direction, variant = curve.split("/")
+        largest = rows[-1]
+        if variant not in rf.VARIANTS or largest["positions"] < PAPER_POSITIONS:
+            continue
+        positions = largest["positions"]
+        name = f"qwen2.5-coder-{direction}-{variant}-{positions // 1024}k"
+        config = MapperConfig.from_pretrained(mapper_folder(work, positions, direction, variant))
+        config.save_pretrained(rf.CONFIGS / name)
+        results = {key: largest[key] for key in ("tasks", "perplexity", "summary") if key in largest}
+        if "held_out_r2" in largest:
+            results["diagnostics_summary"] = {
+                f"held-out {part} R^2 (mean over target layers)": value
+                for part, value in largest["held_out_r2"].items()
+            }
+        card = render_card(rf.weightless_mapper(config), rf.card_results(report, results), model_name=name)
+        card.save(rf.CARDS / f"{name}.md")
+        names.append(name)
+    return names
 
 
 def fit_command(sub, name: str, help: str, tasks: str) -> argparse.ArgumentParser:
@@ -764,6 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--directions", default="0.5b-to-1.5b,1.5b-to-0.5b")
     p.add_argument("--variants", default="ridge-k8,ridge-all")
+    p.add_argument("--sizes", type=lambda t: set(int_list(t)), default=None, help="only these calibration positions")
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_run)

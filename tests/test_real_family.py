@@ -278,6 +278,34 @@ def test_scale_plot_splits_the_curves_from_the_single_fits(scale_script, tmp_pat
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(scale_script, tmp_path, monkeypatch):
+    import shutil
+
+    from hf_kvmap import zoo
+
+    rf = scale_script.rf
+    monkeypatch.setattr(rf, "CARDS", tmp_path / "cards")
+    monkeypatch.setattr(rf, "CONFIGS", tmp_path / "configs")
+    folder = scale_script.mapper_folder(tmp_path, 131072, "0.5b-to-1.5b", "ridge-k8")
+    folder.mkdir(parents=True)
+    shutil.copy(zoo.mapper_path("tiny-m", "tiny-l") / "config.json", folder)  # any fitted mapper's config
+    task = {"source": 1.0, "target": 1.0, "mapped": 0.5, "n_items": 16, "chance": 0.0, "task_type": "exact_match"}
+    row = {"tasks": {"prose_retrieval": task}, "perplexity": {}, "held_out_r2": {"key": 0.75, "value": 0.5}}
+    report = {
+        "run": {"items_per_task": 16, "seed": 1234},
+        "environment": {"torch": torch.__version__},
+        "curves": {
+            "0.5b-to-1.5b/ridge-k8": [{**row, "positions": 65536}, {**row, "positions": 131072}],
+            "0.5b-to-1.5b/ridge-all": [{**row, "positions": 65536}],  # below the paper's scale: no card
+            "0.5b-to-1.5b/ridge-k8-attn": [{**row, "positions": 131072}],  # not a plain ridge: no card
+        },
+    }
+    assert scale_script.write_cards(tmp_path, report) == ["qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k"]
+    card = (tmp_path / "cards" / "qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k.md").read_text()
+    assert "prose_retrieval" in card and "held-out key R^2 (mean over target layers): 0.75" in card
+    assert (tmp_path / "configs" / "qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k" / "config.json").is_file()
+
+
 def test_scale_results_and_readme_have_not_drifted(scale_script):
     if not scale_script.RESULTS.is_file():
         pytest.skip("no calibration-scale results committed")
