@@ -89,28 +89,34 @@ def greedy(model, ids, cache, steps: int) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------------------- items
 @torch.no_grad()
+def item_row(source, target, mapper, ids: torch.Tensor, gold: list[int], probes=None) -> dict:
+    """One item: the target's own greedy answer (as many tokens as `gold`), the answer on the mapped cache at each
+    hold-back the probes need (changed from the target's own? correct?), and every probe's risk."""
+    probes = probes or [probe_from_dict(settings) for settings in CANDIDATES]
+    steps = len(gold)
+    own = greedy(target, ids, target_prefill(target, ids), steps)
+    row = {"tokens": ids.shape[1], "own_correct": own == gold, "changed": {}, "mapped_correct": {}, "risk": {}}
+    for hold_back in sorted({probe.hold_back for probe in probes}):
+        source_cache = source(input_ids=ids, use_cache=True).past_key_values
+        context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
+        for probe in probes:
+            if probe.hold_back == hold_back:
+                row["risk"][key(probe.settings())] = float(probe.score(context)[0])
+        mapped = greedy(target, ids, context.cache, steps)
+        row["changed"][str(hold_back)] = mapped != own
+        row["mapped_correct"][str(hold_back)] = mapped == gold
+    return row
+
+
 def item_rows(source, target, mapper, tokenizer, task: str, items: list) -> list[dict]:
     from tqdm.auto import tqdm
 
     probes = [probe_from_dict(settings) for settings in CANDIDATES]
-    hold_backs = sorted({probe.hold_back for probe in probes})
     rows = []
     for item in tqdm(items, desc=task, leave=False):
         ids = torch.tensor([tokenizer(item.context)["input_ids"]])
-        steps = len(tokenizer(item.answer + TASKS[task], add_special_tokens=False)["input_ids"])
-        own = greedy(target, ids, target_prefill(target, ids), steps)
         gold = tokenizer(item.answer + TASKS[task], add_special_tokens=False)["input_ids"]
-        row = {"tokens": ids.shape[1], "own_correct": own == gold, "changed": {}, "mapped_correct": {}, "risk": {}}
-        for hold_back in hold_backs:
-            source_cache = source(input_ids=ids, use_cache=True).past_key_values
-            context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
-            for probe, settings in zip(probes, CANDIDATES):
-                if probe.hold_back == hold_back:
-                    row["risk"][key(settings)] = float(probe.score(context)[0])
-            mapped = greedy(target, ids, context.cache, steps)
-            row["changed"][str(hold_back)] = mapped != own
-            row["mapped_correct"][str(hold_back)] = mapped == gold
-        rows.append(row)
+        rows.append(item_row(source, target, mapper, ids, gold, probes))
     return rows
 
 
@@ -262,8 +268,9 @@ def rates(risks, labels, threshold) -> dict:
     }
 
 
-def scored_candidates(rows: dict) -> dict:
-    """Per candidate: settings, hold-back, and per `set/task` the risks and labels (the answer changed)."""
+def scored_candidates(rows: dict, tasks=TASKS) -> dict:
+    """Per candidate: settings, hold-back, and per `set/task` the risks and labels (the answer changed); the linear
+    combinations are fitted on the calibration set of `tasks`."""
     out = {}
     for settings in CANDIDATES:
         probe = probe_from_dict(settings)
@@ -274,7 +281,7 @@ def scored_candidates(rows: dict) -> dict:
             "labels": {name: [r["changed"][str(probe.hold_back)] for r in items] for name, items in rows.items()},
         }
     for combo, components in COMBINATIONS.items():
-        calibration = [f"calibration/{task}" for task in TASKS]
+        calibration = [f"calibration/{task}" for task in tasks]
         features = [[r["risk"][key(c)] for c in components] for name in calibration for r in rows[name]]
         labels = [r["changed"]["1"] for name in calibration for r in rows[name]]
         probe = fit_linear_probe(list(components), features, labels)
@@ -315,10 +322,13 @@ def items_per_set(args) -> int | None:
     return counts.pop() if counts else None
 
 
-def analyse(args, costs: dict | None) -> dict:
+def analyse(args, costs: dict | None, directions=DIRECTIONS, tasks=TASKS) -> dict:
+    """Per direction of `directions` (the checkpoints `args.work/<source>-to-<target>.json` of `tasks`): every
+    candidate's threshold from the calibration set, its rates and ROC on the report set, the chosen probe, accuracy
+    and guarded serving on the report set, and the net saving per request where `costs` has the direction."""
     work = Path(args.work)
     result = {"directions": {}}
-    for source_name, target_name in DIRECTIONS:
+    for source_name, target_name in directions:
         name = direction_name(source_name, target_name)
         path = work / f"{name}.json"
         if not path.exists():
@@ -326,10 +336,10 @@ def analyse(args, costs: dict | None) -> dict:
             continue
         rows = json.loads(path.read_text())["rows"]
         probes = {}
-        for probe_key, scored in scored_candidates(rows).items():
+        for probe_key, scored in scored_candidates(rows, tasks).items():
 
             def pooled(set_name, scored=scored):
-                names = [f"{set_name}/{task}" for task in TASKS]
+                names = [f"{set_name}/{task}" for task in tasks]
                 return sum((scored["risks"][n] for n in names), []), sum((scored["labels"][n] for n in names), [])
 
             calib_risks, calib_labels = pooled("calibration")
@@ -344,7 +354,7 @@ def analyse(args, costs: dict | None) -> dict:
                 "roc": {},
                 "auc": {"pooled": auc(report_risks, report_labels)},
             }
-            for task in TASKS:
+            for task in tasks:
                 risks, labels = scored["risks"][f"report/{task}"], scored["labels"][f"report/{task}"]
                 entry["report"][task] = rates(risks, labels, threshold)
                 curve = roc_curve(risks, labels)
@@ -382,7 +392,7 @@ def analyse(args, costs: dict | None) -> dict:
             "accuracy": {},
         }
         for set_name in SETS:
-            for task in TASKS:
+            for task in tasks:
                 task_rows = rows[f"{set_name}/{task}"]
                 direction["accuracy"][f"{set_name}/{task}"] = {
                     "items": len(task_rows),
@@ -398,7 +408,7 @@ def analyse(args, costs: dict | None) -> dict:
         # Guarded serving on the report set: the mapped answer when accepted, the target's own when refused.
         hold_back = str(chosen["hold_back"])
         guarded = {}
-        for task in TASKS:
+        for task in tasks:
             task_rows = rows[f"report/{task}"]
             refused = [risk > chosen["threshold"] for risk in chosen["_risks"][f"report/{task}"]]
             served = [r["own_correct"] if no else r["mapped_correct"][hold_back] for r, no in zip(task_rows, refused)]

@@ -29,6 +29,9 @@ sys.path.insert(0, str(HERE))
 import real_family as rf  # noqa: E402
 
 RESULTS = HERE / "results" / "real_family_scale.json"
+GUARD_RESULTS = HERE / "results" / "real_family_guard.json"
+#: the generation tasks the guard is measured on (a probe predicts a changed greedy answer)
+GUARD_TASKS = ("prose_retrieval", "chat_recall")
 PLOT = HERE / "results" / "real_family_scale.png"
 TASKS = "prose_retrieval,chat_recall,code_recall,code_nll"
 #: the paper's calibration: 500 sequences x 1,024 tokens at stride 4 (its "~128K tokens"); cards are written from here
@@ -441,6 +444,79 @@ def score_fits(args, plain: bool, first_layer: bool) -> int:
             scorer.score_mapper(positions, source, target, variant, mapper)
         if first_layer:
             scorer.score_mapper(positions, source, target, variant + FIRST_LAYER, mapper, target_first_layer=True)
+    return 0
+
+
+def guard_rows(source, target, mapper, tokenizer, task, item_row) -> list[dict]:
+    """`benchmarks/handoff.py`'s per-item row (the target's own greedy answer, the answer on the mapped cache at each
+    probe's hold-back, every candidate probe's risk) for each exact-match item of `task` (prompts as the real tasks
+    render them, the answer followed by the task's stop string)."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for item in tqdm(task.items, desc=task.name, leave=False):
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        gold = tokenizer(item.answer + task.stop, add_special_tokens=False)["input_ids"]
+        rows.append(item_row(source, target, mapper, ids, gold))
+    return rows
+
+
+def cmd_guard(args) -> int:
+    """The guarded handoff on real weights: `benchmarks/handoff.py`'s candidate probes on one fitted mapper, their
+    thresholds chosen on the `--seed` items (calibration set) and their rates reported on the `--report-seed` items;
+    resumable per set and task. Writes `results/real_family_guard.json`."""
+    import handoff as bench
+
+    from hf_kvmap import MapperModel
+    from hf_kvmap.real import corpus
+    from hf_kvmap.real.tasks import real_family_tasks
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    source, target, positions = fitted_mapper(work, args.direction, args.variant, args.positions)
+    sets = {"calibration": args.seed, "report": args.report_seed}
+    folder = work / "guard" / f"{positions}-{args.variant}-items{args.items}"
+    path = folder / f"{args.direction}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"items": args.items, "sets": sets, "rows": {}}
+    if data["sets"] != sets:
+        raise SystemExit(f"{path} holds the item sets {data['sets']}, not {sets}; pass those seeds or another --work.")
+    tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
+    documents = corpus.load_manifest(args.manifest)
+    models, mapper = None, None
+    for set_name, seed in sets.items():
+        for task in real_family_tasks(tokenizer, documents, items=args.items, seed=seed, names=list(GUARD_TASKS)):
+            if f"{set_name}/{task.name}" in data["rows"]:
+                continue
+            if models is None:
+                models = {name: rf.load_model(name, args.cache_dir, args.dtype) for name in (source, target)}
+                mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, args.variant))
+                mapper = mapper.to(models[target].dtype).eval()
+            start = time.perf_counter()
+            rows = guard_rows(models[source], models[target], mapper, tokenizer, task, bench.item_row)
+            data["rows"][f"{set_name}/{task.name}"] = rows
+            rf.write_json(path, data)
+            print(f"{set_name}/{task.name}: {len(rows)} items ({time.perf_counter() - start:.0f} s)", flush=True)
+    settings = argparse.Namespace(work=folder, max_false_alarm=args.max_false_alarm, max_cost_fraction=1.0)
+    pair = (rf.SHORT[source], rf.SHORT[target])
+    result = bench.analyse(settings, None, directions=[pair], tasks=GUARD_TASKS)
+    result["directions"][args.direction].pop("chosen_within_cost_budget")  # no costs measured here: not known
+    result["run"] = {
+        "mapper": f"{positions}/{args.direction}/{args.variant}",
+        "items_per_task_and_set": args.items,
+        "sets": sets,
+        "tasks": list(GUARD_TASKS),
+        "candidates": list(bench.CANDIDATES),
+        "max_false_alarm": args.max_false_alarm,
+        "dtype": args.dtype,
+        "label": "changed = the greedy answer on the mapped cache differs from the target's own",
+    }
+    from hf_kvmap.reporting import environment_info
+
+    result["environment"] = environment_info()
+    rf.write_json(GUARD_RESULTS, result)
+    direction = result["directions"][args.direction]
+    print(f"chosen {direction['chosen']}; guarded report set: {json.dumps(direction['guarded_report'])}")
+    print(f"wrote {GUARD_RESULTS}")
     return 0
 
 
@@ -867,6 +943,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--also-plain", action="store_true", help="score each mapper without the first layer too")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_first_layer)
+    p = fit_command(sub, "guard", "the guarded handoff's candidate probes on one fitted mapper (two item sets)", TASKS)
+    p.add_argument("--variant", default="ridge-k8")
+    p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
+    p.add_argument("--report-seed", type=int, default=4321, help="the report set (thresholds come from --seed's)")
+    p.add_argument("--max-false-alarm", type=float, default=0.1)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_guard)
     p = fit_command(sub, "score", "score fitted mappers and both models alone on the items of --items/--seed", TASKS)
     p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
     p.add_argument("--threads", type=int, default=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,31 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
     card = (tmp_path / "cards" / "qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k.md").read_text()
     assert "prose_retrieval" in card and "held-out key R^2 (mean over target layers): 0.75" in card
     assert (tmp_path / "configs" / "qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k" / "config.json").is_file()
+
+
+def test_guard_rows_of_an_identity_handoff_keep_every_answer(scale_script, one_thread):
+    """The real guard's rows (`benchmarks/handoff.py`'s `item_row`, prompts and gold as the real tasks give them) on
+    a model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
+    is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
+    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap.real.tasks import PromptItem
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import handoff as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
+    mapper = MapperModel.identity(model.config).eval()
+    items = [PromptItem(prompt="the code of locker 7 is 4 1 9 . the code of locker 7 is", answer=" 4 1 9")] * 2
+    task = type("Task", (), {"name": "prose_retrieval", "items": items, "stop": "\n"})()
+    rows = scale_script.guard_rows(model, model, mapper, tokenizer, task, bench.item_row)
+    assert len(rows) == 2 and rows[0]["tokens"] == len(tokenizer(items[0].prompt)["input_ids"])
+    for row in rows:
+        assert set(row["risk"]) == {bench.key(settings) for settings in bench.CANDIDATES}
+        assert not any(row["changed"].values())
+        assert all(correct == row["own_correct"] for correct in row["mapped_correct"].values())
+        assert row["risk"]["prefix_audit:48"] < 1e-3
 
 
 def test_scale_results_and_readme_have_not_drifted(scale_script):
