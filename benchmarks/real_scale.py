@@ -498,7 +498,10 @@ def cmd_guard(args) -> int:
             print(f"{set_name}/{task.name}: {len(rows)} items ({time.perf_counter() - start:.0f} s)", flush=True)
     settings = argparse.Namespace(work=folder, max_false_alarm=args.max_false_alarm, max_cost_fraction=1.0)
     pair = (rf.SHORT[source], rf.SHORT[target])
-    result = bench.analyse(settings, None, directions=[pair], tasks=GUARD_TASKS)
+    try:
+        result = bench.analyse(settings, None, directions=[pair], tasks=GUARD_TASKS)
+    except ValueError as error:  # e.g. no calibration item kept its answer: no false-alarm rate to choose by
+        raise SystemExit(f"{path}: {error}") from error
     result["directions"][args.direction].pop("chosen_within_cost_budget")  # no costs measured here: not known
     result["run"] = {
         "mapper": f"{positions}/{args.direction}/{args.variant}",
@@ -510,14 +513,74 @@ def cmd_guard(args) -> int:
         "dtype": args.dtype,
         "label": "changed = the greedy answer on the mapped cache differs from the target's own",
     }
-    from hf_kvmap.reporting import environment_info
+    from hf_kvmap.reporting import environment_info, update_file_section
 
     result["environment"] = environment_info()
     rf.write_json(GUARD_RESULTS, result)
+    # from the file, as the drift test reads it (non-finite values are null there)
+    update_file_section(HERE.parent / "README.md", "real-guard", guard_markdown(json.loads(GUARD_RESULTS.read_text())))
     direction = result["directions"][args.direction]
     print(f"chosen {direction['chosen']}; guarded report set: {json.dumps(direction['guarded_report'])}")
     print(f"wrote {GUARD_RESULTS}")
     return 0
+
+
+def _share(rate: float | None, count: int) -> str:
+    """`3/4` from a rate over `count` items; `-` where there were none."""
+    return "-" if rate is None or not count else f"{round(rate * count)}/{count}"
+
+
+def guard_markdown(result: dict) -> str:
+    """The README section of the guard on real weights, from `results/real_family_guard.json`."""
+    run = result["run"]
+    (direction, data), *_ = result["directions"].items()
+    tasks = run["tasks"]
+    lines = [
+        f"Written by `python benchmarks/real_scale.py --items {run['items_per_task_and_set']} --seed "
+        f"{run['sets']['calibration']} guard --work $WORK/scale --positions {run['mapper'].split('/')[0]} --variant "
+        f"{run['mapper'].split('/')[-1]} --report-seed {run['sets']['report']}` from "
+        f"`benchmarks/results/real_family_guard.json`: the mapper `{run['mapper']}` ({direction}), "
+        f"{run['items_per_task_and_set']} items per task on a calibration set (seed {run['sets']['calibration']}; "
+        f"each probe's threshold is chosen there, false alarms <= {run['max_false_alarm']:.0%}, both tasks pooled) "
+        f"and as many on a report set (seed {run['sets']['report']}; the rates below). *Changed*: the greedy "
+        "answer on the mapped cache differs from the target's own; *caught*: changed answers the probe refuses; "
+        "*false alarms*: kept answers it refuses.",
+        "",
+        "| set / task | items | target alone right | mapped right (hold back 1) | answers changed (hold back 1) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, acc in data["accuracy"].items():
+        n = acc["items"]
+        lines.append(
+            f"| {name} | {n} | {_share(acc['target_own'], n)} | {_share(acc['mapped']['1'], n)} | "
+            f"{_share(acc['changed']['1'], n)} |"
+        )
+    head = " | ".join(f"caught {t}" for t in tasks) + " | " + " | ".join(f"false alarms {t}" for t in tasks)
+    lines += [
+        "",
+        f"| probe | hold back | threshold | {head} | AUC {' / '.join(tasks)} |",
+        "|---|---|---|" + "---|" * (2 * len(tasks) + 1),
+    ]
+    for name, probe in data["probes"].items():
+        report = probe["report"]
+        caught = [_share(report[t]["true_alarm"], report[t]["changed"]) for t in tasks]
+        false = [_share(report[t]["false_alarm"], report[t]["kept"]) for t in tasks]
+        aucs = " / ".join("-" if probe["auc"][t] is None else f"{probe['auc'][t]:.2f}" for t in tasks)
+        threshold = "-" if probe["threshold"] is None else f"{probe['threshold']:.4g}"
+        lines.append(f"| {name} | {probe['hold_back']} | {threshold} | {' | '.join(caught + false)} | {aucs} |")
+    guarded = data["guarded_report"]
+    served = "; ".join(
+        f"{t}: right {guarded[t]['accuracy']:.0%}, fallback {guarded[t]['fallback_rate']:.0%}, changed answers "
+        f"served {guarded[t]['changed_answers_served']:.0%}"
+        for t in tasks
+    )
+    lines += [
+        "",
+        f"Chosen on the calibration set (the first in the table that catches 80 % of its changed answers, else the "
+        f"one that catches the most; probe costs are not measured here): `{data['chosen']}`. Guarded serving on the report set (the mapped answer where it "
+        f"accepts, the target's own prefill where it refuses): {served}.",
+    ]
+    return "\n".join(lines)
 
 
 def assemble_curve(scores: dict) -> dict:

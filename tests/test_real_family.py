@@ -340,6 +340,14 @@ def test_scale_results_and_readme_have_not_drifted(scale_script):
     assert scale_script.report_markdown(report).strip() in readme
 
 
+def test_guard_results_and_readme_have_not_drifted(scale_script):
+    if not scale_script.GUARD_RESULTS.is_file():
+        pytest.skip("no real-weights guard results committed")
+    result = json.loads(scale_script.GUARD_RESULTS.read_text())
+    readme = (BENCHMARKS.parent / "README.md").read_text()
+    assert scale_script.guard_markdown(result).strip() in readme
+
+
 def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_path, monkeypatch):
     """`Scorer.score_mapper` (shared by the curve and the fine-tune) writes R^2 and every task, and skips both later."""
     rf = scale_script.rf
