@@ -470,6 +470,7 @@ def cmd_guard(args) -> int:
     from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
+    from hf_kvmap.reporting import environment_info, update_file_section
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -513,8 +514,6 @@ def cmd_guard(args) -> int:
         "dtype": args.dtype,
         "label": "changed = the greedy answer on the mapped cache differs from the target's own",
     }
-    from hf_kvmap.reporting import environment_info, update_file_section
-
     result["environment"] = environment_info()
     rf.write_json(GUARD_RESULTS, result)
     # from the file, as the drift test reads it (non-finite values are null there)
@@ -576,9 +575,9 @@ def guard_markdown(result: dict) -> str:
     )
     lines += [
         "",
-        f"Chosen on the calibration set (the first in the table that catches 80 % of its changed answers, else the "
-        f"one that catches the most; probe costs are not measured here): `{data['chosen']}`. Guarded serving on the report set (the mapped answer where it "
-        f"accepts, the target's own prefill where it refuses): {served}.",
+        "Chosen on the calibration set (the first in the table that catches 80 % of its changed answers, else the "
+        f"one that catches the most; probe costs are not measured here): `{data['chosen']}`. Guarded serving on the "
+        f"report set (the mapped answer where it accepts, the target's own prefill where it refuses): {served}.",
     ]
     return "\n".join(lines)
 
