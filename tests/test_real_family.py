@@ -332,6 +332,18 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(scale_script, one_t
         assert row["risk"]["prefix_audit:48"] < 1e-3
 
 
+def test_benchmarks_readme_real_scale_commands_parse(scale_script):
+    """Every `real_scale.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
+    import re
+    import shlex
+
+    text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^python benchmarks/real_scale\.py (.+)$", text, re.MULTILINE)
+    assert len(commands) >= 10
+    for command in commands:
+        scale_script.build_parser().parse_args(shlex.split(command, comments=True))
+
+
 def test_scale_results_and_readme_have_not_drifted(scale_script):
     if not scale_script.RESULTS.is_file():
         pytest.skip("no calibration-scale results committed")
