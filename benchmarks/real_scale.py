@@ -882,33 +882,40 @@ def cmd_report(args) -> int:
     return 0
 
 
-def write_cards(work: Path, report: dict) -> list[str]:
-    """A card in `model_cards/real/` for each plain ridge (`ridge-k8`, `ridge-all`) fitted at the paper's calibration
-    scale (`PAPER_POSITIONS` or more), with its results on the curve's items and its held-out R^2; its config is kept
-    beside the 16K fits' (`real_family_configs/`), so the card can be rendered again without the weights."""
-    from hf_kvmap import MapperConfig
-    from hf_kvmap.card import render_card
-
-    names = []
+def paper_scale_fits(report: dict) -> dict[str, tuple[str, dict]]:
+    """Card name -> `(curve, row)` of each plain ridge (`ridge-k8`, `ridge-all`) fitted at the paper's calibration
+    scale (`PAPER_POSITIONS` or more; the largest fit of its curve, e.g. `0.5b-to-1.5b/ridge-k8`)."""
+    fits = {}
     for curve, rows in report["curves"].items():
         direction, variant = curve.split("/")
-        largest = rows[-1]
-        if variant not in rf.VARIANTS or largest["positions"] < PAPER_POSITIONS:
-            continue
-        positions = largest["positions"]
-        name = f"qwen2.5-coder-{direction}-{variant}-{positions // 1024}k"
-        config = MapperConfig.from_pretrained(mapper_folder(work, positions, direction, variant))
+        if variant in rf.VARIANTS and rows[-1]["positions"] >= PAPER_POSITIONS:
+            fits[f"qwen2.5-coder-{direction}-{variant}-{rows[-1]['positions'] // 1024}k"] = (curve, rows[-1])
+    return fits
+
+
+def render_scale_card(name: str, config, report: dict, row: dict):
+    """The card of one paper-scale fit: its results on the curve's items and its held-out R^2."""
+    from hf_kvmap.card import render_card
+
+    results = {key: row[key] for key in ("tasks", "perplexity", "summary") if key in row}
+    if "held_out_r2" in row:
+        results["diagnostics_summary"] = {
+            f"held-out {part} R^2 (mean over target layers)": value for part, value in row["held_out_r2"].items()
+        }
+    return render_card(rf.weightless_mapper(config), rf.card_results(report, results), model_name=name)
+
+
+def write_cards(work: Path, report: dict) -> list[str]:
+    """A card in `model_cards/real/` for each fit of `paper_scale_fits`; its config is kept beside the 16K fits'
+    (`real_family_configs/`), so the card can be rendered again without the weights."""
+    from hf_kvmap import MapperConfig
+
+    fits = paper_scale_fits(report)
+    for name, (curve, row) in fits.items():
+        config = MapperConfig.from_pretrained(mapper_folder(work, row["positions"], *curve.split("/")))
         config.save_pretrained(rf.CONFIGS / name)
-        results = {key: largest[key] for key in ("tasks", "perplexity", "summary") if key in largest}
-        if "held_out_r2" in largest:
-            results["diagnostics_summary"] = {
-                f"held-out {part} R^2 (mean over target layers)": value
-                for part, value in largest["held_out_r2"].items()
-            }
-        card = render_card(rf.weightless_mapper(config), rf.card_results(report, results), model_name=name)
-        card.save(rf.CARDS / f"{name}.md")
-        names.append(name)
-    return names
+        render_scale_card(name, config, report, row).save(rf.CARDS / f"{name}.md")
+    return list(fits)
 
 
 def fit_command(sub, name: str, help: str, tasks: str) -> argparse.ArgumentParser:

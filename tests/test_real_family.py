@@ -213,16 +213,17 @@ def test_real_family_results_cards_and_readme_have_not_drifted(script):
     if not script.RESULTS.is_file():
         pytest.skip("no real-family results committed")
     report = json.loads(script.RESULTS.read_text())
-    cards = sorted(script.CARDS.glob("*.md"))
-    assert cards, "results without cards"
-    for card in cards:
-        name = card.stem
-        direction, variant = name.removeprefix("qwen2.5-coder-").rsplit("-ridge-", 1)
-        results = report["directions"][direction]["variants"][f"ridge-{variant}"]
+    expected = {
+        f"qwen2.5-coder-{direction}-{variant}": results
+        for direction, entry in report["directions"].items()
+        for variant, results in entry["variants"].items()
+    }
+    assert expected, "results without mappers"
+    for name, results in expected.items():
         config = MapperConfig.from_pretrained(script.CONFIGS / name)
         mapper = script.weightless_mapper(config)
         rendered = render_card(mapper, script.card_results(report, results), model_name=name)
-        assert card.read_text().strip() == str(rendered).strip(), name
+        assert (script.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
     readme = (BENCHMARKS.parent / "README.md").read_text()
     assert script.report_markdown(report).strip() in readme
 
@@ -342,6 +343,26 @@ def test_benchmarks_readme_real_scale_commands_parse(scale_script):
     assert len(commands) >= 10
     for command in commands:
         scale_script.build_parser().parse_args(shlex.split(command, comments=True))
+
+
+def test_scale_cards_have_not_drifted(scale_script):
+    """The cards of the paper-scale fits are what the committed scale results render (from the committed configs),
+    and every card in model_cards/real/ is one of the 16K fits' or of these."""
+    from hf_kvmap import MapperConfig
+
+    rf = scale_script.rf
+    if not scale_script.RESULTS.is_file():
+        pytest.skip("no calibration-scale results committed")
+    report = json.loads(scale_script.RESULTS.read_text())
+    fits = scale_script.paper_scale_fits(report)
+    for name, (_, row) in fits.items():
+        config = MapperConfig.from_pretrained(rf.CONFIGS / name)
+        rendered = scale_script.render_scale_card(name, config, report, row)
+        assert (rf.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
+    if rf.RESULTS.is_file():
+        sixteen = json.loads(rf.RESULTS.read_text())["directions"]
+        fits.update({f"qwen2.5-coder-{d}-{v}": None for d, entry in sixteen.items() for v in entry["variants"]})
+    assert {card.stem for card in rf.CARDS.glob("*.md")} == set(fits)
 
 
 def test_scale_results_and_readme_have_not_drifted(scale_script):
