@@ -365,20 +365,13 @@ def test_scale_cards_have_not_drifted(scale_script):
     assert {card.stem for card in rf.CARDS.glob("*.md")} == set(fits)
 
 
-def test_scale_results_and_readme_have_not_drifted(scale_script):
-    if not scale_script.RESULTS.is_file():
-        pytest.skip("no calibration-scale results committed")
-    report = json.loads(scale_script.RESULTS.read_text())
+@pytest.mark.parametrize("results, markdown", [("RESULTS", "report_markdown"), ("GUARD_RESULTS", "guard_markdown")])
+def test_scale_and_guard_results_and_readme_have_not_drifted(scale_script, results, markdown):
+    path = getattr(scale_script, results)
+    if not path.is_file():
+        pytest.skip(f"no {path.name} committed")
     readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert scale_script.report_markdown(report).strip() in readme
-
-
-def test_guard_results_and_readme_have_not_drifted(scale_script):
-    if not scale_script.GUARD_RESULTS.is_file():
-        pytest.skip("no real-weights guard results committed")
-    result = json.loads(scale_script.GUARD_RESULTS.read_text())
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert scale_script.guard_markdown(result).strip() in readme
+    assert getattr(scale_script, markdown)(json.loads(path.read_text())).strip() in readme
 
 
 def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_path, monkeypatch):
