@@ -108,14 +108,16 @@ def item_row(source, target, mapper, ids: torch.Tensor, gold: list[int], probes=
     return row
 
 
-def item_rows(source, target, mapper, tokenizer, task: str, items: list) -> list[dict]:
+def item_rows(source, target, mapper, tokenizer, task: str, pairs: list[tuple[str, str]]) -> list[dict]:
+    """`item_row` of every `(prompt, expected continuation)` pair of `task` (the continuation is the answer followed
+    by the task's stop string; the prompt is tokenized with the tokenizer's special tokens, the continuation without)."""
     from tqdm.auto import tqdm
 
     probes = [probe_from_dict(settings) for settings in CANDIDATES]
     rows = []
-    for item in tqdm(items, desc=task, leave=False):
-        ids = torch.tensor([tokenizer(item.context)["input_ids"]])
-        gold = tokenizer(item.answer + TASKS[task], add_special_tokens=False)["input_ids"]
+    for prompt, expected in tqdm(pairs, desc=task, leave=False):
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        gold = tokenizer(expected, add_special_tokens=False)["input_ids"]
         rows.append(item_row(source, target, mapper, ids, gold, probes))
     return rows
 
@@ -134,7 +136,8 @@ def run_items(args) -> None:
         for set_name, seed in SETS.items():
             for task in TASKS:
                 items = corpus.make_eval_set(task, args.items, seed=seed)
-                result[f"{set_name}/{task}"] = item_rows(source, target, mapper, tokenizer, task, items)
+                pairs = [(item.context, item.answer + TASKS[task]) for item in items]
+                result[f"{set_name}/{task}"] = item_rows(source, target, mapper, tokenizer, task, pairs)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"items": args.items, "sets": SETS, "rows": result}))
         tmp.replace(path)
@@ -387,10 +390,11 @@ def analyse(args, costs: dict | None, directions=DIRECTIONS, tasks=TASKS) -> dic
             "target": target_name,
             "probes": probes,
             "chosen": chosen_key,
-            "chosen_within_cost_budget": chosen.get("cost_fraction_of_prefill", 0.0) <= args.max_cost_fraction,
             "chosen_meets_catch_target": round(chosen["calibration"]["true_alarm"] or 0.0, 2) >= MIN_CAUGHT,
             "accuracy": {},
         }
+        if "cost_fraction_of_prefill" in chosen:  # only where the probes' costs were measured
+            direction["chosen_within_cost_budget"] = chosen["cost_fraction_of_prefill"] <= args.max_cost_fraction
         for set_name in SETS:
             for task in tasks:
                 task_rows = rows[f"{set_name}/{task}"]

@@ -447,20 +447,6 @@ def score_fits(args, plain: bool, first_layer: bool) -> int:
     return 0
 
 
-def guard_rows(source, target, mapper, tokenizer, task, item_row) -> list[dict]:
-    """`benchmarks/handoff.py`'s per-item row (the target's own greedy answer, the answer on the mapped cache at each
-    probe's hold-back, every candidate probe's risk) for each exact-match item of `task` (prompts as the real tasks
-    render them, the answer followed by the task's stop string)."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for item in tqdm(task.items, desc=task.name, leave=False):
-        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
-        gold = tokenizer(item.answer + task.stop, add_special_tokens=False)["input_ids"]
-        rows.append(item_row(source, target, mapper, ids, gold))
-    return rows
-
-
 def cmd_guard(args) -> int:
     """The guarded handoff on real weights: `benchmarks/handoff.py`'s candidate probes on one fitted mapper, their
     thresholds chosen on the `--seed` items (calibration set) and their rates reported on the `--report-seed` items;
@@ -493,17 +479,17 @@ def cmd_guard(args) -> int:
                 mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, args.variant))
                 mapper = mapper.to(models[target].dtype).eval()
             start = time.perf_counter()
-            rows = guard_rows(models[source], models[target], mapper, tokenizer, task, bench.item_row)
+            pairs = [(item.prompt, item.answer + task.stop) for item in task.items]
+            rows = bench.item_rows(models[source], models[target], mapper, tokenizer, task.name, pairs)
             data["rows"][f"{set_name}/{task.name}"] = rows
             rf.write_json(path, data)
             print(f"{set_name}/{task.name}: {len(rows)} items ({time.perf_counter() - start:.0f} s)", flush=True)
-    settings = argparse.Namespace(work=folder, max_false_alarm=args.max_false_alarm, max_cost_fraction=1.0)
+    settings = argparse.Namespace(work=folder, max_false_alarm=args.max_false_alarm)
     pair = (rf.SHORT[source], rf.SHORT[target])
     try:
         result = bench.analyse(settings, None, directions=[pair], tasks=GUARD_TASKS)
     except ValueError as error:  # e.g. no calibration item kept its answer: no false-alarm rate to choose by
         raise SystemExit(f"{path}: {error}") from error
-    result["directions"][args.direction].pop("chosen_within_cost_budget")  # no costs measured here: not known
     result["run"] = {
         "mapper": f"{positions}/{args.direction}/{args.variant}",
         "items_per_task_and_set": args.items,
@@ -641,7 +627,7 @@ def plot_curve(curves: dict, path: Path, alone: dict | None = None, direction: s
     import matplotlib.pyplot as plt
 
     alone = alone or {}
-    target = direction.split("-to-")[1]
+    source, target = direction.split("-to-")
     tasks = sorted({t for rows in curves.values() for row in rows for t in row["tasks"]})
     metrics = [*tasks, "code_nll", "prose_ppl", "held_out_r2"]
 
@@ -682,7 +668,7 @@ def plot_curve(curves: dict, path: Path, alone: dict | None = None, direction: s
         ax.set_title(title(metric), fontsize=9)
     axes[1][0].set_ylabel(f"{direction}, every fit")
     for metric, top, bottom in zip(metrics, axes[0], axes[1]):
-        for model, style in ((target, ":"), (direction.split("-to-")[0], "-.")):
+        for model, style in ((target, ":"), (source, "-.")):
             entry = alone.get(f"{metric}|alone|{model}")
             if entry is not None:
                 top.axhline(entry["score"], color="gray", ls=style, lw=1, label=f"{model} alone")

@@ -308,9 +308,9 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
     assert (tmp_path / "configs" / "qwen2.5-coder-0.5b-to-1.5b-ridge-k8-128k" / "config.json").is_file()
 
 
-def test_guard_rows_of_an_identity_handoff_keep_every_answer(scale_script, one_thread):
-    """The real guard's rows (`benchmarks/handoff.py`'s `item_row`, prompts and gold as the real tasks give them) on
-    a model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
+def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
+    """The guard's rows (`benchmarks/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
+    model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap.real.tasks import PromptItem
@@ -323,8 +323,8 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(scale_script, one_t
     model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
     mapper = MapperModel.identity(model.config).eval()
     items = [PromptItem(prompt="the code of locker 7 is 4 1 9 . the code of locker 7 is", answer=" 4 1 9")] * 2
-    task = type("Task", (), {"name": "prose_retrieval", "items": items, "stop": "\n"})()
-    rows = scale_script.guard_rows(model, model, mapper, tokenizer, task, bench.item_row)
+    pairs = [(item.prompt, item.answer + "\n") for item in items]
+    rows = bench.item_rows(model, model, mapper, tokenizer, "prose_retrieval", pairs)
     assert len(rows) == 2 and rows[0]["tokens"] == len(tokenizer(items[0].prompt)["input_ids"])
     for row in rows:
         assert set(row["risk"]) == {bench.key(settings) for settings in bench.CANDIDATES}
