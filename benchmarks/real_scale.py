@@ -943,7 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=2)
     p.add_argument("--calibration-seed", dest="calibration_seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--snapshots", type=lambda t: {int(n) for n in t.split(",") if n}, default={2, 4, 8, 16, 32, 64})
+    p.add_argument("--snapshots", type=lambda t: set(int_list(t)), default={2, 4, 8, 16, 32, 64})
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--directions", default="0.5b-to-1.5b")
     p.add_argument("--variants", default="ridge-k8,ridge-all")
