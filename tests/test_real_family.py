@@ -47,6 +47,22 @@ def fake_machine(root: Path, files: int = 12) -> tuple[Path, Path]:
     return stdlib, share
 
 
+@pytest.fixture(autouse=True)
+def split_by_relative_path(monkeypatch, tmp_path):
+    """Split the fake machine's files by their path under `tmp_path`, as the library splits absolute paths.
+
+    The library hashes the absolute path; pytest's `tmp_path` changes from run to run, so without this the
+    held-out share of a dozen fake files would be drawn anew each run (some runs hold out no code at all).
+    """
+    split_of = corpus._split_of
+
+    def relative_split(path: str) -> str:
+        relative = Path(path)
+        return split_of(relative.relative_to(tmp_path).as_posix() if relative.is_relative_to(tmp_path) else path)
+
+    monkeypatch.setattr(corpus, "_split_of", relative_split)
+
+
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """A byte-level BPE tokenizer trained here (every character round-trips), with a chat template."""
