@@ -222,19 +222,61 @@ def cmd_follow(args) -> int:
     return rf.cmd_calibrate(calibration, models=scorer.models, after_checkpoint=after_checkpoint)
 
 
+#: `finetune --objective`: the fine-tune and the suffix of the fine-tuned variant's name
+FINETUNE_OBJECTIVES = {"attention": "attn", "kl": "kl"}
+
+
+def finetune_metric(result: dict) -> tuple[str, float, float]:
+    """The held-out metric of a fine-tune's record, with its initial and best values."""
+    if "initial_val_kl" in result:
+        return "KL", result["initial_val_kl"], result["best_val_kl"]
+    return "attention error", result["initial_val_error"], result["best_val_error"]
+
+
+def readback_rows(tokenizer, documents, count: int, seed: int, chat_passage: int = 26) -> list[list[int]]:
+    """`count` fine-tune rows in the form of the read-back tasks, built from the calibration split (the tasks read
+    the held-out one): alternately a retrieval prompt and a chat-recall prompt (its four passages of `chat_passage`
+    tokens, so that both kinds come out about as long), each with its answer and the chat's end of turn,
+    left-cropped to the shortest so that the rows share one length. The crop may eat the start of the system prompt,
+    never the fact read back: a row whose kept part no longer states its answer raises."""
+    from hf_kvmap.real.tasks import chat_recall, prose_retrieval
+
+    half = (count + 1) // 2
+    retrieval = prose_retrieval(tokenizer, documents, half, seed=seed, split="calibration")
+    chat = chat_recall(tokenizer, documents, half, tokens=chat_passage, seed=seed, split="calibration")
+    items = [item for pair in zip(retrieval, chat) for item in pair][:count]
+    prompts = [tokenizer(i.prompt, add_special_tokens=False)["input_ids"] for i in items]
+    answers = [tokenizer(i.answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for i in items]
+    length = min(len(p) + len(a) for p, a in zip(prompts, answers))
+    rows = []
+    for item, prompt, answer in zip(items, prompts, answers):
+        kept = prompt[len(prompt) + len(answer) - length :]
+        if item.answer not in tokenizer.decode(kept):
+            raise ValueError(
+                f"Cropping the read-back rows to {length} tokens cut the fact out of a prompt of {len(prompt)} "
+                "tokens; make the two kinds of prompt closer in length (chat_passage)."
+            )
+        rows.append(kept + answer)
+    return rows
+
+
 def cmd_finetune(args) -> int:
-    """What the objectives bring on real weights: the ridge fitted at `--positions`, fine-tuned by the per-layer
-    attention objective (`hf_kvmap.attention_objective`) on calibration sequences of another seed, then scored on
-    the same items as every fit of the curve (variant `<variant>-attn`)."""
+    """What the objectives bring on real weights: the ridge fitted at `--positions`, fine-tuned on calibration
+    sequences of another seed by the per-layer attention objective (`hf_kvmap.attention_objective`, variant
+    `<variant>-attn`) or the end-to-end KL through the target (`hf_kvmap.objectives.kl_finetune`, `<variant>-kl`),
+    then scored on the same items as every fit of the curve."""
     from hf_kvmap import MapperModel
     from hf_kvmap.attention_objective import attention_finetune
+    from hf_kvmap.objectives import kl_finetune
     from hf_kvmap.real import corpus
 
     torch.set_num_threads(args.threads)
     scorer = Scorer(args)
     work = Path(args.work)
     source, target, positions = fitted_mapper(work, args.direction, args.variant, args.positions)
-    name = f"{args.variant}-attn"
+    name = args.name or f"{args.variant}-{FINETUNE_OBJECTIVES[args.objective]}" + (
+        "-readback" if args.data == "readback" else ""
+    )
     out = mapper_folder(work, positions, args.direction, name)
     if (out / "config.json").is_file():
         mapper = MapperModel.from_pretrained(out, dtype=torch.float32)
@@ -242,10 +284,15 @@ def cmd_finetune(args) -> int:
         mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, args.variant))
         mapper = mapper.to(torch.float32)
         documents = corpus.load_manifest(args.manifest)
-        rows = corpus.calibration_sequences(
-            scorer.tokenizer, documents, args.sequences, args.seq_len, seed=args.calibration_seed
-        )
-        result = attention_finetune(
+        if args.data == "readback":
+            rows = readback_rows(scorer.tokenizer, documents, args.sequences, args.calibration_seed)
+        else:
+            rows = corpus.calibration_sequences(
+                scorer.tokenizer, documents, args.sequences, args.seq_len, seed=args.calibration_seed
+            )
+        finetune = attention_finetune if args.objective == "attention" else kl_finetune
+        extra = {"min_prefix": args.min_prefix} if args.objective == "kl" else {}
+        result = finetune(
             mapper,
             scorer.models[source],
             scorer.models[target],
@@ -257,11 +304,16 @@ def cmd_finetune(args) -> int:
             patience=args.patience,
             val_sequences=args.val_sequences,
             cache_references=True,
+            **extra,
         )
         rf.save_atomically(mapper, out)
-        rf.write_json(out / "finetune.json", result.to_dict())
+        rf.write_json(
+            out / "finetune.json",
+            {"objective": args.objective, "data": args.data, "start": args.variant, **result.to_dict()},
+        )
+        metric, initial, best = finetune_metric(result.to_dict())
         print(
-            f"attention fine-tune: held-out error {result.initial_val_error:.4f} -> {result.best_val_error:.4f} "
+            f"{args.objective} fine-tune: held-out {metric} {initial:.4f} -> {best:.4f} "
             f"(step {result.best_step} of {result.steps_run}, {result.seconds:.0f} s)",
             flush=True,
         )
@@ -751,13 +803,26 @@ def report_markdown(report: dict) -> str:
         ]
     for name, result in (report.get("finetunes") or {}).items():
         settings = result["settings"]
+        objective = result.get("objective", "attention")  # the first fine-tunes ran before `--objective`
+        described = {"attention": "the per-layer attention objective", "kl": "the end-to-end KL through the target"}
+        metric, initial, best = finetune_metric(result)
+        data = (
+            "retrieval and chat-recall prompts with their answers, built from the calibration split"
+            if result.get("data") == "readback"
+            else "another calibration seed"
+        )
+        option = " --data readback" if result.get("data") == "readback" else ""
+        start = "the ridge fitted at that size"
+        if result.get("start", "ridge-k8") not in ("ridge-k8", "ridge-all"):  # a fine-tune of a fine-tune
+            start = f"`{result['start']}`"
+            option += f" --variant {result['start']}"
         lines += [
             "",
-            f"`{name}`: the ridge fitted at that size, then fine-tuned by the per-layer attention objective "
-            f"(`real_scale.py finetune`: {result['sequences_train']} sequences of {result['sequence_length']} tokens "
-            f"of another calibration seed, {result['sequences_val']} held out, Adam {settings['lr']:g}, "
-            f"{result['steps_run']} steps in {result['seconds']:.0f} s): held-out attention error "
-            f"{result['initial_val_error']:.4f} -> {result['best_val_error']:.4f} (best at step {result['best_step']}).",
+            f"`{name}`: {start}, then fine-tuned by {described[objective]} "
+            f"(`real_scale.py finetune --objective {objective}{option}`: {result['sequences_train']} sequences of "
+            f"{result['sequence_length']} tokens of {data}, {result['sequences_val']} held out, "
+            f"Adam {settings['lr']:g}, {result['steps_run']} steps in {result['seconds']:.0f} s): held-out {metric} "
+            f"{initial:.4f} -> {best:.4f} (best at step {result['best_step']}).",
         ]
     feature_fits = report.get("feature_fits") or {}
     if feature_fits:
@@ -950,8 +1015,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_follow)
-    p = fit_command(sub, "finetune", "attention-objective fine-tune of one fitted ridge, scored like the curve", TASKS)
-    p.add_argument("--variant", default="ridge-k8")
+    p = fit_command(sub, "finetune", "attention or KL fine-tune of one fitted ridge, scored like the curve", TASKS)
+    p.add_argument("--objective", choices=sorted(FINETUNE_OBJECTIVES), default="attention")
+    p.add_argument("--min-prefix", type=int, default=32, help="kl: the shortest mapped prefix and suffix")
+    p.add_argument(
+        "--data",
+        choices=("calibration", "readback"),
+        default="calibration",
+        help="calibration text, or retrieval and chat-recall prompts built from the calibration split (--seq-len unused)",
+    )
+    p.add_argument("--variant", default="ridge-k8", help="the fitted mapper to start from (a fine-tuned one too)")
+    p.add_argument("--name", default=None, help="the fine-tuned variant (default: <variant>-<objective>[-readback])")
     p.add_argument("--positions", type=int, default=None, help="which fit (default: the largest)")
     p.add_argument("--sequences", type=int, default=32, help="fine-tune sequences (the last --val-sequences held out)")
     p.add_argument("--seq-len", type=int, default=512)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -351,7 +352,6 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
 
 def test_benchmarks_readme_real_scale_commands_parse(scale_script):
     """Every `real_scale.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
-    import re
     import shlex
 
     text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
@@ -439,3 +439,23 @@ def test_feature_variants_are_valid_fit_options_that_need_features(scale_script)
     for name, spec in scale_script.FEATURE_VARIANTS.items():
         options = FitOptions(**spec)
         assert options.fits_on_features == (name != "ridge-k8-feat"), name
+
+
+def test_readback_rows_keep_the_fact_and_read_calibration_files_only(tmp_path, byte_tokenizer, scale_script):
+    """The KL fine-tune's read-back rows: one length, each ends with its answer and the end of turn, still states
+    the answer before it after the crop, and every passage comes from a calibration file (the tasks read the rest)."""
+    documents = corpus.discover(*fake_machine(tmp_path, files=30))
+    opening = {"mod": "Module", "LICENSE-": "License"}  # each fake file opens with "Module N." or "License N."
+    split = {(opening[m[1]], m[2]): d.split for d in documents if (m := re.search(r"(mod|LICENSE-)(\d+)", d.path))}
+    rows = scale_script.readback_rows(byte_tokenizer, documents, 6, seed=5)
+    assert len(rows) == 6 and len({len(row) for row in rows}) == 1
+    files = set()
+    for row in rows:
+        text = byte_tokenizer.decode(row)
+        assert text.endswith("<eos>")
+        prompt, answer = text.removesuffix("<eos>").rsplit("<assistant>", 1)
+        assert answer in prompt
+        files |= set(re.findall(r"(License|Module) (\d+)\.", prompt))
+    assert files and {split[n] for n in files} == {"calibration"}
+    with pytest.raises(ValueError, match="cut the fact out"):
+        scale_script.readback_rows(byte_tokenizer, documents, 6, seed=5, chat_passage=400)

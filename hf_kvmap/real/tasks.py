@@ -54,9 +54,11 @@ class TextItem:
     text: str
 
 
-def _passages(tokenizer, documents, tokens: int, seed: int, kind: str, per_file: int = 1) -> list[str]:
-    """Held-out passages of `tokens` tokens (up to `per_file` consecutive windows per file), in a fixed order."""
-    texts = prose_texts(documents, "heldout", seed) if kind == "prose" else code_texts(documents, "heldout", seed)
+def _passages(
+    tokenizer, documents, tokens: int, seed: int, kind: str, per_file: int = 1, split: str = "heldout"
+) -> list[str]:
+    """Passages of `tokens` tokens of one split (up to `per_file` consecutive windows per file), in a fixed order."""
+    texts = prose_texts(documents, split, seed) if kind == "prose" else code_texts(documents, split, seed)
     found = []
     for text in texts:
         ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
@@ -77,9 +79,12 @@ def _chat(tokenizer, messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def prose_retrieval(tokenizer, documents, items: int, tokens: int = 150, seed: int = 1234) -> list[PromptItem]:
+def prose_retrieval(
+    tokenizer, documents, items: int, tokens: int = 150, seed: int = 1234, split: str = "heldout"
+) -> list[PromptItem]:
+    """Retrieval items (see the module docstring); `split="calibration"` builds training items from the other files."""
     rng = random.Random(f"{seed}-retrieval")
-    passages = _passages(tokenizer, documents, tokens, seed, "prose")
+    passages = _passages(tokenizer, documents, tokens, seed, "prose", split=split)
     out = []
     for index in range(items):
         passage = passages[index % len(passages)]
@@ -94,9 +99,12 @@ def prose_retrieval(tokenizer, documents, items: int, tokens: int = 150, seed: i
     return out
 
 
-def chat_recall(tokenizer, documents, items: int, tokens: int = 45, seed: int = 1234) -> list[PromptItem]:
+def chat_recall(
+    tokenizer, documents, items: int, tokens: int = 45, seed: int = 1234, split: str = "heldout"
+) -> list[PromptItem]:
+    """Chat-recall items (see the module docstring); `split` as for `prose_retrieval`."""
     rng = random.Random(f"{seed}-chat")
-    passages = _passages(tokenizer, documents, tokens, seed + 7, "prose")
+    passages = _passages(tokenizer, documents, tokens, seed + 7, "prose", split=split)
     out = []
     for index in range(items):
         fact = rng.choice(sorted(_FACTS))
