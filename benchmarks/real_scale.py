@@ -499,6 +499,85 @@ def score_fits(args, plain: bool, first_layer: bool) -> int:
     return 0
 
 
+KEYS_RESULTS = HERE / "results" / "real_family_keys.json"
+
+
+def key_geometry(mapped: list[torch.Tensor], true: list[torch.Tensor]) -> dict:
+    """How one layer's mapped keys (content space, `(batch, heads, T, dim)` per sequence) sit against the target's:
+    `norm_ratio` (mean mapped key norm over mean target key norm), `cosine` (mean over tokens and heads) and `r2`
+    (centered per dimension, pooled: a layer whose keys share a large mean has a small variance to explain, so a
+    small error there is a large negative R^2 while the cosine stays near 1)."""
+    norms = [(m.double().norm(dim=-1).mean(), t.double().norm(dim=-1).mean()) for m, t in zip(mapped, true)]
+    cosines = [
+        torch.nn.functional.cosine_similarity(m.double(), t.double(), dim=-1).mean() for m, t in zip(mapped, true)
+    ]
+    return {
+        "norm_ratio": float(sum(m for m, _ in norms) / sum(t for _, t in norms)),
+        "cosine": float(sum(cosines) / len(cosines)),
+        "r2": rf._layer_r2(mapped, true),
+    }
+
+
+class _LazyModel:
+    """A model loaded only when the prefill store misses (`PrefillStore.cache` reads `dtype`, calls `get_decoder`)."""
+
+    def __init__(self, name: str, cache_dir, dtype: str):
+        self.name, self.cache_dir, self.dtype_name, self.model = name, cache_dir, dtype, None
+        self.dtype = rf.DTYPES[dtype]
+
+    def get_decoder(self):
+        if self.model is None:
+            self.model = rf.load_model(self.name, self.cache_dir, self.dtype_name)
+        return self.model.get_decoder()
+
+
+def cmd_keys(args) -> int:
+    """Per target layer, how the mapped keys of each `--fits` mapper sit against the target's own on the
+    perplexity tasks' held-out contexts (`key_geometry`), from the prefill store (a model loads only on a miss)."""
+    from transformers import AutoConfig
+
+    from hf_kvmap import MappedCache, MapperModel
+    from hf_kvmap.real import corpus
+    from hf_kvmap.real.tasks import real_family_tasks
+    from hf_kvmap.rope import RotaryCodec
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    source, target = direction_models(args.direction)
+    tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
+    tasks = real_family_tasks(
+        tokenizer, corpus.load_manifest(args.manifest), items=args.items, seed=args.seed, names=args.tasks.split(",")
+    )
+    contexts = perplexity_contexts(tokenizer, tasks)
+    store = rf.PrefillStore(work / "prefills")
+    models = {name: _LazyModel(name, args.cache_dir, args.dtype) for name in (source, target)}
+    codec = RotaryCodec(AutoConfig.from_pretrained(rf.model_folder(target, args.cache_dir)))
+    fits = {}
+    for spec in args.fits.split(","):
+        positions, variant = spec.split(":")
+        mapper = MapperModel.from_pretrained(mapper_folder(work, int(positions), args.direction, variant))
+        mapper = mapper.to(models[target].dtype)
+        mapped_keys, true_keys = {}, {}
+        for ids in contexts:
+            mapped = MappedCache.from_source(store.cache(rf.SHORT[source], models[source], ids, None), mapper)
+            true = store.cache(rf.SHORT[target], models[target], ids, None)
+            table = codec.table(torch.arange(ids.shape[1] - 1)[None])
+            for layer, (m, t) in enumerate(zip(mapped.layers, true.layers)):
+                mapped_keys.setdefault(layer, []).append(table.strip(m.keys.float()))
+                true_keys.setdefault(layer, []).append(table.strip(t.keys[:, :, :-1].float()))
+        layers = [key_geometry(mapped_keys[i], true_keys[i]) for i in sorted(mapped_keys)]
+        fits[spec] = {name: [layer[name] for layer in layers] for name in ("norm_ratio", "cosine", "r2")}
+        print(spec, "norm ratio by layer:", " ".join(f"{r:.2f}" for r in fits[spec]["norm_ratio"]), flush=True)
+    result = {
+        "run": {"direction": args.direction, "tasks": args.tasks, "items_per_task": args.items, "seed": args.seed},
+        "positions": sum(int(ids.shape[1] - 1) for ids in contexts),
+        "fits": fits,
+    }
+    rf.write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_guard(args) -> int:
     """The guarded handoff on real weights: `benchmarks/handoff.py`'s candidate probes on one fitted mapper, their
     thresholds chosen on the `--seed` items (calibration set) and their rates reported on the `--report-seed` items;
@@ -1079,6 +1158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-false-alarm", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_guard)
+    p = fit_command(
+        sub, "keys", "per layer: mapped key norms, cosines and R^2 against the target's", "code_nll,prose_ppl"
+    )
+    p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 131072:ridge-k8)")
+    p.add_argument("--out", type=Path, default=KEYS_RESULTS)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_keys)
     p = fit_command(sub, "score", "score fitted mappers and both models alone on the items of --items/--seed", TASKS)
     p.add_argument("--fits", required=True, help="positions:variant,... of fitted mappers (e.g. 32768:ridge-k8)")
     p.add_argument("--threads", type=int, default=1)

@@ -459,3 +459,12 @@ def test_readback_rows_keep_the_fact_and_read_calibration_files_only(tmp_path, b
     assert files and {split[n] for n in files} == {"calibration"}
     with pytest.raises(ValueError, match="cut the fact out"):
         scale_script.readback_rows(byte_tokenizer, documents, 6, seed=5, chat_passage=400)
+
+
+def test_key_geometry_of_exact_and_scaled_keys(scale_script):
+    keys = [torch.randn(1, 2, 7, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    exact = scale_script.key_geometry(keys, keys)
+    assert exact == pytest.approx({"norm_ratio": 1.0, "cosine": 1.0, "r2": 1.0})
+    doubled = scale_script.key_geometry([2 * k for k in keys], keys)
+    assert doubled["norm_ratio"] == pytest.approx(2.0) and doubled["cosine"] == pytest.approx(1.0)
+    assert doubled["r2"] < 0.5  # R^2 sees the scale that the cosine ignores
