@@ -544,8 +544,9 @@ def _layer_r2(predicted: list[torch.Tensor], true: list[torch.Tensor]) -> float:
     return float(1 - ss_res / ss_tot)
 
 
-def held_out_r2(mapper, source_model, target_model, source, target, store, contexts) -> dict:
-    """Per target layer R^2 of the mapped keys (content space) and values against the target's own cache."""
+def mapped_and_true_parts(mapper, source_model, target_model, source, target, store, contexts) -> tuple[dict, dict]:
+    """Per target layer, the mapped and the target's own keys (content space: RoPE stripped) and values of every
+    context (prefills from `store`), as `({"key": [[per context] per layer], "value": ...}, same for the target)`."""
     from hf_kvmap import MappedCache
     from hf_kvmap.rope import RotaryCodec
 
@@ -562,6 +563,15 @@ def held_out_r2(mapper, source_model, target_model, source, target, store, conte
             true_parts["key"][layer].append(table.strip(t.keys[:, :, :-1].float()))
             mapped_parts["value"][layer].append(m.values.float())
             true_parts["value"][layer].append(t.values[:, :, :-1].float())
+    return mapped_parts, true_parts
+
+
+def held_out_r2(mapper, source_model, target_model, source, target, store, contexts) -> dict:
+    """Per target layer R^2 of the mapped keys (content space) and values against the target's own cache."""
+    mapped_parts, true_parts = mapped_and_true_parts(
+        mapper, source_model, target_model, source, target, store, contexts
+    )
+    layers = len(mapped_parts["key"])
     entry = {
         f"{part}_r2": [_layer_r2(mapped_parts[part][i], true_parts[part][i]) for i in range(layers)]
         for part in ("key", "value")

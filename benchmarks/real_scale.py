@@ -261,8 +261,9 @@ def readback_rows(tokenizer, documents, count: int, seed: int, chat_passage: int
 
 
 def cmd_finetune(args) -> int:
-    """What the objectives bring on real weights: the ridge fitted at `--positions`, fine-tuned on calibration
-    sequences of another seed by the per-layer attention objective (`hf_kvmap.attention_objective`, variant
+    """What the objectives bring on real weights: a mapper fitted at `--positions` (`--variant`: a ridge, or a
+    fine-tuned one to fine-tune further), fine-tuned on calibration sequences of another seed (or, with `--data
+    readback`, on `readback_rows`) by the per-layer attention objective (`hf_kvmap.attention_objective`, variant
     `<variant>-attn`) or the end-to-end KL through the target (`hf_kvmap.objectives.kl_finetune`, `<variant>-kl`),
     then scored on the same items as every fit of the curve."""
     from hf_kvmap import MapperModel
@@ -519,11 +520,15 @@ def key_geometry(mapped: list[torch.Tensor], true: list[torch.Tensor]) -> dict:
 
 
 class _LazyModel:
-    """A model loaded only when the prefill store misses (`PrefillStore.cache` reads `dtype`, calls `get_decoder`)."""
+    """A model loaded only when the prefill store misses (`PrefillStore.cache` reads `dtype`, calls `get_decoder`);
+    its `config` is read from the model folder without loading the weights."""
 
     def __init__(self, name: str, cache_dir, dtype: str):
+        from transformers import AutoConfig
+
         self.name, self.cache_dir, self.dtype_name, self.model = name, cache_dir, dtype, None
         self.dtype = rf.DTYPES[dtype]
+        self.config = AutoConfig.from_pretrained(rf.model_folder(name, cache_dir))
 
     def get_decoder(self):
         if self.model is None:
@@ -534,12 +539,9 @@ class _LazyModel:
 def cmd_keys(args) -> int:
     """Per target layer, how the mapped keys of each `--fits` mapper sit against the target's own on the
     perplexity tasks' held-out contexts (`key_geometry`), from the prefill store (a model loads only on a miss)."""
-    from transformers import AutoConfig
-
-    from hf_kvmap import MappedCache, MapperModel
+    from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
-    from hf_kvmap.rope import RotaryCodec
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -551,21 +553,14 @@ def cmd_keys(args) -> int:
     contexts = perplexity_contexts(tokenizer, tasks)
     store = rf.PrefillStore(work / "prefills")
     models = {name: _LazyModel(name, args.cache_dir, args.dtype) for name in (source, target)}
-    codec = RotaryCodec(AutoConfig.from_pretrained(rf.model_folder(target, args.cache_dir)))
     fits = {}
     for spec in args.fits.split(","):
         positions, variant = spec.split(":")
         mapper = MapperModel.from_pretrained(mapper_folder(work, int(positions), args.direction, variant))
-        mapper = mapper.to(models[target].dtype)
-        mapped_keys, true_keys = {}, {}
-        for ids in contexts:
-            mapped = MappedCache.from_source(store.cache(rf.SHORT[source], models[source], ids, None), mapper)
-            true = store.cache(rf.SHORT[target], models[target], ids, None)
-            table = codec.table(torch.arange(ids.shape[1] - 1)[None])
-            for layer, (m, t) in enumerate(zip(mapped.layers, true.layers)):
-                mapped_keys.setdefault(layer, []).append(table.strip(m.keys.float()))
-                true_keys.setdefault(layer, []).append(table.strip(t.keys[:, :, :-1].float()))
-        layers = [key_geometry(mapped_keys[i], true_keys[i]) for i in sorted(mapped_keys)]
+        mapped, true = rf.mapped_and_true_parts(
+            mapper.to(models[target].dtype), models[source], models[target], source, target, store, contexts
+        )
+        layers = [key_geometry(m, t) for m, t in zip(mapped["key"], true["key"])]
         fits[spec] = {name: [layer[name] for layer in layers] for name in ("norm_ratio", "cosine", "r2")}
         print(spec, "norm ratio by layer:", " ".join(f"{r:.2f}" for r in fits[spec]["norm_ratio"]), flush=True)
     result = {
