@@ -1089,7 +1089,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge-lambda", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_follow)
-    p = fit_command(sub, "finetune", "attention or KL fine-tune of one fitted ridge, scored like the curve", TASKS)
+    p = fit_command(sub, "finetune", "attention or KL fine-tune of one fitted mapper, scored like the curve", TASKS)
     p.add_argument("--objective", choices=sorted(FINETUNE_OBJECTIVES), default="attention")
     p.add_argument("--min-prefix", type=int, default=32, help="kl: the shortest mapped prefix and suffix")
     p.add_argument(
