@@ -310,7 +310,13 @@ def cmd_finetune(args) -> int:
         rf.save_atomically(mapper, out)
         rf.write_json(
             out / "finetune.json",
-            {"objective": args.objective, "data": args.data, "start": args.variant, **result.to_dict()},
+            {
+                "objective": args.objective,
+                "data": args.data,
+                "start": args.variant,
+                "calibration_seed": args.calibration_seed,
+                **result.to_dict(),
+            },
         )
         metric, initial, best = finetune_metric(result.to_dict())
         print(
@@ -889,7 +895,9 @@ def report_markdown(report: dict) -> str:
         start = "the ridge fitted at that size"
         if result.get("start", "ridge-k8") not in ("ridge-k8", "ridge-all"):  # a fine-tune of a fine-tune
             start = f"`{result['start']}`"
-            option += f" --variant {result['start']}"
+            option += f" --variant {result['start']} --name {name.split('/')[-1].split('@')[0]}"
+            if "calibration_seed" in result:
+                option += f" --calibration-seed {result['calibration_seed']}"
         lines += [
             "",
             f"`{name}`: {start}, then fine-tuned by {described[objective]} "
