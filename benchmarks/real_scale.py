@@ -486,19 +486,26 @@ def cmd_score(args) -> int:
     return score_fits(args, plain=True, first_layer=False)
 
 
+def each_fit(args):
+    """`(spec, source, target, positions, variant, mapper)` of each `--fits` entry (`positions:variant`), loaded from
+    `--work` (a fit that is not there stops with `fitted_mapper`'s message)."""
+    from hf_kvmap import MapperModel
+
+    work = Path(args.work)
+    for spec in args.fits.split(","):
+        positions, variant = spec.split(":")
+        source, target, positions = fitted_mapper(work, args.direction, variant, int(positions))
+        mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, variant))
+        yield spec, source, target, positions, variant, mapper
+
+
 def score_fits(args, plain: bool, first_layer: bool) -> int:
     """Score each `--fits` mapper as it maps alone (`plain`) and with the target's own first layer (skipping what
     is scored), after both models alone."""
-    from hf_kvmap import MapperModel
-
     torch.set_num_threads(args.threads)
     scorer = Scorer(args)
     scorer.alone()
-    work = Path(args.work)
-    for item in args.fits.split(","):
-        positions, variant = item.split(":")
-        source, target, positions = fitted_mapper(work, args.direction, variant, int(positions))
-        mapper = MapperModel.from_pretrained(mapper_folder(work, positions, args.direction, variant))
+    for _, source, target, positions, variant, mapper in each_fit(args):
         if plain:
             scorer.score_mapper(positions, source, target, variant, mapper)
         if first_layer:
@@ -545,24 +552,20 @@ class _LazyModel:
 def cmd_keys(args) -> int:
     """Per target layer, how the mapped keys of each `--fits` mapper sit against the target's own on the
     perplexity tasks' held-out contexts (`key_geometry`), from the prefill store (a model loads only on a miss)."""
-    from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
     source, target = direction_models(args.direction)
     tokenizer = rf.load_tokenizer(rf.SMALL, args.cache_dir)
     tasks = real_family_tasks(
         tokenizer, corpus.load_manifest(args.manifest), items=args.items, seed=args.seed, names=args.tasks.split(",")
     )
     contexts = perplexity_contexts(tokenizer, tasks)
-    store = rf.PrefillStore(work / "prefills")
+    store = rf.PrefillStore(Path(args.work) / "prefills")
     models = {name: _LazyModel(name, args.cache_dir, args.dtype) for name in (source, target)}
     fits = {}
-    for spec in args.fits.split(","):
-        positions, variant = spec.split(":")
-        mapper = MapperModel.from_pretrained(mapper_folder(work, int(positions), args.direction, variant))
+    for spec, *_, mapper in each_fit(args):
         mapped, true = rf.mapped_and_true_parts(
             mapper.to(models[target].dtype), models[source], models[target], source, target, store, contexts
         )
