@@ -308,6 +308,7 @@ def cmd_finetune(args) -> int:
             **extra,
         )
         rf.save_atomically(mapper, out)
+        record = result.to_dict()
         rf.write_json(
             out / "finetune.json",
             {
@@ -315,10 +316,10 @@ def cmd_finetune(args) -> int:
                 "data": args.data,
                 "start": args.variant,
                 "calibration_seed": args.calibration_seed,
-                **result.to_dict(),
+                **record,
             },
         )
-        metric, initial, best = finetune_metric(result.to_dict())
+        metric, initial, best = finetune_metric(record)
         print(
             f"{args.objective} fine-tune: held-out {metric} {initial:.4f} -> {best:.4f} "
             f"(step {result.best_step} of {result.steps_run}, {result.seconds:.0f} s)",
@@ -896,7 +897,7 @@ def report_markdown(report: dict) -> str:
         )
         option = " --data readback" if result.get("data") == "readback" else ""
         start = "the ridge fitted at that size"
-        if result.get("start", "ridge-k8") not in ("ridge-k8", "ridge-all"):  # a fine-tune of a fine-tune
+        if result.get("start", "ridge-k8") not in rf.VARIANTS:  # a fine-tune of a fine-tune
             start = f"`{result['start']}`"
             option += f" --variant {result['start']} --name {name.split('/')[-1].split('@')[0]}"
             if "calibration_seed" in result:
