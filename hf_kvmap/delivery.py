@@ -204,6 +204,7 @@ def load_cache(
     device: torch.device | str | None = None,
     verify: bool = True,
     exact: bool = False,
+    same_weights: bool = False,
 ) -> tuple[Cache, dict[str, Any]]:
     r"""
     Load a cache written by [`save_cache`] and check it before it is served.
@@ -219,6 +220,8 @@ def load_cache(
         verify (`bool`, *optional*, defaults to `True`): check the content hash over the tensors and the record
             (refuses a truncated or edited file).
         exact (`bool`, *optional*, defaults to `False`): an exact-prefix lookup: refuse an approximate (mapped) cache.
+        same_weights (`bool`, *optional*, defaults to `False`): `model` holds the weights the cache was built for,
+            loaded from another location (a local copy: its model id is its path); its id is then not compared.
 
     Returns:
         `(cache, provenance)`: a `MappedCache` (`approximate = True`, its `mapping_info` restored) for an approximate
@@ -274,8 +277,11 @@ def load_cache(
             ("id", record.get("model_id"), model_id(model.config)),
             ("revision", record.get("model_revision"), model_revision(model.config)),
         ):
+            if what == "id" and same_weights:
+                continue
             if recorded and actual and recorded != actual:
-                raise ValueError(f"{path} was built for model {what} {recorded}, but the model has {actual}.")
+                hint = " (a local copy of the same weights: pass same_weights=True)" if what == "id" else ""
+                raise ValueError(f"{path} was built for model {what} {recorded}, but the model has {actual}{hint}.")
     device = torch.device(device) if device is not None else torch.device("cpu")
     pairs = [
         (tensors[f"layers.{idx}.keys"].to(device), tensors[f"layers.{idx}.values"].to(device))

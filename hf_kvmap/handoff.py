@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.utils import logging
 
-from .cache import MappedCache
+from .cache import MappedCache, source_pairs
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .rope import positions_from_attention_mask
 from .validation import check_source_cache, check_threshold, check_token_ids, derive_mask, first_layer_error
@@ -366,7 +366,7 @@ def handoff(
         if positions is None:
             positions = torch.arange(length, device=input_ids.device).expand(batch, length)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        check_source_cache(source, source_cache, input_ids, positions, mask)
+        check_source_cache(source, source_pairs(source_cache)[0], input_ids, positions, mask)
 
     try:
         context = probe_context(

@@ -166,12 +166,11 @@ def first_layer_error(model, input_ids, position_ids, mask, keys, values) -> tor
     )
 
 
-def check_source_cache(source, source_cache, input_ids, position_ids, mask) -> None:
-    """Refuse a source cache that is not the source's cache of `input_ids`: its layer 0 must be what the source
-    computes from each token at its position, at every real position."""
-    from .cache import source_pairs
-
-    keys, values = source_pairs(source_cache)[0]
+def check_source_cache(source, first_layer, input_ids, position_ids, mask) -> None:
+    """Refuse a source cache that is not the source's cache of `input_ids`: its layer 0 (`first_layer`, the
+    `(keys, values)` pair) must be what the source computes from each token at its position, at every real
+    position."""
+    keys, values = first_layer
     if keys is None or keys.dim() != 4 or tuple(keys.shape[::2]) != tuple(input_ids.shape):
         return  # from_source names the layout problem
     error = first_layer_error(source, input_ids, position_ids, mask, keys, values)

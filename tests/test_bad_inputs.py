@@ -363,6 +363,13 @@ def test_a_local_copy_is_named_the_same_weights_explicitly(pair, tmp_path, tiny)
     with pytest.raises(ValueError, match="same_weights=True"):
         HandoffSession({"a": copy, "b": copy}, {("a", "b"): mapper})
     HandoffSession({"a": copy, "b": copy}, {("a", "b"): mapper}, same_weights=True)
+    # a cache saved for the original id loads into the copy only when told so
+    save_cache(cache, tmp_path / "c.safetensors", input_ids=ids)
+    assert cache.mapping_info["target_model_id"] == "org/model"
+    with pytest.raises(ValueError, match="org/model.*same_weights=True"):
+        load_cache(tmp_path / "c.safetensors", model=copy, input_ids=ids)
+    loaded, _ = load_cache(tmp_path / "c.safetensors", model=copy, input_ids=ids, same_weights=True)
+    assert loaded.approximate
 
 
 # --------------------------------------------------------------------------- 11. an exact mapping needs no probe
