@@ -128,7 +128,8 @@ class MappedCache(DynamicCache):
     A [`~transformers.DynamicCache`] built from another model's cache by a [`MapperModel`].
 
     Build it with [`MappedCache.from_source`] and hand it to the target model as `cache=` (`past_key_values=` on
-    transformers 5.23); it then grows like a `DynamicCache`. `mapping_info` records the mapper, its revision and the number of mapped tokens.
+    transformers 5.23); it then grows like a `DynamicCache`. `mapping_info` records the mapper, its revision and
+    the number of mapped tokens.
 
     Args:
         layers (`list[MappedLayer]`, *optional*):

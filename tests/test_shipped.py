@@ -223,8 +223,8 @@ def test_shipped_mapper_recalls_facts_the_source_cannot():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     about = (
-        "Per shipped pair and mapped cache: every layer's keys/values shape, dtype and, per batch row and position, the "
-        "norm of the position's vector and its component along a fixed direction (tests/test_shipped.py)."
+        "Per shipped pair and mapped cache: every layer's keys/values shape, dtype and, per batch row and position, "
+        "the norm of the position's vector and its component along a fixed direction (tests/test_shipped.py)."
     )
     pairs = {pair: mapped_cache_summaries(pair) for pair in PAIRS}
     # one line per mapped cache: small, and a diff shows which cache moved

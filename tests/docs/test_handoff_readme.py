@@ -9,7 +9,7 @@ import pytest
 
 from hf_kvmap import zoo
 
-#: the numbers of the analysis (fitted weights, thresholds, AUCs, costs) move with the float kernels of the CPU by about
+#: the numbers of the analysis (fitted weights, thresholds, AUCs, costs) move with the CPU's float kernels by about
 #: 1e-14 of their size; the ROC thresholds are rounded to 6 decimals, where such a move can flip the last one
 REL_TOL, ABS_TOL, ROC_TOL = 1e-7, 1e-12, 1.5e-6
 #: what the analysis decides, compared exactly: shares of items (counts over a count) and the guarded serving
