@@ -182,7 +182,7 @@ def check_source_cache(source, first_layer, input_ids, position_ids, mask) -> No
             f"source_cache is not the source's cache of these input_ids: its first layer differs from what the "
             f"source computes for row {row}'s token at position {col} (relative error {float(error[row, col]):.3g}; "
             f"{int(bad.sum())} position(s) in all). Pass the cache of exactly these tokens "
-            "(`source(input_ids, use_cache=True).past_key_values`), or none and let the handoff prefill them; "
+            "(the cache `source(input_ids, use_cache=True)` returns), or none and let the handoff prefill them; "
             "for a left-padded cache built at mask positions, pass `source_position_ids`."
         )
 

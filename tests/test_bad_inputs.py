@@ -15,6 +15,7 @@ import torch
 from transformers import BatchEncoding, DynamicCache
 
 from hf_kvmap import HandoffRefusedError, HandoffSession, MappedCache, MapperModel, handoff
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.artifacts import write_folder_atomically
 from hf_kvmap.cli import main as cli_main
 from hf_kvmap.delivery import load_cache, read_provenance, save_cache
@@ -98,13 +99,13 @@ def test_left_padding_without_a_mask_is_served_as_generate_reads_it(pair, tiny):
     assert not report.accepted and report.reason.startswith("probe refused")  # fallback prefill
     assert "attention_mask derived" in report.notes[0]
     assert torch.equal(
-        model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False),
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False),
         model.generate(ids, max_new_tokens=6, do_sample=False),
     )
     cache, report = handoff(model, model, identity, ids)
     assert report.accepted and report.reason.startswith("exact mapping")
     assert torch.equal(
-        model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False),
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False),
         model.generate(ids, max_new_tokens=6, do_sample=False),
     )
 
@@ -338,10 +339,10 @@ def test_beam_search_on_an_unexpanded_mapped_cache_is_refused_clearly(pair, tiny
     ids = ids_of(10)
     cache = MappedCache.from_source(tiny.prefill(model, ids), identity)
     with pytest.raises(ValueError, match="batch_repeat_interleave"):
-        model.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **cache_kwargs(cache), num_beams=2, max_new_tokens=2, do_sample=False)
     cache = MappedCache.from_source(tiny.prefill(model, ids), identity)
     cache.batch_repeat_interleave(2)
-    model.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=2, do_sample=False)
+    model.generate(ids, **cache_kwargs(cache), num_beams=2, max_new_tokens=2, do_sample=False)
 
 
 # ------------------------------------------------------------------------------ 10. a local copy of the weights
