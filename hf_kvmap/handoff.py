@@ -27,7 +27,14 @@ from ._compat import cache_argument, cache_kwargs, output_cache
 from .cache import MappedCache, source_pairs
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .rope import positions_from_attention_mask
-from .validation import check_source_cache, check_threshold, check_token_ids, derive_mask, first_layer_error
+from .validation import (
+    check_left_padding_mask,
+    check_source_cache,
+    check_threshold,
+    check_token_ids,
+    derive_mask,
+    first_layer_error,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -156,6 +163,8 @@ def _check_inputs(input_ids, attention_mask, source_cache) -> None:
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}."
         )
+    if attention_mask is not None:
+        check_left_padding_mask(attention_mask)
     if source_cache is not None:
         seq = source_cache.get_seq_length() if isinstance(source_cache, Cache) else source_cache[0][0].shape[2]
         if seq != input_ids.shape[1]:

@@ -132,6 +132,25 @@ def derive_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     return mask
 
 
+def check_left_padding_mask(attention_mask: torch.Tensor) -> None:
+    """Refuse an attention mask of values other than 0/1, or with padding after a token (right or inner padding):
+    a handoff maps left-padded batches only, and a fallback would otherwise serve what no mapping can match."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask is a {type(attention_mask).__name__}; pass the tokenizer's mask tensor.")
+    values = attention_mask if attention_mask.is_floating_point() else attention_mask.long()
+    if not bool(((values == 0) | (values == 1)).all()):
+        raise ValueError(
+            "attention_mask may hold only 0 and 1 (padding and tokens); got other values. Pass the tokenizer's mask."
+        )
+    inner = values[:, 1:] < values[:, :-1]
+    if bool(inner.any()):
+        row = int(inner.any(-1).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding after a token (right padding): only left-padded batches map "
+            "exactly. Tokenize with `padding_side='left'`."
+        )
+
+
 def check_threshold(threshold, where: str) -> float:
     """A probe threshold as a float; refuses NaN (every `risk > nan` is False: it would accept everything)."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):

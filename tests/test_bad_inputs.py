@@ -497,3 +497,62 @@ def test_cli_fit_out_with_a_broken_config(tmp_path, capsys):
     (out / "config.json").write_text("{broken")
     text = _cli_error(["fit", "--source", "a", "--target", "b", "--data", "d.txt", "--out", str(out)], capsys)
     assert "config.json" in text and "not valid JSON" in text
+
+
+HANDOFF_ARGS = {
+    "policy": ({"policy": "maybe"}, ValueError, "policy='maybe' is not one of"),
+    "audit_tokens bool": ({"audit_tokens": True}, ValueError, "audit_tokens=True must be a non-negative integer"),
+    "threshold string": ({"probe": "lookahead_margin", "threshold": "0.5"}, ValueError, "threshold='0.5'.*number"),
+    "unknown probe": ({"probe": "no-such-probe", "threshold": 0.5}, ValueError, "no-such-probe"),
+    "mask shape": ({"attention_mask": torch.ones(1, 5, dtype=torch.long)}, ValueError, "attention_mask has shape"),
+    "mask values": ({"attention_mask": torch.full((1, 12), 2)}, ValueError, "only 0 and 1"),
+    "right padding": (
+        {"attention_mask": torch.tensor([[1] * 10 + [0, 0]])},
+        ValueError,
+        "right padding.*padding_side='left'",
+    ),
+    "short source cache": ({"source_cache": "short"}, ValueError, "covers 11 tokens but input_ids has 12"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDOFF_ARGS))
+def test_handoff_arguments(pair, tiny, case):
+    model, _, identity, _ = pair
+    kwargs, error, message = HANDOFF_ARGS[case]
+    ids = ids_of(13)
+    if kwargs.get("source_cache") == "short":
+        kwargs = {"source_cache": tiny.prefill(model, ids[:, :-1])}
+    with pytest.raises(error, match=message):
+        handoff(model, model, identity, ids, policy=kwargs.pop("policy", "fail"), **kwargs)
+
+
+def test_handoff_needs_a_mapper(pair):
+    model = pair[0]
+    with pytest.raises(TypeError, match="MapperModel"):
+        handoff(model, model, None, ids_of(1))
+
+
+SAVE_CASES = {
+    "empty cache": (lambda m, ids: (DynamicCache(), {}), "prefilled cache"),
+    "short prompt": (lambda m, ids: (None, {"input_ids": ids[:, :4]}), "pass the prompt the cache was built from"),
+    "not a cache": (lambda m, ids: ([1, 2], {}), "prefilled cache"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAVE_CASES))
+def test_save_cache_refuses(pair, tiny, tmp_path, case):
+    model = pair[0]
+    ids = ids_of(14)
+    cache, kwargs = SAVE_CASES[case][0](model, ids)
+    cache = tiny.prefill(model, ids) if cache is None else cache
+    with pytest.raises(ValueError, match=SAVE_CASES[case][1]):
+        save_cache(cache, tmp_path / "c.safetensors", **kwargs)
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_load_cache_refuses_what_is_not_a_cache_file(tmp_path):
+    (tmp_path / "x.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_cache(tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_cache(tmp_path / "missing.safetensors")
