@@ -1,4 +1,4 @@
-"""The package's shape: the layering documented in the README (no import upward, no cycle) and module sizes."""
+"""The package's shape: the layering documented in CONTRIBUTING.md (no import upward, no cycle) and module sizes."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def documented_layers() -> dict[str, int]:
-    """Module (or package prefix) -> layer number, from the README's layers table."""
-    readme = (ROOT / "README.md").read_text()
-    table = re.search(r"<!-- layers:start -->\n(.*?)<!-- layers:end -->", readme, re.DOTALL).group(1)
+    """Module (or package prefix) -> layer number, from the layers table of CONTRIBUTING.md."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    table = re.search(r"<!-- layers:start -->\n(.*?)<!-- layers:end -->", text, re.DOTALL).group(1)
     layers = {}
     for row in table.splitlines()[2:]:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -68,7 +68,7 @@ def layer_of(module: str, layers: dict[str, int]) -> int:
     for prefix in sorted(layers, key=len, reverse=True):
         if module == prefix or (prefix != "hf_kvmap" and module.startswith(prefix + ".")):
             return layers[prefix]
-    raise AssertionError(f"{module} is in no layer of the README's layers table")
+    raise AssertionError(f"{module} is in no layer of the layers table of CONTRIBUTING.md")
 
 
 def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
