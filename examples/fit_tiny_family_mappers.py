@@ -22,9 +22,10 @@ import torch
 from hf_kvmap import MapperModel, flops, zoo
 from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
-from hf_kvmap.configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, OBJECTIVES
+from hf_kvmap.configuration_mapper import OBJECTIVES
 from hf_kvmap.diagnostics import diagnose
 from hf_kvmap.evaluation import Handoff, evaluate_tasks
+from hf_kvmap.fit_options import ATTENTION_LOSSES, ATTENTION_SPACES
 from hf_kvmap.reporting import environment_info
 from hf_kvmap.zoo import corpus
 

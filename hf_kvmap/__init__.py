@@ -8,8 +8,9 @@ from ._version import __version__
 check_transformers_version()
 
 from .cache import MappedCache, MappedLayer  # noqa: E402
-from .configuration_mapper import FitOptions, MapperConfig  # noqa: E402
+from .configuration_mapper import MapperConfig  # noqa: E402
 from .delivery import load_cache, save_cache  # noqa: E402
+from .fit_options import FitOptions  # noqa: E402
 from .fitting import FittedMapper  # noqa: E402
 from .geometry import UnsupportedArchitectureError  # noqa: E402
 from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff  # noqa: E402

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions, check_choice
+from .configuration_mapper import check_choice
 from .finetune import finetune_settings, frozen, optimize, split_calibration
+from .fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions
 
 logger = logging.get_logger(__name__)
 

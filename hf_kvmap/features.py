@@ -19,7 +19,8 @@ import torch
 from transformers.utils import logging
 
 from ._compat import output_cache
-from .configuration_mapper import FitOptions, MapperConfig, check_int
+from .configuration_mapper import MapperConfig, check_int
+from .fit_options import FitOptions
 from .geometry import KVGeometry
 from .rope import RotaryCodec, positions_from_attention_mask
 

@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .artifacts import tokenizer_fingerprint as fingerprint_of
-from .configuration_mapper import FitOptions, MapperConfig, part_inputs
+from .configuration_mapper import MapperConfig, part_inputs
 from .features import PARTS, CalibrationFeatures, gather_features, input_device
+from .fit_options import FitOptions
 from .geometry import KVGeometry
 from .key_norm import target_key_norm
 from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve

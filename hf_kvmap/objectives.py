@@ -30,8 +30,8 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from .attention_objective import attention_finetune
-from .configuration_mapper import FitOptions
 from .finetune import calibration_rows, finetune_settings, frozen, optimize, split_calibration
+from .fit_options import FitOptions
 
 logger = logging.get_logger(__name__)
 

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .configuration_mapper import FitOptions, check_number
+from .configuration_mapper import check_number
 from .early_stopping import train_with_early_stopping
+from .fit_options import FitOptions
 from .modeling_mlp import HeadwiseMLP
 from .regression import regression_metrics, ridge_solve
 

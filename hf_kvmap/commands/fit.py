@@ -11,16 +11,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..configuration_mapper import (
-    ATTENTION_LOSSES,
-    ATTENTION_SPACES,
-    INPUT_KINDS,
-    LAMBDA_CONVENTIONS,
-    MAPPER_KINDS,
-    MLP_INITS,
-    OBJECTIVES,
-    FitOptions,
-)
+from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, OBJECTIVES
+from ..fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, MLP_INITS, FitOptions
 
 logger = logging.get_logger(__name__)
 
