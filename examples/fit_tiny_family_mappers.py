@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import MapperModel, flops, zoo
+from hf_kvmap import fit_mapper, flops, zoo
 from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
 from hf_kvmap.configuration_mapper import OBJECTIVES
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
             if args.kind == "mlp"
             else {}
         )
-        mapper = MapperModel.fit(
+        mapper = fit_mapper(
             source,
             target,
             batches,

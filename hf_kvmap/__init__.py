@@ -11,10 +11,10 @@ from .cache import MappedCache, MappedLayer  # noqa: E402
 from .configuration_mapper import MapperConfig  # noqa: E402
 from .delivery import load_cache, save_cache  # noqa: E402
 from .fit_options import FitOptions  # noqa: E402
-from .fitting import FittedMapper  # noqa: E402
+from .fitting import FittedMapper, fit_mapper, mapper_from_statistics  # noqa: E402
 from .geometry import UnsupportedArchitectureError  # noqa: E402
 from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff  # noqa: E402
-from .modeling_mapper import MapperModel, fit_mapper, mapper_from_statistics  # noqa: E402
+from .modeling_mapper import MapperModel  # noqa: E402
 from .placement import mapper_device_map, target_layer_devices  # noqa: E402
 from .probes import Probe, register_probe  # noqa: E402
 from .selection import LayerSelection  # noqa: E402

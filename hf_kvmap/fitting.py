@@ -13,8 +13,10 @@
    fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
 4. **Config**: [`fitted_config`] records both models, the selection, the options and the calibration provenance.
 
-It returns a [`FittedMapper`] (config, weights, selection); `MapperModel.from_fitted` packages it. The public front
-doors are `MapperModel.fit`, `MapperModel.from_statistics` and `hf_kvmap.fit_mapper`, which all come here.
+It returns a [`FittedMapper`] (config, weights, selection); [`mapper_from_fitted`] packages it (fine-tuning it first
+when the objective says so). The public front doors are [`fit_mapper`] and [`mapper_from_statistics`] (exported as
+`hf_kvmap.fit_mapper` and `hf_kvmap.mapper_from_statistics`), which both come here. The model (`modeling_mapper`)
+sits below this module and never imports it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from .features import PARTS, CalibrationFeatures, gather_features, input_device
 from .fit_options import FitOptions
 from .geometry import KVGeometry
 from .key_norm import target_key_norm
+from .modeling_mapper import MapperModel
+from .objectives import finetune_fitted
 from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve
 from .selection import LayerSelection
 from .statistics import CalibrationStatistics
@@ -473,13 +477,72 @@ def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Ten
     return out
 
 
+# ------------------------------------------------------------------------------------------------ front doors
+def mapper_from_fitted(fitted: FittedMapper, **objective_inputs) -> MapperModel:
+    """Package a [`FittedMapper`] as a `MapperModel` in the dtype it was fitted for (`MapperModel.from_fitted`); one
+    fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is first fine-tuned with both models
+    (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`; see
+    `hf_kvmap.objectives.finetune_fitted`)."""
+    if fitted.options is not None and fitted.options.objective_stages:
+        return finetune_fitted(fitted, **objective_inputs)
+    return MapperModel.from_fitted(fitted)
+
+
+def fit_mapper(source_model, target_model, calibration, **kwargs) -> MapperModel:
+    r"""
+    Fit a mapper on calibration data through both models ([`fit`], then [`mapper_from_fitted`]).
+
+    The per-position ridge is solved from sufficient statistics collected in one pass; the MLP kind and wider
+    inputs are fitted on features kept in memory (a second pass).
+
+    Args:
+        source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
+        calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
+            `attention_mask`).
+        kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
+            `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
+            arguments of [`fit`] (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
+            `kl_calibration`: the sequences of the fine-tunes (`objective="kl"`, `"attention"`, ...).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+    >>> from hf_kvmap import fit_mapper
+    >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    >>> model = Qwen3ForCausalLM(config)
+    >>> batches = [torch.randint(0, 64, (4, 32)) for _ in range(4)]
+    >>> mapper = fit_mapper(model, model, batches, top_k=1, ridge_lambda=1e-6, progress=False)
+    >>> mapper.config.source_layers
+    [[0], [1]]
+    ```
+    """
+    kl_calibration = kwargs.pop("kl_calibration", None)
+    calibration = list(calibration)
+    fitted = fit(source_model, target_model, calibration, **kwargs)
+    inputs = {"source_model": source_model, "target_model": target_model, "progress": kwargs.get("progress", True)}
+    return mapper_from_fitted(fitted, calibration=calibration if kl_calibration is None else kl_calibration, **inputs)
+
+
+def mapper_from_statistics(statistics, **kwargs) -> MapperModel:
+    """The closed-form ridge mapper from `CalibrationStatistics` (or several covering disjoint target layers):
+    selection and solve, no pass over data ([`fit`] with `statistics=`; `kwargs` as for [`fit_mapper`], plus
+    `selection=` to reuse a `LayerSelection`)."""
+    return mapper_from_fitted(fit(statistics=statistics, **kwargs))
+
+
 __all__ = [
     "FEATURE_FITTERS",
     "FittedMapper",
     "collect_statistics",
     "content_space_metrics",
     "fit",
+    "fit_mapper",
     "fitted_config",
+    "mapper_from_fitted",
+    "mapper_from_statistics",
     "mapper_r2",
     "solve_layer",
 ]

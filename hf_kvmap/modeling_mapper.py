@@ -18,7 +18,6 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from . import fitting
 from .artifacts import (
     EVALUATION_FILE,
     content_hash,
@@ -29,15 +28,12 @@ from .artifacts import (
     verify_artifact,
     write_folder_atomically,
 )
-from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .geometry import KVGeometry, check_supported_layout
 from .key_norm import normalize_keys
 from .mapping import map_target_layer
 from .modeling_mlp import HeadwiseMLP
-from .objectives import finetune_fitted
 from .placement import execution_devices
-from .reporting import write_json
 from .rope import RotaryCodec
 
 logger = logging.get_logger(__name__)
@@ -341,66 +337,25 @@ class MapperModel(MapperPreTrainedModel):
                 content.pop(key, None)
         return mapped
 
-    # ------------------------------------------------------------------------------------------ fitting
+    # ------------------------------------------------------------------------------------------ fitted weights
     @classmethod
-    def from_fitted(cls, fitted: fitting.FittedMapper, **objective_inputs) -> MapperModel:
+    def from_fitted(cls, fitted) -> MapperModel:
         """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
-        dtype it was fitted for; one fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is first
-        fine-tuned with both models (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`;
-        see `hf_kvmap.objectives.finetune_fitted`)."""
+        dtype it was fitted for. A mapper fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is
+        fine-tuned with both models first: package it with `hf_kvmap.fitting.mapper_from_fitted` (or fit it with
+        `hf_kvmap.fit_mapper`)."""
         if fitted.options is not None and fitted.options.objective_stages:
-            return finetune_fitted(cls, fitted, **objective_inputs)
+            raise ValueError(
+                f"This mapper was fitted with objective={fitted.options.objective!r}, which fine-tunes it with both "
+                "models: package it with `hf_kvmap.fitting.mapper_from_fitted(fitted, source_model=..., "
+                "target_model=..., calibration=...)`."
+            )
         with torch.device("meta"):  # every weight is copied in below; skip the random init
             model = cls(fitted.config)
         model = model.to_empty(device="cpu").to(fitted.dtype)
         with torch.no_grad():
             model.load_state_dict({name: t.to("cpu", fitted.dtype) for name, t in fitted.state_dict.items()})
         return model.eval()
-
-    @classmethod
-    def fit(cls, source_model, target_model, calibration, **kwargs) -> MapperModel:
-        r"""
-        Fit a mapper on calibration data through both models (`hf_kvmap.fitting.fit`, then `from_fitted`).
-
-        The per-position ridge is solved from sufficient statistics collected in one pass; the MLP kind and wider
-        inputs are fitted on features kept in memory (a second pass).
-
-        Args:
-            source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
-            calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
-                `attention_mask`).
-            kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
-                `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
-                arguments of `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
-                `kl_calibration`: the sequences of the fine-tunes (`objective="kl"`, `"attention"`, ...).
-
-        Example:
-
-        ```python
-        >>> import torch
-        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
-        >>> from hf_kvmap import MapperModel
-        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-        >>> model = Qwen3ForCausalLM(config)
-        >>> batches = [torch.randint(0, 64, (4, 32)) for _ in range(4)]
-        >>> mapper = MapperModel.fit(model, model, batches, top_k=1, ridge_lambda=1e-6, progress=False)
-        >>> mapper.config.source_layers
-        [[0], [1]]
-        ```
-        """
-        kl_calibration = kwargs.pop("kl_calibration", None)
-        calibration = list(calibration)
-        fitted = fitting.fit(source_model, target_model, calibration, **kwargs)
-        inputs = {"source_model": source_model, "target_model": target_model, "progress": kwargs.get("progress", True)}
-        return cls.from_fitted(fitted, calibration=calibration if kl_calibration is None else kl_calibration, **inputs)
-
-    @classmethod
-    def from_statistics(cls, statistics, **kwargs) -> MapperModel:
-        """The closed-form ridge mapper from `CalibrationStatistics` (or several covering disjoint target layers):
-        selection and solve, no pass over data (`hf_kvmap.fitting.fit` with `statistics=`; `kwargs` as for
-        [`~MapperModel.fit`], plus `selection=` to reuse a `LayerSelection`)."""
-        return cls.from_fitted(fitting.fit(statistics=statistics, **kwargs))
 
     # ------------------------------------------------------------------------------------------ artifacts
 
@@ -456,27 +411,11 @@ class MapperModel(MapperPreTrainedModel):
         *,
         name: str | None = None,
     ) -> Path:
-        """(Re)render `folder/README.md` from the config and the evaluation results.
+        """(Re)render `folder/README.md` from the config and the evaluation results (`hf_kvmap.card.write_card`, which
+        see); returns the card's path."""
+        from .card import write_card  # the card is written at save time only; mapping never loads it
 
-        A given `evaluation` is stored as `folder/evaluation.json` (refused with `ValueError` if it records the content
-        hash of another artifact); without it, the one already there is used if it records this artifact's hash. The
-        card is named after `repo_id` (or `name`, or the folder). Returns the card's path.
-        """
-        folder = Path(folder)
-        if evaluation is not None:
-            if results_belong_to(evaluation, self.config, self.state_dict()) is False:
-                raise ValueError(
-                    f"These results were measured on the mapper with content hash {results_hash(evaluation)}, not "
-                    f"on this one ({self.config.content_hash}): evaluate this mapper (`hf-kvmap eval`) instead."
-                )
-            write_json(folder / EVALUATION_FILE, evaluation)
-        elif (folder / EVALUATION_FILE).exists():
-            previous = json.loads((folder / EVALUATION_FILE).read_text())
-            if results_belong_to(previous, self.config, self.state_dict()):
-                evaluation = previous
-        model_name = repo_id.split("/")[-1] if repo_id else (name or folder.resolve().name)
-        render_card(self, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
-        return folder / "README.md"
+        return write_card(self, folder, evaluation, repo_id, name=name)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, verify: bool = True, **kwargs) -> MapperModel:
@@ -542,13 +481,3 @@ class MapperModel(MapperPreTrainedModel):
                 raise ValueError(message + "\nUse the mapper fitted for these models, or allow_mismatch=True.")
             logger.warning(message)
         return problems
-
-
-def fit_mapper(source_model, target_model, calibration, **kwargs) -> MapperModel:
-    """`MapperModel.fit` as a function (see it for the arguments)."""
-    return MapperModel.fit(source_model, target_model, calibration, **kwargs)
-
-
-def mapper_from_statistics(statistics, **kwargs) -> MapperModel:
-    """`MapperModel.from_statistics` as a function (see it for the arguments)."""
-    return MapperModel.from_statistics(statistics, **kwargs)

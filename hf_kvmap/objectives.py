@@ -32,6 +32,7 @@ from transformers.utils import logging
 from .attention_objective import attention_finetune
 from .finetune import calibration_rows, finetune_settings, frozen, optimize, split_calibration
 from .fit_options import FitOptions
+from .modeling_mapper import MapperModel
 
 logger = logging.get_logger(__name__)
 
@@ -253,12 +254,10 @@ FINETUNES = {
 }
 
 
-def finetune_fitted(
-    model_class, fitted, source_model=None, target_model=None, calibration=None, progress: bool = True
-):
-    """A `FittedMapper` fitted with a fine-tuning objective (`"kl"`, `"attention"`, `"attention+kl"`) packaged as
-    `model_class` (`MapperModel`) in float32, fine-tuned by each stage's function of `FINETUNES` in turn with its
-    options on `calibration`, then cast to the dtype it was fitted for."""
+def finetune_fitted(fitted, source_model=None, target_model=None, calibration=None, progress: bool = True):
+    """A `FittedMapper` fitted with a fine-tuning objective (`"kl"`, `"attention"`, `"attention+kl"`) packaged as a
+    `MapperModel` in float32, fine-tuned by each stage's function of `FINETUNES` in turn with its options on
+    `calibration`, then cast to the dtype it was fitted for."""
     options = fitted.options
     if source_model is None or target_model is None or calibration is None:
         raise ValueError(
@@ -266,7 +265,7 @@ def finetune_fitted(
             "calibration."
         )
     calibration = list(calibration)
-    model = model_class.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
+    model = MapperModel.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
     for stage in options.objective_stages:
         finetune, settings = FINETUNES[stage]
         finetune(model, source_model, target_model, calibration, progress=progress, **settings(options))

@@ -301,9 +301,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import MapperModel
     from ..artifacts import tokenizer_fingerprint
-    from ..fitting import collect_statistics, fit
+    from ..fitting import collect_statistics, fit, mapper_from_fitted
     from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
     from ._models import check_model_folder
@@ -391,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.statistics_device,
         progress=not args.no_progress,
     )
-    mapper = MapperModel.from_fitted(
+    mapper = mapper_from_fitted(
         fitted, source_model=source, target_model=target, calibration=batches, progress=not args.no_progress
     )
     mapper.save_pretrained(args.out, overwrite=args.overwrite)
