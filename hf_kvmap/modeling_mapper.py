@@ -1,7 +1,7 @@
 """`MapperModel`: a fitted map from a source model's KV cache to a target model's, packaged as a `PreTrainedModel`.
 
 The model computes: `MapperModel.forward` is the whole mapping (RoPE strip with the source's rotary embedding, the
-input features of `hf_kvmap.features.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
+input features of `hf_kvmap.layout.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
 `MappedCache.from_source` validates a cache, calls it, and stores the result. What a map is depends on the mapper
 kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
 """
