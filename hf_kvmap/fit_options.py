@@ -53,14 +53,14 @@ class FitOptions:
             that the frozen target reading the mapped cache reproduces its own next-token distributions on
             calibration text (`hf_kvmap.objectives.kl_finetune`). `"attention"`: that fit is then fine-tuned so that
             in every target layer the target's own queries read the same attention output from the mapped cache as
-            from its own (`hf_kvmap.attention_objective.attention_finetune`; no backward through the target).
+            from its own (`hf_kvmap.objectives.attention_finetune`; no backward through the target).
             `"attention+kl"`: the attention fine-tune, then the KL one.
         kl_steps, kl_lr, kl_batch_size, kl_eval_every, kl_patience, kl_val_sequences, kl_min_prefix,
             kl_cache_references: the end-to-end
             fine-tune (see `hf_kvmap.objectives.kl_finetune`).
         attn_steps, attn_lr, attn_batch_size, attn_eval_every, attn_patience, attn_val_sequences, attn_min_prefix,
             attn_loss, attn_space, attn_normalize, attn_cache_references: the attention fine-tune (see
-            `hf_kvmap.attention_objective.attention_finetune`).
+            `hf_kvmap.objectives.attention_finetune`).
         hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
         epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
             `hf_kvmap.training.train_headwise_mlp`).
@@ -181,7 +181,7 @@ class FitOptions:
         return {name: getattr(self, f"kl_{name}") for name in names} | {"seed": self.seed}
 
     def attention_settings(self) -> dict[str, Any]:
-        """The settings `hf_kvmap.attention_objective.attention_finetune` takes from these options (and the seed)."""
+        """The settings `hf_kvmap.objectives.attention_finetune` takes from these options (and the seed)."""
         names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "loss")
         names += ("space", "normalize", "cache_references")
         return {name: getattr(self, f"attn_{name}") for name in names} | {"seed": self.seed}

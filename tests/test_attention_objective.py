@@ -10,7 +10,9 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_kvmap import FitOptions, MapperConfig, MapperModel, fit_mapper
-from hf_kvmap.attention_objective import (
+from hf_kvmap.configuration_mapper import summarize_model_config
+from hf_kvmap.early_stopping import train_with_early_stopping
+from hf_kvmap.objectives.attention import (
     _attend,
     _project,
     _Reads,
@@ -19,8 +21,6 @@ from hf_kvmap.attention_objective import (
     held_out_attention_error,
     target_reads,
 )
-from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.early_stopping import train_with_early_stopping
 
 WINDOW = {1: {"key": {"context_window": 2, "input_kinds": "both"}}}
 
