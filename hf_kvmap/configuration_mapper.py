@@ -10,10 +10,12 @@ from transformers import PretrainedConfig
 
 from ._version import __version__
 from .geometry import KVGeometry, text_config
+from .kinds import MAPPER_KINDS
+from .kinds.ridge import LAMBDA_CONVENTIONS
+from .layout import part_inputs
+from .validation import check_choice, check_int, check_number
 
-MAPPER_KINDS = ("ridge", "mlp")
 INPUT_KINDS = ("same", "both")
-LAMBDA_CONVENTIONS = ("absolute", "per_token")
 OBJECTIVES = ("mse", "kl", "attention", "attention+kl")
 PARTS = ("key", "value")
 
@@ -44,30 +46,6 @@ def summarize_model_config(config: PretrainedConfig | dict) -> dict[str, Any]:
     return summary
 
 
-def check_choice(name: str, value, choices: tuple) -> None:
-    """Raise `ValueError` unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}.")
-
-
-def check_int(name: str, value, minimum: int, *, allow_none: bool = False, meaning: str = "") -> None:
-    """Raise `ValueError` unless `value` is an integer (not a bool) `>= minimum` (or `None` with `allow_none`)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {what}{meaning}.")
-
-
-def check_number(name: str, value, minimum: float, *, strict: bool = False, below: float | None = None) -> None:
-    """Raise `ValueError` unless `value` is a real number `>= minimum` (`> minimum` with `strict`, `< below`)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > minimum if strict else value >= minimum) and (below is None or value < below)
-    if not ok:
-        bound = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below is not None else "")
-        raise ValueError(f"{name}={value!r} must be a number {bound}.")
-
-
 def normalize_layer_inputs(layer_inputs: dict | None) -> dict[str, dict[str, dict[str, Any]]]:
     """`layer_inputs` in the form a config records: `{"<target layer>": {"key"|"value": {"context_window": int,
     "input_kinds": str}}}` (string layer keys, as JSON stores them); raises `ValueError` naming a bad entry."""
@@ -94,13 +72,6 @@ def normalize_layer_inputs(layer_inputs: dict | None) -> dict[str, dict[str, dic
             entry[part] = spec
         out[str(int(layer))] = entry
     return out
-
-
-def part_inputs(layer_inputs: dict, layer: int, part: str, context_window: int, input_kinds: str) -> tuple[int, str]:
-    """`(context_window, input_kinds)` of target `layer`'s `part` map: its `layer_inputs` entry, else the global
-    ones."""
-    spec = layer_inputs.get(str(layer), {}).get(part, {})
-    return spec.get("context_window", context_window), spec.get("input_kinds", input_kinds)
 
 
 class MapperConfig(PretrainedConfig):

@@ -22,8 +22,10 @@ from .configuration_mapper import (
     check_number,
     normalize_layer_inputs,
 )
+from .kinds import KIND_REGISTRY
+from .kinds.mlp import MLP_INITS, MLPOptions
+from .kinds.ridge import RidgeOptions
 
-MLP_INITS = ("ridge", "random")
 ATTENTION_LOSSES = ("output", "logits")
 ATTENTION_SPACES = ("residual", "heads")
 
@@ -63,7 +65,7 @@ class FitOptions:
             `hf_kvmap.objectives.attention_finetune`).
         hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
         epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
-            `hf_kvmap.training.train_headwise_mlp`).
+            `hf_kvmap.kinds.mlp.train_headwise_mlp`).
         val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out (MLP only).
         stride (`int`, *optional*, defaults to 1): keep every `stride`-th calibration position.
         statistics_dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype.
@@ -74,8 +76,8 @@ class FitOptions:
     kind: str = "ridge"
     top_k: int | None = 8
     source_layers: list[list[int]] | None = None
-    ridge_lambda: float = 0.01
-    lambda_convention: str = "absolute"
+    ridge_lambda: float = RidgeOptions.ridge_lambda
+    lambda_convention: str = RidgeOptions.lambda_convention
     input_kinds: str = "same"
     context_window: int = 0
     layer_inputs: dict | None = None
@@ -100,14 +102,14 @@ class FitOptions:
     attn_space: str = "residual"
     attn_normalize: bool = True
     attn_cache_references: bool = False
-    hidden_size: int = 1024
-    epochs: int = 20
-    batch_tokens: int = 4096
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    val_fraction: float = 0.1
-    patience: int | None = 3
-    init: str = "ridge"
+    hidden_size: int = MLPOptions.hidden_size
+    epochs: int = MLPOptions.epochs
+    batch_tokens: int = MLPOptions.batch_tokens
+    lr: float = MLPOptions.lr
+    warmup_steps: int = MLPOptions.warmup_steps
+    val_fraction: float = MLPOptions.val_fraction
+    patience: int | None = MLPOptions.patience
+    init: str = MLPOptions.init
     seed: int = 0
     stride: int = 1
     statistics_dtype: torch.dtype = torch.float64
@@ -158,7 +160,7 @@ class FitOptions:
     def fits_on_features(self) -> bool:
         """Whether the mapper is fitted on calibration features kept in memory: the MLP, and any input the
         sufficient statistics do not cover; only the per-position ridge is solved from statistics alone."""
-        if self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0:
+        if KIND_REGISTRY[self.kind].needs_features or self.input_kinds != "same" or self.context_window > 0:
             return True
         return any(
             spec.get("context_window", 0) > 0 or spec.get("input_kinds", "same") != "same"
@@ -197,7 +199,7 @@ class FitOptions:
         return {stage: getattr(self, f"{stage}_settings")() for stage in self.objective_stages}
 
     def mlp_settings(self) -> dict[str, Any]:
-        """The settings `hf_kvmap.training.train_headwise_mlp` takes from these options (all but the seed)."""
+        """The settings `hf_kvmap.kinds.mlp.train_headwise_mlp` takes from these options (all but the seed)."""
         names = ("hidden_size", "epochs", "batch_tokens", "lr", "patience", "init", "ridge_lambda")
         return {name: getattr(self, name) for name in (*names, "lambda_convention", "warmup_steps")}
 

@@ -8,9 +8,9 @@
    (`hf_kvmap.selection`).
 3. **Weights**: the per-position ridge is a sub-block solve of the statistics ([`solve_layer`], no further pass).
    Every other mapper (the MLP kind, `input_kinds="both"`, a `context_window`) is fitted on features kept in memory
-   (`hf_kvmap.features.gather_features`, a second pass) by its kind's entry in `FEATURE_FITTERS`: one ridge solve
-   per set of maps reading the same inputs, or MLP training (`hf_kvmap.training`). Features passed in are always
-   fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
+   (`hf_kvmap.features.gather_features`, a second pass) by its kind's `fit_on_features` (`hf_kvmap.kinds`): one
+   ridge solve per set of maps reading the same inputs, or MLP training (`hf_kvmap.kinds.mlp`). Features passed in
+   are always fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
 4. **Config**: [`fitted_config`] records both models, the selection, the options and the calibration provenance.
 
 It returns a [`FittedMapper`] (config, weights, selection); [`mapper_from_fitted`] packages it (fine-tuning it first
@@ -26,21 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .artifacts import tokenizer_fingerprint as fingerprint_of
-from .configuration_mapper import MapperConfig, part_inputs
+from .configuration_mapper import MapperConfig
 from .features import PARTS, CalibrationFeatures, gather_features, input_device
 from .fit_options import FitOptions
 from .geometry import KVGeometry
 from .key_norm import target_key_norm
+from .kinds import KIND_REGISTRY, map_inputs
 from .modeling_mapper import MapperModel
 from .objectives import finetune_fitted
-from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve
+from .regression import head_r2, regression_metrics, ridge_from_moments
 from .selection import LayerSelection
 from .statistics import CalibrationStatistics
-from .training import split_rows, train_headwise_mlp
 
 logger = logging.get_logger(__name__)
 
@@ -167,90 +166,14 @@ def _solve_from_statistics(owner, selection: LayerSelection, options: FitOptions
 
 
 # ------------------------------------------------------------------------------------------------ on features
-def _map_inputs(options: FitOptions, layer: int, part: str) -> tuple[int, str]:
-    """`(context_window, input_kinds)` of one map under `options` (its `layer_inputs` entry, else the global)."""
-    return part_inputs(options.layer_inputs or {}, layer, part, options.context_window, options.input_kinds)
-
-
 def _max_context_window(options: FitOptions, num_layers: int) -> int:
-    return max(_map_inputs(options, layer, part)[0] for layer in range(num_layers) for part in PARTS)
-
-
-def _ridge_on_features(features, selection, options, target, progress):
-    """Maps that read the same inputs (same selected layers, window and input kinds; with input_kinds="both" keys and
-    values alike) share one Gram: solve them together, their targets side by side."""
-    penalty = options.ridge_lambda * (features.num_positions if options.lambda_convention == "per_token" else 1.0)
-    groups: dict[tuple, list[tuple[int, str]]] = {}
-    for layer_idx in range(target.num_layers):
-        for part in PARTS:
-            window, input_kinds = _map_inputs(options, layer_idx, part)
-            reads = "both" if input_kinds == "both" else part
-            key = (reads, window, input_kinds, tuple(selection.source_layers[layer_idx]))
-            groups.setdefault(key, []).append((layer_idx, part))
-    maps, width = {}, target.layer_width
-    for (_, window, input_kinds, chosen), members in tqdm(
-        groups.items(), desc="solving ridge maps", unit="input set", disable=not progress
-    ):
-        x = features.inputs(members[0][1], list(chosen), None, input_kinds, window)
-        y = torch.cat([features.outputs(part, layer_idx) for layer_idx, part in members], dim=1)
-        weight, bias = ridge_solve(x, y, penalty)
-        for slot, member in enumerate(members):
-            columns = slice(slot * width, (slot + 1) * width)
-            maps[member] = {"weight": weight[columns].contiguous(), "bias": bias[columns].contiguous()}
-    return maps, {"features": features.provenance}
-
-
-def _mlp_on_features(features, selection, options, target, progress):
-    """Every head's MLP of every target layer and part, on a held-out split by whole calibration sequences."""
-    train_rows, val_rows = split_rows(features.num_positions, options.val_fraction, options.seed, features.groups)
-    train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
-    bar = tqdm(
-        total=2 * target.num_layers * options.epochs, desc="training MLP mapper", unit="epoch", disable=not progress
-    )
-    maps, report = {}, []
-    for layer_idx in range(target.num_layers):
-        chosen = selection.source_layers[layer_idx]
-        entry: dict[str, Any] = {"layer": layer_idx}
-        for part_idx, part in enumerate(PARTS):
-            bar.set_description(f"training MLP mapper (layer {layer_idx} {part})")
-            window, input_kinds = _map_inputs(options, layer_idx, part)
-            x = features.inputs(part, chosen, None, input_kinds, window)
-            y = features.outputs(part, layer_idx)
-            mlp, result = train_headwise_mlp(
-                x[train_rows],
-                y[train_rows],
-                x[val_rows],
-                y[val_rows],
-                num_heads=target.num_kv_heads,
-                head_dim=target.head_dim,
-                seed=options.seed * 1_000_003 + 2 * layer_idx + part_idx,
-                bar=bar,
-                **options.mlp_settings(),
-            )
-            maps[layer_idx, part] = mlp.state_dict()
-            entry[part] = result.to_dict()
-        report.append(entry)
-    bar.close()
-    training = {
-        **options.mlp_settings(),
-        "optimizer": "adam",
-        "loss": "mse (content space)",
-        "val_fraction": options.val_fraction,
-        "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
-        "seed": options.seed,
-        "positions_train": int(train_rows.numel()),
-        "positions_val": int(val_rows.numel()),
-        "features": features.provenance,
-        "torch_version": torch.__version__,
-        "layers": report,
-    }
-    return maps, {"mlp_training": training}
+    return max(map_inputs(options, layer, part)[0] for layer in range(num_layers) for part in PARTS)
 
 
 #: How each mapper kind is fitted on features kept in memory: `(features, selection, options, target geometry,
-#: progress) -> ({(target_layer, part): state dict of the map}, calibration record)`. A new kind adds one entry here
-#: and one in `hf_kvmap.modeling_mapper.MAP_MODULES`.
-FEATURE_FITTERS: dict[str, Callable] = {"ridge": _ridge_on_features, "mlp": _mlp_on_features}
+#: progress) -> ({(target_layer, part): state dict of the map}, calibration record)`; a view of
+#: `hf_kvmap.kinds.KIND_REGISTRY` (each kind's `fit_on_features`; a new kind is one file there).
+FEATURE_FITTERS: dict[str, Callable] = {name: kind.fit_on_features for name, kind in KIND_REGISTRY.items()}
 
 
 # ------------------------------------------------------------------------------------------------ orchestrator
@@ -419,7 +342,8 @@ def fit(
                 max_memory_bytes=options.max_memory_bytes,
                 progress=progress,
             )
-        maps, record = FEATURE_FITTERS[options.kind](features, selection, options, first.target_geometry, progress)
+        kind = KIND_REGISTRY[options.kind]
+        maps, record = kind.fit_on_features(features, selection, options, first.target_geometry, progress)
         state = {
             f"layers.{layer_idx}.{part}_proj.{name}": tensor
             for (layer_idx, part), module_state in maps.items()

@@ -1,17 +1,27 @@
 """The input layout of a mapper: what each map reads from the content-space features of its selected source layers
 (its own part or keys and values both, and the earlier positions of a context window). The one definition, shared by
-`MapperModel.forward` (`hf_kvmap.mapping`) and fitting (`hf_kvmap.features.CalibrationFeatures.inputs`)."""
+`MapperModel.forward` (`hf_kvmap.mapping`) and fitting (`hf_kvmap.features.CalibrationFeatures.inputs`). It
+depends on torch alone: `MapperConfig` and `FitOptions` read it, the mapper kinds fit on it."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from .configuration_mapper import MapperConfig
+import torch
 
 PARTS = ("key", "value")
 
 
 # ------------------------------------------------------------------------------------------------ layout
+def part_inputs(
+    layer_inputs: dict[str, Any], layer: int, part: str, context_window: int, input_kinds: str
+) -> tuple[int, str]:
+    """`(context_window, input_kinds)` of target `layer`'s `part` map: its `layer_inputs` entry, else the global
+    ones."""
+    spec = layer_inputs.get(str(layer), {}).get(part, {})
+    return spec.get("context_window", context_window), spec.get("input_kinds", input_kinds)
+
+
 def window_features(
     features: torch.Tensor, context_window: int, position_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -43,7 +53,7 @@ def window_features(
 
 
 def mapper_inputs(
-    config: MapperConfig,
+    config: Any,
     key_features: torch.Tensor,
     value_features: torch.Tensor,
     position_ids: torch.Tensor | None = None,
@@ -83,4 +93,4 @@ def mapper_inputs(
 # ------------------------------------------------------------------------------------------------ extraction
 
 
-__all__ = ["PARTS", "mapper_inputs", "window_features"]
+__all__ = ["PARTS", "mapper_inputs", "part_inputs", "window_features"]

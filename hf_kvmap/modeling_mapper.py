@@ -3,7 +3,7 @@
 The model computes: `MapperModel.forward` is the whole mapping (RoPE strip with the source's rotary embedding, the
 input features of `hf_kvmap.layout.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
 `MappedCache.from_source` validates a cache, calls it, and stores the result. What a map is depends on the mapper
-kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
+kind, through one registry (`hf_kvmap.kinds`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .artifacts import (
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .geometry import KVGeometry, check_supported_layout
 from .key_norm import normalize_keys
+from .kinds import KIND_REGISTRY
 from .mapping import map_target_layer
 from .modeling_mlp import HeadwiseMLP
 from .placement import execution_devices
@@ -40,21 +41,11 @@ logger = logging.get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ kinds
-def _ridge_map(config: MapperConfig, in_features: int) -> nn.Module:
-    """`"ridge"`: one affine map, all target KV heads at once."""
-    return nn.Linear(in_features, config.target_geometry.layer_width, bias=True)
-
-
-def _mlp_map(config: MapperConfig, in_features: int) -> nn.Module:
-    """`"mlp"`: one MLP per target KV head, batched (`HeadwiseMLP`)."""
-    target = config.target_geometry
-    return HeadwiseMLP(in_features, config.mlp_hidden_size, target.num_kv_heads, target.head_dim)
-
-
 #: The module of one map per mapper kind: `(config, in_features) -> nn.Module` taking `(..., in_features)` to
-#: `(..., n_kv_target * head_dim_target)`. A new kind is one entry here and one in `hf_kvmap.fitting.FEATURE_FITTERS`
-#: (and its name in `configuration_mapper.MAPPER_KINDS`).
-MAP_MODULES: dict[str, Callable[[MapperConfig, int], nn.Module]] = {"ridge": _ridge_map, "mlp": _mlp_map}
+#: `(..., n_kv_target * head_dim_target)`; a view of `hf_kvmap.kinds.KIND_REGISTRY` (a new kind is one file there).
+MAP_MODULES: dict[str, Callable[[MapperConfig, int], nn.Module]] = {
+    name: kind.build_map for name, kind in KIND_REGISTRY.items()
+}
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -138,14 +129,14 @@ class MapperLayer(nn.Module):
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
     of every target KV head, flattened the same way. `value_proj` does the same for values. (With
     `config.input_kinds="both"`, a `config.context_window` or its `config.layer_inputs` entry, a map reads the wider
-    inputs of [`mapper_inputs`].) The module of each map comes from `MAP_MODULES[config.kind]`. With `config.key_norm`
+    inputs of [`mapper_inputs`].) The module of each map is its kind's `build_map` (`hf_kvmap.kinds`). With `config.key_norm`
     the keys pass through the target's key norm (`hf_kvmap.key_norm`; its weight is the buffer `key_norm_weight`).
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        build = MAP_MODULES[config.kind]
+        build = KIND_REGISTRY[config.kind].build_map
         self.key_proj = build(config, config.input_width(layer_idx, "key"))
         self.value_proj = build(config, config.input_width(layer_idx, "value"))
         self.head_dim = config.target_geometry.head_dim

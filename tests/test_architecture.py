@@ -147,15 +147,22 @@ MAPPING_MODULES = {
     "hf_kvmap.artifacts",
     "hf_kvmap.cache",
     "hf_kvmap.configuration_mapper",
+    "hf_kvmap.early_stopping",  # the MLP kind's training loop (a kind is one file: its map and its fit)
     "hf_kvmap.first_layer",
     "hf_kvmap.geometry",
     "hf_kvmap.key_norm",
+    "hf_kvmap.kinds",
+    "hf_kvmap.kinds.base",
+    "hf_kvmap.kinds.mlp",
+    "hf_kvmap.kinds.ridge",
     "hf_kvmap.layout",
     "hf_kvmap.mapping",
     "hf_kvmap.modeling_mapper",
     "hf_kvmap.modeling_mlp",
     "hf_kvmap.placement",
+    "hf_kvmap.regression",  # the ridge kind's solver
     "hf_kvmap.rope",
+    "hf_kvmap.validation",
 }
 
 
