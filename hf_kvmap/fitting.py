@@ -299,17 +299,16 @@ def fit(
         calibration = list(calibration)
         if device is None:
             device = input_device(source_model)
-    if on_features and options.kind == "mlp" and options.init == "ridge":  # before any pass
+
+    def target_head_dim() -> int:
         if target_model is not None:
-            head_dim = KVGeometry.from_config(target_model.config).head_dim
-        else:  # statistics and features were given (checked above)
-            first = statistics if isinstance(statistics, CalibrationStatistics) else next(iter(statistics), None)
-            head_dim = first.target_geometry.head_dim if first is not None else 0
-        if options.hidden_size < 2 * head_dim:
-            raise ValueError(
-                f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * head_dim} (got {options.hidden_size}); "
-                "pass init='random' or a larger hidden_size."
-            )
+            return KVGeometry.from_config(target_model.config).head_dim
+        # statistics and features were given (checked above)
+        first = statistics if isinstance(statistics, CalibrationStatistics) else next(iter(statistics), None)
+        return first.target_geometry.head_dim if first is not None else 0
+
+    if on_features:  # the kind's own checks, before any pass
+        KIND_REGISTRY[options.kind].check_options(options, target_head_dim)
     if statistics is None:
         statistics = collect_statistics(
             source_model, target_model, calibration, options, device=device, progress=progress, fingerprint=fingerprint

@@ -8,6 +8,7 @@ A kind is one file in `hf_kvmap/kinds/` holding everything about it: its options
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
@@ -34,6 +35,11 @@ class MapperKind:
     def build_map(config, in_features: int) -> nn.Module:
         """The module of one map: `(..., in_features)` to `(..., n_kv_target * head_dim_target)`."""
         raise NotImplementedError
+
+    @staticmethod
+    def check_options(options, head_dim: Callable[[], int]) -> None:
+        """Refuse `options` (`FitOptions`) this kind cannot fit (before any pass over the data; `head_dim()` is the
+        target's head dim); raises `ValueError` naming the fix."""
 
     @staticmethod
     def fit_on_features(features, selection, options, target, progress: bool) -> tuple[dict, dict[str, Any]]:

@@ -381,5 +381,16 @@ class MLPKind(MapperKind):
     build_map = staticmethod(_mlp_map)
     fit_on_features = staticmethod(_mlp_on_features)
 
+    @staticmethod
+    def check_options(options, head_dim) -> None:
+        if options.init != "ridge":
+            return
+        dim = head_dim()
+        if options.hidden_size < 2 * dim:
+            raise ValueError(
+                f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * dim} (got {options.hidden_size}); "
+                "pass init='random' or a larger hidden_size."
+            )
+
 
 __all__ = ["MLP_INITS", "MLPKind", "MLPOptions", "MLPTrainingResult", "split_rows", "train_headwise_mlp"]
