@@ -35,13 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
 
 from ..configuration_mapper import check_choice
 from ..finetune import CalibrationSplit, Objective, finetune_settings, register_objective, run_finetune
 from ..fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions
-
-logger = logging.get_logger(__name__)
 
 
 @dataclass

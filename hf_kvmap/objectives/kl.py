@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.utils import logging
 
 from ..finetune import (
     CalibrationSplit,
@@ -36,8 +35,6 @@ from ..finetune import (
     run_finetune,
 )
 from ..fit_options import FitOptions
-
-logger = logging.get_logger(__name__)
 
 
 @dataclass
