@@ -1,4 +1,4 @@
-"""The per-layer attention objective (`objective="attention"`, `hf_kvmap.attention_objective`) and the one
+"""The per-layer attention objective (`objective="attention"`, `hf_kvmap.objectives.attention`) and the one
 early-stopping loop every fine-tune shares (`hf_kvmap.early_stopping`)."""
 
 from __future__ import annotations
