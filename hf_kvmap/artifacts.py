@@ -26,7 +26,6 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ._compat import model_id, model_revision
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .geometry import KVGeometry, text_config
-from .validation import remove, staging_prefix, stale_leftovers
 
 EVALUATION_FILE = "evaluation.json"
 #: The files a saved mapper folder consists of (weights, config, card, results, the fit's selection and curves).
@@ -292,6 +291,8 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
     folders) of processes no longer running are removed, and a previous folder moved aside (`.<name>.*.old/folder`)
     while `destination` is missing is put back before anything else happens.
     """
+    from .input_checks import staging_prefix
+
     destination = Path(destination).resolve()  # "." or a link: swap the folder itself, beside it
     _clean_stale_saves(destination)
     if destination.exists() and not destination.is_dir():
@@ -326,6 +327,8 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
 
 def _clean_stale_saves(destination: Path) -> None:
     """Undo what a killed `write_folder_atomically` left beside `destination` (see there)."""
+    from .input_checks import remove, stale_leftovers
+
     stale = stale_leftovers(destination.parent, destination.name, (".saving", ".old"))
     for entry in stale:
         if entry.name.endswith(".old") and (entry / "folder").is_dir() and not destination.exists():

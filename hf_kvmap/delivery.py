@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from ._compat import model_id, model_revision
 from .artifacts import weights_hash
 from .cache import MappedCache, MappedLayer
-from .validation import remove, staging_prefix, stale_leftovers
+from .input_checks import remove, staging_prefix, stale_leftovers
 
 FORMAT = "hf-kvmap-cache"
 #: 2: the content hash covers the record, and the record says whether the cache is approximate

@@ -25,9 +25,7 @@ from transformers.utils import logging
 
 from ._compat import cache_argument, cache_kwargs, output_cache
 from .cache import MappedCache, source_pairs
-from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
-from .rope import positions_from_attention_mask
-from .validation import (
+from .input_checks import (
     check_left_padding_mask,
     check_source_cache,
     check_threshold,
@@ -35,6 +33,8 @@ from .validation import (
     derive_mask,
     first_layer_error,
 )
+from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
+from .rope import positions_from_attention_mask
 
 logger = logging.get_logger(__name__)
 

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from ._compat import cache_kwargs, output_cache
-from .validation import as_token_row
+from .input_checks import as_token_row
 
 logger = logging.get_logger(__name__)
 
