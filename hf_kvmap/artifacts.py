@@ -97,15 +97,39 @@ def content_hash(tensors, config: MapperConfig) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+#: The config fields that decide what is served (the gate and the guard), covered by the serving hash beside the
+#: content hash: the calibrated probe and its threshold, the tokenizer fingerprint, the models' ids and revisions.
+SERVING_FIELDS = (
+    "handoff_probe",
+    "tokenizer_fingerprint",
+    "source_model_id",
+    "target_model_id",
+    "source_revision",
+    "target_revision",
+)
+
+
+def serving_hash(config: MapperConfig) -> str:
+    """sha256 over the content hash and the `SERVING_FIELDS` (canonical JSON): editing the probe, its threshold, the
+    tokenizer fingerprint or a model id/revision makes a saved mapper fail verification. Kept apart from the content
+    hash so that calibrating a probe leaves the results measured on the mapping (which record the content hash)
+    its own."""
+    fields = {name: getattr(config, name, None) for name in SERVING_FIELDS}
+    digest = hashlib.sha256(f"{config.content_hash}|serving|".encode())
+    digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    return "sha256:" + digest.hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of a tokenizer's vocabulary (sorted `(token, id)` pairs, JSON-encoded)."""
     vocab = sorted(tokenizer.get_vocab().items())
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
+def side_mismatches(config: MapperConfig, side: str, model_config, *, same_weights: bool = False) -> list[str]:
     """How a model config in hand differs from what `config` records for its `side` (`"source"`/`"target"`): model
-    type, KV geometry, rope parameters, and the revision and id when both are known."""
+    type, KV geometry, rope parameters, and the revision and id when both are known (not the id with
+    `same_weights=True`: the caller says the model is a copy of those weights loaded from elsewhere)."""
     recorded = getattr(config, f"{side}_summary")
     found = summarize_model_config(model_config)
     problems = []
@@ -124,8 +148,13 @@ def side_mismatches(config: MapperConfig, side: str, model_config) -> list[str]:
         ("revision", getattr(config, f"{side}_revision"), model_revision(text) or model_revision(model_config)),
         ("id", getattr(config, f"{side}_model_id"), model_id(model_config)),
     ):
+        if what == "id" and same_weights:
+            continue
         if expected and actual and expected != actual:
-            problems.append(f"{side} {what}: mapper expects {expected}, model has {actual}")
+            hint = ""
+            if what == "id":
+                hint = " (a local copy of the same weights: pass same_weights=True)"
+            problems.append(f"{side} {what}: mapper expects {expected}, model has {actual}{hint}")
     return problems
 
 
@@ -192,6 +221,7 @@ def verify_artifact(pretrained_model_name_or_path, config: MapperConfig, **kwarg
         )
     actual = stored_content_hash(where, config, **kwargs)
     if actual == expected:
+        _verify_serving(where, config)
         return
     if stored_content_hash(where, None, **kwargs) == expected:
         raise ValueError(
@@ -256,8 +286,15 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
 
     A `destination` holding files that are not a mapper's (`foreign_files`) is refused with `ValueError` unless
     `overwrite=True`, which replaces the whole folder.
+
+    What a killed save left beside `destination` is cleaned first: hidden `.<name>.*.saving` folders (incomplete new
+    folders) of processes no longer running are removed, and a previous folder moved aside (`.<name>.*.old/folder`)
+    while `destination` is missing is put back before anything else happens.
     """
+    from .input_checks import staging_prefix
+
     destination = Path(destination).resolve()  # "." or a link: swap the folder itself, beside it
+    _clean_stale_saves(destination)
     if destination.exists() and not destination.is_dir():
         raise ValueError(f"{destination} exists and is not a folder.")
     foreign = foreign_files(destination)
@@ -268,12 +305,13 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
             "into a new or empty folder (or a mapper's own), or pass overwrite=True to replace the whole folder."
         )
     destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".saving", dir=destination.parent))
+    prefix = staging_prefix(destination.name)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".saving", dir=destination.parent))
     try:
         write(staging)
         if destination.exists():
             cwd = Path.cwd()
-            previous = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".old", dir=destination.parent))
+            previous = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=destination.parent))
             os.replace(destination, previous / "folder")
             os.replace(staging, destination)
             if cwd == destination or destination in cwd.parents:  # the process stood in the replaced folder
@@ -285,3 +323,31 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return destination
+
+
+def _clean_stale_saves(destination: Path) -> None:
+    """Undo what a killed `write_folder_atomically` left beside `destination` (see there)."""
+    from .input_checks import remove, stale_leftovers
+
+    stale = stale_leftovers(destination.parent, destination.name, (".saving", ".old"))
+    for entry in stale:
+        if entry.name.endswith(".old") and (entry / "folder").is_dir() and not destination.exists():
+            os.replace(entry / "folder", destination)  # the previous artifact, moved aside by the killed save
+    for entry in stale:
+        remove(entry)
+
+
+def _verify_serving(where, config: MapperConfig) -> None:
+    recorded = getattr(config, "serving_hash", None)
+    if not recorded:
+        raise ValueError(
+            f"{where} records no serving hash, so the config fields that decide what is served ({', '.join(SERVING_FIELDS)}) "
+            "cannot be checked. Load it with verify=False and re-save it with `save_pretrained` (which records one)."
+        )
+    if serving_hash(config) != recorded:
+        raise ValueError(
+            f"The serving fields of {where}'s config ({', '.join(SERVING_FIELDS)}) do not hash to the serving hash it "
+            "records: they were modified after it was saved (a threshold, the probe, the tokenizer fingerprint or a "
+            "model id/revision). Re-download it, or re-save it with `save_pretrained` if the change is yours (or pass "
+            "verify=False to load it for debugging)."
+        )

@@ -116,6 +116,11 @@ class MappedLayer(DynamicLayer):
         return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"The mapped cache holds {self.keys.shape[0]} row(s) but the model runs {key_states.shape[0]}: for "
+                "beam search (or num_return_sequences) expand it first, `cache.batch_repeat_interleave(num_beams)`."
+            )
         if self.is_initialized and (self.keys.dtype, self.keys.device) != (key_states.dtype, key_states.device):
             self.keys = self.keys.to(device=key_states.device, dtype=key_states.dtype)
             self.values = self.values.to(device=value_states.device, dtype=value_states.dtype)
@@ -154,6 +159,9 @@ class MappedCache(DynamicCache):
     >>> out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
     ```
     """
+
+    #: a mapped cache approximates the target's own (`save_cache` records it; it never loads as an exact cache)
+    approximate = True
 
     def __init__(self, layers: list[MappedLayer] | None = None, mapping_info: dict[str, Any] | None = None):
         if layers is None:
@@ -215,6 +223,11 @@ class MappedCache(DynamicCache):
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
             expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
+        if not isinstance(mapper, MapperModel):
+            raise TypeError(
+                f"mapper is {'None' if mapper is None else 'a ' + type(mapper).__name__}; pass the `MapperModel` fitted "
+                "for this source and target (`MapperModel.from_pretrained(...)`)."
+            )
         config = mapper.config
         source_kv = check_source_tensors(source_pairs(source_cache), config)
         batch, _, seq, _ = source_kv[0][0].shape

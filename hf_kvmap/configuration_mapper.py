@@ -37,6 +37,10 @@ _MODEL_CONFIG_KEYS = (
 )
 
 
+#: Summary fields that count something (layers, heads, widths) and must be positive integers where present.
+_POSITIVE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers")
+
+
 def summarize_model_config(config: PretrainedConfig | dict) -> dict[str, Any]:
     """The subset of a (text) model config that a `MapperConfig` records for one side."""
     config = text_config(config)
@@ -135,6 +139,9 @@ class MapperConfig(PretrainedConfig):
         content_hash (`str`, *optional*): sha256 of the saved weights and the mapping fields of this config
             (`hf_kvmap.artifacts.content_hash`), written by `save_pretrained` and checked by
             `from_pretrained`.
+        serving_hash (`str`, *optional*): sha256 of the content hash and the fields that decide what is served
+            (`hf_kvmap.artifacts.SERVING_FIELDS`: `handoff_probe`, `tokenizer_fingerprint`, model ids and revisions),
+            written by `save_pretrained` and checked by `from_pretrained`.
         handoff_probe (`dict`, *optional*): the calibrated guard of `hf_kvmap.handoff`: `{"probe": {"name": ...,
             "tokens": ...}, "threshold": ..., "max_false_alarm": ..., "calibration": {...}}`, written by
             `hf_kvmap.calibrate_probe`. `None` (older configs) means not calibrated.
@@ -178,6 +185,7 @@ class MapperConfig(PretrainedConfig):
         selection_scores: list[list[float]] | None = None,
         library_version: str | None = None,
         content_hash: str | None = None,
+        serving_hash: str | None = None,
         handoff_probe: dict | None = None,
         initializer_range: float = 0.02,
         **kwargs,
@@ -208,7 +216,20 @@ class MapperConfig(PretrainedConfig):
         self.library_version = library_version or __version__
         self.initializer_range = initializer_range
         self.content_hash = content_hash
+        self.serving_hash = serving_hash
         self.handoff_probe = dict(handoff_probe) if handoff_probe else None
+        if source_layers is not None and (
+            not isinstance(source_layers, (list, tuple))
+            or any(
+                not isinstance(layers, (list, tuple))
+                or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+                for layers in source_layers
+            )
+        ):
+            raise ValueError(
+                f"source_layers={source_layers!r} must be a list of source-layer lists, one per target layer (e.g. "
+                "[[0], [1, 2]] for a 2-layer target); omit it for layer l -> layer l."
+            )
         if source_layers is None and self.source_summary is not None and self.target_summary is not None:
             source_layers = [[layer] for layer in range(self.target_summary["num_hidden_layers"])]
         self.source_layers = [list(map(int, layers)) for layers in source_layers] if source_layers else None
@@ -266,6 +287,13 @@ class MapperConfig(PretrainedConfig):
         for side, summary in (("source_summary", self.source_summary), ("target_summary", self.target_summary)):
             if "model_type" not in summary:
                 raise ValueError(f"{side} has no `model_type`; build it with `summarize_model_config(config)`.")
+            for name in _POSITIVE_KEYS:
+                value = summary.get(name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(
+                        f"{side}.{name}={value!r} must be a positive integer: the config was edited or built by hand; "
+                        "record the model's own config with `summarize_model_config(model.config)`."
+                    )
         source, target = self.source_geometry, self.target_geometry
         if self.source_layers is None or len(self.source_layers) != target.num_layers:
             got = None if self.source_layers is None else len(self.source_layers)

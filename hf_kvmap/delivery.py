@@ -4,7 +4,11 @@ back with every check that keeps a wrong cache from being served.
 The file holds `layers.{i}.keys` / `layers.{i}.values` `(batch, n_kv, seq, head_dim)`, the covered token ids (and
 the attention mask, when there is padding), and, in the safetensors metadata, a JSON record: format version, library
 version, cache class, the model the cache is meant for (id, revision, geometry), the mapping's provenance
-(`MappedCache.mapping_info`), a sha256 of the covered tokens and a content hash of every tensor. No pickle is involved.
+(`MappedCache.mapping_info`), whether the cache is `approximate` (mapped: it is not the model's own prefill), a sha256
+of the covered tokens and a content hash over every tensor and the record itself. No pickle is involved.
+
+An approximate cache loads as a `MappedCache` (`approximate = True`) whatever the record says about its class, and
+`load_cache(..., exact=True)` (an exact-prefix lookup) refuses it.
 """
 
 from __future__ import annotations
@@ -23,10 +27,27 @@ from transformers.cache_utils import Cache
 from ._compat import model_id, model_revision
 from .artifacts import weights_hash
 from .cache import MappedCache, MappedLayer
+from .input_checks import remove, staging_prefix, stale_leftovers
 
 FORMAT = "hf-kvmap-cache"
-FORMAT_VERSION = 1
+#: 2: the content hash covers the record, and the record says whether the cache is approximate
+FORMAT_VERSION = 2
 _METADATA_KEY = "hf_kvmap"
+#: the record's fields `load_cache` relies on
+REQUIRED_FIELDS = ("format", "format_version", "cache_class", "geometry", "approximate", "content_sha256")
+
+
+def record_hash(tensors, record: dict[str, Any]) -> str:
+    """sha256 over the tensors ([`weights_hash`]) and the record without its `content_sha256` (canonical JSON)."""
+    fields = {key: value for key, value in record.items() if key != "content_sha256"}
+    digest = hashlib.sha256(weights_hash(tensors).encode())
+    digest.update(b"|record|" + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def is_approximate(cache: Cache) -> bool:
+    """Whether a cache holds mapped positions (a `MappedCache`, or a session's cache with `mapping_info`)."""
+    return bool(getattr(cache, "approximate", False) or getattr(cache, "mapping_info", None))
 
 
 def tokens_hash(input_ids: torch.Tensor) -> str:
@@ -60,7 +81,9 @@ def save_cache(
 ) -> dict[str, Any]:
     r"""
     Save a prefilled cache (a `MappedCache` or any `DynamicCache`) to one safetensors file, atomically (a temporary
-    file in the same folder replaces `path` only once it is complete).
+    file in the same folder replaces `path` only once it is complete; those a killed save left are removed).
+    A mapped cache (`MappedCache`, or a `HandoffSession` cache holding mapped positions) is recorded as
+    `approximate`, with its `mapping_info`.
 
     Args:
         cache (`Cache`): the cache; every layer must be initialized and full-attention.
@@ -94,7 +117,8 @@ def save_cache(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
-        "cache_class": "MappedCache" if isinstance(cache, MappedCache) else "DynamicCache",
+        "cache_class": "MappedCache" if is_approximate(cache) else "DynamicCache",
+        "approximate": is_approximate(cache),
         "geometry": geometry,
     }
     mapping_info = dict(getattr(cache, "mapping_info", {}) or {})
@@ -116,10 +140,13 @@ def save_cache(
         tensors["attention_mask"] = attention_mask[:, :seq].detach().to("cpu", torch.int64).contiguous()
     if provenance:
         record["provenance"] = json.loads(json.dumps(provenance))
-    record["content_sha256"] = weights_hash(tensors)
+    record = json.loads(json.dumps(record))  # what the file will hold (tuples as lists)
+    record["content_sha256"] = record_hash(tensors, record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    for stale in stale_leftovers(path.parent, path.name, (".tmp",)):
+        remove(stale)
+    handle, tmp = tempfile.mkstemp(prefix=staging_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
         save_file(tensors, tmp, metadata={"format": "pt", _METADATA_KEY: json.dumps(record, sort_keys=True)})
@@ -141,12 +168,31 @@ def read_provenance(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable safetensors file ({err}).") from None
     if _METADATA_KEY not in metadata:
         raise ValueError(f"{path} is a safetensors file but not an hf-kvmap cache (no `{_METADATA_KEY}` metadata).")
-    record = json.loads(metadata[_METADATA_KEY])
-    if record.get("format") != FORMAT or record.get("format_version", 0) > FORMAT_VERSION:
+    try:
+        record = json.loads(metadata[_METADATA_KEY])
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{path}: its `{_METADATA_KEY}` metadata record is not valid JSON: the file was modified or damaged. "
+            "Re-create the cache."
+        ) from None
+    if record.get("format") != FORMAT or not isinstance(record.get("format_version"), int):
+        raise ValueError(f"{path} records format {record.get('format')!r}, not {FORMAT!r}: the file was modified.")
+    if record["format_version"] > FORMAT_VERSION:
         raise ValueError(
             f"{path} holds format {record.get('format')!r} version {record.get('format_version')}; this hf-kvmap "
             f"reads {FORMAT!r} up to version {FORMAT_VERSION}. Upgrade hf-kvmap."
         )
+    if record["format_version"] < FORMAT_VERSION:
+        raise ValueError(
+            f"{path} was written by an older hf-kvmap (format version {record['format_version']}), whose hash does "
+            "not cover its record (the cache class, the model it is for, whether it is approximate). Re-create it "
+            "with this version's `save_cache`."
+        )
+    missing = [name for name in REQUIRED_FIELDS if name not in record]
+    if missing:
+        raise ValueError(f"{path}: its record lacks {missing}: the file was modified. Re-create the cache.")
     return record
 
 
@@ -157,6 +203,8 @@ def load_cache(
     model=None,
     device: torch.device | str | None = None,
     verify: bool = True,
+    exact: bool = False,
+    same_weights: bool = False,
 ) -> tuple[Cache, dict[str, Any]]:
     r"""
     Load a cache written by [`save_cache`] and check it before it is served.
@@ -169,22 +217,33 @@ def load_cache(
         model (`PreTrainedModel`, *optional*): the model about to read the cache: its layer count, KV heads and head
             dim must match, and its id/revision the recorded ones when both are known.
         device (`torch.device` or `str`, *optional*): where to put the tensors (defaults to CPU).
-        verify (`bool`, *optional*, defaults to `True`): check the content hash (refuses a truncated or edited file).
+        verify (`bool`, *optional*, defaults to `True`): check the content hash over the tensors and the record
+            (refuses a truncated or edited file).
+        exact (`bool`, *optional*, defaults to `False`): an exact-prefix lookup: refuse an approximate (mapped) cache.
+        same_weights (`bool`, *optional*, defaults to `False`): `model` holds the weights the cache was built for,
+            loaded from another location (a local copy: its model id is its path); its id is then not compared.
 
     Returns:
-        `(cache, provenance)`: a `MappedCache` (its `mapping_info` restored) or `DynamicCache`, and the record.
+        `(cache, provenance)`: a `MappedCache` (`approximate = True`, its `mapping_info` restored) for an approximate
+        cache, else a `DynamicCache` (`approximate = False`); and the record.
     """
     from safetensors.torch import load_file
 
     record = read_provenance(path)
     tensors = load_file(str(path), device="cpu")
     if verify:
-        found = weights_hash(tensors)
+        found = record_hash(tensors, record)
         if found != record.get("content_sha256"):
             raise ValueError(
-                f"{path}: the tensors hash to {found} but the file records {record.get('content_sha256')}: the cache was "
-                "modified or truncated. Re-create it (or pass verify=False to inspect it)."
+                f"{path}: the tensors and record hash to {found} but the file records {record.get('content_sha256')}: "
+                "the cache was modified or truncated. Re-create it (or pass verify=False to inspect it)."
             )
+    approximate = bool(record["approximate"]) or record["cache_class"] == "MappedCache"
+    if exact and approximate:
+        raise ValueError(
+            f"{path} holds an approximate (mapped) cache, not the model's own prefill: it cannot serve an exact-prefix "
+            "lookup. Load it without exact=True to serve it as a mapped cache, or prefill the prompt."
+        )
     geometry = record["geometry"]
     seq = geometry["seq_length"]
     if input_ids is not None:
@@ -218,18 +277,22 @@ def load_cache(
             ("id", record.get("model_id"), model_id(model.config)),
             ("revision", record.get("model_revision"), model_revision(model.config)),
         ):
+            if what == "id" and same_weights:
+                continue
             if recorded and actual and recorded != actual:
-                raise ValueError(f"{path} was built for model {what} {recorded}, but the model has {actual}.")
+                hint = " (a local copy of the same weights: pass same_weights=True)" if what == "id" else ""
+                raise ValueError(f"{path} was built for model {what} {recorded}, but the model has {actual}{hint}.")
     device = torch.device(device) if device is not None else torch.device("cpu")
     pairs = [
         (tensors[f"layers.{idx}.keys"].to(device), tensors[f"layers.{idx}.values"].to(device))
         for idx in range(geometry["num_layers"])
     ]
-    if record["cache_class"] == "MappedCache":
+    if approximate:
         layers = [MappedLayer.from_tensors(keys, values) for keys, values in pairs]
         cache: Cache = MappedCache(layers=layers, mapping_info=record.get("mapping_info"))
     else:
         cache = DynamicCache()
         for idx, (keys, values) in enumerate(pairs):
             cache.update(keys, values, idx)
+        cache.approximate = False
     return cache, record

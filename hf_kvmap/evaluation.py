@@ -243,6 +243,10 @@ def _item_problems(row, task_type: str) -> list[str]:
             problems.append(f"label {label} is out of range for {len(choices)} choices")
     if "chance" in row and (isinstance(row["chance"], bool) or not isinstance(row["chance"], (int, float))):
         problems.append(f"chance must be a number, got {row['chance']!r}")
+    elif "chance" in row and not 0.0 <= row["chance"] <= 1.0:  # NaN included
+        problems.append(
+            f"chance={row['chance']!r} must be between 0 and 1 (the score of guessing; 1 / choices by default)"
+        )
     return problems
 
 

@@ -24,7 +24,15 @@ from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from ._compat import cache_argument, cache_kwargs, output_cache
-from .cache import MappedCache
+from .cache import MappedCache, source_pairs
+from .input_checks import (
+    check_left_padding_mask,
+    check_source_cache,
+    check_threshold,
+    check_token_ids,
+    derive_mask,
+    first_layer_error,
+)
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .rope import positions_from_attention_mask
 
@@ -62,10 +70,14 @@ class HandoffReport:
         threshold (`float`, *optional*): the risk above which the mapped cache is refused.
         policy (`str`): `"fallback"` or `"fail"`.
         hold_back (`int`): final prompt tokens the target ran itself on the mapped cache.
-        audit_error (`float`, *optional*): the audit's worst relative key/value error on the first tokens.
+        audit_error (`float`, *optional*): the audit's worst relative key/value error: every layer on the first
+            `audit_tokens` tokens and, once that is within `EXACT_TOLERANCE`, the first layer at every position.
         mapped_tokens (`int`): tokens the mapper produced.
         timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `tail`, `audit`, `probe`,
             `fallback_prefill`, `total`); a stage that did not run is absent.
+        same_weights (`bool`): the caller said the models are the weights the mapper was fitted for, loaded from
+            another location (the gate skipped the model-id comparison).
+        notes (`list[str]`): what the handoff derived on its own (e.g. the attention mask `generate` infers).
     """
 
     accepted: bool
@@ -79,6 +91,8 @@ class HandoffReport:
     audit_error: float | None = None
     mapped_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    same_weights: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,32 +120,40 @@ class _Clock:
         return self.timings
 
 
-def resolve_probe(mapper, probe: Probe | str | dict | None = None, threshold: float | None = None):
+def _uncalibrated(missing: str, extra: str = "") -> ValueError:
+    return ValueError(
+        f"The mapper has no calibrated handoff probe (`config.handoff_probe` is empty) and no {missing} was passed"
+        f"{extra}. Calibrate one with `hf_kvmap.calibrate_probe(...)` (benchmarks/handoff.py does it for the shipped "
+        "mappers), or pass `probe=` and `threshold=` explicitly."
+    )
+
+
+def resolve_probe(
+    mapper, probe: Probe | str | dict | None = None, threshold: float | None = None, *, optional: bool = False
+):
     """The probe and threshold a handoff uses: the arguments if given, else the mapper config's `handoff_probe`.
 
-    Raises `ValueError` when neither names a probe or a threshold (a mapper that was never calibrated).
+    Raises `ValueError` when neither names a probe or a threshold (a mapper that was never calibrated), unless
+    `optional=True` and neither is known (then `(None, None)`: only an exact mapping can be served). A NaN threshold
+    is refused.
     """
     stored = getattr(mapper.config, "handoff_probe", None) or {}
+    where = "argument" if threshold is not None else "config.handoff_probe"
     if probe is None:
         probe = stored.get("probe")
         if threshold is None:
             threshold = stored.get("threshold")
+    if optional and probe is None and threshold is None:
+        return None, None
     if probe is None or threshold is None:
-        raise ValueError(
-            "The mapper has no calibrated handoff probe (`config.handoff_probe` is empty) and no "
-            f"{'probe' if probe is None else 'threshold'} was passed. Calibrate one with "
-            "`hf_kvmap.calibrate_probe(...)` (benchmarks/handoff.py does it for the shipped mappers), or pass "
-            "`probe=` and `threshold=` explicitly."
-        )
+        raise _uncalibrated("probe" if probe is None else "threshold")
+    threshold = check_threshold(threshold, where)
     if not isinstance(probe, Probe):
         probe = probe_from_dict(probe)
-    return probe, float(threshold)
+    return probe, threshold
 
 
 def _check_inputs(input_ids, attention_mask, source_cache) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a (batch, seq) long tensor; got {got}.")
     if input_ids.shape[1] < 2:
         raise ValueError(
             f"input_ids has {input_ids.shape[1]} token(s): a handoff maps all prompt tokens but the last, so it needs "
@@ -141,6 +163,8 @@ def _check_inputs(input_ids, attention_mask, source_cache) -> None:
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}."
         )
+    if attention_mask is not None:
+        check_left_padding_mask(attention_mask)
     if source_cache is not None:
         seq = source_cache.get_seq_length() if isinstance(source_cache, Cache) else source_cache[0][0].shape[2]
         if seq != input_ids.shape[1]:
@@ -240,16 +264,20 @@ def handoff(
     audit_tokens: int = 8,
     source_position_ids: torch.Tensor | None = None,
     target_first_layer: bool = False,
+    same_weights: bool = False,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
 
     Stages: (1) the gate, `mapper.check_compatible(source, target, tokenizer)` (model types, KV geometry, rope,
-    revisions, ids, tokenizer fingerprint); (2) the source prefill, unless `source_cache` is given; (3) the mapping
+    revisions, ids, tokenizer fingerprint); (2) the source prefill, unless `source_cache` is given (a given one is
+    checked against `input_ids` at every position: its first layer depends only on each token and its position, so
+    the source recomputes it from the ids for the price of an embedding lookup and two projections); (3) the mapping
     (`MappedCache.from_source`, holding back the probe's final tokens) and the target's run of the held-back tokens but
     the last; (4) the audit: the target prefills its first `audit_tokens` tokens and compares its own keys/values with
-    the mapped ones (relative error, worst layer): within `EXACT_TOLERANCE` the mapping is the target's own cache and is
-    served without the probe (a probe that reads the target's confidence would otherwise refuse an exact cache where
+    the mapped ones (relative error, worst layer), and, when these are within `EXACT_TOLERANCE`, its own first layer with
+    the mapped one at every position: within `EXACT_TOLERANCE` the mapping is the target's own cache and is
+    served without the probe (so a mapper with no calibrated probe serves an exact mapping, and raises otherwise) (a probe that reads the target's confidence would otherwise refuse an exact cache where
     the target itself is unsure); at `GROSS_ERROR` or more it is no closer to the target's than all-zero tensors and
     is refused (a zeroed or mismatched mapper, which a confident target could otherwise pass); (5) the probe; (6)
     accept if every row's risk is at most the threshold. Otherwise `policy="fallback"`
@@ -260,8 +288,10 @@ def handoff(
     Args:
         source, target (`PreTrainedModel`): the two causal LMs.
         mapper ([`MapperModel`]): the mapper fitted for `source -> target`.
-        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= 2`; left padding with `attention_mask`.
-        attention_mask (`torch.Tensor`, *optional*): `(batch, T)`.
+        input_ids (`torch.Tensor`): `(batch, T)` integer prompt, `T >= 2`; left padding with `attention_mask`.
+        attention_mask (`torch.Tensor`, *optional*): `(batch, T)`. Without it, the mask `target.generate(input_ids)`
+            infers (where the target's `generation_config.pad_token_id` occurs and is no eos token) is used, and
+            recorded in `report.notes`; a pad token id after a token is refused (pass the mask).
         source_cache (`Cache`, *optional*): the source's cache of exactly these `T` tokens; without it the source
             prefills them (a probe that drafts with the source crops and regrows it, leaving its length unchanged).
         policy (`str`, *optional*, defaults to `"fallback"`): `"fallback"` or `"fail"`.
@@ -274,6 +304,9 @@ def handoff(
         target_first_layer (`bool`, *optional*, defaults to `False`): the target computes its first layer from the
             token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`; its
             keys and values depend on nothing else). The probe's calibration was made without it.
+        same_weights (`bool`, *optional*, defaults to `False`): the models are the weights the mapper was fitted for,
+            loaded from another location (a local copy: their model id is its path), so the gate does not compare
+            model ids; every other check stays. Recorded in the report.
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -294,12 +327,29 @@ def handoff(
         raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
     if isinstance(audit_tokens, bool) or not isinstance(audit_tokens, int) or audit_tokens < 0:
         raise ValueError(f"audit_tokens={audit_tokens!r} must be a non-negative integer (0 turns the audit off).")
+    from .modeling_mapper import MapperModel
+
+    if not isinstance(mapper, MapperModel):
+        raise TypeError(f"mapper is a {type(mapper).__name__}; pass a `MapperModel` (`MapperModel.from_pretrained`).")
+    input_ids = check_token_ids(input_ids, (source, target))
     _check_inputs(input_ids, attention_mask, source_cache)
-    probe, threshold = resolve_probe(mapper, probe, threshold)
+    notes = []
+    if attention_mask is None:
+        attention_mask = derive_mask(target, input_ids)
+        if attention_mask is not None:
+            notes.append(
+                f"attention_mask derived as generate derives it: input_ids != pad_token_id "
+                f"({target.generation_config.pad_token_id}); pass attention_mask to say otherwise"
+            )
+    probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
     clock = _Clock()
     batch, length = input_ids.shape
-    hold_back = min(probe.hold_back, length - 1)
-    report = HandoffReport(False, "", probe=probe.settings(), threshold=threshold, policy=policy, hold_back=hold_back)
+    hold_back = min(probe.hold_back, length - 1) if probe is not None else 1
+    settings = probe.settings() if probe is not None else None
+    report = HandoffReport(
+        False, "", probe=settings, threshold=threshold, policy=policy, hold_back=hold_back, notes=notes
+    )
+    report.same_weights = bool(same_weights)
 
     def refuse(reason: str) -> tuple[Cache, HandoffReport]:
         report.accepted, report.reason = False, reason
@@ -316,10 +366,17 @@ def handoff(
 
     with clock.stage("gate"):
         try:
-            mapper.check_compatible(source, target, tokenizer)
+            mapper.check_compatible(source, target, tokenizer, same_weights=same_weights)
         except ValueError as err:
             report.probe = None
+            logger.warning_once(f"handoff falls back to the target's own prefill on every such request: {err}")
             return refuse(f"incompatible: {err}")
+    if source_cache is not None:
+        positions = source_position_ids
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        check_source_cache(source, source_pairs(source_cache)[0], input_ids, positions, mask)
 
     try:
         context = probe_context(
@@ -340,16 +397,22 @@ def handoff(
     if audit_tokens:
         with clock.stage("audit"):
             error = PrefixAuditProbe(audit_tokens).score(context).max().item()
-        report.audit_error = error
+            report.audit_error = error
+            if error <= EXACT_TOLERANCE:  # the prefix is exact: the first layer at every position too?
+                report.audit_error = max(error, first_layer_audit(target, context))
         if not error < GROSS_ERROR:  # NaN included
             return refuse(
                 f"gross mapping error: the mapped keys/values of the first {audit_tokens} tokens are {error:.3g} "
                 "(relative) from the target's own, no closer than zeros"
             )
-        if error <= EXACT_TOLERANCE:
-            report.accepted, report.reason = True, f"exact mapping: audit error {error:.2g}"
+        if report.audit_error <= EXACT_TOLERANCE:
+            report.accepted, report.reason = True, f"exact mapping: audit error {report.audit_error:.2g}"
             report.timings = clock.done()
             return context.cache, report
+    if probe is None:
+        raise _uncalibrated(
+            "probe", f", and the exactness audit finds the mapping inexact (error {report.audit_error:.3g})"
+        )
     with clock.stage("probe"):
         scores = probe.score(context).float()
     report.scores = [float(s) for s in scores]
@@ -361,6 +424,23 @@ def handoff(
     report.accepted, report.reason = True, f"probe passed: {probe.name} risk {report.score:.4g} <= {threshold:.4g}"
     report.timings = clock.done()
     return context.cache, report
+
+
+def first_layer_audit(target, context: ProbeContext) -> float:
+    """The worst relative error of the cache's first layer against the one `target` computes from the prompt's ids,
+    over every cached position (real tokens only)."""
+    layer = context.cache.layers[0]
+    seq = layer.keys.shape[2]
+    ids, positions, mask = context.input_ids[:, :seq], context.position_ids[:, :seq], context.attention_mask[:, :seq]
+    return float(first_layer_error(target, ids, positions, mask, layer.keys, layer.values).max())
+
+
+def exactness_error(target, input_ids, attention_mask, cache: Cache, *, audit_tokens: int = 8) -> float:
+    """The audit `handoff` certifies exactness with, for a cache of the first `T - 1` tokens of `input_ids`: every
+    layer on the first `audit_tokens` tokens, and the first layer at every position (relative error, worst)."""
+    positions = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    context = ProbeContext(None, target, input_ids, attention_mask, positions, cache, None)
+    return max(PrefixAuditProbe(audit_tokens).score(context).max().item(), first_layer_audit(target, context))
 
 
 # -------------------------------------------------------------------------------------------- calibration

@@ -23,6 +23,7 @@ from .artifacts import (
     content_hash,
     results_belong_to,
     results_hash,
+    serving_hash,
     side_mismatches,
     tokenizer_mismatch,
     verify_artifact,
@@ -377,6 +378,7 @@ class MapperModel(MapperPreTrainedModel):
         if not kwargs.get("is_main_process", True):
             return  # the main process writes the whole folder
         self.config.content_hash = content_hash(self.state_dict(), self.config)
+        self.config.serving_hash = serving_hash(self.config)
         destination = Path(save_directory)
         if evaluation is None and (destination / EVALUATION_FILE).exists():
             previous = json.loads((destination / EVALUATION_FILE).read_text())
@@ -413,15 +415,18 @@ class MapperModel(MapperPreTrainedModel):
         """`PreTrainedModel.from_pretrained` (folder or Hub id, `dtype=`, `device_map=`), then verify the weights
         and the mapping fields of the config against the content hash recorded at save time
         (`hf_kvmap.artifacts.verify_artifact`; `verify=False` skips it). A tampered, edited, mixed or unhashed
-        artifact raises `ValueError`.
+        artifact raises `ValueError`, before any weight is loaded; so do a missing local folder, a folder without
+        `config.json` and a config that does not validate, each by name.
         """
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        from .input_checks import check_mapper_location
+
+        check_mapper_location(pretrained_model_name_or_path, kwargs.get("subfolder"))
         if verify:
             location = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
-            verify_artifact(
-                pretrained_model_name_or_path, model.config, **{k: kwargs[k] for k in location if k in kwargs}
-            )
-        return model
+            location = {k: kwargs[k] for k in location if k in kwargs}
+            config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **location)
+            verify_artifact(pretrained_model_name_or_path, config, **location)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def push_to_hub(
         self,
@@ -453,18 +458,28 @@ class MapperModel(MapperPreTrainedModel):
                 create_pr=create_pr,
             )
 
-    def check_compatible(self, source_model=None, target_model=None, tokenizer=None, *, allow_mismatch: bool = False):
+    def check_compatible(
+        self,
+        source_model=None,
+        target_model=None,
+        tokenizer=None,
+        *,
+        allow_mismatch: bool = False,
+        same_weights: bool = False,
+    ):
         """Compare the models (and tokenizer) in hand with the approval tuple recorded in the config.
 
         Checked: model type, KV geometry and rope parameters of each side; the recorded revision and id of each side
         when both the mapper and the model know them; the tokenizer fingerprint. A mismatch raises `ValueError`
-        naming both values; `allow_mismatch=True` logs them instead (for experiments).
+        naming both values; `allow_mismatch=True` logs them instead (for experiments). `same_weights=True` says the
+        models are the weights the mapper was fitted for, loaded from another location (a local copy, whose model id
+        is its path): the ids are not compared, everything else is.
         """
         problems = []
         for side, model in (("source", source_model), ("target", target_model)):
             if model is None:
                 continue
-            problems += side_mismatches(self.config, side, model.config)
+            problems += side_mismatches(self.config, side, model.config, same_weights=same_weights)
         problems += tokenizer_mismatch(self.config, tokenizer)
         if problems:
             message = "The mapper does not match the models in hand:\n- " + "\n- ".join(problems)

@@ -145,8 +145,15 @@ def jsonl_objects(path: str | Path, errors: list[str], expected: str = "an objec
     line is appended to `errors` as `path:line: what is wrong` (so a caller reports them all at once)."""
     import json
 
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                errors.append(
+                    f"{path}:{number}: not UTF-8 text (byte {err.start}: {err.reason}); save the file as UTF-8."
+                )
+                continue
             if not line.strip():
                 continue
             try:

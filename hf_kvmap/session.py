@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from ._compat import cache_kwargs, output_cache
+from .input_checks import as_token_row
 
 logger = logging.get_logger(__name__)
 
@@ -65,6 +66,12 @@ class HandoffSession:
         mappers (`Mapping[tuple[str, str], MapperModel]`, *optional*): `(source name, target name) -> mapper`. A switch
             with no mapper for its direction prefills the unseen tokens instead (counted in `SessionTurn`).
         input_ids (`torch.Tensor` or `Sequence[int]`, *optional*): the transcript so far.
+        same_weights (`bool`, *optional*, defaults to `False`): the models are the weights their mappers were fitted
+            for, loaded from another location (`MapperModel.check_compatible(..., same_weights=True)`).
+
+    Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
+    model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
+    (`mapped_positions`, the mappers), which `save_cache` records.
     """
 
     def __init__(
@@ -72,7 +79,11 @@ class HandoffSession:
         models: Mapping[str, torch.nn.Module],
         mappers: Mapping[tuple[str, str], torch.nn.Module] | None = None,
         input_ids: torch.Tensor | Sequence[int] | None = None,
+        *,
+        same_weights: bool = False,
     ):
+        from .modeling_mapper import MapperModel
+
         if not models:
             raise ValueError("HandoffSession needs at least one model.")
         self.models = dict(models)
@@ -81,6 +92,15 @@ class HandoffSession:
             for name in (source, target):
                 if name not in self.models:
                     raise ValueError(f"A mapper names model {name!r}, which is not one of {sorted(self.models)}.")
+            mapper = self.mappers[(source, target)]
+            if not isinstance(mapper, MapperModel):
+                raise TypeError(
+                    f"The mapper for {(source, target)} is a {type(mapper).__name__}; pass a `MapperModel`."
+                )
+            try:
+                mapper.check_compatible(self.models[source], self.models[target], same_weights=same_weights)
+            except ValueError as err:
+                raise ValueError(f"The mapper for {(source, target)} does not fit its models: {err}") from None
         self.caches: dict[str, DynamicCache | None] = dict.fromkeys(self.models)
         self.input_ids = torch.zeros(1, 0, dtype=torch.long)
         self.turns: list[SessionTurn] = []
@@ -89,8 +109,11 @@ class HandoffSession:
 
     # ---------------------------------------------------------------------------------------------- transcript
     def append(self, token_ids: torch.Tensor | Sequence[int]) -> None:
-        """Append tokens (a user turn) to the transcript; no model processes them until it responds."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1).to(self.input_ids.device)
+        """Append tokens (a user turn) to the transcript; no model processes them until it responds.
+
+        `token_ids`: a 1-D or `(1, n)` integer tensor, a list of ints, or a tokenizer's output (its `input_ids`);
+        strings, float or bool tensors, several rows and ids outside the models' vocabulary are refused."""
+        ids = as_token_row(token_ids, list(self.models.values())).to(self.input_ids.device)
         self.input_ids = torch.cat([self.input_ids, ids], dim=1)
 
     def covered(self, name: str) -> int:
@@ -122,6 +145,12 @@ class HandoffSession:
             else:
                 device = new_keys.device
             cache.update(new_keys.to(device, dtype), new_values.to(device, dtype), idx)
+        info = getattr(cache, "mapping_info", None) or {"mapped_positions": [], "mappers": []}
+        info["mapped_positions"].append([start, end])
+        info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
+        info["mappers"].append({"from": source, "content_hash": mapper.config.content_hash})
+        info["approximate"] = True
+        cache.mapping_info, cache.approximate = info, True
         return start - begin
 
     @torch.no_grad()

@@ -34,7 +34,23 @@ def load_causal_lm(name: str, dtype=None):
     if name in zoo.FAMILY:
         return zoo.load_model(name, dtype=dtype)
     check_model_folder(name, "model", "eval")
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or torch.float32).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or torch.float32).eval()
+    except (OSError, ValueError) as err:
+        raise SystemExit(
+            f"hf-kvmap: cannot load model {name!r}: it is not a tiny-family member ({', '.join(zoo.FAMILY)}), and "
+            f"loading it as a folder or Hub id failed: {str(err).splitlines()[0]}"
+        ) from None
+
+
+def load_mapper(name: str, command: str):
+    """`MapperModel.from_pretrained(name)`, its refusal (missing folder, failed verification) as a clean exit."""
+    from ..modeling_mapper import MapperModel
+
+    try:
+        return MapperModel.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"hf-kvmap {command}: --mapper {name}: {err}") from None
 
 
 def load_tokenizer(name: str, padding_side: str = "left"):

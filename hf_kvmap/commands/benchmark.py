@@ -31,11 +31,10 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import MapperModel
     from ..evaluation import Handoff, measure_latency
     from ..flops import flop_bound
     from ..reporting import environment_info
-    from ._models import load_causal_lm, resolve_mapper
+    from ._models import load_causal_lm, load_mapper, resolve_mapper
     from ._output import finish
 
     try:
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             "use shorter contexts, or benchmarks/apply.py, which raises the limit for timing."
         )
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
-    mapper = MapperModel.from_pretrained(mapper_name)
+    mapper = load_mapper(mapper_name, "benchmark")
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=None)
     with torch.no_grad():
         rows = measure_latency(handoff, tokens, repeats=args.repeats)

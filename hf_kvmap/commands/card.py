@@ -17,9 +17,9 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..artifacts import results_hash
-    from ..modeling_mapper import MapperModel
+    from ._models import load_mapper
 
-    mapper = MapperModel.from_pretrained(args.directory)
+    mapper = load_mapper(args.directory, "card")
     results = json.loads(args.results.read_text()) if args.results is not None else None
     if results is not None and results_hash(results) is None:
         raise SystemExit(

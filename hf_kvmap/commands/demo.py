@@ -61,7 +61,7 @@ def format_table(results: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import MapperModel, zoo
+    from .. import zoo
     from ..evaluation import Handoff, evaluate_tasks, measure_latency
     from ..plotting import plot_demo
     from ..reporting import demo_markdown, environment_info, update_file_section
@@ -71,8 +71,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     tokenizer = zoo.load_tokenizer(padding_side="left")
+    from ._models import load_mapper
+
+    for flag, name in (("--source", args.source), ("--target", args.target)):
+        if name not in zoo.FAMILY:
+            raise SystemExit(f"hf-kvmap demo: {flag} {name!r} is not a tiny-family member ({', '.join(zoo.FAMILY)}).")
     source, target = zoo.load_model(args.source), zoo.load_model(args.target)
-    mapper = MapperModel.from_pretrained(args.mapper or str(zoo.mapper_path(args.source, args.target)))
+    mapper = load_mapper(args.mapper or str(zoo.mapper_path(args.source, args.target)), "demo")
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
     results = evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed))

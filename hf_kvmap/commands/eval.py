@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import MapperModel, zoo
+    from .. import zoo
     from ..artifacts import content_hash
     from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
     from ..reporting import environment_info, retention_cells
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     source, target = _models.load_causal_lm(args.source), _models.load_causal_lm(args.target)
     tokenizer = load_tokenizer(args.source)
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
-    mapper = MapperModel.from_pretrained(mapper_name)
+    mapper = _models.load_mapper(mapper_name, "eval")
     mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)

@@ -283,7 +283,15 @@ def _check_out(out: str, source_id: str | None, target_id: str | None, overwrite
     if overwrite or not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
         return
     config = folder / "config.json"
-    recorded = json.loads(config.read_text()) if config.is_file() else {}
+    try:
+        recorded = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(
+            f"hf-kvmap fit: --out {folder} holds a config.json that is not valid JSON ({err}): it is no readable "
+            "mapper. Choose another folder, or pass --overwrite to replace it."
+        ) from None
+    if not isinstance(recorded, dict):
+        recorded = {}
     pair = (recorded.get("source_model_id"), recorded.get("target_model_id"))
     is_mapper = recorded.get("model_type") == MapperConfig.model_type
     if is_mapper and pair == (source_id, target_id) and not foreign_files(folder):

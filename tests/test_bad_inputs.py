@@ -1,0 +1,558 @@
+"""Bad input through the public API and the CLI, walked the way a user's mistakes arrive: each case gives the correct
+result, or an error of a `ValueError`/`TypeError` kind whose message names the problem and the fix. Nothing is served
+silently wrong: another prompt's cache, a NaN threshold, unmasked padding, a mapper of another target, an approximate
+cache loaded as exact, a tampered record or config field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import BatchEncoding, DynamicCache
+
+from hf_kvmap import HandoffRefusedError, HandoffSession, MappedCache, MapperModel, handoff
+from hf_kvmap._compat import cache_kwargs
+from hf_kvmap.artifacts import write_folder_atomically
+from hf_kvmap.cli import main as cli_main
+from hf_kvmap.delivery import load_cache, read_provenance, save_cache
+
+
+@pytest.fixture(scope="module")
+def pair(tiny, one_thread):
+    """A random model twice under one config (seed 0 and 1), its identity mapper, and the config."""
+    config = tiny.config()
+    return tiny.model(config, seed=0), tiny.model(config, seed=1), MapperModel.identity(config), config
+
+
+def ids_of(seed: int, length: int = 12, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------ 1. another prompt's cache
+
+
+def test_a_cache_of_another_prompt_of_the_same_length_is_refused(pair, tiny):
+    """Before: accepted (length only), and with an identity mapper certified "exact"; the answer was the other
+    prompt's. After: layer 0 of the given cache is checked against `input_ids` at every position."""
+    model, _, identity, _ = pair
+    ids, other = ids_of(1), ids_of(2)
+    with pytest.raises(ValueError, match="not the source's cache of these input_ids.*position"):
+        handoff(
+            model, model, identity, ids, source_cache=tiny.prefill(model, other), probe="prefix_audit", threshold=1
+        )
+    # one token changed late in the prompt (beyond any prefix audit) is caught too
+    late = ids.clone()
+    late[0, 9] = (late[0, 9] + 1) % 128
+    with pytest.raises(ValueError, match="position 9"):
+        handoff(model, model, identity, ids, source_cache=tiny.prefill(model, late), probe="prefix_audit", threshold=1)
+    # the cache of these very tokens is served (exact), as before
+    cache, report = handoff(model, model, identity, ids, source_cache=tiny.prefill(model, ids))
+    assert report.accepted and report.reason.startswith("exact mapping")
+    assert torch.equal(tiny.greedy(model, ids, cache=cache), tiny.greedy(model, ids))
+
+
+def test_the_exact_certificate_reads_every_position(pair, tiny):
+    """A mapped cache that is the target's own in the first 8 positions and wrong after is not certified exact."""
+    model, _, identity, config = pair
+    ids = ids_of(3, length=20)
+    own = tiny.prefill(model, ids)
+    for layer in own.layers:
+        layer.keys[:, :, 12:] = layer.keys[:, :, 12:].flip(-1)
+    from hf_kvmap.handoff import exactness_error
+
+    cache = MappedCache.from_source(own, identity)
+    error = exactness_error(model, ids, torch.ones_like(ids), cache, audit_tokens=8)
+    assert error > 0.1
+
+
+# ------------------------------------------------------------------------------------------- 2. a NaN threshold
+
+
+@pytest.mark.parametrize("where", ["argument", "config"])
+def test_a_nan_threshold_is_refused(pair, where):
+    """Before: `risk > nan` is False, so everything was accepted. After: a ValueError naming the threshold."""
+    model, other, identity, _ = pair
+    mapper = MapperModel(identity.config.__class__.from_dict(identity.config.to_dict()))
+    mapper.load_state_dict(identity.state_dict())
+    kwargs = {"probe": "lookahead_margin", "threshold": float("nan")}
+    if where == "config":
+        mapper.config.handoff_probe = {"probe": {"name": "lookahead_margin", "tokens": 1}, "threshold": float("nan")}
+        kwargs = {}
+    with pytest.raises(ValueError, match="threshold=nan.*finite"):
+        handoff(model, other, mapper, ids_of(4), **kwargs)
+
+
+# ------------------------------------------------------------------------------------ 3. padding without a mask
+
+
+def test_left_padding_without_a_mask_is_served_as_generate_reads_it(pair, tiny):
+    """Before: the fallback prefill ignored the padding generate infers, rows differed, the report blamed the
+    mapping. After: the mask is derived as `generate` derives it (pad token id != eos) and used throughout."""
+    model, _, identity, _ = pair
+    ids, mask = tiny.left_padded_batch(lengths=(9, 14))
+    assert model.generation_config.pad_token_id == 0
+    cache, report = handoff(model, model, identity, ids, probe="prefix_audit", threshold=-1.0, audit_tokens=0)
+    assert not report.accepted and report.reason.startswith("probe refused")  # fallback prefill
+    assert "attention_mask derived" in report.notes[0]
+    assert torch.equal(
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False),
+        model.generate(ids, max_new_tokens=6, do_sample=False),
+    )
+    cache, report = handoff(model, model, identity, ids)
+    assert report.accepted and report.reason.startswith("exact mapping")
+    assert torch.equal(
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False),
+        model.generate(ids, max_new_tokens=6, do_sample=False),
+    )
+
+
+def test_pad_tokens_inside_a_prompt_without_a_mask_are_refused(pair):
+    model, _, identity, _ = pair
+    ids = ids_of(5)
+    ids[0, 4] = 0  # the pad token id, where no left padding can be
+    with pytest.raises(ValueError, match="pad token id 0.*attention_mask"):
+        handoff(model, model, identity, ids)
+
+
+# ------------------------------------------------------------------------------ 4. a session checks its mappers
+
+
+def test_a_session_refuses_a_mapper_fitted_for_another_target(pair, tiny):
+    model, _, identity, config = pair
+    other = tiny.model(tiny.config(rope_parameters={"rope_type": "default", "rope_theta": 500.0}), seed=2)
+    with pytest.raises(ValueError, match=r"(?s)\('a', 'b'\).*target rope_parameters"):
+        HandoffSession({"a": model, "b": other}, {("a", "b"): identity})
+    with pytest.raises(TypeError, match="MapperModel"):
+        HandoffSession({"a": model, "b": model}, {("a", "b"): "mapper"})
+
+
+# ---------------------------------------------------------------------------------- 5. what a session appends
+
+BAD_APPENDS = {
+    "two-row batch": (lambda: torch.ones(2, 3, dtype=torch.long), ValueError, "2 rows.*one conversation"),
+    "float ids": (lambda: torch.tensor([3.0, 4.7]), TypeError, "float.*integer token ids"),
+    "bool ids": (lambda: torch.tensor([True, False]), TypeError, "bool.*integer token ids"),
+    "id past the vocabulary": (lambda: [3, 128], ValueError, "128.*vocabulary of 128"),
+    "negative id": (lambda: [3, -1], ValueError, "-1.*vocabulary"),
+    "string": (lambda: "hello", TypeError, "str.*tokenizer\\(text\\)\\['input_ids'\\]"),
+    "float list": (lambda: [3.5], TypeError, "integer token ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_APPENDS))
+def test_session_append_refuses_what_is_not_one_row_of_token_ids(pair, case):
+    model, _, identity, _ = pair
+    session = HandoffSession({"a": model}, {})
+    make, error, message = BAD_APPENDS[case]
+    with pytest.raises(error, match=message):
+        session.append(make())
+    assert session.input_ids.shape == (1, 0)  # nothing was appended
+
+
+def test_session_append_takes_a_batch_encoding_and_a_1_row_batch(pair):
+    model, _, _, _ = pair
+    session = HandoffSession({"a": model}, {})
+    session.append(BatchEncoding({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}))
+    session.append(torch.tensor([[8, 9]]))
+    session.append([10])
+    assert session.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
+
+
+# ------------------------------------------------------------------------------- 6. approximate caches say so
+
+
+def test_a_sessions_mapped_cache_saves_and_loads_as_approximate(pair, tmp_path):
+    model, other, _, config = pair
+    mapper = MapperModel.identity(config)
+    session = HandoffSession({"a": model, "b": other}, {("a", "b"): mapper})
+    session.append(ids_of(6, length=10)[0])
+    session.sync("a")  # a prefills 9 tokens
+    session.append([5, 6, 7])
+    session.sync("b")  # b maps a's 9, prefills 3
+    cache = session.caches["b"]
+    assert cache.get_seq_length() == 12 and cache.approximate and cache.mapping_info["mapped_tokens"] == 9
+    record = save_cache(cache, tmp_path / "c.safetensors", input_ids=session.input_ids)
+    assert record["approximate"] is True and record["mapping_info"]["mapped_positions"] == [[0, 9]]
+    loaded, record = load_cache(tmp_path / "c.safetensors")
+    assert isinstance(loaded, MappedCache) and loaded.approximate
+    assert loaded.mapping_info["mapped_tokens"] == 9
+    with pytest.raises(ValueError, match="approximate.*exact"):
+        load_cache(tmp_path / "c.safetensors", exact=True)
+
+
+def test_an_own_prefill_loads_as_exact(pair, tiny, tmp_path):
+    model, _, _, _ = pair
+    ids = ids_of(7)
+    save_cache(tiny.prefill(model, ids[:, :-1]), tmp_path / "own.safetensors", input_ids=ids, model=model)
+    loaded, record = load_cache(tmp_path / "own.safetensors", exact=True, input_ids=ids)
+    assert type(loaded) is DynamicCache and record["approximate"] is False and loaded.approximate is False
+
+
+# ------------------------------------------------------------------------ 7. the record is under the file's hash
+
+
+def _rewrite_record(path, change):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_kvmap.delivery import _METADATA_KEY
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(path))
+    metadata[_METADATA_KEY] = change(metadata[_METADATA_KEY])
+    save_file(tensors, str(path), metadata=metadata)
+
+
+TAMPERS = {
+    "cache class flipped to exact": lambda text: text.replace('"MappedCache"', '"DynamicCache"'),
+    "approximate flipped": lambda text: text.replace('"approximate": true', '"approximate": false'),
+    "provenance edited": lambda text: text.replace('"note": "x"', '"note": "y"'),
+    "cache_class removed": lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "cache_class"}),
+    "not JSON": lambda text: text[:-2],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_a_tampered_record_is_refused(pair, tiny, tmp_path, case):
+    model, _, identity, _ = pair
+    ids = ids_of(8)
+    cache = MappedCache.from_source(tiny.prefill(model, ids), identity)
+    path = tmp_path / "c.safetensors"
+    save_cache(cache, path, input_ids=ids, provenance={"note": "x"})
+    before = json.dumps(read_provenance(path), sort_keys=True)
+    _rewrite_record(path, TAMPERS[case])
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata()["hf_kvmap"] != before  # the record was changed
+    with pytest.raises(ValueError, match="(modified|not valid JSON|lacks).*(Re-create|re-save)"):
+        load_cache(path)
+
+
+# ------------------------------------------------------------- 8. serving fields are under the mapper's hash
+
+SERVING_EDITS = {
+    "threshold": lambda c: c["handoff_probe"].update(threshold=1e9),
+    "probe": lambda c: c["handoff_probe"]["probe"].update(tokens=99),
+    "tokenizer_fingerprint": lambda c: c.update(tokenizer_fingerprint=None),
+    "target_model_id": lambda c: c.update(target_model_id="someone/else"),
+    "source_revision": lambda c: c.update(source_revision="0" * 40),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SERVING_EDITS))
+def test_an_edited_serving_field_fails_verification(pair, tmp_path, case):
+    _, _, identity, config = pair
+    mapper = MapperModel.identity(config, tokenizer_fingerprint="ab" * 32, target_model_id="tiny-target")
+    mapper.config.source_revision = "1" * 40
+    mapper.config.handoff_probe = {"probe": {"name": "lookahead_margin", "tokens": 1}, "threshold": 0.5}
+    mapper.save_pretrained(tmp_path / "m")
+    assert MapperModel.from_pretrained(tmp_path / "m").config.handoff_probe["threshold"] == 0.5
+    path = tmp_path / "m" / "config.json"
+    stored = json.loads(path.read_text())
+    SERVING_EDITS[case](stored)
+    path.write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="serving fields.*modified.*re-save"):
+        MapperModel.from_pretrained(tmp_path / "m")
+
+
+# ----------------------------------------------------------------------------------- 9. clear loading errors
+
+
+def _saved(config, folder, edit=None):
+    MapperModel.identity(config).save_pretrained(folder)
+    if edit is not None:
+        path = folder / "config.json"
+        stored = json.loads(path.read_text())
+        edit(stored)
+        path.write_text(json.dumps(stored))
+    return folder
+
+
+def _negative_heads(stored):
+    stored["target_summary"]["num_key_value_heads"] = -2
+
+
+LOAD_CASES = {
+    "missing config.json": (lambda f: (f / "config.json").unlink(), "no config.json.*save_pretrained"),
+    "source_layers all": (lambda f: None, "source_layers.*list of source-layer lists"),
+    "edited layer_inputs": (lambda f: None, "modified"),
+    "negative head counts": (lambda f: None, "num_key_value_heads=-2.*positive"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOAD_CASES))
+def test_from_pretrained_names_the_problem(pair, tmp_path, case):
+    _, _, _, config = pair
+    edits = {
+        "source_layers all": lambda c: c.update(source_layers="all"),
+        "edited layer_inputs": lambda c: c.update(layer_inputs={"1": {"key": {"context_window": 2}}}),
+        "negative head counts": _negative_heads,
+    }
+    folder = _saved(config, tmp_path / "m", edits.get(case))
+    LOAD_CASES[case][0](folder)
+    with pytest.raises(ValueError, match=LOAD_CASES[case][1]):
+        MapperModel.from_pretrained(folder)
+
+
+def test_a_missing_local_path_is_not_called_a_bad_repo_id(tmp_path):
+    with pytest.raises(ValueError, match=r"\./no-such-mapper: no such folder"):
+        MapperModel.from_pretrained("./no-such-mapper")
+    with pytest.raises(ValueError, match="no such folder"):
+        MapperModel.from_pretrained(tmp_path / "absent")
+
+
+HANDOFF_CASES = {
+    "empty batch": (lambda: torch.zeros(0, 6, dtype=torch.long), ValueError, "empty batch"),
+    "int32 ids": (lambda: ids_of(9).int(), None, None),
+    "id past the embedding": (lambda: torch.tensor([[3, 4, 500, 6]]), ValueError, "500.*vocabulary of 128"),
+    "float ids": (lambda: ids_of(9).float(), TypeError, "integer"),
+    "1-D ids": (lambda: ids_of(9)[0], ValueError, r"\(batch, seq\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDOFF_CASES))
+def test_handoff_input_ids(pair, tiny, case):
+    model, _, identity, _ = pair
+    make, error, message = HANDOFF_CASES[case]
+    if error is None:  # int32 ids are served like int64 ones
+        cache, report = handoff(model, model, identity, make())
+        assert report.accepted and cache.get_seq_length() == 11
+        return
+    with pytest.raises(error, match=message):
+        handoff(model, model, identity, make())
+
+
+def test_from_source_needs_a_mapper(pair, tiny):
+    model = pair[0]
+    with pytest.raises(TypeError, match="mapper is None.*MapperModel"):
+        MappedCache.from_source(tiny.prefill(model, ids_of(1)), None)
+
+
+def test_beam_search_on_an_unexpanded_mapped_cache_is_refused_clearly(pair, tiny):
+    model, _, identity, _ = pair
+    ids = ids_of(10)
+    cache = MappedCache.from_source(tiny.prefill(model, ids), identity)
+    with pytest.raises(ValueError, match="batch_repeat_interleave"):
+        model.generate(ids, **cache_kwargs(cache), num_beams=2, max_new_tokens=2, do_sample=False)
+    cache = MappedCache.from_source(tiny.prefill(model, ids), identity)
+    cache.batch_repeat_interleave(2)
+    model.generate(ids, **cache_kwargs(cache), num_beams=2, max_new_tokens=2, do_sample=False)
+
+
+# ------------------------------------------------------------------------------ 10. a local copy of the weights
+
+
+def test_a_local_copy_is_named_the_same_weights_explicitly(pair, tmp_path, tiny):
+    model, _, _, config = pair
+    model.save_pretrained(tmp_path / "copy")
+    from transformers import AutoModelForCausalLM
+
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", attn_implementation="eager").eval()
+    mapper = MapperModel.identity(config, source_model_id="org/model", target_model_id="org/model")
+    ids = ids_of(11)
+    cache, report = handoff(copy, copy, mapper, ids)
+    assert not report.accepted and "same_weights=True" in report.reason  # the refusal says how to say it
+    cache, report = handoff(copy, copy, mapper, ids, same_weights=True)
+    assert report.accepted and report.same_weights
+    assert mapper.check_compatible(copy, copy, same_weights=True) == []
+    with pytest.raises(ValueError, match="same_weights=True"):
+        HandoffSession({"a": copy, "b": copy}, {("a", "b"): mapper})
+    HandoffSession({"a": copy, "b": copy}, {("a", "b"): mapper}, same_weights=True)
+    # a cache saved for the original id loads into the copy only when told so
+    save_cache(cache, tmp_path / "c.safetensors", input_ids=ids)
+    assert cache.mapping_info["target_model_id"] == "org/model"
+    with pytest.raises(ValueError, match="org/model.*same_weights=True"):
+        load_cache(tmp_path / "c.safetensors", model=copy, input_ids=ids)
+    loaded, _ = load_cache(tmp_path / "c.safetensors", model=copy, input_ids=ids, same_weights=True)
+    assert loaded.approximate
+
+
+# --------------------------------------------------------------------------- 11. an exact mapping needs no probe
+
+
+def test_an_uncalibrated_exact_mapper_is_served(pair):
+    model, other, identity, _ = pair
+    assert identity.config.handoff_probe is None
+    cache, report = handoff(model, model, identity, ids_of(12))
+    assert report.accepted and report.reason.startswith("exact mapping") and report.probe is None
+    near = MapperModel.identity(pair[3])
+    with torch.no_grad():
+        near.layers[1].key_proj.weight.mul_(1.05)  # close to exact, not exact
+    with pytest.raises(ValueError, match="no calibrated handoff probe.*inexact.*calibrate_probe"):
+        handoff(model, model, near, ids_of(12))
+    with pytest.raises(ValueError, match="no calibrated handoff probe"):
+        handoff(model, model, identity, ids_of(12), audit_tokens=0)
+    with pytest.raises(HandoffRefusedError, match="gross mapping error"):  # another model's cache: refused
+        handoff(other, model, identity, ids_of(12), policy="fail")
+
+
+# ------------------------------------------------------------------------------- 12. stale files of killed saves
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_staging_folders_are_cleaned_and_a_live_one_kept(tmp_path):
+    destination = tmp_path / "m"
+    stale = [tmp_path / ".m.abc.saving", tmp_path / f".m.pid{_dead_pid()}.x1.saving"]
+    live = tmp_path / f".m.pid{os.getpid()}.x2.saving"
+    for folder in (*stale, live):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    write_folder_atomically(destination, lambda folder: (folder / "config.json").write_text("{}"))
+    assert not any(folder.exists() for folder in stale) and live.exists()
+
+
+def test_a_save_killed_between_the_swaps_restores_the_previous_mapper(tmp_path):
+    """The previous folder was moved aside (`.m.<x>.old/folder`) when the process died: the next save puts it back
+    first, and a save that then fails leaves it in place."""
+    old = tmp_path / ".m.zz.old" / "folder"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text('{"previous": true}')
+
+    def failing(folder):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_folder_atomically(tmp_path / "m", failing)
+    assert json.loads((tmp_path / "m" / "config.json").read_text()) == {"previous": True}
+    assert not (tmp_path / ".m.zz.old").exists()
+
+
+def test_stale_cache_temporary_files_are_cleaned(pair, tiny, tmp_path):
+    model = pair[0]
+    for name in (".c.safetensors.abc.tmp", f".c.safetensors.pid{_dead_pid()}.x.tmp"):
+        (tmp_path / name).write_bytes(b"partial")
+    save_cache(tiny.prefill(model, ids_of(1)), tmp_path / "c.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def _cli_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code not in (0, None)
+    text = str(info.value.code) if isinstance(info.value.code, str) else capsys.readouterr().err
+    assert "Traceback" not in text
+    return text
+
+
+def test_cli_eval_bad_tasks_files(tmp_path, capsys):
+    (tmp_path / "latin1.jsonl").write_bytes('{"task": "caf\xe9"}\n'.encode("latin-1"))
+    text = _cli_error(
+        ["eval", "--source", "tiny-s", "--target", "tiny-l", "--tasks", str(tmp_path / "latin1.jsonl")], capsys
+    )
+    assert "UTF-8" in text and "latin1.jsonl" in text
+
+
+@pytest.mark.parametrize("chance", [2.0, -1, "NaN"])
+def test_eval_refuses_a_chance_outside_0_1(tmp_path, chance):
+    from hf_kvmap.evaluation import load_jsonl_tasks
+
+    row = {"task": "mc", "type": "choice", "context": "a", "choices": ["b", "c"], "label": 0, "chance": chance}
+    text = json.dumps(row).replace('"NaN"', "NaN")
+    (tmp_path / "t.jsonl").write_text(text + "\n")
+    with pytest.raises(ValueError, match=r"chance.*between 0 and 1"):
+        load_jsonl_tasks(tmp_path / "t.jsonl")
+
+
+CLI_CASES = {
+    "missing --mapper folder": (
+        ["eval", "--source", "tiny-s", "--target", "tiny-l", "--mapper", "./no-mapper"],
+        "no such folder",
+    ),
+    "typo in --source": (["eval", "--source", "tiny-q", "--target", "tiny-l"], "tiny-q.*tiny-s"),
+    "benchmark --mapper missing": (
+        ["benchmark", "--source", "tiny-s", "--target", "tiny-l", "--mapper", "./nope"],
+        "no such folder",
+    ),
+    "card on a missing folder": (["card", "./no-mapper"], "no such folder"),
+    "demo typo": (["demo", "--source", "tiny-q"], "tiny-q"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_arguments_fail_without_a_traceback(case, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv, message = CLI_CASES[case]
+    import re
+
+    assert re.search(message, _cli_error(argv, capsys))
+
+
+def test_cli_fit_out_with_a_broken_config(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{broken")
+    text = _cli_error(["fit", "--source", "a", "--target", "b", "--data", "d.txt", "--out", str(out)], capsys)
+    assert "config.json" in text and "not valid JSON" in text
+
+
+HANDOFF_ARGS = {
+    "policy": ({"policy": "maybe"}, ValueError, "policy='maybe' is not one of"),
+    "audit_tokens bool": ({"audit_tokens": True}, ValueError, "audit_tokens=True must be a non-negative integer"),
+    "threshold string": ({"probe": "lookahead_margin", "threshold": "0.5"}, ValueError, "threshold='0.5'.*number"),
+    "unknown probe": ({"probe": "no-such-probe", "threshold": 0.5}, ValueError, "no-such-probe"),
+    "mask shape": ({"attention_mask": torch.ones(1, 5, dtype=torch.long)}, ValueError, "attention_mask has shape"),
+    "mask values": ({"attention_mask": torch.full((1, 12), 2)}, ValueError, "only 0 and 1"),
+    "right padding": (
+        {"attention_mask": torch.tensor([[1] * 10 + [0, 0]])},
+        ValueError,
+        "right padding.*padding_side='left'",
+    ),
+    "short source cache": ({"source_cache": "short"}, ValueError, "covers 11 tokens but input_ids has 12"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDOFF_ARGS))
+def test_handoff_arguments(pair, tiny, case):
+    model, _, identity, _ = pair
+    kwargs, error, message = HANDOFF_ARGS[case]
+    ids = ids_of(13)
+    if kwargs.get("source_cache") == "short":
+        kwargs = {"source_cache": tiny.prefill(model, ids[:, :-1])}
+    with pytest.raises(error, match=message):
+        handoff(model, model, identity, ids, policy=kwargs.pop("policy", "fail"), **kwargs)
+
+
+def test_handoff_needs_a_mapper(pair):
+    model = pair[0]
+    with pytest.raises(TypeError, match="MapperModel"):
+        handoff(model, model, None, ids_of(1))
+
+
+SAVE_CASES = {
+    "empty cache": (lambda m, ids: (DynamicCache(), {}), "prefilled cache"),
+    "short prompt": (lambda m, ids: (None, {"input_ids": ids[:, :4]}), "pass the prompt the cache was built from"),
+    "not a cache": (lambda m, ids: ([1, 2], {}), "prefilled cache"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAVE_CASES))
+def test_save_cache_refuses(pair, tiny, tmp_path, case):
+    model = pair[0]
+    ids = ids_of(14)
+    cache, kwargs = SAVE_CASES[case][0](model, ids)
+    cache = tiny.prefill(model, ids) if cache is None else cache
+    with pytest.raises(ValueError, match=SAVE_CASES[case][1]):
+        save_cache(cache, tmp_path / "c.safetensors", **kwargs)
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_load_cache_refuses_what_is_not_a_cache_file(tmp_path):
+    (tmp_path / "x.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_cache(tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_cache(tmp_path / "missing.safetensors")
