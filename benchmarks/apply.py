@@ -17,9 +17,9 @@ Reported: (b)/(a) next to the FLOP bound body/mapper (`hf_kvmap.flops`) and the 
 call (a `TorchDispatchMode` that tracks every new storage until it is freed), which excludes allocator caching and
 Python overhead.
 
-    python benchmarks/apply.py                     # tiny-s -> tiny-l, 256..8192 tokens, CPU
-    python benchmarks/apply.py --quick             # a few seconds
-    python benchmarks/apply.py --source tiny-m --target tiny-l --mapper path/to/mapper --tokens 512,1024
+    python -m benchmarks.apply                     # tiny-s -> tiny-l, 256..8192 tokens, CPU
+    python -m benchmarks.apply --quick             # a few seconds
+    python -m benchmarks.apply --source tiny-m --target tiny-l --mapper path/to/mapper --tokens 512,1024
 
 Writes JSON (run info, environment, rows) to `--out` and a PNG of speedup vs tokens with the bound to `--plot`.
 """

@@ -16,8 +16,8 @@ Stages (each resumable; `all` runs them in order):
            saving per request. `--write-configs` stores the
            chosen probe and threshold in the shipped mappers' `config.json` (`handoff_probe`).
 
-    OMP_NUM_THREADS=1 python benchmarks/handoff.py all --write-configs
-    python benchmarks/handoff.py report          # re-analyse the checkpoints
+    OMP_NUM_THREADS=1 python -m benchmarks.handoff all --write-configs
+    python -m benchmarks.handoff report          # re-analyse the checkpoints
 
 Writes `benchmarks/results/handoff.json` and `benchmarks/results/handoff_roc.png`.
 """
@@ -34,12 +34,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hf_kvmap import MapperModel, zoo  # noqa: E402
-from hf_kvmap.delivery import load_cache, save_cache  # noqa: E402
-from hf_kvmap.handoff import (  # noqa: E402
+from hf_kvmap import MapperModel, zoo
+from hf_kvmap.delivery import load_cache, save_cache
+from hf_kvmap.handoff import (
     auc,
     calibrate_probe,
     calibrate_threshold,
@@ -47,10 +44,11 @@ from hf_kvmap.handoff import (  # noqa: E402
     roc_curve,
     target_prefill,
 )
-from hf_kvmap.probes import fit_linear_probe, probe_from_dict  # noqa: E402
-from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
-from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
+from hf_kvmap.probes import fit_linear_probe, probe_from_dict
+from hf_kvmap.reporting import environment_info, write_json
+from hf_kvmap.zoo import corpus, mapper_path
 
+REPO = Path(__file__).resolve().parents[1]
 DIRECTIONS = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("tiny-l", "tiny-s"))
 TASKS = {"recall": "\n", "chat": corpus.END}
 SETS = {"calibration": 11, "report": 12}
@@ -702,7 +700,7 @@ def main(argv=None) -> None:
         result.update(
             {
                 "run": {
-                    "command": "python benchmarks/handoff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": "python -m benchmarks.handoff " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "items_per_task_and_set": items_per_set(args),
                     "sets": SETS,
                     "tasks": list(TASKS),

@@ -9,7 +9,7 @@ direction and variant, a Markdown table (`--markdown`) and a bar chart (`--plot`
 re-prefill (`hf_kvmap.evaluation.measure_latency`, interleaved in this run), since a better mapper that is slower
 than re-reading the context defeats its purpose.
 
-    python benchmarks/mapper_variants.py \\
+    python -m benchmarks.mapper_variants \\
         --variant ridge=hf_kvmap/zoo/mappers --variant mlp=/tmp/mlp-mappers \\
         --json benchmarks/results/mapper_variants.json --plot benchmarks/results/mapper_variants.png
 """

@@ -5,13 +5,12 @@ The windowed variants of the tiny family read a context window in every map (`ri
 keys of the target layers that need one (`ridge-l3w3-kn`: one of tiny-l's six layers, the one `layer_swap` shows
 breaking recall; at 32B the count is given for 1, 4, 8, 11 (the same share, 1/6) and 16 such layers).
 
-    python benchmarks/variant_parameters.py --json benchmarks/results/variant_parameters.json --readme README.md
+    python -m benchmarks.variant_parameters --json benchmarks/results/variant_parameters.json --readme README.md
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from transformers import Qwen3Config
@@ -20,8 +19,7 @@ from hf_kvmap import MapperConfig, flops
 from hf_kvmap.configuration_mapper import summarize_model_config
 from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_shapes import QWEN3  # noqa: E402
+from .gpu_shapes import QWEN3
 
 K = 8
 WINDOW = {"context_window": 3, "input_kinds": "both"}

@@ -10,7 +10,7 @@ check_transformers_version()
 from .cache import MappedCache, MappedLayer  # noqa: E402
 from .configuration_mapper import FitOptions, MapperConfig  # noqa: E402
 from .delivery import load_cache, save_cache  # noqa: E402
-from .fitting import FittedMapper  # noqa: E402
+from .fitting import FittedMapper, fitted_config  # noqa: E402
 from .geometry import UnsupportedArchitectureError  # noqa: E402
 from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff  # noqa: E402
 from .modeling_mapper import MapperModel, fit_mapper, mapper_from_statistics  # noqa: E402
@@ -40,6 +40,7 @@ __all__ = [
     "__version__",
     "calibrate_probe",
     "fit_mapper",
+    "fitted_config",
     "handoff",
     "load_cache",
     "mapper_device_map",

@@ -3,11 +3,10 @@ self-map statistics, resumable checkpoints and the retention assembly of `benchm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,19 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("real_family", BENCHMARKS / "real_family.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The real-family modules of `benchmarks.real`, one namespace (what `real_family.py` held)."""
+    from benchmarks.real import calibrate, common, family_report
+    from benchmarks.real import fit as real_fit
+
+    return _namespace(common, calibrate, real_fit, family_report)
+
+
+def _namespace(*modules) -> types.SimpleNamespace:
+    """The public and private names of `modules`, later ones first (for reading; patch the modules themselves)."""
+    names = {}
+    for module in reversed(modules):
+        names.update({name: value for name, value in vars(module).items() if not name.startswith("__")})
+    return types.SimpleNamespace(**names)
 
 
 WORDS = "the keeper of the light wrote every evening about wind and waves and ships that passed".split()
@@ -227,9 +235,9 @@ def test_real_family_results_cards_and_readme_have_not_drifted(script):
     from hf_kvmap import MapperConfig
     from hf_kvmap.card import render_card
 
-    if not script.RESULTS.is_file():
+    if not script.FAMILY_RESULTS.is_file():
         pytest.skip("no real-family results committed")
-    report = json.loads(script.RESULTS.read_text())
+    report = json.loads(script.FAMILY_RESULTS.read_text())
     expected = {
         f"qwen2.5-coder-{direction}-{variant}": results
         for direction, entry in report["directions"].items()
@@ -247,13 +255,13 @@ def test_real_family_results_cards_and_readme_have_not_drifted(script):
 
 @pytest.fixture(scope="module")
 def scale_script(script):
-    import sys
+    """The scale-study modules of `benchmarks.real`, one namespace (what `real_scale.py` held), with the real-family
+    one as `rf` and the modules as `modules` (to patch)."""
+    from benchmarks.real import finetune, guard, layers, scale, scale_cli, scale_report
 
-    sys.modules.setdefault("real_family", script)  # real_scale imports it by name
-    spec = importlib.util.spec_from_file_location("real_scale", BENCHMARKS / "real_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    namespace = _namespace(scale_report, guard, layers, finetune, scale, scale_cli)
+    namespace.rf, namespace.modules = script, types.SimpleNamespace(scale=scale, scale_report=scale_report)
+    return namespace
 
 
 def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
@@ -302,9 +310,8 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
 
     from hf_kvmap import zoo
 
-    rf = scale_script.rf
-    monkeypatch.setattr(rf, "CARDS", tmp_path / "cards")
-    monkeypatch.setattr(rf, "CONFIGS", tmp_path / "configs")
+    monkeypatch.setattr(scale_script.modules.scale_report, "CARDS", tmp_path / "cards")
+    monkeypatch.setattr(scale_script.modules.scale_report, "CONFIGS", tmp_path / "configs")
     folder = scale_script.mapper_folder(tmp_path, 131072, "0.5b-to-1.5b", "ridge-k8")
     folder.mkdir(parents=True)
     shutil.copy(zoo.mapper_path("tiny-m", "tiny-l") / "config.json", folder)  # any fitted mapper's config
@@ -329,14 +336,10 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
     """The guard's rows (`benchmarks/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
     model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
+    from benchmarks import handoff as bench
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap.real.tasks import PromptItem
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import handoff as bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
     mapper = MapperModel.identity(model.config).eval()
     items = [PromptItem(prompt="the code of locker 7 is 4 1 9 . the code of locker 7 is", answer=" 4 1 9")] * 2
@@ -350,15 +353,19 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
         assert row["risk"]["prefix_audit:48"] < 1e-3
 
 
-def test_benchmarks_readme_real_scale_commands_parse(scale_script):
-    """Every `real_scale.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
+def test_benchmarks_readme_real_commands_parse():
+    """Every `python -m benchmarks.real` command in benchmarks/README.md is one the package accepts (the docs match
+    the code), both studies' commands among them."""
     import shlex
 
+    from benchmarks.real.cli import build_parser
+
     text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
-    commands = re.findall(r"^python benchmarks/real_scale\.py (.+)$", text, re.MULTILINE)
-    assert len(commands) >= 10
+    commands = re.findall(r"^python -m benchmarks\.real (.+)$", text, re.MULTILINE)
+    studies = [shlex.split(command, comments=True)[0] for command in commands]
+    assert studies.count("family") >= 6 and studies.count("scale") >= 10
     for command in commands:
-        scale_script.build_parser().parse_args(shlex.split(command, comments=True))
+        build_parser().parse_args(shlex.split(command, comments=True))
 
 
 def test_scale_cards_have_not_drifted(scale_script):
@@ -367,21 +374,23 @@ def test_scale_cards_have_not_drifted(scale_script):
     from hf_kvmap import MapperConfig
 
     rf = scale_script.rf
-    if not scale_script.RESULTS.is_file():
+    if not scale_script.SCALE_RESULTS.is_file():
         pytest.skip("no calibration-scale results committed")
-    report = json.loads(scale_script.RESULTS.read_text())
+    report = json.loads(scale_script.SCALE_RESULTS.read_text())
     fits = scale_script.paper_scale_fits(report)
     for name, (_, row) in fits.items():
         config = MapperConfig.from_pretrained(rf.CONFIGS / name)
         rendered = scale_script.render_scale_card(name, config, report, row)
         assert (rf.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
-    if rf.RESULTS.is_file():
-        sixteen = json.loads(rf.RESULTS.read_text())["directions"]
+    if rf.FAMILY_RESULTS.is_file():
+        sixteen = json.loads(rf.FAMILY_RESULTS.read_text())["directions"]
         fits.update({f"qwen2.5-coder-{d}-{v}": None for d, entry in sixteen.items() for v in entry["variants"]})
     assert {card.stem for card in rf.CARDS.glob("*.md")} == set(fits)
 
 
-@pytest.mark.parametrize("results, markdown", [("RESULTS", "report_markdown"), ("GUARD_RESULTS", "guard_markdown")])
+@pytest.mark.parametrize(
+    "results, markdown", [("SCALE_RESULTS", "report_markdown"), ("GUARD_RESULTS", "guard_markdown")]
+)
 def test_scale_and_guard_results_and_readme_have_not_drifted(scale_script, results, markdown):
     path = getattr(scale_script, results)
     if not path.is_file():
@@ -394,7 +403,11 @@ def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_
     """`Scorer.score_mapper` (shared by the curve and the fine-tune) writes R^2 and every task, and skips both later."""
     rf = scale_script.rf
     calls = []
-    monkeypatch.setattr(rf, "held_out_r2", lambda *a: calls.append("r2") or {"key_r2": [0.5], "value_r2": [0.25]})
+    monkeypatch.setattr(
+        scale_script.modules.scale,
+        "held_out_r2",
+        lambda *a: calls.append("r2") or {"key_r2": [0.5], "value_r2": [0.25]},
+    )
     scorer = object.__new__(scale_script.Scorer)
     model = type("Model", (), {"dtype": torch.float32})()
     scorer.models = {rf.SMALL: model, rf.LARGE: model}

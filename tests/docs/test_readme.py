@@ -53,12 +53,9 @@ def test_readme_left_padded_batch_recipe_runs():
 
 
 def test_readme_variant_parameters_are_generated_from_the_committed_json():
-    import importlib.util
+    import importlib
 
-    path = ROOT / "benchmarks" / "variant_parameters.py"
-    spec = importlib.util.spec_from_file_location("variant_parameters", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.variant_parameters")
     readme = (ROOT / "README.md").read_text()
     results = json.loads((ROOT / "benchmarks" / "results" / "variant_parameters.json").read_text())
     section = re.search(r"<!-- variant-parameters:start -->\n(.*?)<!-- variant-parameters:end -->", readme, re.DOTALL)
@@ -67,11 +64,9 @@ def test_readme_variant_parameters_are_generated_from_the_committed_json():
 
 
 def test_readme_held_out_scores_are_generated_from_the_committed_json():
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.mapper_variants")
     readme = (ROOT / "README.md").read_text()
     section = re.search(r"<!-- mapper-held-out:start -->\n(.*?)<!-- mapper-held-out:end -->", readme, re.DOTALL)
     paths = sorted((ROOT / "benchmarks" / "results" / "held_out").glob("*.json"))
@@ -82,11 +77,9 @@ def test_readme_held_out_scores_are_generated_from_the_committed_json():
 
 def _variants_section(name: str, path: str):
     """`(mapper_variants module, the committed JSON at path, README section name's body, the table it renders)`."""
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.mapper_variants")
     readme = (ROOT / "README.md").read_text()
     section = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", readme, re.DOTALL).group(1)
     results = json.loads((ROOT / path).read_text())
@@ -160,17 +153,9 @@ def test_readme_shipped_comparison_is_generated_from_the_committed_json():
 
 
 def _script(name: str):
-    import importlib.util
-    import sys
+    import importlib
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return script
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _section(name: str) -> str:
