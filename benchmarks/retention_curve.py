@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hf_kvmap import MapperConfig, flops, zoo
 from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
+from hf_kvmap.reporting import environment_info, fmt_number, write_json
 
 from .gpu_shapes import QWEN3
 from .mapper_variants import choose
@@ -246,7 +246,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--held-out", type=Path, nargs="*", default=[], help="<variant>_<direction>.json eval files")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/retention_curve.json"))
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite the retention-curve section of this file")
     args = parser.parse_args(argv)
     from transformers import Qwen3Config
 
@@ -273,12 +272,6 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(result, args.plot)
     text = markdown(result)
-    if args.readme:
-        update_file_section(
-            args.readme,
-            "retention-curve",
-            f"Generated from `{args.json.as_posix()}` by `benchmarks/retention_curve.py`.\n\n{text}",
-        )
     print(text)
     return result
 

@@ -229,30 +229,6 @@ def test_assemble_computes_retention_only_against_the_pair(script):
     assert script.assemble(scores, script.SMALL, script.LARGE, "ridge-all") is None
 
 
-def test_real_family_results_cards_and_readme_have_not_drifted(script):
-    """The committed results JSON renders exactly the committed cards (from the committed mapper configs) and the
-    README section."""
-    from hf_kvmap import MapperConfig
-    from hf_kvmap.card import render_card
-
-    if not script.FAMILY_RESULTS.is_file():
-        pytest.skip("no real-family results committed")
-    report = json.loads(script.FAMILY_RESULTS.read_text())
-    expected = {
-        f"qwen2.5-coder-{direction}-{variant}": results
-        for direction, entry in report["directions"].items()
-        for variant, results in entry["variants"].items()
-    }
-    assert expected, "results without mappers"
-    for name, results in expected.items():
-        config = MapperConfig.from_pretrained(script.CONFIGS / name)
-        mapper = script.weightless_mapper(config)
-        rendered = render_card(mapper, script.card_results(report, results), model_name=name)
-        assert (script.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert script.report_markdown(report).strip() in readme
-
-
 @pytest.fixture(scope="module")
 def scale_script(script):
     """The scale-study modules of `benchmarks.real`, one namespace (what `real_scale.py` held), with the real-family
@@ -366,37 +342,6 @@ def test_benchmarks_readme_real_commands_parse():
     assert studies.count("family") >= 6 and studies.count("scale") >= 10
     for command in commands:
         build_parser().parse_args(shlex.split(command, comments=True))
-
-
-def test_scale_cards_have_not_drifted(scale_script):
-    """The cards of the paper-scale fits are what the committed scale results render (from the committed configs),
-    and every card in model_cards/real/ is one of the 16K fits' or of these."""
-    from hf_kvmap import MapperConfig
-
-    rf = scale_script.rf
-    if not scale_script.SCALE_RESULTS.is_file():
-        pytest.skip("no calibration-scale results committed")
-    report = json.loads(scale_script.SCALE_RESULTS.read_text())
-    fits = scale_script.paper_scale_fits(report)
-    for name, (_, row) in fits.items():
-        config = MapperConfig.from_pretrained(rf.CONFIGS / name)
-        rendered = scale_script.render_scale_card(name, config, report, row)
-        assert (rf.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
-    if rf.FAMILY_RESULTS.is_file():
-        sixteen = json.loads(rf.FAMILY_RESULTS.read_text())["directions"]
-        fits.update({f"qwen2.5-coder-{d}-{v}": None for d, entry in sixteen.items() for v in entry["variants"]})
-    assert {card.stem for card in rf.CARDS.glob("*.md")} == set(fits)
-
-
-@pytest.mark.parametrize(
-    "results, markdown", [("SCALE_RESULTS", "report_markdown"), ("GUARD_RESULTS", "guard_markdown")]
-)
-def test_scale_and_guard_results_and_readme_have_not_drifted(scale_script, results, markdown):
-    path = getattr(scale_script, results)
-    if not path.is_file():
-        pytest.skip(f"no {path.name} committed")
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert getattr(scale_script, markdown)(json.loads(path.read_text())).strip() in readme
 
 
 def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_path, monkeypatch):

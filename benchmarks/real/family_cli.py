@@ -93,7 +93,7 @@ def add_commands(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_latency)
 
-    p = sub.add_parser("report", help="results JSON, plot, cards and README section from the other commands")
+    p = sub.add_parser("report", help="results JSON, plot and cards from the other commands")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--items", type=int, default=200)
     p.add_argument("--seed", type=int, default=1234)

@@ -13,7 +13,6 @@ from .common import (
     FAMILY_PLOT,
     FAMILY_RESULTS,
     LARGE,
-    ROOT,
     SHORT,
     SMALL,
     VARIANTS,
@@ -154,7 +153,7 @@ def report_markdown(report: dict) -> str:
         "",
         *PAPER_TABLE,
         "",
-        "![real family](benchmarks/results/real_family.png)",
+        "![real family](../benchmarks/results/real_family.png)",
     ]
     return "\n".join(lines)
 
@@ -210,7 +209,7 @@ def plot_report(report: dict, path: Path) -> None:
 def cmd_report(args) -> int:
     from hf_kvmap import MapperConfig
     from hf_kvmap.card import render_card
-    from hf_kvmap.reporting import environment_info, update_file_section
+    from hf_kvmap.reporting import environment_info
 
     work = Path(args.work)
     scores = json.loads(scores_path(work, args.items, args.seed).read_text())
@@ -272,6 +271,7 @@ def cmd_report(args) -> int:
         report["latency"] = json.loads((work / "latency.json").read_text())
     write_json(FAMILY_RESULTS, report)
     plot_report(report, FAMILY_PLOT)
-    update_file_section(ROOT / "README.md", "real-family", report_markdown(report))
-    print(f"wrote {FAMILY_RESULTS}, {FAMILY_PLOT}, {CARDS}/, README section real-family")
+    print(
+        f"wrote {FAMILY_RESULTS}, {FAMILY_PLOT}, {CARDS}/ (then `python -m benchmarks.docs` renders docs/real-family.md)"
+    )
     return 0

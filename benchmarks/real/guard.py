@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT, SHORT, SMALL, load_model, load_tokenizer, write_json
+from .common import SHORT, SMALL, load_model, load_tokenizer, write_json
 from .scale import GUARD_RESULTS, GUARD_TASKS, fitted_mapper, mapper_folder
 
 
@@ -22,7 +22,7 @@ def cmd_guard(args) -> int:
     from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
     from hf_kvmap.real.tasks import real_family_tasks
-    from hf_kvmap.reporting import environment_info, update_file_section
+    from hf_kvmap.reporting import environment_info
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -69,7 +69,6 @@ def cmd_guard(args) -> int:
     result["environment"] = environment_info()
     write_json(GUARD_RESULTS, result)
     # from the file, as the drift test reads it (non-finite values are null there)
-    update_file_section(ROOT / "README.md", "real-guard", guard_markdown(json.loads(GUARD_RESULTS.read_text())))
     direction = result["directions"][args.direction]
     print(f"chosen {direction['chosen']}; guarded report set: {json.dumps(direction['guarded_report'])}")
     print(f"wrote {GUARD_RESULTS}")
@@ -82,7 +81,7 @@ def _share(rate: float | None, count: int) -> str:
 
 
 def guard_markdown(result: dict) -> str:
-    """The README section of the guard on real weights, from `results/real_family_guard.json`."""
+    """The `docs/guard.md` section of the guard on real weights, from `results/real_family_guard.json`."""
     run = result["run"]
     (direction, data), *_ = result["directions"].items()
     tasks = run["tasks"]

@@ -8,7 +8,6 @@ from pathlib import Path
 from .common import (
     CARDS,
     CONFIGS,
-    ROOT,
     VARIANTS,
     assemble,
     card_results,
@@ -172,7 +171,7 @@ def curve_table(alone: dict, curves: dict) -> list[str]:
 
 
 def report_markdown(report: dict) -> str:
-    """The README section: the curve as a table (one row per fit), the swap diagnosis, what they say."""
+    """The `docs/real-family.md` section: the curve as a table (one row per fit), the swap diagnosis, what they say."""
     run = report["run"]
     lines = [
         f"Written by `python -m benchmarks.real scale report` from `benchmarks/results/real_family_scale.json`: the "
@@ -273,7 +272,7 @@ def report_markdown(report: dict) -> str:
                 f"{row['keys_only']:.3f} | {row['values_only']:.3f} | {worst_cells} | {own_cells or 'not run'} | "
                 f"{first_cells or 'not run'} | {token_cells or 'not run'} |"
             )
-    lines += ["", "![real family, calibration scale](benchmarks/results/real_family_scale.png)"]
+    lines += ["", "![real family, calibration scale](../benchmarks/results/real_family_scale.png)"]
     return "\n".join(lines)
 
 
@@ -289,7 +288,7 @@ def mapper_records(work: Path, filename: str) -> dict:
 
 
 def cmd_report(args) -> int:
-    from hf_kvmap.reporting import environment_info, update_file_section
+    from hf_kvmap.reporting import environment_info
 
     work = Path(args.work)
     path = work / f"scores-items{args.items}-seed{args.seed}-{args.dtype}.json"
@@ -323,14 +322,13 @@ def cmd_report(args) -> int:
     cards = write_cards(work, report)
     write_json(SCALE_RESULTS, report)
     plot_curve(curves, SCALE_PLOT, report["alone"])
-    update_file_section(ROOT / "README.md", "real-scale", report_markdown(report))
     for name, rows in curves.items():
         for row in rows:
             cells = ", ".join(
                 f"{t} {r['mapped']:.3f}/{r['target']:.3f}" for t, r in {**row["tasks"], **row["perplexity"]}.items()
             )
             print(f"{name} @ {row['positions']}: {cells}")
-    print(f"wrote {SCALE_RESULTS}, {SCALE_PLOT}, README section real-scale, cards {', '.join(cards) or 'none'}")
+    print(f"wrote {SCALE_RESULTS}, {SCALE_PLOT}, cards {', '.join(cards) or 'none'}")
     return 0
 
 
