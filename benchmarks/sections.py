@@ -51,6 +51,18 @@ def demo_markdown(results: dict, source_file: str) -> str:
             f"| {name} (perplexity, lower is better) | {fmt_number(row['source'])} | {fmt_number(row['target'])} | "
             f"{fmt_number(row['mapped'])} | | | |"
         )
+    dropped = results.get("dropped_tasks", {})
+    if dropped:
+        cells = [
+            f"{name} (target alone {fmt_number(row['target'])}, chance {fmt_number(row['chance'], 2)}, "
+            f"{row['n_items']} items, p = {fmt_number(row.get('target_vs_chance_p'), 2)})"
+            for name, row in dropped.items()
+        ]
+        lines += [
+            "",
+            "Not reported, because the target alone does not do them better than chance over the items (one-sided "
+            "exact binomial test at the 5 % level), so a handoff has nothing to retain: " + "; ".join(cells) + ".",
+        ]
     if results.get("latency"):
         env = results.get("environment", {})
         lines += [

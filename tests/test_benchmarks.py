@@ -390,3 +390,30 @@ def test_retention_curve_counts_each_design_and_keeps_the_frontier(tmp_path):
     path.write_text(json.dumps(comparison))
     with pytest.raises(SystemExit, match="recorded"):
         script.main(["--comparison", str(path), "--json", str(tmp_path / "curve.json")])
+
+
+def test_every_benchmarks_readme_command_parses(monkeypatch):
+    """Every `python -m benchmarks.<module> ...` line in benchmarks/README.md is one its module's parser accepts (the
+    docs match the entry points); parsing stops before anything runs."""
+    import argparse
+    import re
+    import shlex
+
+    text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^(?:OMP_NUM_THREADS=\d+ )?python -m (benchmarks[.\w]*)(.*)$", text, re.MULTILINE)
+    assert {module for module, _ in commands} >= {"benchmarks.apply", "benchmarks.docs", "benchmarks.real"}
+
+    class Parsed(Exception):
+        pass
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        parse_args(self, args, namespace)  # SystemExit(2) on a command the parser does not accept
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for module, args in commands:
+        main = importlib.import_module("benchmarks.real.cli" if module == "benchmarks.real" else module).main
+        with pytest.raises(Parsed):
+            main(shlex.split(args, comments=True))
