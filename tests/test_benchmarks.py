@@ -417,3 +417,22 @@ def test_every_benchmarks_readme_command_parses(monkeypatch):
         main = importlib.import_module("benchmarks.real.cli" if module == "benchmarks.real" else module).main
         with pytest.raises(Parsed):
             main(shlex.split(args, comments=True))
+
+
+def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
+    """benchmarks/ is a package (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600 lines,
+    and none imports a private library module or name or passes a private keyword (`_allocate=`...)."""
+    import ast
+
+    folders = {path.parent for path in BENCHMARKS.rglob("*.py")}
+    assert all((folder / "__init__.py").is_file() for folder in folders), folders
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) < 600, path
+        assert "sys.path" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_kvmap"):
+                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
+                assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
+            if isinstance(node, ast.keyword) and node.arg:
+                assert not node.arg.startswith("_"), (path, node.arg)
