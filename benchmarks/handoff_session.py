@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import HandoffSession, MapperModel, zoo
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.handoff import target_prefill
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.zoo import corpus, mapper_path
@@ -48,7 +49,7 @@ def reference(model, ids: torch.Tensor, steps: int, end: int) -> tuple[list[int]
     prefill_s = time.perf_counter() - start
     out = model.generate(
         ids,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=steps,
         do_sample=False,
         eos_token_id=end,

@@ -64,6 +64,7 @@ def counted() -> dict:
 def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     """Median seconds of one step of each objective on tiny-family batches (interleaved)."""
     from hf_kvmap import MapperModel, zoo
+    from hf_kvmap._compat import output_cache
     from hf_kvmap.attention_objective import attention_errors, target_reads
     from hf_kvmap.objectives import mapped_kl
 
@@ -78,7 +79,7 @@ def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
 
     def attention_step(index, split):
         with torch.no_grad():  # what the fine-tune reads of each row (computed once there, per step here)
-            source_cache = source.base_model(input_ids=rows[index], use_cache=True).past_key_values
+            source_cache = output_cache(source.base_model(input_ids=rows[index], use_cache=True))
             source_kv = [(layer.keys.float(), layer.values.float()) for layer in source_cache.layers]
             reads = target_reads(target, rows[index])
         attention_errors(mapper, source_kv, reads, split, backward=1 / len(reads.keys))  # as it trains
