@@ -1,7 +1,7 @@
 """What a wheel of this repository weighs: builds it (`pip wheel --no-deps`), and records the wheel's size, the size
 of what it installs, and the part the shipped tiny-family mappers and models take.
 
-    python -m benchmarks.package_size --json benchmarks/results/package_size.json --readme README.md
+    python -m benchmarks.package_size --json benchmarks/results/package_size.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The windowed variants of the tiny family read a context window in every map (`ri
 keys of the target layers that need one (`ridge-l3w3-kn`: one of tiny-l's six layers, the one `layer_swap` shows
 breaking recall; at 32B the count is given for 1, 4, 8, 11 (the same share, 1/6) and 16 such layers).
 
-    python -m benchmarks.variant_parameters --json benchmarks/results/variant_parameters.json --readme README.md
+    python -m benchmarks.variant_parameters --json benchmarks/results/variant_parameters.json
 """
 
 from __future__ import annotations

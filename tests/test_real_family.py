@@ -1,5 +1,5 @@
 """The real-family pipeline on tiny stand-ins (no real weights): corpus manifest, tasks, the k = all solve, the
-self-map statistics, resumable checkpoints and the retention assembly of `benchmarks/real_family.py`."""
+self-map statistics, resumable checkpoints and the retention assembly of `benchmarks.real`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def script():
-    """The real-family modules of `benchmarks.real`, one namespace (what `real_family.py` held)."""
+    """The real-family modules of `benchmarks.real`, one namespace (what `benchmarks/real_family.py` held)."""
     from benchmarks.real import calibrate, common, family_report
     from benchmarks.real import fit as real_fit
 
@@ -231,7 +231,7 @@ def test_assemble_computes_retention_only_against_the_pair(script):
 
 @pytest.fixture(scope="module")
 def scale_script(script):
-    """The scale-study modules of `benchmarks.real`, one namespace (what `real_scale.py` held), with the real-family
+    """The scale-study modules of `benchmarks.real`, one namespace (what `benchmarks/real_scale.py` held), with the real-family
     one as `rf` and the modules as `modules` (to patch)."""
     from benchmarks.real import finetune, guard, layers, scale, scale_cli, scale_report
 
@@ -391,7 +391,7 @@ def test_scale_fitted_mapper_resolves_the_direction_and_the_largest_fit(scale_sc
 
 
 def test_feature_variants_are_valid_fit_options_that_need_features(scale_script):
-    """Every `real_scale.py features` variant is a valid `FitOptions`; all but the control need the features."""
+    """Every `benchmarks.real scale features` variant is a valid `FitOptions`; all but the control need the features."""
     from hf_kvmap import FitOptions
 
     for name, spec in scale_script.FEATURE_VARIANTS.items():

@@ -192,3 +192,14 @@ def test_retention_curve_is_what_the_committed_comparison_builds():
         held_out[(variant, direction)] = json.loads((ROOT / name).read_text())
     qwen = tuple(summarize_model_config(Qwen3Config(**script.QWEN3[n])) for n in ("14B", "32B"))
     assert json.loads(json.dumps(script.build(comparison, held_out, qwen))) == result["directions"]
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs the README's test command, command by command and in order (then its own further steps)."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"Run the tests[^\n]*\n\n```bash\n(.*?)\n```", readme, re.DOTALL).group(1)
+    commands = [command.strip() for command in block.split("&&")]
+    assert commands[0].startswith("pip install") and all(c.startswith("python -m pytest") for c in commands[1:])
+    lines = [line.split(" || ")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    positions = [lines.index(command) for command in commands]
+    assert positions == sorted(positions)
