@@ -65,8 +65,7 @@ def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     """Median seconds of one step of each objective on tiny-family batches (interleaved)."""
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap._compat import output_cache
-    from hf_kvmap.attention_objective import attention_errors, target_reads
-    from hf_kvmap.objectives import mapped_kl
+    from hf_kvmap.objectives import attention_errors, mapped_kl, target_reads
 
     mapper = MapperModel.from_pretrained(mapper_path).float()
     source = zoo.load_model(mapper.config.source_model_id.split(":")[-1])
