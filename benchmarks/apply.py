@@ -17,9 +17,9 @@ Reported: (b)/(a) next to the FLOP bound body/mapper (`hf_kvmap.flops`) and the 
 call (a `TorchDispatchMode` that tracks every new storage until it is freed), which excludes allocator caching and
 Python overhead.
 
-    python benchmarks/apply.py                     # tiny-s -> tiny-l, 256..8192 tokens, CPU
-    python benchmarks/apply.py --quick             # a few seconds
-    python benchmarks/apply.py --source tiny-m --target tiny-l --mapper path/to/mapper --tokens 512,1024
+    python -m benchmarks.apply                     # tiny-s -> tiny-l, 256..8192 tokens, CPU
+    python -m benchmarks.apply --quick             # a few seconds
+    python -m benchmarks.apply --source tiny-m --target tiny-l --mapper path/to/mapper --tokens 512,1024
 
 Writes JSON (run info, environment, rows) to `--out` and a PNG of speedup vs tokens with the bound to `--plot`.
 """
@@ -517,7 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny fast run: 64,128 tokens, 3 repeats")
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite the PERFORMANCE section of this README")
     return parser
 
 
@@ -531,12 +530,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
-    if args.readme:
-        from hf_kvmap.reporting import performance_markdown, update_file_section
-
-        source_file = args.out.resolve().relative_to(args.readme.resolve().parent).as_posix()
-        update_file_section(args.readme, "performance", performance_markdown(result, source_file))
-        print(f"updated {args.readme}")
     if not args.no_plot:
         png = args.plot or args.out.with_suffix(".png")
         if plot(result, png):

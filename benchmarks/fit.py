@@ -9,7 +9,7 @@ Each size is repeated and the fastest fit is reported.
 
 Writes self-describing JSON (run info, environment, numbers) to `--out`.
 
-    python benchmarks/fit.py --out benchmarks/results/fit.json
+    python -m benchmarks.fit --out benchmarks/results/fit.json
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ The mapper is loaded with `MapperModel.from_pretrained(path, device_map=mapper_d
 its upper layers (as `tests/test_placement.py` does), so only the placement checks run there (a meta layer cannot
 execute); generate and exactness run on an all-CPU placement.
 
-    python benchmarks/gpu_check.py             # needs CUDA; exits 1 if a check fails
-    python benchmarks/gpu_check.py --dry-run   # CPU + meta
+    python -m benchmarks.gpu_check             # needs CUDA; exits 1 if a check fails
+    python -m benchmarks.gpu_check --dry-run   # CPU + meta
 
 Writes JSON (every check, pass/fail, the devices seen) to `--out`.
 """
@@ -41,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from apply import environment  # noqa: E402
+from .apply import environment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         identity_dir = workdir / "identity"
         MapperModel.identity(target_cpu.config).save_pretrained(identity_dir)
         # a cross-model (random ridge, k=2) mapper: placement only, its tokens are meaningless
-        from apply import random_mapper
+        from .apply import random_mapper
 
         cross_dir = workdir / "cross"
         random_mapper(source.config, target_cpu.config, k=2, dtype=torch.float32, device="cpu").save_pretrained(

@@ -7,9 +7,9 @@ source model never runs), and the mapper is a random-weight ridge `MapperModel` 
 `benchmarks/apply.py` (interleaved, rotating order, warm-up, medians); the mapper includes validation (the NaN/inf
 check), RoPE tables, strip, matmul, apply and cache construction.
 
-    python benchmarks/gpu_shapes.py                          # both directions, 64..32768 tokens, about 4-6 minutes
-    python benchmarks/gpu_shapes.py --directions 14b-32b --tokens 64,8192,32768
-    python benchmarks/gpu_shapes.py --dry-run                # same code on CPU with tiny shapes (seconds)
+    python -m benchmarks.gpu_shapes                          # both directions, 64..32768 tokens, about 4-6 minutes
+    python -m benchmarks.gpu_shapes --directions 14b-32b --tokens 64,8192,32768
+    python -m benchmarks.gpu_shapes --dry-run                # same code on CPU with tiny shapes (seconds)
 
 Prints the table in PAPER.md's format (mapper / re-prefill ms, speedup) with the FLOP bound, the fraction of the
 bound and the paper's numbers where it has them, and writes JSON to `--out`.
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from apply import (  # noqa: E402
+from .apply import (
     attention_implementation,
     environment,
     interleaved_medians,

@@ -16,8 +16,8 @@ Stages (each resumable; `all` runs them in order):
            saving per request. `--write-configs` stores the
            chosen probe and threshold in the shipped mappers' `config.json` (`handoff_probe`).
 
-    OMP_NUM_THREADS=1 python benchmarks/handoff.py all --write-configs
-    python benchmarks/handoff.py report          # re-analyse the checkpoints
+    OMP_NUM_THREADS=1 python -m benchmarks.handoff all --write-configs
+    python -m benchmarks.handoff report          # re-analyse the checkpoints
 
 Writes `benchmarks/results/handoff.json` and `benchmarks/results/handoff_roc.png`.
 """
@@ -34,13 +34,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hf_kvmap import MapperModel, zoo  # noqa: E402
-from hf_kvmap._compat import cache_kwargs, output_cache  # noqa: E402
-from hf_kvmap.delivery import load_cache, save_cache  # noqa: E402
-from hf_kvmap.handoff import (  # noqa: E402
+from hf_kvmap import MapperModel, zoo
+from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap.delivery import load_cache, save_cache
+from hf_kvmap.handoff import (
     auc,
     calibrate_probe,
     calibrate_threshold,
@@ -48,10 +45,11 @@ from hf_kvmap.handoff import (  # noqa: E402
     roc_curve,
     target_prefill,
 )
-from hf_kvmap.probes import fit_linear_probe, probe_from_dict  # noqa: E402
-from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
-from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
+from hf_kvmap.probes import fit_linear_probe, probe_from_dict
+from hf_kvmap.reporting import environment_info, write_json
+from hf_kvmap.zoo import corpus, mapper_path
 
+REPO = Path(__file__).resolve().parents[1]
 DIRECTIONS = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("tiny-l", "tiny-s"))
 TASKS = {"recall": "\n", "chat": corpus.END}
 SETS = {"calibration": 11, "report": 12}
@@ -521,160 +519,9 @@ def write_configs(result: dict, args) -> None:
         print(f"{config_path}: handoff_probe = {stored['probe']} threshold {stored['threshold']:.4g}", flush=True)
 
 
-def _pct(value) -> str:
-    return "-" if value is None else f"{100 * value:.0f} %"
-
-
-def readme_markdown(result: dict, session: dict | None, source_file: str, session_file: str) -> str:
-    """The README's guarded-handoff tables, rendered from the benchmark JSON (never typed by hand)."""
-    budget = result["run"]["max_false_alarm"]
-    lines = [
-        f"Measured by `benchmarks/handoff.py` ({source_file}): {result['run']['items_per_task_and_set']} items per task "
-        "on a calibration set (threshold chosen there: false alarms <= "
-        f"{budget:.0%}) and a disjoint report set (the numbers below). *Caught*: refused items whose answer on the mapped "
-        "cache differs from the target's own; *false alarms*: refused items whose answer is the target's own. Costs at "
-        f"{next(iter(result['directions'].values())).get('cost_per_request_ms', {}).get('tokens', '-')} tokens, CPU, "
-        "medians of interleaved runs.",
-        "",
-        "| direction | probe (chosen on calibration) | caught recall / chat | false alarms recall / chat | AUC recall / "
-        "chat | probe cost vs re-prefill: time / target tokens | answers changed: unguarded -> guarded | net saving per request |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, direction in result["directions"].items():
-        chosen = direction["probes"][direction["chosen"]]
-        report = chosen["report"]
-        changed = direction["accuracy"]
-        unguarded = [changed[f"report/{task}"]["changed"][str(chosen["hold_back"])] for task in TASKS]
-        guarded = [direction["guarded_report"][task]["changed_answers_served"] for task in TASKS]
-        cost = direction.get("cost_per_request_ms")
-        saving = (
-            f"{cost['net_saving']:.1f} ms of {cost['target_prefill_avoided']:.1f} ({_pct(cost['net_saving_fraction'])})"
-            if cost
-            else "-"
-        )
-        lines.append(
-            f"| {name} | `{direction['chosen']}` | {_pct(report['recall']['true_alarm'])} / "
-            f"{_pct(report['chat']['true_alarm'])} | {_pct(report['recall']['false_alarm'])} / "
-            f"{_pct(report['chat']['false_alarm'])} | {chosen['auc']['recall']:.2f} / {chosen['auc']['chat']:.2f} | "
-            f"{_pct(chosen.get('cost_fraction_of_prefill'))} / {_pct(chosen.get('target_token_fraction'))} | "
-            f"{_pct(unguarded[0])} -> {_pct(guarded[0])} (recall), "
-            f"{_pct(unguarded[1])} -> {_pct(guarded[1])} (chat) | {saving} |"
-        )
-    lines += [
-        "",
-        "Against the targets (catch >= 80 % of changed answers, <= 10 % false alarms, probe <= 5 % of the "
-        "re-prefill), on the report set:",
-        "",
-    ]
-    for name, direction in result["directions"].items():
-        chosen = direction["probes"][direction["chosen"]]
-        misses = []
-        for task in TASKS:
-            rates_ = chosen["report"][task]
-            if rates_["true_alarm"] is not None and rates_["true_alarm"] < MIN_CAUGHT:
-                misses.append(
-                    f"{task} caught {_pct(rates_['true_alarm'])} ({_pct(MIN_CAUGHT - rates_['true_alarm'])} short, of "
-                    f"{rates_['changed']} changed answers)"
-                )
-            if rates_["false_alarm"] is not None and rates_["false_alarm"] > budget:
-                misses.append(
-                    f"{task} false alarms {_pct(rates_['false_alarm'])} ({_pct(rates_['false_alarm'] - budget)} over, of "
-                    f"{rates_['kept']} kept answers)"
-                )
-        fraction = chosen.get("cost_fraction_of_prefill")
-        if fraction is not None and fraction > result["run"]["max_cost_fraction"]:
-            misses.append(
-                f"cost {_pct(fraction)} of the re-prefill in time ({_pct(chosen['target_token_fraction'])} of its tokens)"
-            )
-        lines.append(f"- {name}: " + ("met" if not misses else "missed: " + "; ".join(misses)) + ".")
-    lines += [
-        "",
-        "Accuracy on the report set (exact match): the target alone, the mapped cache holding back the last token or "
-        "the last 16 (the target runs them itself), and guarded serving (the mapped answer when the probe accepts, the "
-        "target's own when it refuses).",
-        "",
-        "| direction | task | target alone | mapped, hold back 1 | mapped, hold back 16 | guarded | fallback rate |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, direction in result["directions"].items():
-        for task in TASKS:
-            accuracy = direction["accuracy"][f"report/{task}"]
-            guarded = direction["guarded_report"][task]
-            lines.append(
-                f"| {name} | {task} | {accuracy['target_own']:.2f} | {accuracy['mapped']['1']:.2f} | "
-                f"{accuracy['mapped']['16']:.2f} | {guarded['accuracy']:.2f} | {_pct(guarded['fallback_rate'])} |"
-            )
-    upcast = [
-        f"{name} {d['cost_per_request_ms']['mapper']:.0f} ms ({d['cost_per_request_ms']['mapper_dtype']}) vs "
-        f"{d['cost_per_request_ms']['mapper_float32']:.0f} ms (float32), net saving "
-        f"{d['cost_per_request_ms']['net_saving_float32_mapper']:.1f} ms"
-        for name, d in result["directions"].items()
-        if "mapper_float32" in d.get("cost_per_request_ms", {})
-    ]
-    if upcast:
-        lines += ["", "Mapper time as shipped vs the same weights in float32 on this CPU: " + "; ".join(upcast) + "."]
-    lines += [
-        "",
-        "Net saving = target re-prefill avoided - mapper - probe - save + load of the cache file - fallback rate x "
-        "re-prefill. Probe cost is wall time (each probe is one to five small forwards, whose fixed per-call cost "
-        "dominates on these tiny models) and the share of the re-prefill's tokens the target runs for it (audit "
-        "included). The full ROC per task and direction, every candidate probe and the cost breakdown are in the "
-        "JSON and in `benchmarks/results/handoff_roc.png`.",
-    ]
-    if session:
-        lines += [
-            "",
-            f"Multi-turn sessions (`benchmarks/handoff_session.py`, {session_file}): "
-            f"{session['run']['conversations']} chat conversations of {session['run']['exchanges']} user turns "
-            f"({session['run']['switches_per_conversation']} switches each), the two models answering in turn; each "
-            "answer is compared with the same model's answer after its own prefill of the same transcript.",
-            "",
-            "| pair | direction | switches | same answer as own prefill | mean sync (ms) | own re-prefill (ms) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for pair, data in session["pairs"].items():
-            for direction, entry in data["per_direction"].items():
-                how = "mapped" if entry["mapped"] else "no mapper: prefilled"
-                lines.append(
-                    f"| {pair} | {direction} ({how}) | {entry['switches']} | {_pct(entry['same_as_own_prefill'])} | "
-                    f"{entry['mean_sync_ms']:.1f} | {entry['mean_own_prefill_ms']:.1f} |"
-                )
-        lines += [
-            "",
-            "| pair | " + " | ".join(f"turn {e}" for e in next(iter(session["pairs"].values()))["per_exchange"]),
-        ]
-        lines[-1] += " |"
-        lines.append("|---|" + "---|" * len(next(iter(session["pairs"].values()))["per_exchange"]))
-        for pair, data in session["pairs"].items():
-            cells = [
-                f"{_pct(x['same_as_own_prefill'])} ({x['session_accuracy']:.2f} vs {x['own_prefill_accuracy']:.2f})"
-                for x in data["per_exchange"].values()
-            ]
-            lines.append(f"| {pair} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "Per turn: share of answers equal to the own-prefill answer (session accuracy vs own-prefill accuracy on "
-            "the conversation's facts). Turn 0 is answered before any switch.",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def write_readme(args) -> None:
-    from hf_kvmap.reporting import update_file_section
-
-    result = json.loads(Path(args.out).read_text())
-    session_path = REPO / "benchmarks" / "results" / "handoff_session.json"
-    session = json.loads(session_path.read_text()) if session_path.exists() else None
-    text = readme_markdown(
-        result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
-    )
-    changed = update_file_section(REPO / "README.md", "handoff", text)
-    print("README handoff section", "updated" if changed else "unchanged", flush=True)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("items", "augment", "costs", "report", "readme", "all"))
+    parser.add_argument("stage", choices=("items", "augment", "costs", "report", "all"))
     parser.add_argument("--items", type=int, default=150, help="items per task and set")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
@@ -703,7 +550,7 @@ def main(argv=None) -> None:
         result.update(
             {
                 "run": {
-                    "command": "python benchmarks/handoff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": "python -m benchmarks.handoff " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "items_per_task_and_set": items_per_set(args),
                     "sets": SETS,
                     "tasks": list(TASKS),
@@ -720,8 +567,6 @@ def main(argv=None) -> None:
         if args.write_configs:
             write_configs(result, args)
         print(f"wrote {args.out}", flush=True)
-    if args.stage in ("readme", "all"):
-        write_readme(args)
 
 
 if __name__ == "__main__":

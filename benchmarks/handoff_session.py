@@ -10,7 +10,7 @@ reference's, the KL divergence of the first answer token (reference || session),
 turns whose answer the conversation fixes (recalls of facts, arithmetic, "ok" acknowledgements, story questions). A
 direction without a mapper prefills the other model's tokens instead (no mapping, no drift).
 
-    OMP_NUM_THREADS=1 python benchmarks/handoff_session.py
+    OMP_NUM_THREADS=1 python -m benchmarks.handoff_session
 
 Writes `benchmarks/results/handoff_session.json`.
 """
@@ -24,15 +24,13 @@ from pathlib import Path
 
 import torch
 
+from hf_kvmap import HandoffSession, MapperModel, zoo
+from hf_kvmap._compat import cache_kwargs
+from hf_kvmap.handoff import target_prefill
+from hf_kvmap.reporting import environment_info, write_json
+from hf_kvmap.zoo import corpus, mapper_path
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hf_kvmap import HandoffSession, MapperModel, zoo  # noqa: E402
-from hf_kvmap._compat import cache_kwargs  # noqa: E402
-from hf_kvmap.handoff import target_prefill  # noqa: E402
-from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
-from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
-
 PAIRS = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"))
 
 
@@ -157,7 +155,7 @@ def main(argv=None) -> None:
     pairs = [tuple(p.split("+")) for p in args.pairs.split(",")]
     result = {
         "run": {
-            "command": "python benchmarks/handoff_session.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m benchmarks.handoff_session " + " ".join(argv if argv is not None else sys.argv[1:]),
             "conversations": args.conversations,
             "exchanges": args.exchanges,
             "switches_per_conversation": args.exchanges - 1,

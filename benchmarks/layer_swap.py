@@ -5,7 +5,7 @@ comes from the mapper, for each layer in turn, then only the mapped keys (only t
 layer whose swap alone collapses the task is the one that gets a context window (`--layer-window`). Writes one JSON
 keyed `<direction>|<task>` (earlier keys are kept, so directions accumulate in one file).
 
-    python benchmarks/layer_swap.py --source tiny-l --target tiny-s --tasks recall \\
+    python -m benchmarks.layer_swap --source tiny-l --target tiny-s --tasks recall \\
         --json benchmarks/results/layer_swap.json
 """
 

@@ -9,7 +9,7 @@ direction and variant, a Markdown table (`--markdown`) and a bar chart (`--plot`
 re-prefill (`hf_kvmap.evaluation.measure_latency`, interleaved in this run), since a better mapper that is slower
 than re-reading the context defeats its purpose.
 
-    python benchmarks/mapper_variants.py \\
+    python -m benchmarks.mapper_variants \\
         --variant ridge=hf_kvmap/zoo/mappers --variant mlp=/tmp/mlp-mappers \\
         --json benchmarks/results/mapper_variants.json --plot benchmarks/results/mapper_variants.png
 """
@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from hf_kvmap.metrics.retention.retention import target_beats_chance
-from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
+from hf_kvmap.reporting import environment_info, fmt_number, write_json
 
 
 def variant_folders(specs: list[str]) -> dict[str, Path]:
@@ -249,19 +249,6 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per length (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timing")
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite the mapper-variants section of this file")
-    parser.add_argument("--section", default="mapper-variants", help="the README section --readme rewrites")
-    parser.add_argument(
-        "--held-out",
-        type=Path,
-        nargs="*",
-        default=[],
-        help="`hf-kvmap eval` JSONs of the chosen variants on items not used to choose them (named <variant>_<dir>.json): "
-        "rendered into the README's mapper-held-out section with --readme",
-    )
-    parser.add_argument(
-        "--held-out-section", default="mapper-held-out", help="the README section --held-out rewrites with --readme"
-    )
     parser.add_argument("--keep", type=Path, default=None, help="copy each evaluation.json to KEEP/<variant>/")
     parser.add_argument(
         "--reuse",
@@ -275,11 +262,6 @@ def main(argv=None) -> dict:
         result = json.loads(args.json.read_text())
         result["choice"] = {direction: choose(variants) for direction, variants in result["directions"].items()}
         write_json(args.json, result)
-        text = markdown(result["directions"], result["choice"])
-        if args.readme:
-            update_file_section(args.readme, args.section, f"Generated from `{args.json.as_posix()}`.\n\n{text}")
-            if args.held_out:
-                update_file_section(args.readme, args.held_out_section, held_out_section(args.held_out))
         return result
     if not args.variant:
         raise SystemExit("mapper_variants: pass --variant NAME=FOLDER (at least one), or --rechoose.")
@@ -341,11 +323,6 @@ def main(argv=None) -> dict:
         args.markdown.write_text(text + "\n", encoding="utf-8")
     if args.plot:
         plot(table, args.plot)
-    if args.readme:
-        source = args.json.as_posix()
-        update_file_section(args.readme, args.section, f"Generated from `{source}`.\n\n{text}")
-        if args.held_out:
-            update_file_section(args.readme, args.held_out_section, held_out_section(args.held_out))
     print(text)
     return result
 

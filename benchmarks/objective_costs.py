@@ -7,7 +7,7 @@
 - Timed (`--mapper`): one step of each (loss, backward; streaming, i.e. the reference forwards included) on the
   same batches and cuts, interleaved, median of `--repeats`.
 
-    python benchmarks/objective_costs.py --mapper hf_kvmap/zoo/mappers/tiny-m-to-tiny-l --threads 1 \\
+    python -m benchmarks.objective_costs --mapper hf_kvmap/zoo/mappers/tiny-m-to-tiny-l --threads 1 \\
         --json benchmarks/results/objective_costs.json
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +25,7 @@ from hf_kvmap import MapperConfig, flops
 from hf_kvmap.configuration_mapper import summarize_model_config
 from hf_kvmap.reporting import environment_info, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_shapes import QWEN3  # noqa: E402
+from .gpu_shapes import QWEN3
 
 K = 8
 BATCH = 8
@@ -66,8 +64,8 @@ def counted() -> dict:
 def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     """Median seconds of one step of each objective on tiny-family batches (interleaved)."""
     from hf_kvmap import MapperModel, zoo
-    from hf_kvmap.objectives import mapped_kl
-    from hf_kvmap.objectives.attention import _Reads, attention_errors
+    from hf_kvmap._compat import output_cache
+    from hf_kvmap.objectives import attention_errors, mapped_kl, target_reads
 
     mapper = MapperModel.from_pretrained(mapper_path).float()
     source = zoo.load_model(mapper.config.source_model_id.split(":")[-1])
@@ -79,9 +77,11 @@ def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     generator = torch.Generator().manual_seed(0)
 
     def attention_step(index, split):
-        reads = _Reads(source, target, rows[index], cache=False, batch_size=BATCH)
-        source_kv, target_reads = reads.take(torch.arange(len(index)))
-        attention_errors(mapper, source_kv, target_reads, split, backward=1 / len(target_reads.keys))  # as it trains
+        with torch.no_grad():  # what the fine-tune reads of each row (computed once there, per step here)
+            source_cache = output_cache(source.base_model(input_ids=rows[index], use_cache=True))
+            source_kv = [(layer.keys.float(), layer.values.float()) for layer in source_cache.layers]
+            reads = target_reads(target, rows[index])
+        attention_errors(mapper, source_kv, reads, split, backward=1 / len(reads.keys))  # as it trains
 
     def kl_step(index, split):
         mapped_kl(mapper, source, target, rows[index], split).backward()

@@ -1,7 +1,7 @@
 """What a wheel of this repository weighs: builds it (`pip wheel --no-deps`), and records the wheel's size, the size
 of what it installs, and the part the shipped tiny-family mappers and models take.
 
-    python benchmarks/package_size.py --json benchmarks/results/package_size.json --readme README.md
+    python -m benchmarks.package_size --json benchmarks/results/package_size.json
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hf_kvmap.reporting import environment_info, update_file_section, write_json
+from hf_kvmap.reporting import environment_info, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -81,7 +81,6 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, default=ROOT)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/package_size.json"))
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite the package-weight section of this file")
     args = parser.parse_args(argv)
     result = {
         "run": {"script": "benchmarks/package_size.py", "json": args.json.as_posix()},
@@ -90,8 +89,6 @@ def main(argv=None) -> dict:
     }
     write_json(args.json, result)
     text = markdown(result)
-    if args.readme:
-        update_file_section(args.readme, "package-weight", text)
     print(text)
     return result
 

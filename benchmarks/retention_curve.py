@@ -13,7 +13,7 @@ items (named `<variant>_<direction>.json`), and writes, per direction and varian
 
 A fine-tune changes a mapper's weights, never its shape, so every objective of one design shares its design's fields.
 
-    python benchmarks/retention_curve.py --comparison benchmarks/results/mapper_variants_longer.json \\
+    python -m benchmarks.retention_curve --comparison benchmarks/results/mapper_variants_longer.json \\
         --held-out benchmarks/results/held_out/*.json benchmarks/results/held_out_attention/*.json benchmarks/results/held_out_longer/*.json \\
         --json benchmarks/results/retention_curve.json --plot benchmarks/results/retention_curve.png
 """
@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 from hf_kvmap import MapperConfig, flops, zoo
 from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
+from hf_kvmap.reporting import environment_info, fmt_number, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_shapes import QWEN3  # noqa: E402
-from mapper_variants import choose  # noqa: E402
+from .gpu_shapes import QWEN3
+from .mapper_variants import choose
 
 K = 8
 WINDOW = {"context_window": 3, "input_kinds": "both"}
@@ -248,7 +246,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--held-out", type=Path, nargs="*", default=[], help="<variant>_<direction>.json eval files")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/retention_curve.json"))
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite the retention-curve section of this file")
     args = parser.parse_args(argv)
     from transformers import Qwen3Config
 
@@ -275,12 +272,6 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(result, args.plot)
     text = markdown(result)
-    if args.readme:
-        update_file_section(
-            args.readme,
-            "retention-curve",
-            f"Generated from `{args.json.as_posix()}` by `benchmarks/retention_curve.py`.\n\n{text}",
-        )
     print(text)
     return result
 

@@ -5,23 +5,21 @@ The windowed variants of the tiny family read a context window in every map (`ri
 keys of the target layers that need one (`ridge-l3w3-kn`: one of tiny-l's six layers, the one `layer_swap` shows
 breaking recall; at 32B the count is given for 1, 4, 8, 11 (the same share, 1/6) and 16 such layers).
 
-    python benchmarks/variant_parameters.py --json benchmarks/results/variant_parameters.json --readme README.md
+    python -m benchmarks.variant_parameters --json benchmarks/results/variant_parameters.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from transformers import Qwen3Config
 
 from hf_kvmap import MapperConfig, flops
 from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.reporting import environment_info, fmt_number, update_file_section, write_json
+from hf_kvmap.reporting import environment_info, fmt_number, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_shapes import QWEN3  # noqa: E402
+from .gpu_shapes import QWEN3
 
 K = 8
 WINDOW = {"context_window": 3, "input_kinds": "both"}
@@ -49,9 +47,6 @@ def variants(num_target_layers: int) -> dict[str, dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/variant_parameters.json"))
-    parser.add_argument(
-        "--readme", type=Path, default=None, help="rewrite the variant-parameters section of this file"
-    )
     args = parser.parse_args(argv)
     source, target = (summarize_model_config(Qwen3Config(**QWEN3[name])) for name in ("14B", "32B"))
     target_model = QWEN3["32B"]
@@ -76,9 +71,6 @@ def main(argv=None) -> dict:
         "environment": environment_info(),
     }
     write_json(args.json, result)
-    if args.readme:
-        text = f"Generated from `{args.json.as_posix()}` by `benchmarks/variant_parameters.py`.\n\n{markdown(result)}"
-        update_file_section(args.readme, "variant-parameters", text)
     print(markdown(result))
     return result
 

@@ -39,6 +39,7 @@ _LAZY_NAMES = {
     "UnsupportedArchitectureError": "geometry",
     "calibrate_probe": "handoff",
     "fit_mapper": "fitting",
+    "fitted_config": "fitting",
     "handoff": "handoff",
     "load_cache": "delivery",
     "mapper_device_map": "placement",
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from .cache import MappedCache, MappedLayer
     from .delivery import load_cache, save_cache
     from .fit_options import FitOptions
-    from .fitting import FittedMapper, fit_mapper, mapper_from_statistics
+    from .fitting import FittedMapper, fit_mapper, fitted_config, mapper_from_statistics
     from .geometry import UnsupportedArchitectureError
     from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff
     from .placement import mapper_device_map, target_layer_devices
@@ -107,6 +108,7 @@ __all__ = [
     "__version__",
     "calibrate_probe",
     "fit_mapper",
+    "fitted_config",
     "handoff",
     "load_cache",
     "mapper_device_map",

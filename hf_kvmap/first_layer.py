@@ -4,8 +4,8 @@ handoff can have the target compute them exactly instead of mapping them, at the
 projections per token (no attention, no MLP).
 
 On the real Qwen2.5-Coder 0.5B -> 1.5B pair, mapping the target's layer 0 alone (every other layer its own) breaks
-the retrieval of a planted number, where mapping any other single layer alone does not (`benchmarks/real_scale.py
-swap`); with layer 0 exact and every other layer mapped, retrieval still fails there (`real_scale.py first-layer`):
+the retrieval of a planted number, where mapping any other single layer alone does not (`python -m benchmarks.real
+scale swap`); with layer 0 exact and every other layer mapped, retrieval still fails there (`scale first-layer`):
 an exact first layer is necessary on that pair, not sufficient.
 """
 

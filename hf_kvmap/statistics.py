@@ -77,6 +77,8 @@ class CalibrationStatistics:
         source_model_id, source_revision, target_model_id, target_revision (`str`, *optional*): provenance.
         tokenizer_fingerprint (`str`, *optional*): hash of the shared tokenizer's vocabulary
             (`hf_kvmap.artifacts.tokenizer_fingerprint`), passed on to the mapper config.
+        allocate (`bool`, *optional*, defaults to `True`): allocate zero sums; `False` leaves `stats` empty for a
+            caller that fills it with its own `PartStatistics` per part (as [`load`] does).
 
     Example:
 
@@ -108,7 +110,7 @@ class CalibrationStatistics:
         target_model_id: str | None = None,
         target_revision: str | None = None,
         tokenizer_fingerprint: str | None = None,
-        _allocate: bool = True,
+        allocate: bool = True,
     ):
         self.source_summary = summarize_model_config(source_config)
         self.target_summary = summarize_model_config(target_config)
@@ -136,7 +138,7 @@ class CalibrationStatistics:
         self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.sequences = torch.zeros((), dtype=torch.int64, device=self.device)
         self.fingerprint_limbs = torch.zeros(NUM_LIMBS, dtype=torch.int64, device=self.device)
-        if _allocate:
+        if allocate:
             for part in self.parts:
                 self.stats[part] = PartStatistics.zeros(self.source_width, self.target_width, dtype, self.device)
 
@@ -546,7 +548,7 @@ class CalibrationStatistics:
             target_model_id=meta.get("target_model_id"),
             target_revision=meta.get("target_revision"),
             tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
-            _allocate=False,
+            allocate=False,
         )
         state = load_file(tensors_path, device=str(torch.device(device)))
         expected = cls._expected_shapes(stats)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -116,11 +116,8 @@ def test_mapper_parameters_match_mapper_model(kind, window, inputs, tiny):
 
 
 def _load_script(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    """The benchmark module `benchmarks.<name>` (the repository root is on `sys.path`: `pythonpath` in pyproject)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_live_tensor_bytes_counts_peak_of_new_storages():
@@ -169,7 +166,12 @@ def test_apply_benchmark_quick_run_writes_json(tmp_path):
 def _run_script(name: str, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", f"benchmarks.{name.removesuffix('.py')}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=BENCHMARKS.parent,
     )
 
 
@@ -212,9 +214,7 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     for name, data in (("a", evaluation), ("b", other)):
         shutil.copytree(shipped.parent, tmp_path / name / "tiny-s-to-tiny-l")
         (tmp_path / name / "tiny-s-to-tiny-l" / "evaluation.json").write_text(json.dumps(data))
-    spec = importlib.util.spec_from_file_location("mapper_variants", BENCHMARKS / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.mapper_variants")
     out = tmp_path / "variants.json"
     args = ["--json", str(out), "--keep", str(tmp_path / "k"), "--markdown", str(tmp_path / "table.md")]
     script.main([*args, "--variant", f"a={tmp_path / 'a'}", "--variant", f"b={tmp_path / 'b'}"])
@@ -279,9 +279,7 @@ def test_cli_benchmark_times_the_shipped_mapper_beside_its_bound(tmp_path):
 
 
 def test_mapper_variants_chooses_on_the_tasks_the_target_beats_chance_on(tmp_path):
-    spec = importlib.util.spec_from_file_location("mapper_variants", BENCHMARKS / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.mapper_variants")
 
     def row(recall, choice):
         return {
@@ -306,9 +304,7 @@ def test_variant_parameters_at_paper_scale(tmp_path):
     that map's extra inputs (7 more blocks of 8 x 1024 source features), the target's key norm one head_dim per layer."""
     from hf_kvmap.flops import ridge_mapper_parameters
 
-    spec = importlib.util.spec_from_file_location("variant_parameters", BENCHMARKS / "variant_parameters.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.variant_parameters")
     rows = script.main(["--json", str(tmp_path / "p.json")])["variants"]
     ridge = ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8)
     assert rows["ridge"]["parameters"] == ridge
@@ -354,9 +350,7 @@ def test_finetune_step_cost_counts_each_objective_from_its_parts(tmp_path):
         finetune_step_cost("mse", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=4)
     with pytest.raises(ValueError, match="prefix"):
         finetune_step_cost("kl", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=8)
-    spec = importlib.util.spec_from_file_location("objective_costs", BENCHMARKS / "objective_costs.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.objective_costs")
     result = script.main(["--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["counted"] == json.loads(json.dumps(result["counted"]))
 
@@ -365,9 +359,7 @@ def test_retention_curve_counts_each_design_and_keeps_the_frontier(tmp_path):
     """The curve: a variant's design comes from its name (a fine-tune changes no shape), its parameters are counted
     from that design and must agree with what the comparison recorded, and the frontier keeps exactly the variants
     no other one beats on both retention and size (speed)."""
-    spec = importlib.util.spec_from_file_location("retention_curve", BENCHMARKS / "retention_curve.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("benchmarks.retention_curve")
     assert script.design_of("ridge-l3w3-kn-attn-kl") == ("ridge-lNw3-kn", 3)
     assert script.design_of("ridge-l1w3-kn") == ("ridge-lNw3-kn", 1)
     assert script.design_of("mlp-w3-e40") == ("mlp-w3", None)
@@ -398,3 +390,54 @@ def test_retention_curve_counts_each_design_and_keeps_the_frontier(tmp_path):
     path.write_text(json.dumps(comparison))
     with pytest.raises(SystemExit, match="recorded"):
         script.main(["--comparison", str(path), "--json", str(tmp_path / "curve.json")])
+
+
+def test_every_benchmarks_readme_command_parses(monkeypatch):
+    """Every `python -m benchmarks.<module> ...` line in benchmarks/README.md is one its module's parser accepts (the
+    docs match the entry points); parsing stops before anything runs."""
+    import argparse
+    import re
+    import shlex
+
+    text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^(?:OMP_NUM_THREADS=\d+ )?python -m (benchmarks[.\w]*)(.*)$", text, re.MULTILINE)
+    assert {module for module, _ in commands} >= {"benchmarks.apply", "benchmarks.docs", "benchmarks.real"}
+
+    class Parsed(Exception):
+        pass
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        parse_args(self, args, namespace)  # SystemExit(2) on a command the parser does not accept
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for module, args in commands:
+        main = importlib.import_module("benchmarks.real.cli" if module == "benchmarks.real" else module).main
+        with pytest.raises(Parsed):
+            main(shlex.split(args, comments=True))
+
+
+def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
+    """benchmarks/ is a package (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600 lines,
+    and none imports a private library module or name or passes a private keyword (`_allocate=`...). The one
+    exception is `hf_kvmap._compat`, the single home of transformers version gates, for the name of the cache
+    argument (`cache=` from 5.24, `past_key_values` before), as the library itself calls it."""
+    import ast
+
+    folders = {path.parent for path in BENCHMARKS.rglob("*.py")}
+    assert all((folder / "__init__.py").is_file() for folder in folders), folders
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) < 600, path
+        assert "sys.path" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_kvmap"):
+                if node.module == "hf_kvmap._compat":
+                    assert {alias.name for alias in node.names} <= {"cache_kwargs", "output_cache"}, path
+                    continue
+                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
+                assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
+            if isinstance(node, ast.keyword) and node.arg:
+                assert not node.arg.startswith("_"), (path, node.arg)

@@ -172,16 +172,21 @@ def test_cli_refuses_different_tokenizers(tiny, tmp_path):
         )
 
 
-def test_short_demo_writes_every_task(tmp_path):
+def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_path, capsys):
     out, plot = tmp_path / "demo.json", tmp_path / "demo.png"
     args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--json", str(out), "--plot", str(plot)]
     assert cli_main(args) == 0
     results = json.loads(out.read_text())
-    assert set(results["tasks"]) == {"recall", "arithmetic", "choice", "chat"}
+    assert set(results["tasks"]) | set(results["dropped_tasks"]) == {"recall", "arithmetic", "choice", "chat"}
+    assert not set(results["tasks"]) & set(results["dropped_tasks"])
     for row in results["tasks"].values():
-        for key in ("source", "target", "mapped", "chance"):
+        for key in ("source", "target", "mapped", "chance", "retention", "floor_normalized_retention"):
             assert math.isfinite(row[key])
-        assert "retention" in row and "floor_normalized_retention" in row
+        assert row["retention_measurable"] is True
+    printed = capsys.readouterr().out
+    for name, row in results["dropped_tasks"].items():
+        assert row["retention_measurable"] is False and row["retention"] is None
+        assert f"dropped {name}: the target alone scores" in printed
     assert math.isfinite(results["perplexity"]["text"]["mapped"])
     assert [row["tokens"] for row in results["latency"]] == [32, 64]
     assert all(row["mapper_ms"] > 0 and row["prefill_ms"] > 0 for row in results["latency"])
@@ -268,26 +273,32 @@ def test_cli_fit_records_the_top_k_it_used(tiny, tmp_path):
     assert "| source layers per target layer (k) | 2 |" in card and "| calibration top_k | 2 |" in card
 
 
-def test_demo_printout_says_not_measurable_where_the_target_is_at_chance():
-    """The demo's printed table, like the README and the cards, reports no retention for a task the target cannot do
-    better than chance, and the numbers for one it can."""
-    from hf_kvmap.commands.demo import format_table
+def test_demo_drops_the_tasks_the_target_does_not_do_and_says_why():
+    """No dead rows: a task the target alone does not do better than chance leaves the table (its scores and the
+    reason kept under `dropped_tasks`, one printed line naming it); a task it does keeps its retention."""
+    from hf_kvmap.commands.demo import drop_unmeasurable_tasks, format_table
 
     row = {"source": 0.005, "target": 0.005, "mapped": 0.005, "chance": 0.0, "n_items": 200}
     results = {
         "tasks": {
-            "arithmetic": {**row, "retention": 1.0, "floor_normalized_retention": 1.0},
+            "arithmetic": {**row, "retention": None, "retention_measurable": False, "target_vs_chance_p": 0.633},
             "recall": {
                 **row,
                 "target": 0.99,
                 "mapped": 0.845,
                 "retention": 0.854,
                 "floor_normalized_retention": 0.854,
+                "retention_measurable": True,
             },
         }
     }
+    drop_unmeasurable_tasks(results)
+    assert list(results["tasks"]) == ["recall"] and list(results["dropped_tasks"]) == ["arithmetic"]
     lines = format_table(results).splitlines()
-    arithmetic = next(line for line in lines if line.startswith("arithmetic"))
+    assert not any(line.startswith("arithmetic") for line in lines)
     recall = next(line for line in lines if line.startswith("recall"))
-    assert arithmetic.count("not measurable") == 2 and "1.000" not in arithmetic
     assert recall.split()[-2:] == ["0.854", "0.854"]
+    assert lines[-1] == (
+        "dropped arithmetic: the target alone scores 0.005 against chance 0.00 over 200 items, p = 0.63: not better "
+        "than chance, so there is nothing for a handoff to retain"
+    )

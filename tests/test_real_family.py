@@ -1,13 +1,12 @@
 """The real-family pipeline on tiny stand-ins (no real weights): corpus manifest, tasks, the k = all solve, the
-self-map statistics, resumable checkpoints and the retention assembly of `benchmarks/real_family.py`."""
+self-map statistics, resumable checkpoints and the retention assembly of `benchmarks.real`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,19 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("real_family", BENCHMARKS / "real_family.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The real-family modules of `benchmarks.real`, one namespace (what `benchmarks/real_family.py` held)."""
+    from benchmarks.real import calibrate, common, family_report
+    from benchmarks.real import fit as real_fit
+
+    return _namespace(common, calibrate, real_fit, family_report)
+
+
+def _namespace(*modules) -> types.SimpleNamespace:
+    """The public and private names of `modules`, later ones first (for reading; patch the modules themselves)."""
+    names = {}
+    for module in reversed(modules):
+        names.update({name: value for name, value in vars(module).items() if not name.startswith("__")})
+    return types.SimpleNamespace(**names)
 
 
 WORDS = "the keeper of the light wrote every evening about wind and waves and ships that passed".split()
@@ -221,39 +229,15 @@ def test_assemble_computes_retention_only_against_the_pair(script):
     assert script.assemble(scores, script.SMALL, script.LARGE, "ridge-all") is None
 
 
-def test_real_family_results_cards_and_readme_have_not_drifted(script):
-    """The committed results JSON renders exactly the committed cards (from the committed mapper configs) and the
-    README section."""
-    from hf_kvmap import MapperConfig
-    from hf_kvmap.card import render_card
-
-    if not script.RESULTS.is_file():
-        pytest.skip("no real-family results committed")
-    report = json.loads(script.RESULTS.read_text())
-    expected = {
-        f"qwen2.5-coder-{direction}-{variant}": results
-        for direction, entry in report["directions"].items()
-        for variant, results in entry["variants"].items()
-    }
-    assert expected, "results without mappers"
-    for name, results in expected.items():
-        config = MapperConfig.from_pretrained(script.CONFIGS / name)
-        mapper = script.weightless_mapper(config)
-        rendered = render_card(mapper, script.card_results(report, results), model_name=name)
-        assert (script.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert script.report_markdown(report).strip() in readme
-
-
 @pytest.fixture(scope="module")
 def scale_script(script):
-    import sys
+    """The scale-study modules of `benchmarks.real`, one namespace (what `benchmarks/real_scale.py` held), with the real-family
+    one as `rf` and the modules as `modules` (to patch)."""
+    from benchmarks.real import finetune, guard, layers, scale, scale_cli, scale_report
 
-    sys.modules.setdefault("real_family", script)  # real_scale imports it by name
-    spec = importlib.util.spec_from_file_location("real_scale", BENCHMARKS / "real_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    namespace = _namespace(scale_report, guard, layers, finetune, scale, scale_cli)
+    namespace.rf, namespace.modules = script, types.SimpleNamespace(scale=scale, scale_report=scale_report)
+    return namespace
 
 
 def test_scale_curve_rows_are_the_three_way_assembly_of_each_fit(scale_script):
@@ -302,9 +286,8 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
 
     from hf_kvmap import zoo
 
-    rf = scale_script.rf
-    monkeypatch.setattr(rf, "CARDS", tmp_path / "cards")
-    monkeypatch.setattr(rf, "CONFIGS", tmp_path / "configs")
+    monkeypatch.setattr(scale_script.modules.scale_report, "CARDS", tmp_path / "cards")
+    monkeypatch.setattr(scale_script.modules.scale_report, "CONFIGS", tmp_path / "configs")
     folder = scale_script.mapper_folder(tmp_path, 131072, "0.5b-to-1.5b", "ridge-k8")
     folder.mkdir(parents=True)
     shutil.copy(zoo.mapper_path("tiny-m", "tiny-l") / "config.json", folder)  # any fitted mapper's config
@@ -329,14 +312,10 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
     """The guard's rows (`benchmarks/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
     model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
+    from benchmarks import handoff as bench
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap.real.tasks import PromptItem
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import handoff as bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
     mapper = MapperModel.identity(model.config).eval()
     items = [PromptItem(prompt="the code of locker 7 is 4 1 9 . the code of locker 7 is", answer=" 4 1 9")] * 2
@@ -350,51 +329,30 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
         assert row["risk"]["prefix_audit:48"] < 1e-3
 
 
-def test_benchmarks_readme_real_scale_commands_parse(scale_script):
-    """Every `real_scale.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
+def test_benchmarks_readme_real_commands_parse():
+    """Every `python -m benchmarks.real` command in benchmarks/README.md is one the package accepts (the docs match
+    the code), both studies' commands among them."""
     import shlex
 
+    from benchmarks.real.cli import build_parser
+
     text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
-    commands = re.findall(r"^python benchmarks/real_scale\.py (.+)$", text, re.MULTILINE)
-    assert len(commands) >= 10
+    commands = re.findall(r"^python -m benchmarks\.real (.+)$", text, re.MULTILINE)
+    studies = [shlex.split(command, comments=True)[0] for command in commands]
+    assert studies.count("family") >= 6 and studies.count("scale") >= 10
     for command in commands:
-        scale_script.build_parser().parse_args(shlex.split(command, comments=True))
-
-
-def test_scale_cards_have_not_drifted(scale_script):
-    """The cards of the paper-scale fits are what the committed scale results render (from the committed configs),
-    and every card in model_cards/real/ is one of the 16K fits' or of these."""
-    from hf_kvmap import MapperConfig
-
-    rf = scale_script.rf
-    if not scale_script.RESULTS.is_file():
-        pytest.skip("no calibration-scale results committed")
-    report = json.loads(scale_script.RESULTS.read_text())
-    fits = scale_script.paper_scale_fits(report)
-    for name, (_, row) in fits.items():
-        config = MapperConfig.from_pretrained(rf.CONFIGS / name)
-        rendered = scale_script.render_scale_card(name, config, report, row)
-        assert (rf.CARDS / f"{name}.md").read_text().strip() == str(rendered).strip(), name
-    if rf.RESULTS.is_file():
-        sixteen = json.loads(rf.RESULTS.read_text())["directions"]
-        fits.update({f"qwen2.5-coder-{d}-{v}": None for d, entry in sixteen.items() for v in entry["variants"]})
-    assert {card.stem for card in rf.CARDS.glob("*.md")} == set(fits)
-
-
-@pytest.mark.parametrize("results, markdown", [("RESULTS", "report_markdown"), ("GUARD_RESULTS", "guard_markdown")])
-def test_scale_and_guard_results_and_readme_have_not_drifted(scale_script, results, markdown):
-    path = getattr(scale_script, results)
-    if not path.is_file():
-        pytest.skip(f"no {path.name} committed")
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert getattr(scale_script, markdown)(json.loads(path.read_text())).strip() in readme
+        build_parser().parse_args(shlex.split(command, comments=True))
 
 
 def test_scale_scorer_scores_one_fitted_mapper_under_its_size(scale_script, tmp_path, monkeypatch):
     """`Scorer.score_mapper` (shared by the curve and the fine-tune) writes R^2 and every task, and skips both later."""
     rf = scale_script.rf
     calls = []
-    monkeypatch.setattr(rf, "held_out_r2", lambda *a: calls.append("r2") or {"key_r2": [0.5], "value_r2": [0.25]})
+    monkeypatch.setattr(
+        scale_script.modules.scale,
+        "held_out_r2",
+        lambda *a: calls.append("r2") or {"key_r2": [0.5], "value_r2": [0.25]},
+    )
     scorer = object.__new__(scale_script.Scorer)
     model = type("Model", (), {"dtype": torch.float32})()
     scorer.models = {rf.SMALL: model, rf.LARGE: model}
@@ -433,7 +391,7 @@ def test_scale_fitted_mapper_resolves_the_direction_and_the_largest_fit(scale_sc
 
 
 def test_feature_variants_are_valid_fit_options_that_need_features(scale_script):
-    """Every `real_scale.py features` variant is a valid `FitOptions`; all but the control need the features."""
+    """Every `benchmarks.real scale features` variant is a valid `FitOptions`; all but the control need the features."""
     from hf_kvmap import FitOptions
 
     for name, spec in scale_script.FEATURE_VARIANTS.items():

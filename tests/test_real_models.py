@@ -4,7 +4,7 @@
     HF_KVMAP_CACHE=... python -m pytest -m real tests/test_real_models.py
 
 The Qwen mapper tests also need fitted mappers: `HF_KVMAP_REAL_WORK` names the work folder of
-`benchmarks/real_family.py` (its `mappers/<direction>/<variant>/` folders). CI never downloads any of this.
+`python -m benchmarks.real family` (its `mappers/<direction>/<variant>/` folders). CI never downloads any of this.
 """
 
 from __future__ import annotations

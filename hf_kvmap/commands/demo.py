@@ -14,7 +14,8 @@ def add_parser(subparsers) -> None:
         "demo",
         help="Hand conversations from a small to a large tiny-family model and report retention and latency.",
         description="Loads the shipped tiny family and mapper, evaluates every task three ways (source alone, "
-        "target alone, source prefill -> mapped cache -> target), and times the mapper against target re-prefill.",
+        "target alone, source prefill -> mapped cache -> target), reports the tasks the target does better than "
+        "chance (and names the others, with why), and times the mapper against target re-prefill.",
     )
     parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
     parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
@@ -28,10 +29,30 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--readme", type=Path, default=None, help="also rewrite the results section of this README from the JSON"
-    )
     parser.set_defaults(func=run)
+
+
+def drop_unmeasurable_tasks(results: dict) -> dict:
+    """Move every task the target alone does not do better than chance from `results["tasks"]` to
+    `results["dropped_tasks"]`, keeping its scores and the reason (`retention_measurable` of
+    `hf_kvmap.evaluation.summarize_retention`: a one-sided exact binomial test over the task's items at the 5 % level;
+    for free generation, where chance is 0, the null is one lucky item). Returns `results`, changed in place."""
+    dropped = {name: row for name, row in results["tasks"].items() if not row.get("retention_measurable", True)}
+    results["tasks"] = {name: row for name, row in results["tasks"].items() if name not in dropped}
+    for row in dropped.values():
+        p = row.get("target_vs_chance_p")
+        p_text = f", p = {p:.2f}" if p is not None else ""
+        row["reason"] = (
+            f"the target alone scores {row['target']:.3f} against chance {row['chance']:.2f} over {row['n_items']} "
+            f"items{p_text}: not better than chance, so there is nothing for a handoff to retain"
+        )
+    results["dropped_tasks"] = dropped
+    return results
+
+
+def dropped_lines(results: dict) -> list[str]:
+    """One line per dropped task, naming it and why it was dropped."""
+    return [f"dropped {name}: {row['reason']}" for name, row in results.get("dropped_tasks", {}).items()]
 
 
 def format_table(results: dict) -> str:
@@ -48,6 +69,7 @@ def format_table(results: dict) -> str:
         )
     for name, row in results.get("perplexity", {}).items():
         lines.append(f"{name + ' (ppl)':<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}")
+    lines += dropped_lines(results)
     if results.get("latency"):
         lines.append("")
         lines.append(f"{'tokens':>8}{'mapper ms':>12}{'prefill ms':>12}{'speedup':>9}")
@@ -64,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import zoo
     from ..evaluation import Handoff, evaluate_tasks, measure_latency
     from ..plotting import plot_demo
-    from ..reporting import demo_markdown, environment_info, update_file_section
+    from ..reporting import environment_info
     from ._output import finish
 
     if args.threads:
@@ -80,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     mapper = load_mapper(args.mapper or str(zoo.mapper_path(args.source, args.target)), "demo")
     handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
-    results = evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed))
+    results = drop_unmeasurable_tasks(evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed)))
     lengths = [int(n) for n in str(args.lengths).split(",") if n]
     results["latency"] = measure_latency(handoff, lengths, repeats=args.repeats) if lengths else []
     results["run"] = {
@@ -106,12 +128,6 @@ def run(args: argparse.Namespace) -> int:
     results["environment"] = environment_info()
     print(format_table(results))
     finish(args.json, results)
-    if args.readme:
-        if not args.json:
-            raise SystemExit("--readme renders from the JSON file: pass --json too.")
-        source_file = args.json.resolve().relative_to(args.readme.resolve().parent).as_posix()
-        update_file_section(args.readme, "demo-results", demo_markdown(results, source_file))
-        print(f"updated {args.readme}")
     if args.plot:
         plot_demo(results, args.plot)
         print(f"wrote {args.plot}")

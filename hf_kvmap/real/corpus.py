@@ -172,7 +172,7 @@ def load_manifest(path: str | Path, verify: bool = True) -> list[Document]:
             raise ValueError(
                 f"{path}: {len(missing)} pinned files are missing and {len(changed)} changed on this machine "
                 f"(e.g. {(missing + changed)[0]}). This corpus is pinned to the files of the machine that built it; "
-                "build a manifest for this machine (`python benchmarks/real_family.py manifest --out NEW.json`) "
+                "build a manifest for this machine (`python -m benchmarks.real family manifest --out NEW.json`) "
                 "and calibrate with it (its hash is recorded with the statistics)."
             )
     return documents

@@ -1,4 +1,4 @@
-"""The README's guarded-handoff section and the shipped mappers' calibrated probes come from the benchmark JSON."""
+"""The guarded-handoff section of docs/guard.md and the shipped mappers' calibrated probes come from the benchmark JSON."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ DECISIONS = {"true_alarm", "false_alarm", "refused", "fallback_rate", "changed_a
 
 
 def test_shipped_probes_and_readme_come_from_the_benchmark():
-    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the README
+    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the docs/guard.md
     section is exactly what the benchmark JSON renders."""
-    import importlib.util
     import re
     from pathlib import Path
 
@@ -31,12 +30,11 @@ def test_shipped_probes_and_readme_come_from_the_benchmark():
         chosen = direction["probes"][direction["chosen"]]
         assert stored["handoff_probe"]["probe"] == chosen["settings"], name
         assert stored["handoff_probe"]["threshold"] == chosen["threshold"], name
-    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    readme = (root / "README.md").read_text()
-    section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", readme, re.DOTALL).group(1)
-    assert section == script.readme_markdown(
+    from benchmarks import handoff_report
+
+    page = (root / "docs" / "guard.md").read_text()
+    section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", page, re.DOTALL).group(1)
+    assert section == handoff_report.markdown(
         result, session, "benchmarks/results/handoff.json", "benchmarks/results/handoff_session.json"
     )
 
@@ -83,13 +81,11 @@ def test_handoff_results_are_what_the_checkpoints_give():
     the committed per-item checkpoints and cost medians: the chosen probe, every accepted/refused share and the guarded
     serving exactly, the fitted numbers to float-kernel noise."""
     import argparse
-    import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("handoff_benchmark", root / "benchmarks" / "handoff.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from benchmarks import handoff as script
+
     results = root / "benchmarks" / "results"
     committed = json.loads((results / "handoff.json").read_text())
     costs = json.loads((results / "handoff_costs.json").read_text())["costs"]

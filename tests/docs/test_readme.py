@@ -1,4 +1,5 @@
-"""The README: its usage snippet runs, its tables are what the committed JSON renders."""
+"""The README and the docs pages: their snippets run, every generated section is what the committed JSON renders
+(`python -m benchmarks.docs`), and the committed comparisons are what the choice rule gives."""
 
 from __future__ import annotations
 
@@ -9,11 +10,39 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import docs
 from hf_kvmap import MappedCache
 from hf_kvmap._compat import cache_argument
-from hf_kvmap.reporting import demo_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("page", sorted(docs.SECTIONS))
+def test_page_is_what_the_committed_json_renders(page):
+    """Every marked section of `page` is exactly what `python -m benchmarks.docs` renders from the committed JSON,
+    and the page holds exactly the sections the command renders."""
+    assert sorted(docs.markers((ROOT / page).read_text())) == sorted(docs.SECTIONS[page])
+    assert docs.render(page) == (ROOT / page).read_text(), f"{page} drifted: run python -m benchmarks.docs"
+
+
+def test_docs_check_passes_and_every_page_is_linked():
+    """`python -m benchmarks.docs --check` exits 0 on the committed tree, and the README and docs/index.md link every
+    page it writes."""
+    assert docs.main(["--check"]) == 0
+    readme, index = (ROOT / "README.md").read_text(), (ROOT / "docs" / "index.md").read_text()
+    for page in docs.SECTIONS:
+        if page.startswith("docs/"):
+            assert f"]({page})" in readme, page
+            assert f"]({page.removeprefix('docs/')})" in index, page
+
+
+def test_readme_is_a_front_door():
+    """At most about 300 lines, and the first screenful holds usage, serving and the results summary."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300
+    first = "\n".join(lines[:60])
+    assert "handoff(source, target, mapper, ids" in first and "target.generate(ids, cache=cache" in first
+    assert "**Where it stands.**" in first and "<!-- headline-tiny:start -->" in first
 
 
 def _run_snippet(code: str) -> dict:
@@ -30,89 +59,53 @@ def _run_snippet(code: str) -> dict:
     return namespace
 
 
-def test_readme_results_are_generated_from_the_committed_json():
+def _snippet(after: str) -> str:
+    """The first python block of the README after the line `after`."""
     readme = (ROOT / "README.md").read_text()
-    results = json.loads((ROOT / "benchmarks" / "results" / "demo.json").read_text())
-    section = re.search(r"<!-- demo-results:start -->\n(.*?)<!-- demo-results:end -->", readme, re.DOTALL).group(1)
-    assert section.strip() == demo_markdown(results, "benchmarks/results/demo.json").strip()
+    return re.search(rf"{re.escape(after)}\n.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+
+
+def test_readme_guarded_snippet_runs():
+    namespace = _run_snippet(_snippet("# hf-kvmap"))
+    assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 4
+    assert namespace["report"].accepted in (True, False) and namespace["report"].threshold is not None
 
 
 def test_readme_usage_snippet_runs():
-    readme = (ROOT / "README.md").read_text()
-    snippet = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
-    namespace = _run_snippet(snippet)
+    namespace = _run_snippet(_snippet("### Mapping a cache"))
     assert isinstance(namespace["cache"], MappedCache)
     assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 4
-
-
-def test_readme_performance_is_generated_from_the_committed_json():
-    from hf_kvmap.reporting import performance_markdown
-
-    readme = (ROOT / "README.md").read_text()
-    results = json.loads((ROOT / "benchmarks" / "results" / "apply.json").read_text())
-    section = re.search(r"<!-- performance:start -->\n(.*?)<!-- performance:end -->", readme, re.DOTALL).group(1)
-    assert section.strip() == performance_markdown(results, "benchmarks/results/apply.json").strip()
 
 
 def test_readme_left_padded_batch_recipe_runs():
     """The recipe as written runs (its exactness is `tests/test_cache.py`'s left-padding tests)."""
     import torch
 
-    readme = (ROOT / "README.md").read_text()
-    usage = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
-    recipe = re.search(r"masks other than 0/1 are refused\.\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
-    namespace = _run_snippet(usage + recipe)
+    recipe = _snippet("masks other than 0/1 are refused.")
+    namespace = _run_snippet(_snippet("### Mapping a cache") + recipe)
     batch, cache, out = namespace["batch"], namespace["cache"], namespace["out"]
     width = batch.input_ids.shape[1]
     assert isinstance(cache, MappedCache) and cache.mapping_info["mapped_tokens"] == width - 1
     assert out.shape == (2, width + 4) and torch.equal(out[:, :width], batch.input_ids)
 
 
-def test_readme_variant_parameters_are_generated_from_the_committed_json():
-    import importlib.util
+def test_readme_fitting_snippet_runs(tmp_path, monkeypatch):
+    from hf_kvmap import MapperModel
 
-    path = ROOT / "benchmarks" / "variant_parameters.py"
-    spec = importlib.util.spec_from_file_location("variant_parameters", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    readme = (ROOT / "README.md").read_text()
-    results = json.loads((ROOT / "benchmarks" / "results" / "variant_parameters.json").read_text())
-    section = re.search(r"<!-- variant-parameters:start -->\n(.*?)<!-- variant-parameters:end -->", readme, re.DOTALL)
-    source = "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variant_parameters.py`."
-    assert section.group(1).strip() == f"{source}\n\n{script.markdown(results)}".strip()
+    monkeypatch.chdir(tmp_path)
+    _run_snippet(_snippet("### Fitting, evaluating, publishing"))
+    assert MapperModel.from_pretrained(tmp_path / "outputs" / "my-mapper").config.content_hash
 
 
-def test_readme_held_out_scores_are_generated_from_the_committed_json():
-    import importlib.util
+def _comparison(path: str):
+    """`(benchmarks.mapper_variants, the committed comparison at path)`."""
+    from benchmarks import mapper_variants
 
-    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"<!-- mapper-held-out:start -->\n(.*?)<!-- mapper-held-out:end -->", readme, re.DOTALL)
-    paths = sorted((ROOT / "benchmarks" / "results" / "held_out").glob("*.json"))
-    names = ", ".join(f"`{path.relative_to(ROOT).as_posix()}`" for path in paths)
-    expected = f"Generated from {names} (`hf-kvmap eval`).\n\n{script.held_out_markdown(paths)}"
-    assert section.group(1).strip() == expected.strip()
+    return mapper_variants, json.loads((ROOT / path).read_text())
 
 
-def _variants_section(name: str, path: str):
-    """`(mapper_variants module, the committed JSON at path, README section name's body, the table it renders)`."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mapper_variants", ROOT / "benchmarks" / "mapper_variants.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", readme, re.DOTALL).group(1)
-    results = json.loads((ROOT / path).read_text())
-    return script, results, section, script.markdown(results["directions"], results["choice"])
-
-
-def test_readme_objectives_comparison_is_generated_from_the_committed_json():
-    path = "benchmarks/results/mapper_variants_objectives.json"
-    script, results, section, table = _variants_section("mapper-variants-objectives", path)
-    assert section.strip() == f"Generated from `{path}`.\n\n{table}".strip()
+def test_objectives_comparison_chooses_by_the_rule():
+    script, results = _comparison("benchmarks/results/mapper_variants_objectives.json")
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "mlp",
         "tiny-m-to-tiny-l": "ridge-l3w3-kn-kl",
@@ -139,9 +132,7 @@ def _assert_keeps_every_row_of(results: dict, *earlier: str) -> None:
 
 
 def test_attention_objective_comparison_keeps_every_earlier_row():
-    path = "benchmarks/results/mapper_variants_attention.json"
-    script = _variants_section("mapper-variants-objectives", path)[0]
-    results = json.loads((ROOT / path).read_text())
+    script, results = _comparison("benchmarks/results/mapper_variants_attention.json")
     _assert_the_rule_chose(script, results)
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "mlp",
@@ -152,13 +143,11 @@ def test_attention_objective_comparison_keeps_every_earlier_row():
     _assert_keeps_every_row_of(results, "mapper_variants_objectives.json")
 
 
-def test_readme_shipped_comparison_is_generated_from_the_committed_json():
-    """The last comparison (the tiny-s rows, then the longer tiny-m and tiny-x fits, each added by `--reuse`) is the README's
-    shipped table, keeps every row of the ones it extends as measured there, and its choice is the rule's; the
-    held-out section lists exactly one file per direction, of the variant chosen there."""
-    path = "benchmarks/results/mapper_variants_longer.json"
-    script, results, section, table = _variants_section("mapper-variants-shipped", path)
-    assert section.strip() == f"Generated from `{path}`.\n\n{table}".strip()
+def test_shipped_comparison_keeps_every_row_and_its_held_out_files_are_the_choice():
+    """The last comparison (the tiny-s rows, then the longer tiny-m and tiny-x fits, each added by `--reuse`) keeps
+    every row of the ones it extends as measured there, its choice is the rule's, and the held-out section of
+    docs/results-tiny-family.md lists exactly one file per direction, of the variant chosen there."""
+    script, results = _comparison("benchmarks/results/mapper_variants_longer.json")
     _assert_the_rule_chose(script, results)
     assert {d: c["variant"] for d, c in results["choice"].items()} == {
         "tiny-l-to-tiny-s": "ridge-l1w3-kn-attn-kl",
@@ -167,59 +156,42 @@ def test_readme_shipped_comparison_is_generated_from_the_committed_json():
         "tiny-x-to-tiny-l": "ridge-l3w3-kn-attn4000-kl",
     }
     _assert_keeps_every_row_of(results, "mapper_variants_attention.json", "mapper_variants_shipped.json")
-    held = _section("mapper-held-out-shipped")
-    names = re.findall(r"`(benchmarks/results/[^`]+\.json)`", held.split("\n", 1)[0])
-    paths = [ROOT / name for name in names]
+    paths = docs.held_out_shipped_paths()
     assert sorted(path.stem for path in paths) == sorted(f"{c['variant']}_{d}" for d, c in results["choice"].items())
-    listed = ", ".join(f"`{name}`" for name in names)
-    assert held.strip() == f"Generated from {listed} (`hf-kvmap eval`).\n\n{script.held_out_markdown(paths)}"
+    held = _section("docs/results-tiny-family.md", "mapper-held-out-shipped")
+    assert re.findall(r"`(benchmarks/results/[^`]+\.json)`", held.split("\n", 1)[0]) == [
+        path.relative_to(ROOT).as_posix() for path in paths
+    ]
 
 
-def _script(name: str):
-    import importlib.util
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return script
+def _section(page: str, name: str) -> str:
+    text = (ROOT / page).read_text()
+    return re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", text, re.DOTALL).group(1)
 
 
-def _section(name: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    return re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", readme, re.DOTALL).group(1)
-
-
-def test_readme_package_weight_is_generated_from_the_committed_json():
+def test_package_weight_lists_every_shipped_mapper():
     result = json.loads((ROOT / "benchmarks" / "results" / "package_size.json").read_text())
-    assert _section("package-weight").strip() == _script("package_size").markdown(result).strip()
     shipped = sorted(p.name for p in (ROOT / "hf_kvmap" / "zoo" / "mappers").iterdir() if p.is_dir())
     assert sorted(result["sizes"]["mapper_bytes"]) == shipped
+    assert "**Package weight.**" in _section("README.md", "package-weight")
 
 
-def test_readme_retention_curve_is_generated_from_the_committed_comparison():
-    """The curve's JSON is what the script builds from the comparison and held-out files it names, and the README
-    section is its table."""
-    script = _script("retention_curve")
-    path = "benchmarks/results/retention_curve.json"
-    result = json.loads((ROOT / path).read_text())
+def test_retention_curve_is_what_the_committed_comparison_builds():
+    """The curve's JSON is what `benchmarks.retention_curve` builds from the comparison and held-out files it names
+    (its table in docs/results-tiny-family.md is checked with every other section)."""
+    from transformers import Qwen3Config
+
+    from benchmarks import retention_curve as script
+    from hf_kvmap.configuration_mapper import summarize_model_config
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "retention_curve.json").read_text())
     comparison = json.loads((ROOT / result["run"]["comparison"]).read_text())
     held_out = {}
     for name in result["run"]["held_out"]:
         variant, _, direction = Path(name).stem.partition("_")
         held_out[(variant, direction)] = json.loads((ROOT / name).read_text())
-    from transformers import Qwen3Config
-
-    from hf_kvmap.configuration_mapper import summarize_model_config
-
     qwen = tuple(summarize_model_config(Qwen3Config(**script.QWEN3[n])) for n in ("14B", "32B"))
     assert json.loads(json.dumps(script.build(comparison, held_out, qwen))) == result["directions"]
-    expected = f"Generated from `{path}` by `benchmarks/retention_curve.py`.\n\n{script.markdown(result)}"
-    assert _section("retention-curve").strip() == expected.strip()
 
 
 def test_ci_runs_the_readme_test_command():

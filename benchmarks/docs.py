@@ -1,0 +1,203 @@
+"""Every generated section of the docs, from the committed results JSON: `python -m benchmarks.docs [--check]`.
+
+The pages (`docs/*.md`) and `README.md` hold hand-written narrative around marked sections
+(`<!-- name:start -->` ... `<!-- name:end -->`); this command rewrites every section from `benchmarks/results/`, and
+`--check` only reports the sections that differ (exit status 1), which is what `pytest -m docs` checks. The
+benchmarks write JSON (and plots, cards); nothing else writes the docs, and the library never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from . import handoff_report, mapper_variants, package_size, retention_curve, variant_parameters
+from .real import family_report, guard, scale_report
+from .sections import demo_markdown, performance_markdown, replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _json(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _variants(name: str) -> str:
+    """A `benchmarks.mapper_variants` comparison: every variant per direction and the rule's choice."""
+    result = _json(name)
+    return f"Generated from `benchmarks/results/{name}`.\n\n{mapper_variants.markdown(result['directions'], result['choice'])}"
+
+
+def _held_out(paths: list[Path]) -> str:
+    sources = ", ".join(f"`{_relative(path)}`" for path in paths)
+    return f"Generated from {sources} (`hf-kvmap eval`).\n\n{mapper_variants.held_out_markdown(paths)}"
+
+
+def held_out_shipped_paths() -> list[Path]:
+    """The held-out evaluation of the variant each direction ships (the choice of the last comparison)."""
+    choice = _json("mapper_variants_longer.json")["choice"]
+    paths = []
+    for direction, chosen in sorted(choice.items()):
+        found = [
+            path
+            for folder in ("held_out_attention", "held_out_longer")
+            for path in (RESULTS / folder).glob(f"{chosen['variant']}_{direction}.json")
+        ]
+        if len(found) != 1:
+            raise ValueError(f"{direction}: expected one held-out evaluation of {chosen['variant']}, found {found}.")
+        paths += found
+    return paths
+
+
+def _handoff() -> str:
+    session = RESULTS / "handoff_session.json"
+    return handoff_report.markdown(
+        _json("handoff.json"),
+        json.loads(session.read_text()) if session.exists() else None,
+        "benchmarks/results/handoff.json",
+        "benchmarks/results/handoff_session.json",
+    )
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def headline_tiny() -> str:
+    """README: per shipped direction, the report-set accuracy of the target alone, the mapped cache and guarded
+    serving (`benchmarks.handoff`), with the fallback rate and the net saving per request."""
+    result = _json("handoff.json")
+    lines = [
+        f"From `benchmarks/results/handoff.json` ({result['run']['items_per_task_and_set']} held-out items per task; "
+        "exact match; the full study: [docs/guard.md](docs/guard.md), the variants: "
+        "[docs/results-tiny-family.md](docs/results-tiny-family.md)).",
+        "",
+        "| direction | recall: target / mapped / guarded | chat: target / mapped / guarded | fallback recall / chat "
+        "| net saving per request |",
+        "|---|---|---|---|---|",
+    ]
+    for name, direction in result["directions"].items():
+        cells = []
+        for task in ("recall", "chat"):
+            accuracy, guarded = direction["accuracy"][f"report/{task}"], direction["guarded_report"][task]
+            cells.append(f"{accuracy['target_own']:.2f} / {accuracy['mapped']['1']:.2f} / {guarded['accuracy']:.2f}")
+        fallback = " / ".join(_pct(direction["guarded_report"][task]["fallback_rate"]) for task in ("recall", "chat"))
+        cost = direction["cost_per_request_ms"]
+        lines.append(
+            f"| {name} | {cells[0]} | {cells[1]} | {fallback} | {cost['net_saving']:.1f} ms of "
+            f"{cost['target_prefill_avoided']:.1f} ({_pct(cost['net_saving_fraction'])}) |"
+        )
+    return "\n".join(lines)
+
+
+def headline_real() -> str:
+    """README: the guard study on the real pair (`benchmarks.real scale guard`), report set: per task the target
+    alone, the mapped cache and guarded serving."""
+    result = _json("real_family_guard.json")
+    lines = [
+        f"From `benchmarks/results/real_family_guard.json` (mapper `{result['run']['mapper']}`, the paper's ridge "
+        f"at k = 8; {result['run']['items_per_task_and_set']} held-out items per task; the full study: "
+        "[docs/real-family.md](docs/real-family.md)).",
+        "",
+        "| direction | task | target alone | mapped | guarded | fallback | changed answers served |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, direction in result["directions"].items():
+        for task, guarded in direction["guarded_report"].items():
+            accuracy = direction["accuracy"][f"report/{task}"]
+            lines.append(
+                f"| {name} | {task} | {accuracy['target_own']:.2f} | {accuracy['mapped']['1']:.2f} | "
+                f"{guarded['accuracy']:.2f} | {_pct(guarded['fallback_rate'])} | "
+                f"{_pct(guarded['changed_answers_served'])} |"
+            )
+    return "\n".join(lines)
+
+
+#: page (relative to the repository root) -> section name -> what renders it from the committed JSON
+SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {
+        "headline-tiny": headline_tiny,
+        "headline-real": headline_real,
+        "package-weight": lambda: package_size.markdown(_json("package_size.json")),
+    },
+    "docs/results-tiny-family.md": {
+        "demo-results": lambda: demo_markdown(_json("demo.json"), "benchmarks/results/demo.json"),
+        "mapper-variants": lambda: _variants("mapper_variants.json"),
+        "mapper-variants-objectives": lambda: _variants("mapper_variants_objectives.json"),
+        "mapper-held-out": lambda: _held_out(sorted((RESULTS / "held_out").glob("*.json"))),
+        "mapper-variants-shipped": lambda: _variants("mapper_variants_longer.json"),
+        "mapper-held-out-shipped": lambda: _held_out(held_out_shipped_paths()),
+        "retention-curve": lambda: (
+            "Generated from `benchmarks/results/retention_curve.json` by `benchmarks/retention_curve.py`.\n\n"
+            + retention_curve.markdown(_json("retention_curve.json"))
+        ),
+    },
+    "docs/fitting.md": {
+        "variant-parameters": lambda: (
+            "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variant_parameters.py`.\n\n"
+            + variant_parameters.markdown(_json("variant_parameters.json"))
+        ),
+    },
+    "docs/guard.md": {
+        "handoff": _handoff,
+        "real-guard": lambda: guard.guard_markdown(_json("real_family_guard.json")),
+    },
+    "docs/real-family.md": {
+        "real-family": lambda: family_report.report_markdown(_json("real_family.json")),
+        "real-scale": lambda: scale_report.report_markdown(_json("real_family_scale.json")),
+    },
+    "docs/performance.md": {
+        "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
+    },
+}
+
+
+def markers(text: str) -> list[str]:
+    """The names of the marked sections of `text`, in order."""
+    return re.findall(r"<!-- ([a-z0-9-]+):start -->", text)
+
+
+def render(page: str) -> str:
+    """`page` with every one of its sections rendered from the committed JSON (its narrative unchanged)."""
+    path = ROOT / page
+    text = path.read_text()
+    found, expected = markers(text), list(SECTIONS[page])
+    if sorted(found) != sorted(expected):
+        raise ValueError(f"{page} has the sections {found}; benchmarks.docs renders {expected}.")
+    for name, section in SECTIONS[page].items():
+        text = replace_section(text, name, section())
+    return text
+
+
+def stale() -> list[str]:
+    """The pages whose committed text differs from what the committed JSON renders."""
+    return [page for page in SECTIONS if render(page) != (ROOT / page).read_text()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is not what it renders")
+    args = parser.parse_args(argv)
+    changed = stale()
+    if args.check:
+        for page in changed:
+            print(f"{page}: out of date with benchmarks/results/ (run: python -m benchmarks.docs)", file=sys.stderr)
+        return 1 if changed else 0
+    for page in changed:
+        (ROOT / page).write_text(render(page))
+        print(f"wrote {page}")
+    print(f"{len(SECTIONS) - len(changed)} of {len(SECTIONS)} pages unchanged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

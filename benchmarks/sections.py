@@ -1,0 +1,120 @@
+"""Marked sections of the docs (`<!-- name:start -->` ... `<!-- name:end -->`) and the markdown of the demo and
+`benchmarks.apply` JSON: what `python -m benchmarks.docs` writes. The library never writes documentation files."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hf_kvmap.reporting import fmt_number, retention_cells
+
+
+def _mapper_summary(config: dict | None) -> str:
+    """` (ridge, k=6, context window 3, keys and values)` for a demo run's `mapper_config` (empty when unknown)."""
+    if not config:
+        return ""
+    parts = [config.get("kind", "?"), f"k={config.get('top_k')}"]
+    if config.get("context_window"):
+        parts.append(f"context window {config['context_window']}")
+    if config.get("input_kinds") == "both":
+        parts.append("keys and values")
+    for layer, maps in sorted((config.get("layer_inputs") or {}).items(), key=lambda item: int(item[0])):
+        for part, spec in sorted(maps.items()):
+            kinds = ", keys and values" if spec.get("input_kinds") == "both" else ""
+            parts.append(f"layer {layer} {part}s: context window {spec.get('context_window', 0)}{kinds}")
+    if config.get("key_norm"):
+        parts.append("target key norm")
+    stages = [stage for stage in (config.get("objective") or "").split("+") if stage and stage != "mse"]
+    if stages:
+        parts.append(" then ".join({"kl": "KL", "attention": "attention"}[stage] for stage in stages) + " fine-tuned")
+    return " (" + ", ".join(parts) + ")"
+
+
+def demo_markdown(results: dict, source_file: str) -> str:
+    """The README block for one `hf-kvmap demo` JSON: per-task table, perplexity and latency."""
+    run = results["run"]
+    lines = [
+        f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`"
+        f"{_mapper_summary(run.get('mapper_config'))}, {run['items_per_task']} items per task, seed {run['seed']}).",
+        "",
+        "| task | source alone | target alone | handoff (mapped) | chance | retention | floor-normalized |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results["tasks"].items():
+        raw, floor = retention_cells(row)
+        lines.append(
+            f"| {name} | {fmt_number(row['source'])} | {fmt_number(row['target'])} | {fmt_number(row['mapped'])} | "
+            f"{fmt_number(row['chance'], 2)} | {raw} | {floor} |"
+        )
+    for name, row in results.get("perplexity", {}).items():
+        lines.append(
+            f"| {name} (perplexity, lower is better) | {fmt_number(row['source'])} | {fmt_number(row['target'])} | "
+            f"{fmt_number(row['mapped'])} | | | |"
+        )
+    dropped = results.get("dropped_tasks", {})
+    if dropped:
+        cells = [
+            f"{name} (target alone {fmt_number(row['target'])}, chance {fmt_number(row['chance'], 2)}, "
+            f"{row['n_items']} items, p = {fmt_number(row.get('target_vs_chance_p'), 2)})"
+            for name, row in dropped.items()
+        ]
+        lines += [
+            "",
+            "Not reported, because the target alone does not do them better than chance over the items (one-sided "
+            "exact binomial test at the 5 % level), so a handoff has nothing to retain: " + "; ".join(cells) + ".",
+        ]
+    if results.get("latency"):
+        env = results.get("environment", {})
+        lines += [
+            "",
+            f"Latency (median, {env.get('device', 'cpu')}, {env.get('threads', '?')} threads, measured side by side):",
+            "",
+            "| context tokens | mapper `from_source` (ms) | target re-prefill (ms) | speedup |",
+            "|---|---|---|---|",
+        ]
+        for row in results["latency"]:
+            lines.append(
+                f"| {row['tokens']} | {fmt_number(row['mapper_ms'], 2)} | {fmt_number(row['prefill_ms'], 2)} | "
+                f"{fmt_number(row['speedup'], 2)}x |"
+            )
+    return "\n".join(lines)
+
+
+def replace_section(text: str, name: str, content: str) -> str:
+    """Replace what stands between `<!-- name:start -->` and `<!-- name:end -->` in `text`."""
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"No `<!-- {name}:start -->` ... `<!-- {name}:end -->` markers found.")
+    return pattern.sub(lambda m: m.group(1) + content.rstrip("\n") + "\n" + m.group(2), text)
+
+
+def update_file_section(path: str | Path, name: str, content: str) -> bool:
+    """Rewrite one marked section of a file; return whether it changed."""
+    path = Path(path)
+    old = path.read_text()
+    new = replace_section(old, name, content)
+    if new != old:
+        path.write_text(new)
+    return new != old
+
+
+def performance_markdown(results: dict, source_file: str) -> str:
+    """The README block for one `benchmarks/apply.py` JSON: measured speedups next to the FLOP bound."""
+    run, env = results["run"], results["environment"]
+    lines = [
+        f"Generated from `{source_file}` by `benchmarks/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
+        f"models in {run['dtype']}, mapper in {run.get('mapper', {}).get('dtype', run['dtype'])}, {env['device']}, "
+        f"{env['torch_threads']} torch threads, load average "
+        f"{env['loadavg_start'][0]:.1f} at start; medians of {run['repeats']} interleaved repeats).",
+        "",
+        "| context tokens | mapper (ms) | target re-prefill (ms) | speedup | FLOP bound | fraction of bound | "
+        "whole handoff to first token (ms) | handoff speedup | mapper peak memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['tokens']} | {row['mapper_ms']:.2f} | {row['prefill_ms']:.2f} | {row['speedup']:.1f}x | "
+            f"{row['bound']:.1f}x | {100 * row['fraction_of_bound']:.0f} % | {row['handoff_ms']:.2f} | "
+            f"{row['handoff_speedup']:.1f}x | {row['mapper_peak_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
