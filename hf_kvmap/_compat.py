@@ -112,3 +112,12 @@ def output_cache(outputs):
     `.past_key_values`)."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else outputs.past_key_values
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation a loaded model runs (`"eager"`, `"sdpa"`, `"flash_attention_2"`, ...).
+
+    transformers keeps it on the config as `_attn_implementation` (no public accessor in 5.x); a config that never set
+    one runs eager attention.
+    """
+    return getattr(model.config, "_attn_implementation", None) or "eager"
