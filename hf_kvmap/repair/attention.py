@@ -29,35 +29,11 @@ def as_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     return layer
 
 
-@torch.no_grad()
-def last_tokens_attention(
-    model,
-    cache: Cache,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    last: int,
-) -> torch.Tensor:
-    r"""
-    Attention mass of the last `last` prompt tokens on every prompt position, summed over heads, queries and layers.
-
-    Args:
-        model (`PreTrainedModel`): the model whose attention is read.
-        cache (`Cache`): its cache of at least the first `T - last` prompt tokens (only those are read).
-        input_ids (`torch.Tensor`): `(batch, T)` prompt.
-        attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
-        position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at (and the last tokens run at).
-        last (`int`): how many final tokens' queries to read (clipped to `T - 1`).
-
-    Returns:
-        `(batch, T)` float32 attention mass (0 on padding).
-    """
+def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int) -> torch.Tensor:
+    """`last_tokens_attention` of rows that all read `last` final tokens; `pairs` are the cache's `(keys, values)`."""
     batch, length = input_ids.shape
-    last = max(1, min(int(last), length - 1))
     start = length - last
-    if cache.get_seq_length() < start:
-        raise ValueError(f"The cache covers {cache.get_seq_length()} tokens; reading the last {last} needs {start}.")
-    work = Cache(layers=[as_layer(layer.keys[:, :, :start], layer.values[:, :, :start]) for layer in cache.layers])
+    work = Cache(layers=[as_layer(keys[:, :, :start], values[:, :, :start]) for keys, values in pairs])
     decoder = model.get_decoder()
     queries: list[torch.Tensor] = []
 
@@ -87,14 +63,64 @@ def last_tokens_attention(
     total = torch.zeros(batch, length, dtype=torch.float32)
     for query, layer in zip(queries, work.layers):
         keys = layer.keys.float()
-        kv_heads = keys.shape[1]
-        grouped = query.view(batch, kv_heads, -1, last, query.shape[-1])
+        grouped = query.view(batch, keys.shape[1], -1, last, query.shape[-1])
         logits = torch.einsum("bkgnd,bktd->bkgnt", grouped, keys.to(query.device))
         allowed = (slots[None, :] <= (start + torch.arange(last))[:, None]).to(logits.device)
         allowed = allowed[None] & attention_mask.bool().to(logits.device)[:, None, :]
         logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
         total += logits.softmax(-1).nan_to_num(0.0).sum((1, 2, 3)).cpu()
     return total * attention_mask.cpu()
+
+
+@torch.no_grad()
+def last_tokens_attention(
+    model,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    last: int,
+) -> torch.Tensor:
+    r"""
+    Attention mass of the last `last` prompt tokens on every prompt position, summed over heads, queries and layers.
+
+    Each row reads at most its tokens but the first (rows shorter than that run apart, so a left-padded row scores
+    as it does alone).
+
+    Args:
+        model (`PreTrainedModel`): the model whose attention is read.
+        cache (`Cache`): its cache of at least the first `T - last` prompt tokens (only those are read; unchanged).
+        input_ids (`torch.Tensor`): `(batch, T)` prompt.
+        attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
+        position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at (and the last tokens run at).
+        last (`int`): how many final tokens' queries to read.
+
+    Returns:
+        `(batch, T)` float32 attention mass (0 on padding).
+    """
+    batch, length = input_ids.shape
+    own = (attention_mask.long().sum(-1).cpu() - 1).clamp(min=1, max=int(last))
+    if cache.get_seq_length() < length - int(own.max()):
+        raise ValueError(
+            f"The cache covers {cache.get_seq_length()} tokens; reading the last {int(own.max())} of {length} needs "
+            f"{length - int(own.max())}."
+        )
+    total = torch.zeros(batch, length, dtype=torch.float32)
+    windows = own.unique().tolist()
+    if len(windows) == 1:  # every row reads the same window: no copy of the cache
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+        return _window_attention(model, pairs, input_ids, attention_mask, position_ids, int(windows[0]))
+    for window in windows:
+        rows = (own == window).nonzero().squeeze(-1)
+        index = rows.to(input_ids.device)
+        pairs = [
+            (layer.keys[index.to(layer.keys.device)], layer.values[index.to(layer.keys.device)])
+            for layer in cache.layers
+        ]
+        total[rows] = _window_attention(
+            model, pairs, input_ids[index], attention_mask[index], position_ids[index], int(window)
+        )
+    return total
 
 
 __all__ = ["last_tokens_attention"]

@@ -47,7 +47,8 @@ class RepairContext:
 
     Args:
         target (`PreTrainedModel`): the model that reads (and recomputes into) the cache.
-        cache (`Cache`): the target-side cache of the first `length` prompt tokens (mapped, or partly the target's own).
+        cache (`Cache`): the target-side cache of the first `length` prompt tokens (mapped, or partly the target's
+            own).
         input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length`; left padding allowed.
         attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
         position_ids (`torch.Tensor`): `(batch, T)` positions the target reads the prompt at.

@@ -98,8 +98,8 @@ def _check(target, cache, input_ids, attention_mask, position_ids) -> int:
     batch, length = cache.layers[0].keys.shape[0], cache.get_seq_length()
     if input_ids.shape[0] != batch or input_ids.shape[1] < length:
         raise ValueError(
-            f"input_ids has shape {tuple(input_ids.shape)} but the cache covers (batch, seq) = {(batch, length)}: pass "
-            "the prompt the cache was built from."
+            f"input_ids has shape {tuple(input_ids.shape)} but the cache covers (batch, seq) = {(batch, length)}: "
+            "pass the prompt the cache was built from."
         )
     for name, tensor in (("attention_mask", attention_mask), ("position_ids", position_ids)):
         if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
