@@ -25,6 +25,9 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
+from .repair import RepairConfig, repair_cache
+from .repair.base import budget_counts
+
 logger = logging.get_logger(__name__)
 
 
@@ -40,6 +43,7 @@ class SessionTurn:
         mapped_tokens (`int`): tokens mapped into this model's cache at this switch.
         window_tokens (`int`): earlier source positions read along for the mapper's context window.
         prefilled_tokens (`int`): tokens this model prefilled itself before generating.
+        repaired_tokens (`int`): mapped tokens this model then recomputed itself (`HandoffSession(repair=...)`).
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
     """
@@ -50,6 +54,7 @@ class SessionTurn:
     mapped_tokens: int = 0
     window_tokens: int = 0
     prefilled_tokens: int = 0
+    repaired_tokens: int = 0
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -63,6 +68,8 @@ class HandoffSession:
         mappers (`Mapping[tuple[str, str], MapperModel]`, *optional*): `(source name, target name) -> mapper`. A switch
             with no mapper for its direction prefills the unseen tokens instead (counted in `SessionTurn`).
         input_ids (`torch.Tensor` or `Sequence[int]`, *optional*): the transcript so far.
+        repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
+            recomputes the share of them the config's strategy selects, attending to its cache of the rest.
     """
 
     def __init__(
@@ -70,11 +77,13 @@ class HandoffSession:
         models: Mapping[str, torch.nn.Module],
         mappers: Mapping[tuple[str, str], torch.nn.Module] | None = None,
         input_ids: torch.Tensor | Sequence[int] | None = None,
+        repair=None,
     ):
         if not models:
             raise ValueError("HandoffSession needs at least one model.")
         self.models = dict(models)
         self.mappers = dict(mappers or {})
+        self.repair = None if repair is None else RepairConfig.from_dict(repair)
         for source, target in self.mappers:
             for name in (source, target):
                 if name not in self.models:
@@ -145,6 +154,20 @@ class HandoffSession:
             record.window_tokens = self._map_into(donor, name, have, upto)
             record.timings["map"] = time.perf_counter() - start_time
             record.mapped_from, record.mapped_tokens = donor, upto - have
+            if self.repair is not None:
+                start_time = time.perf_counter()
+                repair_cache(
+                    self.models[name],
+                    self.caches[name],
+                    self.input_ids[:, :upto],
+                    self.repair,
+                    source=self.models[donor],
+                    source_cache=self.caches[donor],
+                    start=have,
+                )
+                candidates = torch.ones(1, upto - have, dtype=torch.bool)
+                record.repaired_tokens = budget_counts(candidates, self.repair.fraction, self.repair.tokens)[0]
+                record.timings["repair"] = time.perf_counter() - start_time
             have = upto
         elif any(self.covered(other) > have for other in self.models if other != name):
             logger.info("no mapper into %s: it prefills the tokens other models processed", name)

@@ -341,3 +341,69 @@ def test_an_attention_implementation_without_custom_masks_is_refused(pair, tiny)
             repair_cache(target, cache, ids, RepairConfig("tail", fraction=0.5))
     finally:
         target.config._attn_implementation = implementation
+
+
+def test_a_session_repairs_what_it_maps(pair, tiny):
+    from hf_kvmap import HandoffSession
+
+    source, target, mapper = pair
+    models, mappers = {"small": source, "large": target}, {("small", "large"): mapper}
+    transcript = _prompt(tokens=14)
+    session = HandoffSession(models, mappers, input_ids=transcript, repair=RepairConfig("tail", fraction=1.0))
+    session.sync("small")  # the small model prefills the transcript; the large one maps it from there
+    turn = session.sync("large")
+    assert turn.mapped_tokens == turn.repaired_tokens == 13 and "repair" in turn.timings
+    assert _max_diff(session.caches["large"], tiny.prefill(target, transcript[:, :-1])) < TOL
+    partial = HandoffSession(models, mappers, input_ids=transcript, repair={"strategy": "tail", "tokens": 3})
+    partial.sync("small")
+    assert partial.sync("large").repaired_tokens == 3
+    plain = HandoffSession(models, mappers, input_ids=transcript)
+    plain.sync("small")
+    plain.sync("large")
+    expected = plain.caches["large"]
+    expected.crop(-3)
+    with torch.no_grad():
+        target(input_ids=transcript[:, 10:13], past_key_values=expected, use_cache=True)
+    assert _max_diff(partial.caches["large"], expected) < TOL
+
+
+def test_the_flop_bound_of_recomputing_everything_is_a_prefill(tiny):
+    import importlib.util
+    from pathlib import Path
+
+    from hf_kvmap.flops import attention_flops, prefill_flops
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_cost.py"
+    spec = importlib.util.spec_from_file_location("repair_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = tiny.config(layers=3)
+    # causal attention with each position reading itself too: one extra key per query over prefill_flops' T**2 / 2
+    extra = attention_flops(config, 1) * 40
+    assert module.repair_flops(config, list(range(40))) == prefill_flops(config, 40) + extra
+    assert module.repair_flops(config, []) == 0
+
+
+def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_frontier.py"
+    spec = importlib.util.spec_from_file_location("repair_frontier", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def curve(**points):
+        return {name: [{"fraction": f, "retention": r} for f, r in values] for name, values in points.items()}
+
+    selection = {"repair": curve(tail=[(0.05, 0.9), (0.1, 0.97)], mix=[(0.05, 0.96), (0.1, 0.99)])}
+    report = {"repair": curve(tail=[(0.05, 0.5), (0.1, 0.6)], mix=[(0.05, 0.93), (0.1, 0.98)])}
+    chosen = module.choose(selection, report, goal=0.95, budget=0.1)
+    assert chosen["cheapest_reaching_goal"] == {
+        "strategy": "mix",
+        "fraction": 0.05,
+        "selection_retention": 0.96,
+        "report_retention": 0.93,
+    }
+    assert chosen["best_within_budget"]["strategy"] == "mix" and chosen["best_within_budget"]["fraction"] == 0.1
+    assert chosen["best_within_budget"]["report_meets_goal"] is True
