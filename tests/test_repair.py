@@ -297,7 +297,7 @@ def test_handoff_repairs_and_reports_it(pair, tiny):
         ({"tokens": -1}, ValueError, "non-negative integer"),
         ({}, ValueError, "exactly one budget"),
         ({"fraction": 0.1, "tokens": 3}, ValueError, "exactly one budget"),
-        ({"strategy": "oracle", "fraction": 0.1}, ValueError, "Unknown repair strategy 'oracle'"),
+        ({"strategy": "best", "fraction": 0.1}, ValueError, "Unknown repair strategy 'best'"),
         ({"strategy": {"name": "tail", "depth": 2}, "fraction": 0.1}, TypeError, "does not take these options"),
         ({"strategy": {"name": "mix", "components": {"mix": 1.0}}, "fraction": 0.1}, ValueError, "cannot contain"),
         ({"strategy": {"name": "mix", "components": {"tail": -1}}, "fraction": 0.1}, ValueError, "non-negative"),

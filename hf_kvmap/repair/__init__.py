@@ -14,6 +14,7 @@ One file per strategy, each one class registered in `SELECTORS` (`base.register_
 from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
+from .oracle import OracleSelector
 from .recompute import recompute_positions
 from .repair import RepairConfig, repair_cache
 from .source_attention import SourceAttentionSelector
@@ -24,6 +25,7 @@ __all__ = [
     "SELECTORS",
     "EarlyDeviationSelector",
     "MixSelector",
+    "OracleSelector",
     "RepairConfig",
     "RepairContext",
     "Selector",
