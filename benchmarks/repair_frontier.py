@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import time
 from pathlib import Path
 
@@ -33,6 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
 TASKS = {"chat": corpus.END, "recall": "\n"}
 FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3)
+#: strategies measured for reference and never chosen
+REFERENCE_ONLY = ("oracle",)
 
 
 def _strategy(name: str) -> dict | str:
@@ -62,10 +65,11 @@ def measure_set(handoff: Handoff, items, stop: str, strategies, fractions) -> di
 
 def choose(selection: dict, report: dict, goal: float, budget: float) -> dict:
     """Chosen on `selection`, reported on `report`: the cheapest (fraction, strategy) reaching `goal`, and the best
-    strategy within `budget`."""
+    strategy within `budget` (never a reference-only strategy: the oracle needs the prefill repair avoids)."""
     ranked = sorted(
         (point["fraction"], -(point["retention"] or 0.0), name, index)
         for name, points in selection["repair"].items()
+        if name not in REFERENCE_ONLY
         for index, point in enumerate(points)
     )
     cheapest = next(((f, n, i) for f, r, n, i in ranked if -r >= goal), None)
@@ -90,6 +94,23 @@ def choose(selection: dict, report: dict, goal: float, budget: float) -> dict:
             "report_meets_goal": (report["repair"][name][index]["retention"] or 0.0) >= goal,
         }
     return out
+
+
+def merge(results: dict, earlier: dict, args) -> None:
+    """Add the strategies of an `earlier` run to `results` (same directions, tasks, sets: checked), and choose again."""
+    keys = ("items_per_set", "selection_seed", "report_seed", "fractions")
+    if any(earlier["run"][key] != results["run"][key] for key in keys):
+        raise SystemExit(f"--merge {args.merge}: its {keys} differ from this run's; they cannot share a frontier.")
+    for direction, tasks in results["directions"].items():
+        for task, sets in tasks.items():
+            old = earlier["directions"][direction][task]
+            for role in ("selection", "report"):
+                if old[role]["target"] != sets[role]["target"] or old[role]["mapped"] != sets[role]["mapped"]:
+                    raise SystemExit(f"--merge {args.merge}: {direction} {task} {role} differs from this run's.")
+                sets[role]["repair"] = {**old[role]["repair"], **sets[role]["repair"]}
+            sets["choice"] = choose(sets["selection"], sets["report"], args.goal, args.budget)
+    results["run"]["strategies"] = sorted({*earlier["run"]["strategies"], *results["run"]["strategies"]})
+    results["run"]["merged"] = {"file": args.merge, "command": earlier["run"]["command"]}
 
 
 def plot(results: dict, path: str) -> None:
@@ -131,6 +152,12 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="two strategies, two fractions")
+    parser.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier results file of the same directions, tasks, items and seeds: its strategies are kept beside "
+        "this run's (choices and plot over both)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "repair_frontier.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "repair_frontier.png"))
     args = parser.parse_args(argv)
@@ -179,6 +206,8 @@ def main(argv=None) -> None:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/repair_frontier.py " + " ".join(argv or __import__("sys").argv[1:]),
     }
+    if args.merge:
+        merge(results, json.loads(Path(args.merge).read_text()), args)
     results["environment"] = environment_info()
     write_json(args.out, results)
     plot(results, args.plot)
