@@ -322,6 +322,7 @@ def bounds(mapper, target_config, tokens: int) -> dict:
 def handoff_tasks(source_cache, mapper, target, ids: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The four timed tasks for one context `ids` `(1, T)`: mapper, prefill, handoff, baseline (see the module doc)."""
     from hf_kvmap import MappedCache
+    from hf_kvmap._compat import cache_kwargs
 
     body = target.get_decoder()
     held, prefix = ids[:, -1:], ids[:, :-1]
@@ -337,7 +338,7 @@ def handoff_tasks(source_cache, mapper, target, ids: torch.Tensor) -> dict[str, 
     @torch.no_grad()
     def run_handoff():
         cache = MappedCache.from_source(source_cache, mapper, hold_back=1)
-        logits = target(input_ids=held, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = target(input_ids=held, use_cache=True, logits_to_keep=1, **cache_kwargs(cache)).logits
         return logits[:, -1].argmax(-1).tolist()
 
     @torch.no_grad()
@@ -359,6 +360,7 @@ def measure(args) -> dict:
     source, source_info = load_model(args.source, max(tokens), dtype, device, attn, args.random_weights)
     target, target_info = load_model(args.target, max(tokens), dtype, device, attn, args.random_weights)
     mapper, mapper_info = load_mapper(args, source, target, dtype, device)
+    from hf_kvmap._compat import output_cache
     from hf_kvmap.flops import mapper_parameters
 
     mapper_info["parameters"] = mapper_parameters(mapper.config)
@@ -368,7 +370,7 @@ def measure(args) -> dict:
     for length in tokens:
         ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
         with torch.no_grad():
-            source_cache = source.get_decoder()(input_ids=ids, use_cache=True).past_key_values
+            source_cache = output_cache(source.get_decoder()(input_ids=ids, use_cache=True))
         tasks = handoff_tasks(source_cache, mapper, target, ids)
         timings = interleaved_medians(
             tasks,

@@ -5,7 +5,7 @@ Checks, for each placement of the target:
   1. every mapped layer's keys and values land on the device where the *target itself* keeps that layer's cache
      (ground truth: the target's own `DynamicCache` after a prefill, so accelerate's execution device counts, not
      where the weights are stored), and on `target_layer_devices(target)`;
-  2. `target.generate(ids, past_key_values=mapped_cache)` runs;
+  2. `target.generate(ids, cache=mapped_cache)` runs;
   3. with an identity mapper (target onto itself) the generated tokens equal plain `target.generate(ids)`.
 
 Placements (with a GPU):
@@ -103,6 +103,7 @@ def _devices(cache) -> list[str]:
 def check_placement(checks: Checks, label: str, target, mapper_dir: Path, source_cache, ids, *, run: bool):
     """Load the mapper beside `target`, map, and check devices (and generation when `run`)."""
     from hf_kvmap import MappedCache, MapperModel, mapper_device_map, target_layer_devices
+    from hf_kvmap._compat import cache_kwargs, output_cache
 
     device_map = mapper_device_map(target)
     mapper = MapperModel.from_pretrained(mapper_dir, device_map=device_map)
@@ -122,7 +123,7 @@ def check_placement(checks: Checks, label: str, target, mapper_dir: Path, source
     if not run:
         return
     with torch.no_grad():
-        own = target(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        own = output_cache(target(input_ids=ids[:, :-1], use_cache=True))
     truth = _devices(own)
     checks.record(
         f"{label}: mapped layers where the target keeps its own cache",
@@ -137,7 +138,7 @@ def check_placement(checks: Checks, label: str, target, mapper_dir: Path, source
     handed = checks.guard(
         f"{label}: generate with mapped cache",
         lambda: target.generate(
-            ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=target.config.pad_token_id
+            ids, max_new_tokens=8, do_sample=False, pad_token_id=target.config.pad_token_id, **cache_kwargs(cache)
         ),
     )
     if handed is not None:
@@ -164,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from hf_kvmap import MapperModel
+    from hf_kvmap._compat import output_cache
 
     out = args.out or REPO / "benchmarks" / "results" / (
         "gpu_check_dry_run.json" if args.dry_run else "gpu_check.json"
@@ -204,12 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--- {label}: hf_device_map={getattr(target, 'hf_device_map', None)}", flush=True)
             device_ids = ids.to(input_device)
             with torch.no_grad():
-                own_source = target(input_ids=device_ids, use_cache=True).past_key_values if run else None
-                cross_source = source.to(input_device)(input_ids=device_ids, use_cache=True).past_key_values
+                own_source = output_cache(target(input_ids=device_ids, use_cache=True)) if run else None
+                cross_source = output_cache(source.to(input_device)(input_ids=device_ids, use_cache=True))
                 source.to("cpu")
             if own_source is None:  # meta layers cannot run: take the identity's source cache from the CPU copy
                 with torch.no_grad():
-                    own_source = target_cpu(input_ids=ids, use_cache=True).past_key_values
+                    own_source = output_cache(target_cpu(input_ids=ids, use_cache=True))
             for mapper_label, mapper_dir, source_cache in (
                 ("identity", identity_dir, own_source),
                 ("tiny-s->tiny-l", cross_dir, cross_source),

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hf_kvmap import MapperModel, zoo  # noqa: E402
+from hf_kvmap._compat import cache_kwargs, output_cache  # noqa: E402
 from hf_kvmap.delivery import load_cache, save_cache  # noqa: E402
 from hf_kvmap.handoff import (  # noqa: E402
     auc,
@@ -82,7 +83,7 @@ def load_direction(source: str, target: str):
 @torch.no_grad()
 def greedy(model, ids, cache, steps: int) -> list[int]:
     out = model.generate(
-        ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_kwargs(cache)
     )
     return out[0, ids.shape[1] :].tolist()
 
@@ -97,7 +98,7 @@ def item_row(source, target, mapper, ids: torch.Tensor, gold: list[int], probes=
     own = greedy(target, ids, target_prefill(target, ids), steps)
     row = {"tokens": ids.shape[1], "own_correct": own == gold, "changed": {}, "mapped_correct": {}, "risk": {}}
     for hold_back in sorted({probe.hold_back for probe in probes}):
-        source_cache = source(input_ids=ids, use_cache=True).past_key_values
+        source_cache = output_cache(source(input_ids=ids, use_cache=True))
         context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
         for probe in probes:
             if probe.hold_back == hold_back:
@@ -170,7 +171,7 @@ def run_augment(args) -> None:
                     ids = torch.tensor([tokenizer(item.context)["input_ids"]])
                     assert ids.shape[1] == row["tokens"], "checkpoint and items disagree"
                     for probe, settings in zip(probes, missing):
-                        source_cache = source(input_ids=ids, use_cache=True).past_key_values
+                        source_cache = output_cache(source(input_ids=ids, use_cache=True))
                         context = probe_context(
                             source, target, mapper, ids, source_cache=source_cache, hold_back=probe.hold_back
                         )
@@ -194,7 +195,7 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
     import tempfile
 
     probes = [probe_from_dict(settings) for settings in CANDIDATES]
-    source_cache = source(input_ids=ids, use_cache=True).past_key_values
+    source_cache = output_cache(source(input_ids=ids, use_cache=True))
     context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1)
     path = Path(tempfile.mkdtemp()) / "cache.safetensors"
     upcast = copy.deepcopy(mapper).float()  # the same weights in float32: a serving choice, timed for reference

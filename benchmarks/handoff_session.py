@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hf_kvmap import HandoffSession, MapperModel, zoo  # noqa: E402
+from hf_kvmap._compat import cache_kwargs  # noqa: E402
 from hf_kvmap.handoff import target_prefill  # noqa: E402
 from hf_kvmap.reporting import environment_info, write_json  # noqa: E402
 from hf_kvmap.zoo import corpus, mapper_path  # noqa: E402
@@ -50,7 +51,7 @@ def reference(model, ids: torch.Tensor, steps: int, end: int) -> tuple[list[int]
     prefill_s = time.perf_counter() - start
     out = model.generate(
         ids,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=steps,
         do_sample=False,
         eos_token_id=end,

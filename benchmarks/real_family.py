@@ -416,6 +416,7 @@ class PrefillStore:
         from safetensors.torch import load_file, save_file
         from transformers import DynamicCache
 
+        from hf_kvmap._compat import output_cache
         from hf_kvmap.rope import positions_from_attention_mask
 
         # the dtype is part of the key: a bfloat16 prefill must never stand in for a float32 one
@@ -431,7 +432,7 @@ class PrefillStore:
                 "attention_mask": mask,
                 "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
             }
-        cache = model.get_decoder()(input_ids=ids, use_cache=True, **kwargs).past_key_values
+        cache = output_cache(model.get_decoder()(input_ids=ids, use_cache=True, **kwargs))
         tensors = {}
         for i, layer in enumerate(cache.layers):
             tensors[f"k{i}"], tensors[f"v{i}"] = layer.keys.contiguous(), layer.values.contiguous()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MappedCache, MapperModel
+from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.commands._models import load_causal_lm, resolve_mapper
 from hf_kvmap.flops import body_parameters, prefill_flops
 from hf_kvmap.repair import SELECTORS, RepairConfig, recompute, repair_cache
@@ -75,7 +76,7 @@ def measure(source, target, mapper, tokens: int, strategies, fractions, repeats:
     vocab = target.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
     with torch.no_grad():
-        source_cache = source(input_ids=ids, use_cache=True).past_key_values
+        source_cache = output_cache(source(input_ids=ids, use_cache=True))
     length = tokens - 1
 
     @torch.no_grad()
@@ -91,7 +92,7 @@ def measure(source, target, mapper, tokens: int, strategies, fractions, repeats:
                 lambda: repair_cache(target, cache, ids, repair, source=source, source_cache=source_cache), device
             )
         times["first_token"], _ = _timed(
-            lambda: target(input_ids=ids[:, -1:], past_key_values=cache, logits_to_keep=1).logits.argmax(-1), device
+            lambda: target(input_ids=ids[:, -1:], **cache_kwargs(cache), logits_to_keep=1).logits.argmax(-1), device
         )
         return times
 
@@ -100,7 +101,7 @@ def measure(source, target, mapper, tokens: int, strategies, fractions, repeats:
         cache = MappedCache.from_source(source_cache, mapper)
         cache.crop(-count)
         seconds, _ = _timed(
-            lambda: target(input_ids=ids[:, length - count : length], past_key_values=cache, use_cache=True), device
+            lambda: target(input_ids=ids[:, length - count : length], **cache_kwargs(cache), use_cache=True), device
         )
         return {"suffix_prefill": seconds}
 

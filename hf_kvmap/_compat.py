@@ -91,9 +91,11 @@ def unhooked_forward(module: nn.Module):
 def cache_argument() -> str:
     """The name under which the installed transformers' causal LMs take a cache.
 
-    transformers announces `cache=` (and outputs' `.cache`) as the successor of `past_key_values`; the pinned 5.23
-    still declares only `past_key_values` in `forward`, and a `cache=` there would land in `**kwargs` and be ignored
-    without an error. Read from the signature of a model class, so the library follows the rename when it lands.
+    transformers 5.24 renamed `past_key_values` to `cache` (outputs' `.cache`): its `forward` and `generate` take
+    `cache=` and warn (FutureWarning, removal in 6.0) on `past_key_values=`, while 5.23, the lowest supported
+    version, declares only `past_key_values`, and a `cache=` given to its `forward` lands in `**kwargs` and is
+    ignored without an error. Read from the signature of a model class, so the library passes the name the
+    installed version declares.
     """
     import inspect
 
@@ -108,8 +110,8 @@ def cache_kwargs(cache) -> dict:
 
 
 def output_cache(outputs):
-    """The cache a model output carries (`.cache` where the installed transformers has it, else
-    `.past_key_values`)."""
+    """The cache a model (or `generate`) output carries: `.cache` where the installed transformers has it (5.24,
+    where reading `.past_key_values` logs a deprecation), else `.past_key_values` (5.23)."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else outputs.past_key_values
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from ._compat import output_cache
 from .configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions, check_choice
 from .finetune import finetune_settings, frozen, optimize, split_calibration
 
@@ -113,7 +114,7 @@ def target_reads(target_model, input_ids: torch.Tensor) -> AttentionReads:
     device = next(target_model.parameters()).device
     records: dict[int, tuple[torch.Tensor, float, torch.nn.Module]] = {}
     with _recording_attention(target_model, records):
-        cache = target_model.base_model(input_ids=input_ids.to(device), use_cache=True).past_key_values
+        cache = output_cache(target_model.base_model(input_ids=input_ids.to(device), use_cache=True))
     layers = range(len(cache.layers))
     missing = [layer for layer in layers if layer not in records or records[layer][1] is None]
     if missing:
@@ -243,7 +244,7 @@ class _Reads:
 
     @torch.no_grad()
     def _compute(self, rows: torch.Tensor):
-        source_cache = self.source_model.base_model(input_ids=rows, use_cache=True).past_key_values
+        source_cache = output_cache(self.source_model.base_model(input_ids=rows, use_cache=True))
         source_kv = [(layer.keys.float(), layer.values.float()) for layer in source_cache.layers]
         return source_kv, target_reads(self.target_model, rows)
 

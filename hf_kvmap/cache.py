@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging
 
-from ._compat import init_cache_with_layers, model_id, model_revision, unhooked_forward
+from ._compat import cache_argument, init_cache_with_layers, model_id, model_revision, unhooked_forward
 from .first_layer import target_first_layer
 from .modeling_mapper import MapperModel, check_finite_pairs, check_source_tensors
 from .rope import positions_from_attention_mask
@@ -40,7 +40,7 @@ def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Te
     if source_cache is None:
         raise ValueError(
             "source_cache is None: pass the cache the source model returned, "
-            "`source(ids, use_cache=True).past_key_values`."
+            f"`source(ids, use_cache=True).{cache_argument()}`."
         )
     if isinstance(source_cache, (str, bytes, torch.Tensor)) or not isinstance(source_cache, Sequence):
         raise ValueError(
@@ -127,8 +127,9 @@ class MappedCache(DynamicCache):
     r"""
     A [`~transformers.DynamicCache`] built from another model's cache by a [`MapperModel`].
 
-    Build it with [`MappedCache.from_source`] and hand it to the target model as `past_key_values`; it then grows
-    like a `DynamicCache`. `mapping_info` records the mapper, its revision and the number of mapped tokens.
+    Build it with [`MappedCache.from_source`] and hand it to the target model as `cache=` (`past_key_values=` on
+    transformers 5.23); it then grows like a `DynamicCache`. `mapping_info` records the mapper, its revision and
+    the number of mapped tokens.
 
     Args:
         layers (`list[MappedLayer]`, *optional*):
@@ -146,11 +147,11 @@ class MappedCache(DynamicCache):
     ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     >>> model = Qwen3ForCausalLM(config).eval()
     >>> ids = torch.randint(0, 64, (1, 12))
-    >>> source_cache = model(ids, use_cache=True).past_key_values
+    >>> source_cache = model(ids, use_cache=True).cache
     >>> cache = MappedCache.from_source(source_cache, MapperModel.identity(config))
     >>> cache.get_seq_length(), cache.mapping_info["mapped_tokens"]
     (11, 11)
-    >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    >>> out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
     ```
     """
 
@@ -184,7 +185,7 @@ class MappedCache(DynamicCache):
         Map a prefilled source cache into the cache the target model expects.
 
         The last `hold_back` source tokens are not mapped: the target must run at least the final prompt token
-        itself to produce its first logits, and `target.generate(full_input_ids, past_key_values=cache)` then runs
+        itself to produce its first logits, and `target.generate(full_input_ids, cache=cache)` then runs
         exactly those tokens. (A cache that covers every prompt token makes `generate` silently re-process the
         prompt, so `hold_back` must be at least 1.)
 

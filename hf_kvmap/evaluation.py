@@ -397,7 +397,7 @@ def measure_latency(
 
     def handoff_first_token(ids, source_cache):
         cache = handoff.mapped_cache(source_cache, ids)
-        handoff.target(input_ids=ids[:, -handoff.hold_back :], past_key_values=cache, logits_to_keep=1)
+        handoff.target(input_ids=ids[:, -handoff.hold_back :], logits_to_keep=1, **cache_kwargs(cache))
 
     for length in lengths:
         ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))

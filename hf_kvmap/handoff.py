@@ -2,7 +2,7 @@
 
 ```python
 cache, report = handoff(source, target, mapper, input_ids)
-tokens = target.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+tokens = target.generate(input_ids, cache=cache, max_new_tokens=64)  # `past_key_values=` on transformers 5.23
 ```
 
 `cache` covers every prompt token but the last, so `generate` runs exactly the last one. When the probe refuses the
@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.utils import logging
 
+from ._compat import cache_argument, cache_kwargs, output_cache
 from .cache import MappedCache
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .repair import RepairConfig, repair_cache
@@ -149,7 +150,7 @@ def _check_inputs(input_ids, attention_mask, source_cache) -> None:
         if seq != input_ids.shape[1]:
             raise ValueError(
                 f"source_cache covers {seq} tokens but input_ids has {input_ids.shape[1]}: pass the source's cache of "
-                "exactly these prompt tokens (`source(input_ids, use_cache=True).past_key_values`)."
+                f"exactly these prompt tokens (`source(input_ids, use_cache=True).{cache_argument()}`)."
             )
 
 
@@ -162,7 +163,7 @@ def target_prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor
             "attention_mask": attention_mask[:, :-1],
             "position_ids": positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)[:, :-1],
         }
-    return target(input_ids=input_ids[:, :-1], use_cache=True, **kwargs).past_key_values
+    return output_cache(target(input_ids=input_ids[:, :-1], use_cache=True, **kwargs))
 
 
 @torch.no_grad()
@@ -194,9 +195,9 @@ def probe_context(
     positions = positions_from_attention_mask(mask, batch, length, input_ids.device)
     if source_cache is None:
         with clock.stage("source_prefill"):
-            source_cache = source(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True
-            ).past_key_values
+            source_cache = output_cache(
+                source(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            )
         source_position_ids = positions
     with clock.stage("map"):
         cache = MappedCache.from_source(
@@ -227,8 +228,8 @@ def probe_context(
                 input_ids=input_ids[:, length - hold_back : -1],
                 attention_mask=mask[:, :-1],
                 position_ids=positions[:, length - hold_back : -1],
-                past_key_values=cache,
                 use_cache=True,
+                **cache_kwargs(cache),
             ).logits.float()
     return ProbeContext(
         source=source,
@@ -273,7 +274,7 @@ def handoff(
     the target itself is unsure); at `GROSS_ERROR` or more it is no closer to the target's than all-zero tensors and
     is refused (a zeroed or mismatched mapper, which a confident target could otherwise pass); (5) the probe; (6)
     accept if every row's risk is at most the threshold. Otherwise `policy="fallback"`
-    returns the target's own prefill (then `target.generate(input_ids, past_key_values=cache, ...)` is token-identical
+    returns the target's own prefill (then `target.generate(input_ids, cache=cache, ...)` is token-identical
     to `target.generate(input_ids, ...)`), and `policy="fail"` raises [`HandoffRefusedError`]. A gate or mapping
     failure (an incompatible model, NaN in the source cache) is handled by the same policy.
 
@@ -311,7 +312,7 @@ def handoff(
     >>> source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")  # doctest: +SKIP
     >>> mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))  # doctest: +SKIP
     >>> cache, report = handoff(source, target, mapper, input_ids)  # doctest: +SKIP
-    >>> out = target.generate(input_ids, past_key_values=cache, max_new_tokens=8)  # doctest: +SKIP
+    >>> out = target.generate(input_ids, cache=cache, max_new_tokens=8)  # doctest: +SKIP
     ```
     """
     if policy not in POLICIES:

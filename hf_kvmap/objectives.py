@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
+from ._compat import cache_kwargs, output_cache
 from .attention_objective import attention_finetune
 from .configuration_mapper import FitOptions
 from .finetune import calibration_rows, finetune_settings, frozen, optimize, split_calibration
@@ -94,14 +95,14 @@ def mapped_kl(
         else:
             reference = reference[:, split:].to(device)
         if source_kv is None:
-            source_cache = source_model(input_ids=input_ids[:, :split], use_cache=True).past_key_values
+            source_cache = output_cache(source_model(input_ids=input_ids[:, :split], use_cache=True))
             source_kv = [(layer.keys, layer.values) for layer in source_cache.layers]
     keys = [k[:, :, :split] for k, _ in source_kv]
     values = [v[:, :, :split] for _, v in source_kv]
     position_ids = torch.arange(split, device=keys[0].device).expand(batch, split)
     mapped = mapper(keys, values, position_ids, dtype=torch.float32)
     cache = DynamicCache(ddp_cache_data=mapped)
-    logits = target_model(input_ids=input_ids[:, split:], past_key_values=cache).logits
+    logits = target_model(input_ids=input_ids[:, split:], **cache_kwargs(cache)).logits
     log_q = _log_probs(logits)
     return (reference.exp() * (reference - log_q)).sum(-1).mean()
 
@@ -118,7 +119,7 @@ class _References:
                 for chunk in rows.split(batch_size):
                     device = next(target_model.parameters()).device
                     reference = _log_probs(target_model(input_ids=chunk.to(device)).logits).cpu()
-                    source_cache = source_model(input_ids=chunk, use_cache=True).past_key_values
+                    source_cache = output_cache(source_model(input_ids=chunk, use_cache=True))
                     kv = [(layer.keys.cpu(), layer.values.cpu()) for layer in source_cache.layers]
                     self.data.append((reference, kv))
             self.reference = torch.cat([reference for reference, _ in self.data])

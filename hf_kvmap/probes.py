@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from ._compat import cache_kwargs, output_cache
+
 #: name -> probe class; filled by `register_probe`.
 PROBES: dict[str, type[Probe]] = {}
 
@@ -145,7 +147,7 @@ def _extend_mask(mask: torch.Tensor, extra: int) -> torch.Tensor:
 def _run(model, ids, cache, mask, positions) -> torch.Tensor:
     """Logits of `ids` `(batch, n)` appended to `cache`; `mask` covers cache + ids; `positions` `(batch, n)`."""
     return model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(cache)
     ).logits.float()
 
 
@@ -300,12 +302,14 @@ class PrefixAuditProbe(Probe):
         mapped_tokens = context.length - context.hold_back
         width = min(self.tokens, mapped_tokens)
         mask = context.attention_mask[:, :width]
-        own = context.target(
-            input_ids=context.input_ids[:, :width],
-            attention_mask=mask,
-            position_ids=context.position_ids[:, :width],
-            use_cache=True,
-        ).past_key_values
+        own = output_cache(
+            context.target(
+                input_ids=context.input_ids[:, :width],
+                attention_mask=mask,
+                position_ids=context.position_ids[:, :width],
+                use_cache=True,
+            )
+        )
         weight = mask[:, None, :, None].float()
         risk = torch.zeros(context.batch)
         for own_layer, layer in zip(own.layers, context.cache.layers):

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
+from ._compat import cache_kwargs, output_cache
 from .repair import RepairConfig, repair_cache
 from .repair.base import budget_counts
 
@@ -176,7 +177,7 @@ class HandoffSession:
             cache = self.caches[name]
             if cache is None:
                 cache = self.caches[name] = DynamicCache()
-            self.models[name](input_ids=self.input_ids[:, have:end], past_key_values=cache, use_cache=True)
+            self.models[name](input_ids=self.input_ids[:, have:end], use_cache=True, **cache_kwargs(cache))
             record.timings["prefill"] = time.perf_counter() - start_time
             record.prefilled_tokens = end - have
         return record
@@ -196,7 +197,7 @@ class HandoffSession:
         generate_kwargs.setdefault("do_sample", False)
         out = model.generate(
             self.input_ids,
-            past_key_values=cache if cache is not None and cache.get_seq_length() else None,
+            **cache_kwargs(cache if cache is not None and cache.get_seq_length() else None),
             max_new_tokens=max_new_tokens,
             return_dict_in_generate=True,
             output_scores=True,
@@ -204,7 +205,7 @@ class HandoffSession:
         )
         record.timings["generate"] = time.perf_counter() - start_time
         if cache is None or not cache.get_seq_length():
-            self.caches[name] = out.past_key_values
+            self.caches[name] = output_cache(out)
         new = out.sequences[:, self.input_ids.shape[1] :]
         record.tokens = new[0].tolist()
         record.first_logits = out.scores[0][0].float() if out.scores else None

@@ -13,6 +13,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from hf_kvmap._compat import cache_kwargs, output_cache
+
 COMMON = dict(
     vocab_size=128,
     hidden_size=64,
@@ -151,13 +153,13 @@ def run_prefill(model, ids, mask=None):
         position_ids.masked_fill_(mask == 0, 1)
         kwargs = {"attention_mask": mask, "position_ids": position_ids}
     with torch.no_grad():
-        return model(ids, use_cache=True, **kwargs).past_key_values
+        return output_cache(model(ids, use_cache=True, **kwargs))
 
 
 def run_greedy(model, ids, mask=None, cache=None, new=8):
     """Greedy `generate` of `new` tokens, on top of `cache` when given."""
     return model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **cache_kwargs(cache)
     )
 
 

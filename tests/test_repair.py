@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvmap import MappedCache, MapperModel, handoff
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
 from hf_kvmap.repair.attention import last_tokens_attention
@@ -89,7 +90,7 @@ def test_the_tail_is_a_crop_and_a_re_prefill(pair, tiny, tail):
     expected.crop(-tail)
     length = ids.shape[1] - 1
     with torch.no_grad():
-        target(input_ids=ids[:, length - tail : length], past_key_values=expected, use_cache=True)
+        target(input_ids=ids[:, length - tail : length], **cache_kwargs(expected), use_cache=True)
     repair_cache(target, cache, ids, RepairConfig("tail", tokens=tail))
     assert _max_diff(cache, expected) < TOL
     assert cache.mapping_info["repair"]["recomputed"] == [tail] and cache.mapping_info["approximate"] is True
@@ -156,7 +157,7 @@ def test_left_padded_rows_equal_single_rows(pair, tiny, name):
 
 def _greedy(model, ids, mask, cache):
     return model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, eos_token_id=None
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, eos_token_id=None
     )
 
 
@@ -216,7 +217,7 @@ def test_attention_from_hooks_equals_the_models_own_attention_weights(tiny):
     mass = last_tokens_attention(model, cache, ids, mask, positions_from_attention_mask(None, 1, 20, "cpu"), 5)
     head = tiny.prefill(model, ids[:, :15])
     with torch.no_grad():
-        out = model(ids[:, 15:], past_key_values=head, output_attentions=True, use_cache=True)
+        out = model(ids[:, 15:], **cache_kwargs(head), output_attentions=True, use_cache=True)
     expected = sum(weights.sum((1, 2)) for weights in out.attentions)
     assert torch.allclose(mass, expected, atol=1e-4) and cache.get_seq_length() == 20
 
@@ -363,7 +364,7 @@ def test_a_session_repairs_what_it_maps(pair, tiny):
     expected = plain.caches["large"]
     expected.crop(-3)
     with torch.no_grad():
-        target(input_ids=transcript[:, 10:13], past_key_values=expected, use_cache=True)
+        target(input_ids=transcript[:, 10:13], **cache_kwargs(expected), use_cache=True)
     assert _max_diff(partial.caches["large"], expected) < TOL
 
 
