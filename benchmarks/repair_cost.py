@@ -184,7 +184,7 @@ def measure(source, target, mapper, tokens: int, strategies, fractions, repeats:
     return row
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="tiny-s", help="tiny-family member, model folder or Hub id")
     parser.add_argument("--target", default="tiny-l")
@@ -201,7 +201,11 @@ def main(argv=None) -> None:
     parser.add_argument("--float-mask", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--quick", action="store_true", help="64 and 128 tokens, one repeat")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "repair_cost.json"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = [64, 128] if args.quick else [int(t) for t in args.tokens.split(",")]

@@ -138,7 +138,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--directions", default=",".join(DIRECTIONS), help="source:target pairs (tiny-family)")
     parser.add_argument("--mapper", default=None, help="mapper folder (one direction only)")
@@ -160,7 +160,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "repair_frontier.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "repair_frontier.png"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     directions = [pair.split(":") for pair in args.directions.split(",")]

@@ -408,3 +408,22 @@ def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
     }
     assert chosen["best_within_budget"]["strategy"] == "mix" and chosen["best_within_budget"]["fraction"] == 0.1
     assert chosen["best_within_budget"]["report_meets_goal"] is True
+
+
+@pytest.mark.parametrize("script", ["repair_cost", "repair_frontier"])
+def test_every_benchmarks_readme_repair_command_parses(script):
+    """Each `repair_*.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
+    import importlib.util
+    import re
+    import shlex
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(script, benchmarks / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = (benchmarks / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(rf"^python benchmarks/{script}\.py(.*)$", text, re.MULTILINE)
+    assert len(commands) >= 2
+    for command in commands:
+        module.build_parser().parse_args(shlex.split(command, comments=True))
