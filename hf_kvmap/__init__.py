@@ -16,6 +16,7 @@ from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handof
 from .modeling_mapper import MapperModel, fit_mapper, mapper_from_statistics  # noqa: E402
 from .placement import mapper_device_map, target_layer_devices  # noqa: E402
 from .probes import Probe, register_probe  # noqa: E402
+from .repair import RepairConfig, repair_cache  # noqa: E402
 from .selection import LayerSelection  # noqa: E402
 from .session import HandoffSession  # noqa: E402
 from .statistics import CalibrationStatistics  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "MapperConfig",
     "MapperModel",
     "Probe",
+    "RepairConfig",
     "UnsupportedArchitectureError",
     "__version__",
     "calibrate_probe",
@@ -45,6 +47,7 @@ __all__ = [
     "mapper_device_map",
     "mapper_from_statistics",
     "register_probe",
+    "repair_cache",
     "save_cache",
     "target_layer_devices",
 ]
