@@ -66,8 +66,8 @@ def counted() -> dict:
 def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     """Median seconds of one step of each objective on tiny-family batches (interleaved)."""
     from hf_kvmap import MapperModel, zoo
-    from hf_kvmap.attention_objective import _Reads, attention_errors
     from hf_kvmap.objectives import mapped_kl
+    from hf_kvmap.objectives.attention import _Reads, attention_errors
 
     mapper = MapperModel.from_pretrained(mapper_path).float()
     source = zoo.load_model(mapper.config.source_model_id.split(":")[-1])

@@ -263,12 +263,11 @@ def readback_rows(tokenizer, documents, count: int, seed: int, chat_passage: int
 def cmd_finetune(args) -> int:
     """What the objectives bring on real weights: a mapper fitted at `--positions` (`--variant`: a ridge, or a
     fine-tuned one to fine-tune further), fine-tuned on calibration sequences of another seed (or, with `--data
-    readback`, on `readback_rows`) by the per-layer attention objective (`hf_kvmap.attention_objective`, variant
+    readback`, on `readback_rows`) by the per-layer attention objective (`hf_kvmap.objectives.attention`, variant
     `<variant>-attn`) or the end-to-end KL through the target (`hf_kvmap.objectives.kl_finetune`, `<variant>-kl`),
     then scored on the same items as every fit of the curve."""
     from hf_kvmap import MapperModel
-    from hf_kvmap.attention_objective import attention_finetune
-    from hf_kvmap.objectives import kl_finetune
+    from hf_kvmap.objectives import attention_finetune, kl_finetune
     from hf_kvmap.real import corpus
 
     torch.set_num_threads(args.threads)

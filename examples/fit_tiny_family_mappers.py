@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import MapperModel, flops, zoo
+from hf_kvmap import fit_mapper, flops, zoo
 from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
-from hf_kvmap.configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, OBJECTIVES
+from hf_kvmap.configuration_mapper import OBJECTIVES
 from hf_kvmap.diagnostics import diagnose
 from hf_kvmap.evaluation import Handoff, evaluate_tasks
+from hf_kvmap.fit_options import ATTENTION_LOSSES, ATTENTION_SPACES
 from hf_kvmap.reporting import environment_info
 from hf_kvmap.zoo import corpus
 
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
             if args.kind == "mlp"
             else {}
         )
-        mapper = MapperModel.fit(
+        mapper = fit_mapper(
             source,
             target,
             batches,

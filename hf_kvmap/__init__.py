@@ -1,4 +1,15 @@
-"""hf-kvmap: map a source model's KV cache into the cache a larger (or smaller) model of the same family expects."""
+"""hf-kvmap: map a source model's KV cache into the cache a larger (or smaller) model of the same family expects.
+
+The public names load on first use (a module `__getattr__`, as transformers' `_LazyModule` does), so that
+`import hf_kvmap.cache` loads the mapping code only, not fitting, fine-tuning, evaluation or serving. The config and
+the model load at once: they are registered with `AutoConfig` and `AutoModel`.
+"""
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, AutoModel
 
@@ -7,22 +18,80 @@ from ._version import __version__
 
 check_transformers_version()
 
-from .cache import MappedCache, MappedLayer  # noqa: E402
-from .configuration_mapper import FitOptions, MapperConfig  # noqa: E402
-from .delivery import load_cache, save_cache  # noqa: E402
-from .fitting import FittedMapper  # noqa: E402
-from .geometry import UnsupportedArchitectureError  # noqa: E402
-from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff  # noqa: E402
-from .modeling_mapper import MapperModel, fit_mapper, mapper_from_statistics  # noqa: E402
-from .placement import mapper_device_map, target_layer_devices  # noqa: E402
-from .probes import Probe, register_probe  # noqa: E402
-from .repair import RepairConfig, repair_cache  # noqa: E402
-from .selection import LayerSelection  # noqa: E402
-from .session import HandoffSession  # noqa: E402
-from .statistics import CalibrationStatistics  # noqa: E402
+from .configuration_mapper import MapperConfig  # noqa: E402
+from .modeling_mapper import MapperModel  # noqa: E402
 
 AutoConfig.register(MapperConfig.model_type, MapperConfig, exist_ok=True)
 AutoModel.register(MapperConfig, MapperModel, exist_ok=True)
+
+#: Public name -> the module that defines it (imported on first access).
+_LAZY_NAMES = {
+    "CalibrationStatistics": "statistics",
+    "FitOptions": "fit_options",
+    "FittedMapper": "fitting",
+    "HandoffRefusedError": "handoff",
+    "HandoffReport": "handoff",
+    "HandoffSession": "session",
+    "LayerSelection": "selection",
+    "MappedCache": "cache",
+    "MappedLayer": "cache",
+    "Probe": "probes",
+    "UnsupportedArchitectureError": "geometry",
+    "calibrate_probe": "handoff",
+    "fit_mapper": "fitting",
+    "handoff": "handoff",
+    "load_cache": "delivery",
+    "mapper_device_map": "placement",
+    "mapper_from_statistics": "fitting",
+    "register_probe": "probes",
+    "RepairConfig": "repair",
+    "repair_cache": "repair",
+    "save_cache": "delivery",
+    "target_layer_devices": "placement",
+}
+
+if TYPE_CHECKING:
+    from .cache import MappedCache, MappedLayer
+    from .delivery import load_cache, save_cache
+    from .fit_options import FitOptions
+    from .fitting import FittedMapper, fit_mapper, mapper_from_statistics
+    from .geometry import UnsupportedArchitectureError
+    from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff
+    from .placement import mapper_device_map, target_layer_devices
+    from .probes import Probe, register_probe
+    from .repair import RepairConfig, repair_cache
+    from .selection import LayerSelection
+    from .session import HandoffSession
+    from .statistics import CalibrationStatistics
+
+
+class _Package(types.ModuleType):
+    """The package module: importing a submodule binds it as an attribute of the package, which must not hide the
+    public function of the same name (`hf_kvmap.handoff` is the function, as an eager `__init__` made it)."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _LAZY_NAMES.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule, e.g. `hf_kvmap.zoo`
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_NAMES))
+
 
 __all__ = [
     "CalibrationStatistics",

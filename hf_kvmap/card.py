@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .artifacts import EVALUATION_FILE, results_belong_to, results_hash
 from .flops import mapper_parameters
-from .reporting import fmt_number, retention_cells, retention_measurable
+from .reporting import fmt_number, retention_cells, retention_measurable, write_json
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
 
@@ -289,3 +292,34 @@ def render_card(
         diagnostics=diagnostics,
         handoff_guard=_handoff_guard(config),
     )
+
+
+def write_card(
+    mapper,
+    folder: str | os.PathLike,
+    evaluation: dict | None = None,
+    repo_id: str | None = None,
+    *,
+    name: str | None = None,
+) -> Path:
+    """(Re)render `folder/README.md` of `mapper` (a `MapperModel`) from its config and the evaluation results.
+
+    A given `evaluation` is stored as `folder/evaluation.json` (refused with `ValueError` if it records the content
+    hash of another artifact); without it, the one already there is used if it records this artifact's hash. The
+    card is named after `repo_id` (or `name`, or the folder). Returns the card's path.
+    """
+    folder = Path(folder)
+    if evaluation is not None:
+        if results_belong_to(evaluation, mapper.config, mapper.state_dict()) is False:
+            raise ValueError(
+                f"These results were measured on the mapper with content hash {results_hash(evaluation)}, not "
+                f"on this one ({mapper.config.content_hash}): evaluate this mapper (`hf-kvmap eval`) instead."
+            )
+        write_json(folder / EVALUATION_FILE, evaluation)
+    elif (folder / EVALUATION_FILE).exists():
+        previous = json.loads((folder / EVALUATION_FILE).read_text())
+        if results_belong_to(previous, mapper.config, mapper.state_dict()):
+            evaluation = previous
+    model_name = repo_id.split("/")[-1] if repo_id else (name or folder.resolve().name)
+    render_card(mapper, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
+    return folder / "README.md"

@@ -1,28 +1,22 @@
-"""`MapperConfig`: everything needed to apply a KV-cache mapper without guessing; `FitOptions`: how one is fitted.
-
-Every default of fitting (`ridge_lambda`, `top_k`, the mapper kinds, the MLP training settings) and its validation
-live here, once: the library's functions, `MapperModel.fit` and the command line all take them from `FitOptions`.
-"""
+"""`MapperConfig`: everything needed to apply a KV-cache mapper without guessing (how one is fitted is
+`hf_kvmap.fit_options.FitOptions`), and the validators every option bundle shares."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig
 
 from ._version import __version__
 from .geometry import KVGeometry, text_config
+from .kinds import MAPPER_KINDS
+from .kinds.ridge import LAMBDA_CONVENTIONS
+from .layout import part_inputs
+from .validation import check_choice, check_int, check_number
 
-MAPPER_KINDS = ("ridge", "mlp")
 INPUT_KINDS = ("same", "both")
-LAMBDA_CONVENTIONS = ("absolute", "per_token")
-MLP_INITS = ("ridge", "random")
 OBJECTIVES = ("mse", "kl", "attention", "attention+kl")
-ATTENTION_LOSSES = ("output", "logits")
-ATTENTION_SPACES = ("residual", "heads")
 PARTS = ("key", "value")
 
 # Fields of a model config that the mapper keeps (enough to rebuild its rotary embedding and check its geometry).
@@ -52,30 +46,6 @@ def summarize_model_config(config: PretrainedConfig | dict) -> dict[str, Any]:
     return summary
 
 
-def check_choice(name: str, value, choices: tuple) -> None:
-    """Raise `ValueError` unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}.")
-
-
-def check_int(name: str, value, minimum: int, *, allow_none: bool = False, meaning: str = "") -> None:
-    """Raise `ValueError` unless `value` is an integer (not a bool) `>= minimum` (or `None` with `allow_none`)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {what}{meaning}.")
-
-
-def check_number(name: str, value, minimum: float, *, strict: bool = False, below: float | None = None) -> None:
-    """Raise `ValueError` unless `value` is a real number `>= minimum` (`> minimum` with `strict`, `< below`)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > minimum if strict else value >= minimum) and (below is None or value < below)
-    if not ok:
-        bound = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below is not None else "")
-        raise ValueError(f"{name}={value!r} must be a number {bound}.")
-
-
 def normalize_layer_inputs(layer_inputs: dict | None) -> dict[str, dict[str, dict[str, Any]]]:
     """`layer_inputs` in the form a config records: `{"<target layer>": {"key"|"value": {"context_window": int,
     "input_kinds": str}}}` (string layer keys, as JSON stores them); raises `ValueError` naming a bad entry."""
@@ -102,194 +72,6 @@ def normalize_layer_inputs(layer_inputs: dict | None) -> dict[str, dict[str, dic
             entry[part] = spec
         out[str(int(layer))] = entry
     return out
-
-
-def part_inputs(layer_inputs: dict, layer: int, part: str, context_window: int, input_kinds: str) -> tuple[int, str]:
-    """`(context_window, input_kinds)` of target `layer`'s `part` map: its `layer_inputs` entry, else the global
-    ones."""
-    spec = layer_inputs.get(str(layer), {}).get(part, {})
-    return spec.get("context_window", context_window), spec.get("input_kinds", input_kinds)
-
-
-@dataclasses.dataclass
-class FitOptions:
-    r"""
-    How a mapper is fitted (the one home of every fitting default and its validation).
-
-    Args:
-        kind (`str`, *optional*, defaults to `"ridge"`): the mapper kind, one of `MAPPER_KINDS`.
-        top_k (`int`, *optional*, defaults to 8): source layers per target layer, chosen by the single-source probe
-            (`None`: all). Ignored when `source_layers` is given.
-        source_layers (`list[list[int]]`, *optional*): explicit source layers per target layer (skips selection).
-        ridge_lambda (`float`, *optional*, defaults to 0.01): ridge penalty (of the ridge kind, of the MLP's ridge
-            initialization and of its comparison ridge).
-        lambda_convention (`str`, *optional*, defaults to `"absolute"`): `"absolute"` adds `lambda I`,
-            `"per_token"` adds `N lambda I` with `N` calibration positions.
-        input_kinds (`str`, *optional*, defaults to `"same"`), context_window (`int`, *optional*, defaults to 0): what
-            each map reads (see `MapperConfig`).
-        layer_inputs (`dict`, *optional*): per-map exceptions to those two, e.g. `{3: {"key": {"context_window": 3,
-            "input_kinds": "both"}}}`: a context window only where a layer needs one (see `MapperConfig`).
-        key_norm (`bool`, *optional*, defaults to `False`): normalise each predicted key head with the target's own
-            key norm (see `MapperConfig`); the target must have one (`self_attn.k_norm`, e.g. Qwen3).
-        objective (`str`, *optional*, defaults to `"mse"`): `"mse"`: the maps minimise the content-space error of
-            the keys and values (closed form or MLP training). `"kl"`: that fit is then fine-tuned end to end, so
-            that the frozen target reading the mapped cache reproduces its own next-token distributions on
-            calibration text (`hf_kvmap.objectives.kl_finetune`). `"attention"`: that fit is then fine-tuned so that
-            in every target layer the target's own queries read the same attention output from the mapped cache as
-            from its own (`hf_kvmap.attention_objective.attention_finetune`; no backward through the target).
-            `"attention+kl"`: the attention fine-tune, then the KL one.
-        kl_steps, kl_lr, kl_batch_size, kl_eval_every, kl_patience, kl_val_sequences, kl_min_prefix,
-            kl_cache_references: the end-to-end
-            fine-tune (see `hf_kvmap.objectives.kl_finetune`).
-        attn_steps, attn_lr, attn_batch_size, attn_eval_every, attn_patience, attn_val_sequences, attn_min_prefix,
-            attn_loss, attn_space, attn_normalize, attn_cache_references: the attention fine-tune (see
-            `hf_kvmap.attention_objective.attention_finetune`).
-        hidden_size (`int`, *optional*, defaults to 1024): `h` of the MLP kind.
-        epochs, batch_tokens, lr, warmup_steps, patience, init, seed: MLP training (see
-            `hf_kvmap.training.train_headwise_mlp`).
-        val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out (MLP only).
-        stride (`int`, *optional*, defaults to 1): keep every `stride`-th calibration position.
-        statistics_dtype (`torch.dtype`, *optional*, defaults to `torch.float64`): accumulation dtype.
-        max_memory_bytes (`int`, *optional*, defaults to 16 GiB): bound on calibration features kept in memory.
-        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): dtype of the fitted mapper's weights.
-    """
-
-    kind: str = "ridge"
-    top_k: int | None = 8
-    source_layers: list[list[int]] | None = None
-    ridge_lambda: float = 0.01
-    lambda_convention: str = "absolute"
-    input_kinds: str = "same"
-    context_window: int = 0
-    layer_inputs: dict | None = None
-    key_norm: bool = False
-    objective: str = "mse"
-    kl_steps: int = 400
-    kl_lr: float = 3e-4
-    kl_batch_size: int = 8
-    kl_eval_every: int = 25
-    kl_patience: int | None = 6
-    kl_val_sequences: int = 32
-    kl_min_prefix: int = 32
-    kl_cache_references: bool = False
-    attn_steps: int = 400
-    attn_lr: float = 1e-3
-    attn_batch_size: int = 8
-    attn_eval_every: int = 25
-    attn_patience: int | None = 6
-    attn_val_sequences: int = 32
-    attn_min_prefix: int = 32
-    attn_loss: str = "output"
-    attn_space: str = "residual"
-    attn_normalize: bool = True
-    attn_cache_references: bool = False
-    hidden_size: int = 1024
-    epochs: int = 20
-    batch_tokens: int = 4096
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    val_fraction: float = 0.1
-    patience: int | None = 3
-    init: str = "ridge"
-    seed: int = 0
-    stride: int = 1
-    statistics_dtype: torch.dtype = torch.float64
-    max_memory_bytes: int | None = 16 * 2**30
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise `ValueError` naming the first bad value."""
-        check_choice("kind", self.kind, MAPPER_KINDS)
-        check_choice("init", self.init, MLP_INITS)
-        check_choice("input_kinds", self.input_kinds, INPUT_KINDS)
-        check_choice("lambda_convention", self.lambda_convention, LAMBDA_CONVENTIONS)
-        check_int("top_k", self.top_k, 1, allow_none=True, meaning=", or None for all source layers")
-        check_int("context_window", self.context_window, 0, meaning=" (0: per position)")
-        self.layer_inputs = normalize_layer_inputs(self.layer_inputs) or None
-        check_choice("objective", self.objective, OBJECTIVES)
-        check_int("kl_steps", self.kl_steps, 0)
-        check_number("kl_lr", self.kl_lr, 0, strict=True)
-        check_int("kl_batch_size", self.kl_batch_size, 1)
-        check_int("kl_eval_every", self.kl_eval_every, 1)
-        check_int("kl_patience", self.kl_patience, 0, allow_none=True)
-        check_int("kl_val_sequences", self.kl_val_sequences, 1)
-        check_int("kl_min_prefix", self.kl_min_prefix, 1)
-        check_int("attn_steps", self.attn_steps, 0)
-        check_number("attn_lr", self.attn_lr, 0, strict=True)
-        check_int("attn_batch_size", self.attn_batch_size, 1)
-        check_int("attn_eval_every", self.attn_eval_every, 1)
-        check_int("attn_patience", self.attn_patience, 0, allow_none=True)
-        check_int("attn_val_sequences", self.attn_val_sequences, 1)
-        check_int("attn_min_prefix", self.attn_min_prefix, 1)
-        check_choice("attn_loss", self.attn_loss, ATTENTION_LOSSES)
-        check_choice("attn_space", self.attn_space, ATTENTION_SPACES)
-        check_number("ridge_lambda", self.ridge_lambda, 0)
-        check_int("hidden_size", self.hidden_size, 1)
-        check_int("epochs", self.epochs, 0)
-        check_int("batch_tokens", self.batch_tokens, 1)
-        check_number("lr", self.lr, 0, strict=True)
-        check_int("warmup_steps", self.warmup_steps, 0)
-        check_number("val_fraction", self.val_fraction, 0, below=1)
-        check_int("patience", self.patience, 0, allow_none=True)
-        check_int("stride", self.stride, 1)
-        check_int("max_memory_bytes", self.max_memory_bytes, 1, allow_none=True)
-
-    @property
-    def fits_on_features(self) -> bool:
-        """Whether the mapper is fitted on calibration features kept in memory: the MLP, and any input the
-        sufficient statistics do not cover; only the per-position ridge is solved from statistics alone."""
-        if self.kind == "mlp" or self.input_kinds != "same" or self.context_window > 0:
-            return True
-        return any(
-            spec.get("context_window", 0) > 0 or spec.get("input_kinds", "same") != "same"
-            for parts in (self.layer_inputs or {}).values()
-            for spec in parts.values()
-        )
-
-    def kl_settings(self) -> dict[str, Any]:
-        """The settings `hf_kvmap.objectives.kl_finetune` takes from these options (and the seed)."""
-        names = (
-            "steps",
-            "lr",
-            "batch_size",
-            "eval_every",
-            "patience",
-            "val_sequences",
-            "min_prefix",
-            "cache_references",
-        )
-        return {name: getattr(self, f"kl_{name}") for name in names} | {"seed": self.seed}
-
-    def attention_settings(self) -> dict[str, Any]:
-        """The settings `hf_kvmap.attention_objective.attention_finetune` takes from these options (and the seed)."""
-        names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "loss")
-        names += ("space", "normalize", "cache_references")
-        return {name: getattr(self, f"attn_{name}") for name in names} | {"seed": self.seed}
-
-    @property
-    def objective_stages(self) -> tuple[str, ...]:
-        """The fine-tunes after the fit, in order (`()` for `"mse"`)."""
-        return tuple(stage for stage in self.objective.split("+") if stage != "mse")
-
-    def objective_settings(self) -> dict[str, dict[str, Any]]:
-        """`{stage: its settings}` of every fine-tune of the objective (what `MapperConfig.objective_settings`
-        records)."""
-        return {stage: getattr(self, f"{stage}_settings")() for stage in self.objective_stages}
-
-    def mlp_settings(self) -> dict[str, Any]:
-        """The settings `hf_kvmap.training.train_headwise_mlp` takes from these options (all but the seed)."""
-        names = ("hidden_size", "epochs", "batch_tokens", "lr", "patience", "init", "ridge_lambda")
-        return {name: getattr(self, name) for name in (*names, "lambda_convention", "warmup_steps")}
-
-    def replace(self, **changes) -> FitOptions:
-        """A copy with `changes` (validated); unknown names raise `TypeError` naming them."""
-        unknown = sorted(set(changes) - {field.name for field in dataclasses.fields(self)})
-        if unknown:
-            raise TypeError(f"Unknown fitting options {unknown}; see `hf_kvmap.FitOptions` for the known ones.")
-        return dataclasses.replace(self, **changes)
 
 
 class MapperConfig(PretrainedConfig):

@@ -1,4 +1,4 @@
-"""The one early-stopping training loop: the MLP mapper's epochs (`hf_kvmap.training`) and the fine-tunes of
+"""The one early-stopping training loop: the MLP mapper's epochs (`hf_kvmap.kinds.mlp`) and the fine-tunes of
 `hf_kvmap.objectives` (end-to-end KL, per-layer attention output) all run [`train_with_early_stopping`].
 
 Its rule, once: the state kept is the best on the held-out measure *including the starting state* (a fine-tune

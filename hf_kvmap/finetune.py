@@ -1,7 +1,8 @@
-"""What every fine-tune of a fitted mapper shares (`hf_kvmap.objectives`: end-to-end KL;
-`hf_kvmap.attention_objective`: per-layer attention output): the calibration as fixed-length rows, the seeded
-held-out split and cut points, the frozen models, and the optimizer loop with held-out early stopping
-(`hf_kvmap.early_stopping`) and progress.
+"""What every fine-tune of a fitted mapper shares (`hf_kvmap.objectives.kl`: end-to-end KL;
+`hf_kvmap.objectives.attention`: per-layer attention output): the calibration as fixed-length rows, the seeded
+held-out split and cut points, the frozen models, the optimizer loop with held-out early stopping
+(`hf_kvmap.early_stopping`) and progress, and the one fine-tune loop [`run_finetune`] every objective runs. An
+objective is one [`Objective`] subclass in its own file, registered with [`register_objective`].
 
 Every objective cuts a calibration sequence at a point `p`: the source prefills tokens `< p`, the mapper maps that
 cache, and the target reads tokens `>= p` on top of it, as in serving. Training cuts at a uniform random point
@@ -10,18 +11,23 @@ between `min_prefix` and `T - min_prefix`; held-out sequences are cut at a quart
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from .configuration_mapper import check_int, check_number
 from .early_stopping import StoppingResult, train_with_early_stopping
 from .features import unpack_batch
+
+logger = logging.get_logger(__name__)
 
 
 def calibration_rows(calibration: Iterable, objective: str = "KL") -> torch.Tensor:
@@ -173,11 +179,122 @@ def optimize(
     return result
 
 
+# ------------------------------------------------------------------------------------------------ objectives
+class Objective:
+    r"""
+    One fine-tuning objective of a fitted mapper, run by [`run_finetune`] on a [`CalibrationSplit`] with the models
+    frozen. A subclass, in its own file under `hf_kvmap/objectives/`, names itself and its options and computes a
+    training step's loss and the held-out measure; [`register_objective`] makes it a stage of `FitOptions.objective`.
+
+    Class attributes:
+        name (`str`): the stage name (`FitOptions.objective`, and `"<name>_finetune"` in the mapper's calibration
+            record).
+        function (`Callable`): its public fine-tune function, `(mapper, source_model, target_model, calibration,
+            *, progress, **options) -> result`, which runs [`run_finetune`].
+        options_class (`type`): its options dataclass; its fields are the `FitOptions` fields
+            `fit_options_prefix + field` (and the shared `seed`).
+        fit_options_prefix (`str`): e.g. `"kl_"`.
+        label (`str`): how errors name it (`"The KL objective takes ..."`).
+        desc, metric, train_metric, measure (`str`): the progress bar, the held-out and training metric names of the
+            history, and what the log line calls the held-out measure.
+    """
+
+    name: ClassVar[str]
+    function: ClassVar[Callable]
+    options_class: ClassVar[type]
+    fit_options_prefix: ClassVar[str]
+    label: ClassVar[str]
+    desc: ClassVar[str]
+    metric: ClassVar[str]
+    train_metric: ClassVar[str]
+    measure: ClassVar[str]
+
+    def __init__(self, mapper, source_model, target_model, data: CalibrationSplit, settings: dict[str, Any]):
+        self.mapper, self.source_model, self.target_model = mapper, source_model, target_model
+        self.data, self.settings = data, settings
+
+    def step_loss(self, step: int) -> torch.Tensor:
+        """The loss of one training step (see [`optimize`])."""
+        raise NotImplementedError
+
+    def evaluate(self) -> float:
+        """The held-out measure of the mapper's current state."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Anything measured on the best state once training is over (models still frozen)."""
+
+    def result(self, run: StoppingResult, seconds: float):
+        """The objective's result record (a dataclass with `to_dict`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def settings_from(cls, options) -> dict[str, Any]:
+        """The keyword settings of this objective's fine-tune function taken from a `FitOptions`."""
+        return {
+            field.name: getattr(options, field.name if field.name == "seed" else cls.fit_options_prefix + field.name)
+            for field in dataclasses.fields(cls.options_class)
+        }
+
+
+#: Every fine-tuning objective by stage name; filled by [`register_objective`] as `hf_kvmap.objectives` loads.
+OBJECTIVE_REGISTRY: dict[str, type[Objective]] = {}
+
+
+def register_objective(cls: type[Objective]) -> type[Objective]:
+    """Class decorator: make `cls` the objective of stage `cls.name` (refusing a second one of the same name)."""
+    if cls.name in OBJECTIVE_REGISTRY and OBJECTIVE_REGISTRY[cls.name] is not cls:
+        raise ValueError(f"An objective named {cls.name!r} is already registered ({OBJECTIVE_REGISTRY[cls.name]}).")
+    OBJECTIVE_REGISTRY[cls.name] = cls
+    return cls
+
+
+def run_finetune(
+    objective: type[Objective],
+    mapper,
+    source_model,
+    target_model,
+    calibration: Iterable,
+    settings: dict[str, Any],
+    progress: bool = True,
+):
+    """The one fine-tune loop: split the calibration ([`split_calibration`]), freeze both models, build the
+    `objective` on the split, [`optimize`] the mapper by its step loss with held-out early stopping on its measure,
+    then record its result in `mapper.config.calibration["<name>_finetune"]` and return it."""
+    data = split_calibration(calibration, settings, objective.label)
+    started = time.perf_counter()
+    with frozen(source_model, target_model):
+        run_state = objective(mapper, source_model, target_model, data, settings)
+        run = optimize(
+            mapper,
+            run_state.step_loss,
+            run_state.evaluate,
+            settings,
+            desc=objective.desc,
+            metric=objective.metric,
+            train_metric=objective.train_metric,
+            lr_option=f"{objective.fit_options_prefix}lr",
+            progress=progress,
+        )
+        run_state.finish()
+    result = run_state.result(run, time.perf_counter() - started)
+    logger.info(
+        f"{objective.desc[0].upper()}{objective.desc[1:]}: held-out {objective.measure} {run.initial:.4g} -> "
+        f"{run.best:.4g} (best step {run.best_unit} of {run.units_run})."
+    )
+    mapper.config.calibration = {**mapper.config.calibration, f"{objective.name}_finetune": result.to_dict()}
+    return result
+
+
 __all__ = [
+    "OBJECTIVE_REGISTRY",
     "CalibrationSplit",
+    "Objective",
     "calibration_rows",
     "finetune_settings",
     "frozen",
     "optimize",
+    "register_objective",
+    "run_finetune",
     "split_calibration",
 ]

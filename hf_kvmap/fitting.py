@@ -8,13 +8,15 @@
    (`hf_kvmap.selection`).
 3. **Weights**: the per-position ridge is a sub-block solve of the statistics ([`solve_layer`], no further pass).
    Every other mapper (the MLP kind, `input_kinds="both"`, a `context_window`) is fitted on features kept in memory
-   (`hf_kvmap.features.gather_features`, a second pass) by its kind's entry in `FEATURE_FITTERS`: one ridge solve
-   per set of maps reading the same inputs, or MLP training (`hf_kvmap.training`). Features passed in are always
-   fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
+   (`hf_kvmap.features.gather_features`, a second pass) by its kind's `fit_on_features` (`hf_kvmap.kinds`): one
+   ridge solve per set of maps reading the same inputs, or MLP training (`hf_kvmap.kinds.mlp`). Features passed in
+   are always fitted on, whatever the kind (a per-position ridge then takes only its selection from the statistics).
 4. **Config**: [`fitted_config`] records both models, the selection, the options and the calibration provenance.
 
-It returns a [`FittedMapper`] (config, weights, selection); `MapperModel.from_fitted` packages it. The public front
-doors are `MapperModel.fit`, `MapperModel.from_statistics` and `hf_kvmap.fit_mapper`, which all come here.
+It returns a [`FittedMapper`] (config, weights, selection); [`mapper_from_fitted`] packages it (fine-tuning it first
+when the objective says so). The public front doors are [`fit_mapper`] and [`mapper_from_statistics`] (exported as
+`hf_kvmap.fit_mapper` and `hf_kvmap.mapper_from_statistics`), which both come here. The model (`modeling_mapper`)
+sits below this module and never imports it.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .artifacts import tokenizer_fingerprint as fingerprint_of
-from .configuration_mapper import FitOptions, MapperConfig, part_inputs
+from .configuration_mapper import MapperConfig
 from .features import PARTS, CalibrationFeatures, gather_features, input_device
+from .fit_options import FitOptions
 from .geometry import KVGeometry
 from .key_norm import target_key_norm
-from .regression import head_r2, regression_metrics, ridge_from_moments, ridge_solve
+from .kinds import KIND_REGISTRY, map_inputs
+from .modeling_mapper import MapperModel
+from .objectives import finetune_fitted
+from .regression import head_r2, regression_metrics, ridge_from_moments
 from .selection import LayerSelection
 from .statistics import CalibrationStatistics
-from .training import split_rows, train_headwise_mlp
 
 logger = logging.get_logger(__name__)
 
@@ -162,90 +166,14 @@ def _solve_from_statistics(owner, selection: LayerSelection, options: FitOptions
 
 
 # ------------------------------------------------------------------------------------------------ on features
-def _map_inputs(options: FitOptions, layer: int, part: str) -> tuple[int, str]:
-    """`(context_window, input_kinds)` of one map under `options` (its `layer_inputs` entry, else the global)."""
-    return part_inputs(options.layer_inputs or {}, layer, part, options.context_window, options.input_kinds)
-
-
 def _max_context_window(options: FitOptions, num_layers: int) -> int:
-    return max(_map_inputs(options, layer, part)[0] for layer in range(num_layers) for part in PARTS)
-
-
-def _ridge_on_features(features, selection, options, target, progress):
-    """Maps that read the same inputs (same selected layers, window and input kinds; with input_kinds="both" keys and
-    values alike) share one Gram: solve them together, their targets side by side."""
-    penalty = options.ridge_lambda * (features.num_positions if options.lambda_convention == "per_token" else 1.0)
-    groups: dict[tuple, list[tuple[int, str]]] = {}
-    for layer_idx in range(target.num_layers):
-        for part in PARTS:
-            window, input_kinds = _map_inputs(options, layer_idx, part)
-            reads = "both" if input_kinds == "both" else part
-            key = (reads, window, input_kinds, tuple(selection.source_layers[layer_idx]))
-            groups.setdefault(key, []).append((layer_idx, part))
-    maps, width = {}, target.layer_width
-    for (_, window, input_kinds, chosen), members in tqdm(
-        groups.items(), desc="solving ridge maps", unit="input set", disable=not progress
-    ):
-        x = features.inputs(members[0][1], list(chosen), None, input_kinds, window)
-        y = torch.cat([features.outputs(part, layer_idx) for layer_idx, part in members], dim=1)
-        weight, bias = ridge_solve(x, y, penalty)
-        for slot, member in enumerate(members):
-            columns = slice(slot * width, (slot + 1) * width)
-            maps[member] = {"weight": weight[columns].contiguous(), "bias": bias[columns].contiguous()}
-    return maps, {"features": features.provenance}
-
-
-def _mlp_on_features(features, selection, options, target, progress):
-    """Every head's MLP of every target layer and part, on a held-out split by whole calibration sequences."""
-    train_rows, val_rows = split_rows(features.num_positions, options.val_fraction, options.seed, features.groups)
-    train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
-    bar = tqdm(
-        total=2 * target.num_layers * options.epochs, desc="training MLP mapper", unit="epoch", disable=not progress
-    )
-    maps, report = {}, []
-    for layer_idx in range(target.num_layers):
-        chosen = selection.source_layers[layer_idx]
-        entry: dict[str, Any] = {"layer": layer_idx}
-        for part_idx, part in enumerate(PARTS):
-            bar.set_description(f"training MLP mapper (layer {layer_idx} {part})")
-            window, input_kinds = _map_inputs(options, layer_idx, part)
-            x = features.inputs(part, chosen, None, input_kinds, window)
-            y = features.outputs(part, layer_idx)
-            mlp, result = train_headwise_mlp(
-                x[train_rows],
-                y[train_rows],
-                x[val_rows],
-                y[val_rows],
-                num_heads=target.num_kv_heads,
-                head_dim=target.head_dim,
-                seed=options.seed * 1_000_003 + 2 * layer_idx + part_idx,
-                bar=bar,
-                **options.mlp_settings(),
-            )
-            maps[layer_idx, part] = mlp.state_dict()
-            entry[part] = result.to_dict()
-        report.append(entry)
-    bar.close()
-    training = {
-        **options.mlp_settings(),
-        "optimizer": "adam",
-        "loss": "mse (content space)",
-        "val_fraction": options.val_fraction,
-        "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
-        "seed": options.seed,
-        "positions_train": int(train_rows.numel()),
-        "positions_val": int(val_rows.numel()),
-        "features": features.provenance,
-        "torch_version": torch.__version__,
-        "layers": report,
-    }
-    return maps, {"mlp_training": training}
+    return max(map_inputs(options, layer, part)[0] for layer in range(num_layers) for part in PARTS)
 
 
 #: How each mapper kind is fitted on features kept in memory: `(features, selection, options, target geometry,
-#: progress) -> ({(target_layer, part): state dict of the map}, calibration record)`. A new kind adds one entry here
-#: and one in `hf_kvmap.modeling_mapper.MAP_MODULES`.
-FEATURE_FITTERS: dict[str, Callable] = {"ridge": _ridge_on_features, "mlp": _mlp_on_features}
+#: progress) -> ({(target_layer, part): state dict of the map}, calibration record)`; a view of
+#: `hf_kvmap.kinds.KIND_REGISTRY` (each kind's `fit_on_features`; a new kind is one file there).
+FEATURE_FITTERS: dict[str, Callable] = {name: kind.fit_on_features for name, kind in KIND_REGISTRY.items()}
 
 
 # ------------------------------------------------------------------------------------------------ orchestrator
@@ -371,17 +299,16 @@ def fit(
         calibration = list(calibration)
         if device is None:
             device = input_device(source_model)
-    if on_features and options.kind == "mlp" and options.init == "ridge":  # before any pass
+
+    def target_head_dim() -> int:
         if target_model is not None:
-            head_dim = KVGeometry.from_config(target_model.config).head_dim
-        else:  # statistics and features were given (checked above)
-            first = statistics if isinstance(statistics, CalibrationStatistics) else next(iter(statistics), None)
-            head_dim = first.target_geometry.head_dim if first is not None else 0
-        if options.hidden_size < 2 * head_dim:
-            raise ValueError(
-                f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * head_dim} (got {options.hidden_size}); "
-                "pass init='random' or a larger hidden_size."
-            )
+            return KVGeometry.from_config(target_model.config).head_dim
+        # statistics and features were given (checked above)
+        first = statistics if isinstance(statistics, CalibrationStatistics) else next(iter(statistics), None)
+        return first.target_geometry.head_dim if first is not None else 0
+
+    if on_features:  # the kind's own checks, before any pass
+        KIND_REGISTRY[options.kind].check_options(options, target_head_dim)
     if statistics is None:
         statistics = collect_statistics(
             source_model, target_model, calibration, options, device=device, progress=progress, fingerprint=fingerprint
@@ -414,7 +341,8 @@ def fit(
                 max_memory_bytes=options.max_memory_bytes,
                 progress=progress,
             )
-        maps, record = FEATURE_FITTERS[options.kind](features, selection, options, first.target_geometry, progress)
+        kind = KIND_REGISTRY[options.kind]
+        maps, record = kind.fit_on_features(features, selection, options, first.target_geometry, progress)
         state = {
             f"layers.{layer_idx}.{part}_proj.{name}": tensor
             for (layer_idx, part), module_state in maps.items()
@@ -472,13 +400,72 @@ def content_space_metrics(mapper, features: CalibrationFeatures, rows: torch.Ten
     return out
 
 
+# ------------------------------------------------------------------------------------------------ front doors
+def mapper_from_fitted(fitted: FittedMapper, **objective_inputs) -> MapperModel:
+    """Package a [`FittedMapper`] as a `MapperModel` in the dtype it was fitted for (`MapperModel.from_fitted`); one
+    fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is first fine-tuned with both models
+    (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`; see
+    `hf_kvmap.objectives.finetune_fitted`)."""
+    if fitted.options is not None and fitted.options.objective_stages:
+        return finetune_fitted(fitted, **objective_inputs)
+    return MapperModel.from_fitted(fitted)
+
+
+def fit_mapper(source_model, target_model, calibration, **kwargs) -> MapperModel:
+    r"""
+    Fit a mapper on calibration data through both models ([`fit`], then [`mapper_from_fitted`]).
+
+    The per-position ridge is solved from sufficient statistics collected in one pass; the MLP kind and wider
+    inputs are fitted on features kept in memory (a second pass).
+
+    Args:
+        source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
+        calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
+            `attention_mask`).
+        kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
+            `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
+            arguments of [`fit`] (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
+            `kl_calibration`: the sequences of the fine-tunes (`objective="kl"`, `"attention"`, ...).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+    >>> from hf_kvmap import fit_mapper
+    >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    >>> model = Qwen3ForCausalLM(config)
+    >>> batches = [torch.randint(0, 64, (4, 32)) for _ in range(4)]
+    >>> mapper = fit_mapper(model, model, batches, top_k=1, ridge_lambda=1e-6, progress=False)
+    >>> mapper.config.source_layers
+    [[0], [1]]
+    ```
+    """
+    kl_calibration = kwargs.pop("kl_calibration", None)
+    calibration = list(calibration)
+    fitted = fit(source_model, target_model, calibration, **kwargs)
+    inputs = {"source_model": source_model, "target_model": target_model, "progress": kwargs.get("progress", True)}
+    return mapper_from_fitted(fitted, calibration=calibration if kl_calibration is None else kl_calibration, **inputs)
+
+
+def mapper_from_statistics(statistics, **kwargs) -> MapperModel:
+    """The closed-form ridge mapper from `CalibrationStatistics` (or several covering disjoint target layers):
+    selection and solve, no pass over data ([`fit`] with `statistics=`; `kwargs` as for [`fit_mapper`], plus
+    `selection=` to reuse a `LayerSelection`)."""
+    return mapper_from_fitted(fit(statistics=statistics, **kwargs))
+
+
 __all__ = [
     "FEATURE_FITTERS",
     "FittedMapper",
     "collect_statistics",
     "content_space_metrics",
     "fit",
+    "fit_mapper",
     "fitted_config",
+    "mapper_from_fitted",
+    "mapper_from_statistics",
     "mapper_r2",
     "solve_layer",
 ]

@@ -207,8 +207,8 @@ def finetune_step_cost(
     dtype_bytes: int = 2,
 ) -> dict[str, Any]:
     r"""
-    FLOPs and memory of one step of a fine-tune (`"attention"`: `hf_kvmap.attention_objective`; `"kl"`:
-    `hf_kvmap.objectives`) on `batch` sequences of `tokens` tokens cut at `prefix`, counted from configs.
+    FLOPs and memory of one step of a fine-tune (`"attention"`: `hf_kvmap.objectives.attention`; `"kl"`:
+    `hf_kvmap.objectives.kl`) on `batch` sequences of `tokens` tokens cut at `prefix`, counted from configs.
 
     Conventions (beyond the module's): a backward costs twice its forward where weights get gradients (the
     mapper) and once where only activations do (the frozen target's linear layers: no weight gradients), attention

@@ -2,7 +2,7 @@
 its key and value maps, and the target's rope, written into contiguous cache tensors.
 
 Two ways to the same numbers: the general one lays the selected source layers out as one feature tensor
-(`features.mapper_inputs`, the layout fitting uses) and calls the layer's maps; the direct one, for an affine map of
+(`layout.mapper_inputs`, the layout fitting uses) and calls the layer's maps; the direct one, for an affine map of
 plain per-position inputs (the paper's ridge) outside autograd, skips the feature tensor and accumulates one matrix
 product per selected source layer, reading each source layer's token-major content in place (on CPUs the gather is
 a quarter of the mapping's time).
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .configuration_mapper import MapperConfig
-from .features import mapper_inputs
 from .key_norm import normalize_keys
+from .layout import mapper_inputs
 from .rope import RotaryTable
 
 

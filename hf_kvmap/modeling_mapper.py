@@ -1,9 +1,9 @@
 """`MapperModel`: a fitted map from a source model's KV cache to a target model's, packaged as a `PreTrainedModel`.
 
 The model computes: `MapperModel.forward` is the whole mapping (RoPE strip with the source's rotary embedding, the
-input features of `hf_kvmap.features.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
+input features of `hf_kvmap.layout.mapper_inputs`, one map per target layer and K/V, re-rope with the target's).
 `MappedCache.from_source` validates a cache, calls it, and stores the result. What a map is depends on the mapper
-kind, through one registry (`MAP_MODULES`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
+kind, through one registry (`hf_kvmap.kinds`): an `nn.Linear` (`"ridge"`) or a `HeadwiseMLP` (`"mlp"`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from . import fitting
 from .artifacts import (
     EVALUATION_FILE,
     content_hash,
@@ -29,36 +28,24 @@ from .artifacts import (
     verify_artifact,
     write_folder_atomically,
 )
-from .card import render_card
 from .configuration_mapper import MapperConfig, summarize_model_config
 from .geometry import KVGeometry, check_supported_layout
 from .key_norm import normalize_keys
+from .kinds import KIND_REGISTRY
 from .mapping import map_target_layer
 from .modeling_mlp import HeadwiseMLP
-from .objectives import finetune_fitted
 from .placement import execution_devices
-from .reporting import write_json
 from .rope import RotaryCodec
 
 logger = logging.get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ kinds
-def _ridge_map(config: MapperConfig, in_features: int) -> nn.Module:
-    """`"ridge"`: one affine map, all target KV heads at once."""
-    return nn.Linear(in_features, config.target_geometry.layer_width, bias=True)
-
-
-def _mlp_map(config: MapperConfig, in_features: int) -> nn.Module:
-    """`"mlp"`: one MLP per target KV head, batched (`HeadwiseMLP`)."""
-    target = config.target_geometry
-    return HeadwiseMLP(in_features, config.mlp_hidden_size, target.num_kv_heads, target.head_dim)
-
-
 #: The module of one map per mapper kind: `(config, in_features) -> nn.Module` taking `(..., in_features)` to
-#: `(..., n_kv_target * head_dim_target)`. A new kind is one entry here and one in `hf_kvmap.fitting.FEATURE_FITTERS`
-#: (and its name in `configuration_mapper.MAPPER_KINDS`).
-MAP_MODULES: dict[str, Callable[[MapperConfig, int], nn.Module]] = {"ridge": _ridge_map, "mlp": _mlp_map}
+#: `(..., n_kv_target * head_dim_target)`; a view of `hf_kvmap.kinds.KIND_REGISTRY` (a new kind is one file there).
+MAP_MODULES: dict[str, Callable[[MapperConfig, int], nn.Module]] = {
+    name: kind.build_map for name, kind in KIND_REGISTRY.items()
+}
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -142,14 +129,14 @@ class MapperLayer(nn.Module):
     `config.source_layers[layer_idx]`, each flattened over `(kv_head, head_dim)`; it returns the content-space keys
     of every target KV head, flattened the same way. `value_proj` does the same for values. (With
     `config.input_kinds="both"`, a `config.context_window` or its `config.layer_inputs` entry, a map reads the wider
-    inputs of [`mapper_inputs`].) The module of each map comes from `MAP_MODULES[config.kind]`. With `config.key_norm`
+    inputs of [`mapper_inputs`].) The module of each map is its kind's `build_map` (`hf_kvmap.kinds`). With `config.key_norm`
     the keys pass through the target's key norm (`hf_kvmap.key_norm`; its weight is the buffer `key_norm_weight`).
     """
 
     def __init__(self, config: MapperConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        build = MAP_MODULES[config.kind]
+        build = KIND_REGISTRY[config.kind].build_map
         self.key_proj = build(config, config.input_width(layer_idx, "key"))
         self.value_proj = build(config, config.input_width(layer_idx, "value"))
         self.head_dim = config.target_geometry.head_dim
@@ -341,66 +328,25 @@ class MapperModel(MapperPreTrainedModel):
                 content.pop(key, None)
         return mapped
 
-    # ------------------------------------------------------------------------------------------ fitting
+    # ------------------------------------------------------------------------------------------ fitted weights
     @classmethod
-    def from_fitted(cls, fitted: fitting.FittedMapper, **objective_inputs) -> MapperModel:
+    def from_fitted(cls, fitted) -> MapperModel:
         """Package a [`~hf_kvmap.fitting.FittedMapper`] (config and solved or trained weights) as a model, in the
-        dtype it was fitted for; one fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is first
-        fine-tuned with both models (`objective_inputs`: `source_model`, `target_model`, `calibration`, `progress`;
-        see `hf_kvmap.objectives.finetune_fitted`)."""
+        dtype it was fitted for. A mapper fitted with a fine-tuning objective (`"kl"`, `"attention"`, ...) is
+        fine-tuned with both models first: package it with `hf_kvmap.fitting.mapper_from_fitted` (or fit it with
+        `hf_kvmap.fit_mapper`)."""
         if fitted.options is not None and fitted.options.objective_stages:
-            return finetune_fitted(cls, fitted, **objective_inputs)
+            raise ValueError(
+                f"This mapper was fitted with objective={fitted.options.objective!r}, which fine-tunes it with both "
+                "models: package it with `hf_kvmap.fitting.mapper_from_fitted(fitted, source_model=..., "
+                "target_model=..., calibration=...)`."
+            )
         with torch.device("meta"):  # every weight is copied in below; skip the random init
             model = cls(fitted.config)
         model = model.to_empty(device="cpu").to(fitted.dtype)
         with torch.no_grad():
             model.load_state_dict({name: t.to("cpu", fitted.dtype) for name, t in fitted.state_dict.items()})
         return model.eval()
-
-    @classmethod
-    def fit(cls, source_model, target_model, calibration, **kwargs) -> MapperModel:
-        r"""
-        Fit a mapper on calibration data through both models (`hf_kvmap.fitting.fit`, then `from_fitted`).
-
-        The per-position ridge is solved from sufficient statistics collected in one pass; the MLP kind and wider
-        inputs are fitted on features kept in memory (a second pass).
-
-        Args:
-            source_model, target_model (`PreTrainedModel`): causal LMs of one family (same tokenizer).
-            calibration (iterable): `(batch, seq)` LongTensors of token ids (or dicts with `input_ids` and
-                `attention_mask`).
-            kwargs: the `FitOptions` fields (`kind`, `top_k`, `context_window`, `layer_inputs`, `key_norm`,
-                `objective`, `kl_steps`, `hidden_size`, `stride`, `dtype`, ...) or `options=FitOptions(...)`, the other
-                arguments of `hf_kvmap.fitting.fit` (`tokenizer`, `statistics`, `features`, `device`, `progress`), and
-                `kl_calibration`: the sequences of the fine-tunes (`objective="kl"`, `"attention"`, ...).
-
-        Example:
-
-        ```python
-        >>> import torch
-        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
-        >>> from hf_kvmap import MapperModel
-        >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-        >>> model = Qwen3ForCausalLM(config)
-        >>> batches = [torch.randint(0, 64, (4, 32)) for _ in range(4)]
-        >>> mapper = MapperModel.fit(model, model, batches, top_k=1, ridge_lambda=1e-6, progress=False)
-        >>> mapper.config.source_layers
-        [[0], [1]]
-        ```
-        """
-        kl_calibration = kwargs.pop("kl_calibration", None)
-        calibration = list(calibration)
-        fitted = fitting.fit(source_model, target_model, calibration, **kwargs)
-        inputs = {"source_model": source_model, "target_model": target_model, "progress": kwargs.get("progress", True)}
-        return cls.from_fitted(fitted, calibration=calibration if kl_calibration is None else kl_calibration, **inputs)
-
-    @classmethod
-    def from_statistics(cls, statistics, **kwargs) -> MapperModel:
-        """The closed-form ridge mapper from `CalibrationStatistics` (or several covering disjoint target layers):
-        selection and solve, no pass over data (`hf_kvmap.fitting.fit` with `statistics=`; `kwargs` as for
-        [`~MapperModel.fit`], plus `selection=` to reuse a `LayerSelection`)."""
-        return cls.from_fitted(fitting.fit(statistics=statistics, **kwargs))
 
     # ------------------------------------------------------------------------------------------ artifacts
 
@@ -456,27 +402,11 @@ class MapperModel(MapperPreTrainedModel):
         *,
         name: str | None = None,
     ) -> Path:
-        """(Re)render `folder/README.md` from the config and the evaluation results.
+        """(Re)render `folder/README.md` from the config and the evaluation results (`hf_kvmap.card.write_card`, which
+        see); returns the card's path."""
+        from .card import write_card  # the card is written at save time only; mapping never loads it
 
-        A given `evaluation` is stored as `folder/evaluation.json` (refused with `ValueError` if it records the content
-        hash of another artifact); without it, the one already there is used if it records this artifact's hash. The
-        card is named after `repo_id` (or `name`, or the folder). Returns the card's path.
-        """
-        folder = Path(folder)
-        if evaluation is not None:
-            if results_belong_to(evaluation, self.config, self.state_dict()) is False:
-                raise ValueError(
-                    f"These results were measured on the mapper with content hash {results_hash(evaluation)}, not "
-                    f"on this one ({self.config.content_hash}): evaluate this mapper (`hf-kvmap eval`) instead."
-                )
-            write_json(folder / EVALUATION_FILE, evaluation)
-        elif (folder / EVALUATION_FILE).exists():
-            previous = json.loads((folder / EVALUATION_FILE).read_text())
-            if results_belong_to(previous, self.config, self.state_dict()):
-                evaluation = previous
-        model_name = repo_id.split("/")[-1] if repo_id else (name or folder.resolve().name)
-        render_card(self, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
-        return folder / "README.md"
+        return write_card(self, folder, evaluation, repo_id, name=name)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, verify: bool = True, **kwargs) -> MapperModel:
@@ -542,13 +472,3 @@ class MapperModel(MapperPreTrainedModel):
                 raise ValueError(message + "\nUse the mapper fitted for these models, or allow_mismatch=True.")
             logger.warning(message)
         return problems
-
-
-def fit_mapper(source_model, target_model, calibration, **kwargs) -> MapperModel:
-    """`MapperModel.fit` as a function (see it for the arguments)."""
-    return MapperModel.fit(source_model, target_model, calibration, **kwargs)
-
-
-def mapper_from_statistics(statistics, **kwargs) -> MapperModel:
-    """`MapperModel.from_statistics` as a function (see it for the arguments)."""
-    return MapperModel.from_statistics(statistics, **kwargs)

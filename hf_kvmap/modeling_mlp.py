@@ -2,7 +2,7 @@
 
 PAPER.md ("MLP variant"): on the same inputs as the ridge (content-space keys or values of the selected source
 layers, all KV heads concatenated), each target KV head gets `Linear(d_in -> h), ReLU, Linear(h -> h), ReLU,
-Linear(h -> d_head)`. Training lives in `hf_kvmap.training`.
+Linear(h -> d_head)`. Training lives in `hf_kvmap.kinds.mlp`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .configuration_mapper import FitOptions, check_int
+from .configuration_mapper import check_int
+from .fit_options import FitOptions
 from .regression import r2_score, spd_solve
 from .statistics import CalibrationStatistics
 

@@ -1,10 +1,14 @@
-"""The package's shape: the layering documented in the README (no import upward, no cycle) and module sizes."""
+"""The package's shape: the layering documented in CONTRIBUTING.md (no import upward, no cycle) and module sizes."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_kvmap"
@@ -52,9 +56,9 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def documented_layers() -> dict[str, int]:
-    """Module (or package prefix) -> layer number, from the README's layers table."""
-    readme = (ROOT / "README.md").read_text()
-    table = re.search(r"<!-- layers:start -->\n(.*?)<!-- layers:end -->", readme, re.DOTALL).group(1)
+    """Module (or package prefix) -> layer number, from the layers table of CONTRIBUTING.md."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    table = re.search(r"<!-- layers:start -->\n(.*?)<!-- layers:end -->", text, re.DOTALL).group(1)
     layers = {}
     for row in table.splitlines()[2:]:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -68,7 +72,7 @@ def layer_of(module: str, layers: dict[str, int]) -> int:
     for prefix in sorted(layers, key=len, reverse=True):
         if module == prefix or (prefix != "hf_kvmap" and module.startswith(prefix + ".")):
             return layers[prefix]
-    raise AssertionError(f"{module} is in no layer of the README's layers table")
+    raise AssertionError(f"{module} is in no layer of the layers table of CONTRIBUTING.md")
 
 
 def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
@@ -132,3 +136,56 @@ def test_compute_modules_never_import_plotting_or_the_demo_family():
 def test_no_module_is_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+#: What `import hf_kvmap.cache` loads of the package: the mapping and nothing else (no fitting, fine-tuning,
+#: statistics, evaluation, cards or serving). A new module here is a deliberate change of what mapping needs.
+MAPPING_MODULES = {
+    "hf_kvmap",
+    "hf_kvmap._compat",
+    "hf_kvmap._version",
+    "hf_kvmap.artifacts",
+    "hf_kvmap.cache",
+    "hf_kvmap.configuration_mapper",
+    "hf_kvmap.early_stopping",  # the MLP kind's training loop (a kind is one file: its map and its fit)
+    "hf_kvmap.first_layer",
+    "hf_kvmap.geometry",
+    "hf_kvmap.key_norm",
+    "hf_kvmap.kinds",
+    "hf_kvmap.kinds.base",
+    "hf_kvmap.kinds.mlp",
+    "hf_kvmap.kinds.ridge",
+    "hf_kvmap.layout",
+    "hf_kvmap.mapping",
+    "hf_kvmap.modeling_mapper",
+    "hf_kvmap.modeling_mlp",
+    "hf_kvmap.placement",
+    "hf_kvmap.regression",  # the ridge kind's solver
+    "hf_kvmap.rope",
+    "hf_kvmap.validation",
+}
+
+
+def _loaded_by(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.split('.')[0] == 'hf_kvmap'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_importing_the_cache_loads_only_the_mapping():
+    assert _loaded_by("import hf_kvmap.cache") == MAPPING_MODULES
+    # the planted check: a public name of the training side pulls its modules in on first use
+    assert {"hf_kvmap.fitting", "hf_kvmap.objectives"} <= _loaded_by("import hf_kvmap; hf_kvmap.fit_mapper")
+
+
+def test_every_public_name_resolves_lazily():
+    import hf_kvmap
+
+    for name in hf_kvmap.__all__:
+        assert getattr(hf_kvmap, name) is not None, name
+    assert set(hf_kvmap.__all__) <= set(dir(hf_kvmap))
+    assert hf_kvmap.zoo.__name__ == "hf_kvmap.zoo"  # submodules resolve too
+    # a submodule of the same name as a public function does not hide it once imported
+    assert _loaded_by("import hf_kvmap.handoff; assert hf_kvmap.handoff.__name__ == 'handoff'") >= {"hf_kvmap.handoff"}
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        hf_kvmap.not_a_name  # noqa: B018

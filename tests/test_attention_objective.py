@@ -1,4 +1,4 @@
-"""The per-layer attention objective (`objective="attention"`, `hf_kvmap.attention_objective`) and the one
+"""The per-layer attention objective (`objective="attention"`, `hf_kvmap.objectives.attention`) and the one
 early-stopping loop every fine-tune shares (`hf_kvmap.early_stopping`)."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_kvmap import FitOptions, MapperConfig, MapperModel
-from hf_kvmap.attention_objective import (
+from hf_kvmap import FitOptions, MapperConfig, MapperModel, fit_mapper
+from hf_kvmap.configuration_mapper import summarize_model_config
+from hf_kvmap.early_stopping import train_with_early_stopping
+from hf_kvmap.objectives.attention import (
     _attend,
     _project,
     _Reads,
@@ -19,8 +21,6 @@ from hf_kvmap.attention_objective import (
     held_out_attention_error,
     target_reads,
 )
-from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.early_stopping import train_with_early_stopping
 
 WINDOW = {1: {"key": {"context_window": 2, "input_kinds": "both"}}}
 
@@ -145,7 +145,7 @@ def test_attention_finetune_beats_the_closed_form_fit_and_only_trains_the_mapper
     too. (Between two random models the closed form is already what little 40 sequences allow.)"""
     source = target = tiny.model(seed=7, layers=3)
     batches = tiny.batches(seed=9, count=5, size=8, length=32)
-    mapper = MapperModel.fit(source, target, batches, top_k=1, progress=False, ridge_lambda=30.0, layer_inputs=WINDOW)
+    mapper = fit_mapper(source, target, batches, top_k=1, progress=False, ridge_lambda=30.0, layer_inputs=WINDOW)
     closed_form = {name: t.clone() for name, t in mapper.state_dict().items()}
     models_before = {name: t.clone() for name, t in target.state_dict().items()}
     held_out = tiny.batches(seed=10, count=1, size=8, length=32)[0]
@@ -186,7 +186,7 @@ def test_cached_and_streamed_references_agree(tiny):
 def test_fit_with_objective_attention_records_it_round_trips_and_is_hashed(tiny, tmp_path):
     source, target = tiny.model(seed=14), tiny.model(seed=15)
     batches = tiny.batches(seed=16, count=5, size=8, length=32)
-    mapper = MapperModel.fit(
+    mapper = fit_mapper(
         source, target, batches, top_k=1, progress=False, objective="attention+kl", attn_steps=4,
         attn_eval_every=2, attn_val_sequences=8, attn_min_prefix=8, attn_space="heads", kl_steps=2,
         kl_eval_every=1, kl_val_sequences=8, kl_min_prefix=8, dtype=torch.bfloat16,
@@ -209,7 +209,7 @@ def test_fit_with_objective_attention_records_it_round_trips_and_is_hashed(tiny,
     with pytest.raises(ValueError, match="the artifact was modified"):
         MapperModel.from_pretrained(tmp_path / "m")
     # a plain fit records "mse", hashed as before the field existed
-    plain = MapperModel.fit(source, target, batches, top_k=1, progress=False)
+    plain = fit_mapper(source, target, batches, top_k=1, progress=False)
     assert plain.config.objective == "mse" and plain.config.objective_settings == {}
 
 
@@ -247,7 +247,9 @@ def test_attention_settings_are_validated(tiny):
         from hf_kvmap import fitting
 
         fitted = fitting.fit(model, model, tiny.batches(count=2), top_k=1, progress=False, objective="attention")
-        MapperModel.from_fitted(fitted)
+        fitting.mapper_from_fitted(fitted)
+    with pytest.raises(ValueError, match=r"objective='attention'.*hf_kvmap\.fitting\.mapper_from_fitted"):
+        MapperModel.from_fitted(fitted)  # the model packages weights only; fine-tuning lives above it
 
 
 def test_early_stopping_keeps_the_best_state_and_counts_patience_on_trained_states():

@@ -84,14 +84,6 @@ def test_fit_options_defaults_are_the_papers_and_unknown_names_are_refused():
         options.replace(hidden=3)
 
 
-def test_mapper_kinds_have_a_module_and_a_fitter():
-    from hf_kvmap.configuration_mapper import MAPPER_KINDS
-    from hf_kvmap.fitting import FEATURE_FITTERS
-    from hf_kvmap.modeling_mapper import MAP_MODULES
-
-    assert set(MAP_MODULES) == set(FEATURE_FITTERS) == set(MAPPER_KINDS)
-
-
 def test_configs_saved_with_the_former_field_names_load(tiny, tmp_path):
     side = summarize_model_config(tiny.SUPPORTED["qwen3"]())
     config = MapperConfig.from_dict({"model_type": "kvmap_mapper", "source_config": side, "target_config": side})

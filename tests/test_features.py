@@ -9,7 +9,8 @@ from hf_kvmap import (
     MapperConfig,
 )
 from hf_kvmap.configuration_mapper import summarize_model_config
-from hf_kvmap.features import feature_bytes_per_position, gather_features, mapper_inputs, window_features
+from hf_kvmap.features import feature_bytes_per_position, gather_features
+from hf_kvmap.layout import mapper_inputs, window_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

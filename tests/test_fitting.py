@@ -78,7 +78,7 @@ def test_self_map_selects_diagonal_and_generates_identically(tiny, self_model, t
     stats = CalibrationStatistics.collect(
         model, model, tiny.batches(seed=3, count=4, size=4, length=64), progress=False
     )
-    mapper = MapperModel.from_statistics(stats, top_k=1, ridge_lambda=1e-8)
+    mapper = mapper_from_statistics(stats, top_k=1, ridge_lambda=1e-8)
     assert mapper.config.source_layers == [[0], [1], [2]]
     for kind, r2 in mapper_r2(stats, mapper).items():
         assert torch.all(r2 > 0.999), (kind, r2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_kvmap import MappedCache, MapperConfig, MapperModel, flops
+from hf_kvmap import MappedCache, MapperConfig, MapperModel, fit_mapper, flops
 from hf_kvmap.cli import main as cli_main
 from hf_kvmap.configuration_mapper import summarize_model_config
 from hf_kvmap.objectives import calibration_rows, held_out_kl, kl_finetune, mapped_kl
@@ -18,7 +18,7 @@ WINDOW = {1: {"key": {"context_window": 2, "input_kinds": "both"}}}
 
 
 def _fit(model, target, batches, **options):
-    return MapperModel.fit(model, target, batches, top_k=None, ridge_lambda=1e-6, progress=False, **options)
+    return fit_mapper(model, target, batches, top_k=None, ridge_lambda=1e-6, progress=False, **options)
 
 
 def test_layer_inputs_reproduce_the_full_window_fit_on_their_maps(tiny):
@@ -58,7 +58,7 @@ def test_layer_inputs_reproduce_the_full_window_fit_on_their_maps(tiny):
 def test_layer_window_self_fit_recovers_the_identity_and_generates_identically(tiny):
     model = tiny.model(seed=2)
     batches = tiny.batches(count=6, size=4, length=40)
-    mapper = MapperModel.fit(model, model, batches, top_k=1, ridge_lambda=1e-8, progress=False, layer_inputs=WINDOW)
+    mapper = fit_mapper(model, model, batches, top_k=1, ridge_lambda=1e-8, progress=False, layer_inputs=WINDOW)
     width = mapper.config.source_geometry.layer_width
     weight = mapper.layers[1].key_proj.weight  # [k_t, v_t, k_t-1, v_t-1, k_t-2, v_t-2]
     assert weight.shape == (width, 6 * width)
@@ -94,7 +94,7 @@ def test_key_norm_is_the_targets_and_undoes_shrinkage(tiny):
         for index, norm in enumerate(norms):
             norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()) + 0.1 * index)
     batches = tiny.batches(count=4, size=4, length=32)
-    mapper = MapperModel.fit(model, model, batches, top_k=1, ridge_lambda=1e-8, progress=False, key_norm=True)
+    mapper = fit_mapper(model, model, batches, top_k=1, ridge_lambda=1e-8, progress=False, key_norm=True)
     for layer, norm in zip(mapper.layers, norms):
         assert torch.equal(layer.key_norm_weight, norm.weight)
     assert mapper.config.key_norm_eps == norms[0].variance_epsilon
@@ -121,7 +121,7 @@ def test_key_norm_needs_a_target_that_has_one(tiny):
     )  # fmt: skip
     model = tiny.model(config=llama)
     with pytest.raises(ValueError, match="k_norm"):
-        MapperModel.fit(model, model, tiny.batches(count=2), top_k=1, progress=False, key_norm=True)
+        fit_mapper(model, model, tiny.batches(count=2), top_k=1, progress=False, key_norm=True)
 
 
 def _perturbed_identity(model, scale=0.05, seed=0):
@@ -194,7 +194,7 @@ def test_kl_finetune_refuses_unusable_calibration(tiny):
 def test_fit_with_objective_kl_records_it_and_keeps_its_dtype(tiny):
     source, target = tiny.model(seed=7), tiny.model(seed=8)
     batches = tiny.batches(seed=9, count=6, size=8, length=32)
-    mapper = MapperModel.fit(
+    mapper = fit_mapper(
         source, target, batches, top_k=1, progress=False, objective="kl", kl_steps=6, kl_eval_every=3,
         kl_val_sequences=8, kl_min_prefix=8, key_norm=True, layer_inputs=WINDOW, dtype=torch.bfloat16,
     )  # fmt: skip

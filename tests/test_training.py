@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_kvmap.kinds.mlp import split_rows, train_headwise_mlp
 from hf_kvmap.regression import regression_metrics, ridge_solve
-from hf_kvmap.training import split_rows, train_headwise_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,16 +11,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..configuration_mapper import (
-    ATTENTION_LOSSES,
-    ATTENTION_SPACES,
-    INPUT_KINDS,
-    LAMBDA_CONVENTIONS,
-    MAPPER_KINDS,
-    MLP_INITS,
-    OBJECTIVES,
-    FitOptions,
-)
+from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, OBJECTIVES
+from ..fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, MLP_INITS, FitOptions
 
 logger = logging.get_logger(__name__)
 
@@ -309,9 +301,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import MapperModel
     from ..artifacts import tokenizer_fingerprint
-    from ..fitting import collect_statistics, fit
+    from ..fitting import collect_statistics, fit, mapper_from_fitted
     from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
     from ._models import check_model_folder
@@ -399,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.statistics_device,
         progress=not args.no_progress,
     )
-    mapper = MapperModel.from_fitted(
+    mapper = mapper_from_fitted(
         fitted, source_model=source, target_model=target, calibration=batches, progress=not args.no_progress
     )
     mapper.save_pretrained(args.out, overwrite=args.overwrite)

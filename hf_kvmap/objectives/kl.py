@@ -19,22 +19,23 @@ objective is the one that sees the whole read path (every layer and how their er
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.utils import logging
 
-from ._compat import cache_kwargs, output_cache
-from .attention_objective import attention_finetune
-from .configuration_mapper import FitOptions
-from .finetune import calibration_rows, finetune_settings, frozen, optimize, split_calibration
-
-logger = logging.get_logger(__name__)
+from .._compat import cache_kwargs, output_cache
+from ..finetune import (
+    CalibrationSplit,
+    Objective,
+    calibration_rows,
+    finetune_settings,
+    register_objective,
+    run_finetune,
+)
+from ..fit_options import FitOptions
 
 
 @dataclass
@@ -54,6 +55,29 @@ class KLFinetuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class KLOptions:
+    """The settings of [`kl_finetune`] (`FitOptions.kl_*` and `FitOptions.seed`; see `kl_finetune` for each)."""
+
+    steps: int = FitOptions.kl_steps
+    lr: float = FitOptions.kl_lr
+    batch_size: int = FitOptions.kl_batch_size
+    eval_every: int = FitOptions.kl_eval_every
+    patience: int | None = FitOptions.kl_patience
+    val_sequences: int = FitOptions.kl_val_sequences
+    min_prefix: int = FitOptions.kl_min_prefix
+    cache_references: bool = FitOptions.kl_cache_references
+    seed: int = FitOptions.seed
+
+    def settings(self) -> dict[str, Any]:
+        """What the fine-tune records (validated; raises `ValueError` naming the first bad value)."""
+        names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "seed")
+        recorded = finetune_settings(*(getattr(self, name) for name in names), self.cache_references)
+        return recorded | {
+            "loss": "KL(target own cache || target mapped cache), next-token distributions after the cut"
+        }
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -200,85 +224,61 @@ def kl_finetune(
     Returns:
         [`KLFinetuneResult`]; it is also recorded in `mapper.config.calibration["kl_finetune"]`.
     """
-    settings = finetune_settings(
-        steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, seed, cache_references
-    ) | {"loss": "KL(target own cache || target mapped cache), next-token distributions after the cut"}
-    data = split_calibration(calibration, settings, "KL")
-    started = time.perf_counter()
-    with frozen(source_model, target_model):
-        train_refs = _References(source_model, target_model, data.train_rows, cache_references, batch_size)
-        val_refs = _References(source_model, target_model, data.val_rows, cache_references, batch_size)
+    options = KLOptions(steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, cache_references, seed)
+    return run_finetune(KLObjective, mapper, source_model, target_model, calibration, options.settings(), progress)
 
-        def step_loss(step: int) -> torch.Tensor:
-            index, split = data.draw(batch_size)
-            rows = data.train_rows[index]
-            return mapped_kl(mapper, source_model, target_model, rows, split, **train_refs.take(index))
 
-        def evaluate() -> float:
-            return held_out_kl(mapper, source_model, target_model, data.val_rows, data.splits, batch_size, val_refs)
+@register_objective
+class KLObjective(Objective):
+    """`"kl"`: the end-to-end objective of [`kl_finetune`] (see the module docstring)."""
 
-        run = optimize(
-            mapper,
-            step_loss,
-            evaluate,
-            settings,
-            desc="KL fine-tune",
-            metric="val_kl",
-            train_metric="train_kl",
-            lr_option="kl_lr",
-            progress=progress,
+    name = "kl"
+    function = staticmethod(kl_finetune)
+    options_class = KLOptions
+    fit_options_prefix = "kl_"
+    label = "KL"
+    desc = "KL fine-tune"
+    metric = "val_kl"
+    train_metric = "train_kl"
+    measure = "KL"
+
+    def __init__(self, mapper, source_model, target_model, data: CalibrationSplit, settings: dict[str, Any]):
+        super().__init__(mapper, source_model, target_model, data, settings)
+        cache, batch_size = settings["cache_references"], settings["batch_size"]
+        self.train_refs = _References(source_model, target_model, data.train_rows, cache, batch_size)
+        self.val_refs = _References(source_model, target_model, data.val_rows, cache, batch_size)
+
+    def step_loss(self, step: int) -> torch.Tensor:
+        index, split = self.data.draw(self.settings["batch_size"])
+        rows = self.data.train_rows[index]
+        return mapped_kl(self.mapper, self.source_model, self.target_model, rows, split, **self.train_refs.take(index))
+
+    def evaluate(self) -> float:
+        data, batch_size = self.data, self.settings["batch_size"]
+        return held_out_kl(
+            self.mapper, self.source_model, self.target_model, data.val_rows, data.splits, batch_size, self.val_refs
         )
-    result = KLFinetuneResult(
-        settings=settings,
-        initial_val_kl=run.initial,
-        best_val_kl=run.best,
-        best_step=run.best_unit,
-        steps_run=run.units_run,
-        seconds=time.perf_counter() - started,
-        sequences_train=len(data.train_rows),
-        sequences_val=len(data.val_rows),
-        sequence_length=data.length,
-        history=run.history,
-    )
-    logger.info(
-        f"KL fine-tune: held-out KL {run.initial:.4g} -> {run.best:.4g} (best step {run.best_unit} of {run.units_run})."
-    )
-    mapper.config.calibration = {**mapper.config.calibration, "kl_finetune": result.to_dict()}
-    return result
 
-
-#: The fine-tune of each objective stage (`FitOptions.objective_stages`), as `(function, settings of FitOptions)`.
-FINETUNES = {
-    "attention": (attention_finetune, FitOptions.attention_settings),
-    "kl": (kl_finetune, FitOptions.kl_settings),
-}
-
-
-def finetune_fitted(
-    model_class, fitted, source_model=None, target_model=None, calibration=None, progress: bool = True
-):
-    """A `FittedMapper` fitted with a fine-tuning objective (`"kl"`, `"attention"`, `"attention+kl"`) packaged as
-    `model_class` (`MapperModel`) in float32, fine-tuned by each stage's function of `FINETUNES` in turn with its
-    options on `calibration`, then cast to the dtype it was fitted for."""
-    options = fitted.options
-    if source_model is None or target_model is None or calibration is None:
-        raise ValueError(
-            f"objective={options.objective!r} fine-tunes with both models: pass source_model, target_model and "
-            "calibration."
+    def result(self, run, seconds: float) -> KLFinetuneResult:
+        return KLFinetuneResult(
+            settings=self.settings,
+            initial_val_kl=run.initial,
+            best_val_kl=run.best,
+            best_step=run.best_unit,
+            steps_run=run.units_run,
+            seconds=seconds,
+            sequences_train=len(self.data.train_rows),
+            sequences_val=len(self.data.val_rows),
+            sequence_length=self.data.length,
+            history=run.history,
         )
-    calibration = list(calibration)
-    model = model_class.from_fitted(dataclasses.replace(fitted, dtype=torch.float32, options=None))
-    for stage in options.objective_stages:
-        finetune, settings = FINETUNES[stage]
-        finetune(model, source_model, target_model, calibration, progress=progress, **settings(options))
-    return model.to(fitted.dtype).eval()
 
 
 __all__ = [
-    "FINETUNES",
     "KLFinetuneResult",
+    "KLObjective",
+    "KLOptions",
     "calibration_rows",
-    "finetune_fitted",
     "held_out_kl",
     "kl_finetune",
     "mapped_kl",

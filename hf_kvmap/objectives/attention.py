@@ -27,7 +27,6 @@ What it does not see is how errors compound from one layer into the queries of t
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -36,13 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
 
-from ._compat import output_cache
-from .configuration_mapper import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions, check_choice
-from .finetune import finetune_settings, frozen, optimize, split_calibration
-
-logger = logging.get_logger(__name__)
+from .._compat import output_cache
+from ..configuration_mapper import check_choice
+from ..finetune import CalibrationSplit, Objective, finetune_settings, register_objective, run_finetune
+from ..fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, FitOptions
 
 
 @dataclass
@@ -82,6 +79,37 @@ class AttentionReads:
     def take(self, index: torch.Tensor) -> AttentionReads:
         pick = [[t[index] for t in group] for group in (self.queries, self.keys, self.values)]
         return AttentionReads(*pick, self.scalings, self.modules)
+
+
+@dataclass
+class AttentionOptions:
+    """The settings of [`attention_finetune`] (`FitOptions.attn_*` and `FitOptions.seed`; see `attention_finetune`
+    for each)."""
+
+    steps: int = FitOptions.attn_steps
+    lr: float = FitOptions.attn_lr
+    batch_size: int = FitOptions.attn_batch_size
+    eval_every: int = FitOptions.attn_eval_every
+    patience: int | None = FitOptions.attn_patience
+    val_sequences: int = FitOptions.attn_val_sequences
+    min_prefix: int = FitOptions.attn_min_prefix
+    loss: str = FitOptions.attn_loss
+    space: str = FitOptions.attn_space
+    normalize: bool = FitOptions.attn_normalize
+    cache_references: bool = FitOptions.attn_cache_references
+    seed: int = FitOptions.seed
+
+    def loss_settings(self) -> dict[str, Any]:
+        """What [`attention_errors`] takes (validated)."""
+        check_choice("loss", self.loss, ATTENTION_LOSSES)
+        check_choice("space", self.space, ATTENTION_SPACES)
+        return {"loss": self.loss, "space": self.space, "normalize": bool(self.normalize)}
+
+    def settings(self) -> dict[str, Any]:
+        """What the fine-tune records (validated; raises `ValueError` naming the first bad value)."""
+        names = ("steps", "lr", "batch_size", "eval_every", "patience", "val_sequences", "min_prefix", "seed")
+        recorded = finetune_settings(*(getattr(self, name) for name in names), self.cache_references)
+        return recorded | self.loss_settings()
 
 
 @contextmanager
@@ -322,72 +350,83 @@ def attention_finetune(
     Returns:
         [`AttentionFinetuneResult`]; it is also recorded in `mapper.config.calibration["attention_finetune"]`.
     """
-    settings = finetune_settings(
-        steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, seed, cache_references
+    options = AttentionOptions(
+        steps, lr, batch_size, eval_every, patience, val_sequences, min_prefix, loss, space, normalize,
+        cache_references, seed,
+    )  # fmt: skip
+    return run_finetune(
+        AttentionObjective, mapper, source_model, target_model, calibration, options.settings(), progress
     )
-    check_choice("loss", loss, ATTENTION_LOSSES)
-    check_choice("space", space, ATTENTION_SPACES)
-    loss_settings = {"loss": loss, "space": space, "normalize": bool(normalize)}
-    settings |= loss_settings
-    data = split_calibration(calibration, settings, "attention")
-    started = time.perf_counter()
-    with frozen(source_model, target_model):
-        train_reads = _Reads(source_model, target_model, data.train_rows, cache_references, batch_size)
-        val_reads = _Reads(source_model, target_model, data.val_rows, cache_references, batch_size)
-        initial_layers: list[float] = []
 
-        def evaluate() -> float:
-            value, per_layer = held_out_attention_error(
-                mapper, val_reads, len(data.val_rows), data.splits, batch_size, **loss_settings
-            )
-            if not initial_layers:
-                initial_layers.extend(per_layer)
-            return value
 
-        def step_loss(step: int) -> torch.Tensor:  # the mean over layers, back-propagated one layer at a time
-            index, split = data.draw(batch_size)
-            source_kv, reads = train_reads.take(index)
-            errors = attention_errors(mapper, source_kv, reads, split, backward=1 / len(reads.keys), **loss_settings)
-            return torch.stack(errors).mean()
+@register_objective
+class AttentionObjective(Objective):
+    """`"attention"`: the per-layer objective of [`attention_finetune`] (see the module docstring)."""
 
-        run = optimize(
-            mapper,
-            step_loss,
-            evaluate,
-            settings,
-            desc="attention fine-tune",
-            metric="val_error",
-            train_metric="train_error",
-            lr_option="attn_lr",
-            progress=progress,
+    name = "attention"
+    function = staticmethod(attention_finetune)
+    options_class = AttentionOptions
+    fit_options_prefix = "attn_"
+    label = "attention"
+    desc = "attention fine-tune"
+    metric = "val_error"
+    train_metric = "train_error"
+    measure = "error"
+
+    def __init__(self, mapper, source_model, target_model, data: CalibrationSplit, settings: dict[str, Any]):
+        super().__init__(mapper, source_model, target_model, data, settings)
+        cache, batch_size = settings["cache_references"], settings["batch_size"]
+        self.loss_settings = {name: settings[name] for name in ("loss", "space", "normalize")}
+        self.train_reads = _Reads(source_model, target_model, data.train_rows, cache, batch_size)
+        self.val_reads = _Reads(source_model, target_model, data.val_rows, cache, batch_size)
+        self.initial_layers: list[float] = []
+        self.best_layers: list[float] = []
+
+    def _held_out(self) -> tuple[float, list[float]]:
+        data = self.data
+        return held_out_attention_error(
+            self.mapper, self.val_reads, len(data.val_rows), data.splits, self.settings["batch_size"],
+            **self.loss_settings,
+        )  # fmt: skip
+
+    def evaluate(self) -> float:
+        value, per_layer = self._held_out()
+        if not self.initial_layers:
+            self.initial_layers.extend(per_layer)
+        return value
+
+    def step_loss(self, step: int) -> torch.Tensor:  # the mean over layers, back-propagated one layer at a time
+        index, split = self.data.draw(self.settings["batch_size"])
+        source_kv, reads = self.train_reads.take(index)
+        errors = attention_errors(
+            self.mapper, source_kv, reads, split, backward=1 / len(reads.keys), **self.loss_settings
         )
-        _, best_layers = held_out_attention_error(
-            mapper, val_reads, len(data.val_rows), data.splits, batch_size, **loss_settings
+        return torch.stack(errors).mean()
+
+    def finish(self) -> None:
+        _, self.best_layers = self._held_out()
+
+    def result(self, run, seconds: float) -> AttentionFinetuneResult:
+        return AttentionFinetuneResult(
+            settings=self.settings,
+            initial_val_error=run.initial,
+            best_val_error=run.best,
+            initial_layer_errors=self.initial_layers,
+            best_layer_errors=self.best_layers,
+            best_step=run.best_unit,
+            steps_run=run.units_run,
+            seconds=seconds,
+            sequences_train=len(self.data.train_rows),
+            sequences_val=len(self.data.val_rows),
+            sequence_length=self.data.length,
+            history=run.history,
         )
-    result = AttentionFinetuneResult(
-        settings=settings,
-        initial_val_error=run.initial,
-        best_val_error=run.best,
-        initial_layer_errors=initial_layers,
-        best_layer_errors=best_layers,
-        best_step=run.best_unit,
-        steps_run=run.units_run,
-        seconds=time.perf_counter() - started,
-        sequences_train=len(data.train_rows),
-        sequences_val=len(data.val_rows),
-        sequence_length=data.length,
-        history=run.history,
-    )
-    logger.info(
-        f"Attention fine-tune: held-out error {run.initial:.4g} -> {run.best:.4g} "
-        f"(best step {run.best_unit} of {run.units_run})."
-    )
-    mapper.config.calibration = {**mapper.config.calibration, "attention_finetune": result.to_dict()}
-    return result
 
 
 __all__ = [
     "AttentionFinetuneResult",
+    "AttentionObjective",
+    "AttentionOptions",
     "AttentionReads",
     "attention_errors",
     "attention_finetune",

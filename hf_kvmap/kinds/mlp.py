@@ -1,7 +1,8 @@
-"""Training of the `"mlp"` mapper kind: one `HeadwiseMLP` per target layer and K/V on calibration features.
+"""`"mlp"`: one MLP per target layer, KV head and K/V (`HeadwiseMLP`), trained on calibration features.
 
 [`train_headwise_mlp`] trains one module from feature tensors (MSE, Adam, shuffled token batches, early stopping on
-a held-out split from [`split_rows`]), starting from the ridge solution. `hf_kvmap.fitting` runs it for every map.
+a held-out split from [`split_rows`]), starting from the ridge solution; [`MLPKind.fit_on_features`] runs it for
+every map of a mapper (what `hf_kvmap.fitting.fit` calls).
 """
 
 from __future__ import annotations
@@ -13,13 +14,50 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
 
-from .configuration_mapper import FitOptions, check_number
-from .early_stopping import train_with_early_stopping
-from .modeling_mlp import HeadwiseMLP
-from .regression import regression_metrics, ridge_solve
+from ..early_stopping import train_with_early_stopping
+from ..layout import PARTS
+from ..modeling_mlp import HeadwiseMLP
+from ..regression import regression_metrics, ridge_solve
+from ..validation import check_choice, check_int, check_number
+from .base import MapperKind, map_inputs, register_mapper_kind
+from .ridge import RidgeOptions
 
+MLP_INITS = ("ridge", "random")
 EVAL_CHUNK = 16384
+
+
+@dataclass
+class MLPOptions:
+    r"""
+    The settings of the MLP kind and its training (the penalty of its ridge initialization is `RidgeOptions`').
+
+    Args:
+        hidden_size (`int`, *optional*, defaults to 1024): `h`, the MLP's hidden width.
+        epochs, batch_tokens, lr, warmup_steps, patience, init: its training (see [`train_headwise_mlp`]).
+        val_fraction (`float`, *optional*, defaults to 0.1): share of calibration sequences held out.
+    """
+
+    hidden_size: int = 1024
+    epochs: int = 20
+    batch_tokens: int = 4096
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    val_fraction: float = 0.1
+    patience: int | None = 3
+    init: str = "ridge"
+
+    def __post_init__(self):
+        check_choice("init", self.init, MLP_INITS)
+        check_int("hidden_size", self.hidden_size, 1)
+        check_int("epochs", self.epochs, 0)
+        check_int("batch_tokens", self.batch_tokens, 1)
+        check_number("lr", self.lr, 0, strict=True)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_number("val_fraction", self.val_fraction, 0, below=1)
+        check_int("patience", self.patience, 0, allow_none=True)
 
 
 @dataclass
@@ -81,16 +119,16 @@ def train_headwise_mlp(
     *,
     num_heads: int,
     head_dim: int,
-    hidden_size: int = FitOptions.hidden_size,
-    epochs: int = FitOptions.epochs,
-    batch_tokens: int = FitOptions.batch_tokens,
-    lr: float = FitOptions.lr,
-    patience: int | None = FitOptions.patience,
-    seed: int = FitOptions.seed,
-    init: str = FitOptions.init,
-    ridge_lambda: float = FitOptions.ridge_lambda,
-    lambda_convention: str = FitOptions.lambda_convention,
-    warmup_steps: int = FitOptions.warmup_steps,
+    hidden_size: int = MLPOptions.hidden_size,
+    epochs: int = MLPOptions.epochs,
+    batch_tokens: int = MLPOptions.batch_tokens,
+    lr: float = MLPOptions.lr,
+    patience: int | None = MLPOptions.patience,
+    seed: int = 0,
+    init: str = MLPOptions.init,
+    ridge_lambda: float = RidgeOptions.ridge_lambda,
+    lambda_convention: str = RidgeOptions.lambda_convention,
+    warmup_steps: int = MLPOptions.warmup_steps,
     compare_ridge: bool = True,
     bar=None,
 ) -> tuple[HeadwiseMLP, MLPTrainingResult]:
@@ -131,19 +169,16 @@ def train_headwise_mlp(
     Returns:
         `(HeadwiseMLP, MLPTrainingResult)`: the best weights (float32, on `x_train`'s device) and the metrics.
     """
-    FitOptions(
-        kind="mlp",
+    RidgeOptions(ridge_lambda=ridge_lambda, lambda_convention=lambda_convention)  # validates every setting
+    MLPOptions(
         hidden_size=hidden_size,
         epochs=epochs,
         batch_tokens=batch_tokens,
         lr=lr,
         patience=patience,
-        seed=seed,
         init=init,
-        ridge_lambda=ridge_lambda,
-        lambda_convention=lambda_convention,
         warmup_steps=warmup_steps,
-    )  # validates every setting
+    )
     if x_train.dim() != 2 or y_train.dim() != 2 or x_train.shape[0] != y_train.shape[0]:
         raise ValueError(
             f"x_train {tuple(x_train.shape)} and y_train {tuple(y_train.shape)} must be (N, F) matrices with equal N."
@@ -281,3 +316,81 @@ def split_rows(
     order = torch.randperm(num_rows, generator=generator)
     n_val = min(num_rows - 2, max(1, round(val_fraction * num_rows)))
     return order[n_val:].sort().values, order[:n_val].sort().values
+
+
+def _mlp_map(config, in_features: int) -> nn.Module:
+    """`"mlp"`: one MLP per target KV head, batched (`HeadwiseMLP`)."""
+    target = config.target_geometry
+    return HeadwiseMLP(in_features, config.mlp_hidden_size, target.num_kv_heads, target.head_dim)
+
+
+def _mlp_on_features(features, selection, options, target, progress):
+    """Every head's MLP of every target layer and part, on a held-out split by whole calibration sequences."""
+    train_rows, val_rows = split_rows(features.num_positions, options.val_fraction, options.seed, features.groups)
+    train_rows, val_rows = train_rows.to(features.groups.device), val_rows.to(features.groups.device)
+    bar = tqdm(
+        total=2 * target.num_layers * options.epochs, desc="training MLP mapper", unit="epoch", disable=not progress
+    )
+    maps, report = {}, []
+    for layer_idx in range(target.num_layers):
+        chosen = selection.source_layers[layer_idx]
+        entry: dict[str, Any] = {"layer": layer_idx}
+        for part_idx, part in enumerate(PARTS):
+            bar.set_description(f"training MLP mapper (layer {layer_idx} {part})")
+            window, input_kinds = map_inputs(options, layer_idx, part)
+            x = features.inputs(part, chosen, None, input_kinds, window)
+            y = features.outputs(part, layer_idx)
+            mlp, result = train_headwise_mlp(
+                x[train_rows],
+                y[train_rows],
+                x[val_rows],
+                y[val_rows],
+                num_heads=target.num_kv_heads,
+                head_dim=target.head_dim,
+                seed=options.seed * 1_000_003 + 2 * layer_idx + part_idx,
+                bar=bar,
+                **options.mlp_settings(),
+            )
+            maps[layer_idx, part] = mlp.state_dict()
+            entry[part] = result.to_dict()
+        report.append(entry)
+    bar.close()
+    training = {
+        **options.mlp_settings(),
+        "optimizer": "adam",
+        "loss": "mse (content space)",
+        "val_fraction": options.val_fraction,
+        "split": "sequences" if len(torch.unique(features.groups)) >= 2 else "positions",
+        "seed": options.seed,
+        "positions_train": int(train_rows.numel()),
+        "positions_val": int(val_rows.numel()),
+        "features": features.provenance,
+        "torch_version": torch.__version__,
+        "layers": report,
+    }
+    return maps, {"mlp_training": training}
+
+
+@register_mapper_kind
+class MLPKind(MapperKind):
+    """`"mlp"`: see the module docstring."""
+
+    name = "mlp"
+    options_class = MLPOptions
+    needs_features = True
+    build_map = staticmethod(_mlp_map)
+    fit_on_features = staticmethod(_mlp_on_features)
+
+    @staticmethod
+    def check_options(options, head_dim) -> None:
+        if options.init != "ridge":
+            return
+        dim = head_dim()
+        if options.hidden_size < 2 * dim:
+            raise ValueError(
+                f"init='ridge' needs hidden_size >= 2 * head_dim = {2 * dim} (got {options.hidden_size}); "
+                "pass init='random' or a larger hidden_size."
+            )
+
+
+__all__ = ["MLP_INITS", "MLPKind", "MLPOptions", "MLPTrainingResult", "split_rows", "train_headwise_mlp"]

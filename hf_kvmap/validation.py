@@ -1,0 +1,31 @@
+"""The validators every option bundle and config shares: each raises `ValueError` naming the value and what it must
+be."""
+
+from __future__ import annotations
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Raise `ValueError` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}.")
+
+
+def check_int(name: str, value, minimum: int, *, allow_none: bool = False, meaning: str = "") -> None:
+    """Raise `ValueError` unless `value` is an integer (not a bool) `>= minimum` (or `None` with `allow_none`)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {what}{meaning}.")
+
+
+def check_number(name: str, value, minimum: float, *, strict: bool = False, below: float | None = None) -> None:
+    """Raise `ValueError` unless `value` is a real number `>= minimum` (`> minimum` with `strict`, `< below`)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > minimum if strict else value >= minimum) and (below is None or value < below)
+    if not ok:
+        bound = f"{'>' if strict else '>='} {minimum}" + (f" and < {below}" if below is not None else "")
+        raise ValueError(f"{name}={value!r} must be a number {bound}.")
+
+
+__all__ = ["check_choice", "check_int", "check_number"]
