@@ -427,3 +427,15 @@ def test_every_benchmarks_readme_repair_command_parses(script):
     assert len(commands) >= 2
     for command in commands:
         module.build_parser().parse_args(shlex.split(command, comments=True))
+
+
+def test_a_float32_mapped_cache_is_repaired_in_the_targets_dtype(tiny):
+    config = tiny.config(layers=3)
+    source, target = _model(config, 1, "sdpa"), _model(config, 0, "sdpa").to(torch.bfloat16)
+    ids = _prompt()
+    cache = MappedCache.from_source(tiny.prefill(source, ids), MapperModel.identity(config))
+    assert cache.layers[0].keys.dtype == torch.float32
+    repair_cache(target, cache, ids, RepairConfig("tail", fraction=1.0))
+    own = tiny.prefill(target, ids[:, :-1])
+    assert all(layer.keys.dtype == layer.values.dtype == torch.bfloat16 for layer in cache.layers)
+    assert _max_diff(cache, own) == 0.0
