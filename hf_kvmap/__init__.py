@@ -45,6 +45,8 @@ _LAZY_NAMES = {
     "mapper_device_map": "placement",
     "mapper_from_statistics": "fitting",
     "register_probe": "probes",
+    "RepairConfig": "repair",
+    "repair_cache": "repair",
     "save_cache": "delivery",
     "target_layer_devices": "placement",
 }
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff
     from .placement import mapper_device_map, target_layer_devices
     from .probes import Probe, register_probe
+    from .repair import RepairConfig, repair_cache
     from .selection import LayerSelection
     from .session import HandoffSession
     from .statistics import CalibrationStatistics
@@ -104,6 +107,7 @@ __all__ = [
     "MapperConfig",
     "MapperModel",
     "Probe",
+    "RepairConfig",
     "UnsupportedArchitectureError",
     "__version__",
     "calibrate_probe",
@@ -114,6 +118,7 @@ __all__ = [
     "mapper_device_map",
     "mapper_from_statistics",
     "register_probe",
+    "repair_cache",
     "save_cache",
     "target_layer_devices",
 ]

@@ -114,3 +114,12 @@ def output_cache(outputs):
     where reading `.past_key_values` logs a deprecation), else `.past_key_values` (5.23)."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else outputs.past_key_values
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation a loaded model runs (`"eager"`, `"sdpa"`, `"flash_attention_2"`, ...).
+
+    transformers keeps it on the config as `_attn_implementation` (no public accessor in 5.x); a config that never set
+    one runs eager attention.
+    """
+    return getattr(model.config, "_attn_implementation", None) or "eager"

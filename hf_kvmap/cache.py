@@ -186,6 +186,8 @@ class MappedCache(DynamicCache):
         check_finite: bool = True,
         target_model=None,
         input_ids: torch.Tensor | None = None,
+        repair=None,
+        source_model=None,
     ) -> MappedCache:
         r"""
         Map a prefilled source cache into the cache the target model expects.
@@ -275,6 +277,11 @@ class MappedCache(DynamicCache):
                 source_position_ids = positions_from_attention_mask(None, batch, seq, device)
         if (target_model is None) != (input_ids is None):
             raise ValueError("Pass `target_model` and `input_ids` together (the target computes its first layer).")
+        if repair is not None and target_model is None:
+            raise ValueError(
+                "repair= needs the target: pass `target_model` and `input_ids` (the target recomputes the selected "
+                "positions from the token ids)."
+            )
         if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
             raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
         length = seq - hold_back
@@ -303,8 +310,24 @@ class MappedCache(DynamicCache):
             "mapped_tokens": length,
             "hold_back": hold_back,
             "first_layer": "mapped" if target_model is None else "target",
+            "approximate": True,
         }
-        return cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
+        cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
+        if repair is not None:
+            from .repair import repair_cache
+
+            repair_cache(
+                target_model,
+                cache,
+                input_ids,
+                repair,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                source=source_model,
+                source_cache=source_cache,
+                source_position_ids=position_ids if source_position_ids is None else source_position_ids,
+            )
+        return cache
 
 
 __all__ = ["MappedCache", "MappedLayer", "source_pairs"]

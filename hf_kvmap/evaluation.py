@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
+from .repair import RepairConfig, repair_cache
 from .reporting import jsonl_objects
 from .rope import positions_from_attention_mask
 
@@ -35,6 +36,8 @@ class Handoff:
         hold_back (`int`, defaults to 1): final context tokens the reader runs itself.
         target_first_layer (`bool`, defaults to `False`): in `mapped` mode the target computes its first layer from
             the token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`).
+        repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): in `mapped` mode the target then recomputes the
+            positions it selects ([`~hf_kvmap.repair.repair_cache`]).
     """
 
     source: torch.nn.Module
@@ -43,13 +46,27 @@ class Handoff:
     tokenizer: object
     hold_back: int = 1
     target_first_layer: bool = False
+    repair: RepairConfig | None = None
 
     def mapped_cache(self, cache, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs):
-        """`MappedCache.from_source` of the source's `cache` of `ids`, as this handoff maps (hold-back, first layer)."""
+        """`MappedCache.from_source` of the source's `cache` of `ids`, as this handoff maps (hold-back, first layer,
+        repair)."""
         exact = {"target_model": self.target, "input_ids": ids} if self.target_first_layer else {}
-        return MappedCache.from_source(
+        mapped = MappedCache.from_source(
             cache, self.mapper, hold_back=self.hold_back, attention_mask=mask, **exact, **kwargs
         )
+        if self.repair is not None:
+            repair_cache(
+                self.target,
+                mapped,
+                ids,
+                self.repair,
+                attention_mask=mask,
+                source=self.source,
+                source_cache=cache,
+                source_position_ids=kwargs.get("source_position_ids", kwargs.get("position_ids")),
+            )
+        return mapped
 
     def _models(self, mode: str):
         if mode not in MODES:

@@ -34,6 +34,7 @@ from .input_checks import (
     first_layer_error,
 )
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
+from .repair import RepairConfig, repair_cache
 from .rope import positions_from_attention_mask
 
 logger = logging.get_logger(__name__)
@@ -73,11 +74,13 @@ class HandoffReport:
         audit_error (`float`, *optional*): the audit's worst relative key/value error: every layer on the first
             `audit_tokens` tokens and, once that is within `EXACT_TOLERANCE`, the first layer at every position.
         mapped_tokens (`int`): tokens the mapper produced.
-        timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `tail`, `audit`, `probe`,
-            `fallback_prefill`, `total`); a stage that did not run is absent.
         same_weights (`bool`): the caller said the models are the weights the mapper was fitted for, loaded from
             another location (the gate skipped the model-id comparison).
         notes (`list[str]`): what the handoff derived on its own (e.g. the attention mask `generate` infers).
+        repair (`dict`, *optional*): what the target recomputed of the mapped cache (`mapping_info["repair"]`:
+            strategy, budget, positions per row); `None` without `repair=`.
+        timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `repair`, `tail`, `audit`,
+            `probe`, `fallback_prefill`, `total`); a stage that did not run is absent.
     """
 
     accepted: bool
@@ -90,6 +93,7 @@ class HandoffReport:
     hold_back: int = 1
     audit_error: float | None = None
     mapped_tokens: int = 0
+    repair: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     same_weights: bool = False
     notes: list[str] = field(default_factory=list)
@@ -199,10 +203,13 @@ def probe_context(
     source_position_ids: torch.Tensor | None = None,
     clock: _Clock | None = None,
     target_first_layer: bool = False,
+    repair=None,
 ) -> ProbeContext:
     """Stages 2 and 3 of `handoff`: source prefill (unless `source_cache` is given), mapping of all prompt tokens but
     the last `hold_back`, and the target's run of the held-back tokens but the last. Returns the [`ProbeContext`]
-    whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source cache.
+    whose `cache` covers `T - 1` tokens (with `repair`, a [`~hf_kvmap.repair.RepairConfig`], the target recomputes
+    the positions it selects before the held-back tokens run). Raises `ValueError` when the mapping refuses the source
+    cache.
 
     The positions the source cache was built at: the mask-derived ones when this function prefills it, else
     `source_position_ids` (default, as `MappedCache.from_source`: a plain forward's `0 .. T-1`)."""
@@ -225,6 +232,19 @@ def probe_context(
             source_position_ids=source_position_ids,
             **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
         )
+    if repair is not None:
+        with clock.stage("repair"):
+            repair_cache(
+                target,
+                cache,
+                input_ids,
+                repair,
+                attention_mask=mask,
+                position_ids=positions,
+                source=source,
+                source_cache=source_cache,
+                source_position_ids=source_position_ids,
+            )
     tail_logits = None
     if hold_back > 1:
         with clock.stage("tail"):
@@ -265,6 +285,7 @@ def handoff(
     source_position_ids: torch.Tensor | None = None,
     target_first_layer: bool = False,
     same_weights: bool = False,
+    repair: RepairConfig | dict | None = None,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -307,6 +328,10 @@ def handoff(
         same_weights (`bool`, *optional*, defaults to `False`): the models are the weights the mapper was fitted for,
             loaded from another location (a local copy: their model id is its path), so the gate does not compare
             model ids; every other check stays. Recorded in the report.
+        repair ([`~hf_kvmap.repair.RepairConfig`] or `dict`, *optional*): the target recomputes the positions its
+            strategy selects of the mapped cache, attending to the mapped rest, before the audit and the probe read it
+            ([`~hf_kvmap.repair.repair_cache`]); recorded in `report.repair`. A probe calibrated without repair is
+            conservative on a repaired cache.
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
@@ -342,6 +367,7 @@ def handoff(
                 f"({target.generation_config.pad_token_id}); pass attention_mask to say otherwise"
             )
     probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
+    repair = None if repair is None else RepairConfig.from_dict(repair)  # bad settings raise, never fall back
     clock = _Clock()
     batch, length = input_ids.shape
     hold_back = min(probe.hold_back, length - 1) if probe is not None else 1
@@ -390,10 +416,12 @@ def handoff(
             source_position_ids=source_position_ids,
             clock=clock,
             target_first_layer=target_first_layer,
+            repair=repair,
         )
     except ValueError as err:
         return refuse(f"mapping failed: {err}")
     report.mapped_tokens = length - hold_back
+    report.repair = context.cache.mapping_info.get("repair")
     if audit_tokens:
         with clock.stage("audit"):
             error = PrefixAuditProbe(audit_tokens).score(context).max().item()

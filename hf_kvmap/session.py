@@ -27,6 +27,8 @@ from transformers.utils import logging
 
 from ._compat import cache_kwargs, output_cache
 from .input_checks import as_token_row
+from .repair import RepairConfig, repair_cache
+from .repair.base import budget_counts
 
 logger = logging.get_logger(__name__)
 
@@ -43,6 +45,7 @@ class SessionTurn:
         mapped_tokens (`int`): tokens mapped into this model's cache at this switch.
         window_tokens (`int`): earlier source positions read along for the mapper's context window.
         prefilled_tokens (`int`): tokens this model prefilled itself before generating.
+        repaired_tokens (`int`): mapped tokens this model then recomputed itself (`HandoffSession(repair=...)`).
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
     """
@@ -53,6 +56,7 @@ class SessionTurn:
     mapped_tokens: int = 0
     window_tokens: int = 0
     prefilled_tokens: int = 0
+    repaired_tokens: int = 0
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -72,6 +76,8 @@ class HandoffSession:
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
     model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
     (`mapped_positions`, the mappers), which `save_cache` records.
+        repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
+            recomputes the share of them the config's strategy selects, attending to its cache of the rest.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class HandoffSession:
         input_ids: torch.Tensor | Sequence[int] | None = None,
         *,
         same_weights: bool = False,
+        repair=None,
     ):
         from .modeling_mapper import MapperModel
 
@@ -88,6 +95,7 @@ class HandoffSession:
             raise ValueError("HandoffSession needs at least one model.")
         self.models = dict(models)
         self.mappers = dict(mappers or {})
+        self.repair = None if repair is None else RepairConfig.from_dict(repair)
         for source, target in self.mappers:
             for name in (source, target):
                 if name not in self.models:
@@ -176,6 +184,20 @@ class HandoffSession:
             record.window_tokens = self._map_into(donor, name, have, upto)
             record.timings["map"] = time.perf_counter() - start_time
             record.mapped_from, record.mapped_tokens = donor, upto - have
+            if self.repair is not None:
+                start_time = time.perf_counter()
+                repair_cache(
+                    self.models[name],
+                    self.caches[name],
+                    self.input_ids[:, :upto],
+                    self.repair,
+                    source=self.models[donor],
+                    source_cache=self.caches[donor],
+                    start=have,
+                )
+                candidates = torch.ones(1, upto - have, dtype=torch.bool)
+                record.repaired_tokens = budget_counts(candidates, self.repair.fraction, self.repair.tokens)[0]
+                record.timings["repair"] = time.perf_counter() - start_time
             have = upto
         elif any(self.covered(other) > have for other in self.models if other != name):
             logger.info("no mapper into %s: it prefills the tokens other models processed", name)

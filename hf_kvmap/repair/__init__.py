@@ -1,0 +1,39 @@
+"""Selective repair: the target recomputes the keys/values of the cached positions that matter, attending to the
+mapped cache of the rest (between serving a mapped cache and the target's own full prefill).
+
+```python
+from hf_kvmap.repair import RepairConfig, repair_cache
+
+cache = MappedCache.from_source(source_cache, mapper)
+repair_cache(target, cache, input_ids, RepairConfig(strategy="tail", fraction=0.2))
+```
+
+One file per strategy, each one class registered in `SELECTORS` (`base.register_selector`).
+"""
+
+from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
+from .early_deviation import EarlyDeviationSelector
+from .mix import MixSelector
+from .oracle import OracleSelector
+from .recompute import recompute_positions
+from .repair import RepairConfig, repair_cache
+from .source_attention import SourceAttentionSelector
+from .tail import TailSelector
+from .target_attention import TargetAttentionSelector
+
+__all__ = [
+    "SELECTORS",
+    "EarlyDeviationSelector",
+    "MixSelector",
+    "OracleSelector",
+    "RepairConfig",
+    "RepairContext",
+    "Selector",
+    "SourceAttentionSelector",
+    "TailSelector",
+    "TargetAttentionSelector",
+    "recompute_positions",
+    "register_selector",
+    "repair_cache",
+    "selector_from_dict",
+]

@@ -1,0 +1,212 @@
+"""What every repair strategy shares: the [`RepairContext`] it reads, the [`Selector`] base class, the one registry
+(`SELECTORS`) and the budget and top-k that turn a selector's scores into the positions the target recomputes.
+
+A new strategy is one file with one class and one decorator line:
+
+```python
+>>> import torch
+>>> from hf_kvmap.repair import Selector, register_selector
+>>> @register_selector
+... class Head(Selector):
+...     name = "head"
+...
+...     def score(self, context):
+...         return -torch.arange(context.length, dtype=torch.float32).expand(context.batch, -1)
+```
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers.cache_utils import Cache
+
+#: name -> selector class; filled by `register_selector`.
+SELECTORS: dict[str, type[Selector]] = {}
+
+
+def register_selector(cls: type[Selector]) -> type[Selector]:
+    """Class decorator adding a [`Selector`] subclass to `SELECTORS` under its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty `name` to be registered.")
+    if cls.name in SELECTORS and SELECTORS[cls.name] is not cls:
+        raise ValueError(
+            f"A repair strategy named {cls.name!r} is already registered ({SELECTORS[cls.name].__name__})."
+        )
+    SELECTORS[cls.name] = cls
+    return cls
+
+
+@dataclass
+class RepairContext:
+    r"""
+    What a selector may read. Built by [`repair_cache`](hf_kvmap.repair.repair_cache).
+
+    Args:
+        target (`PreTrainedModel`): the model that reads (and recomputes into) the cache.
+        cache (`Cache`): the target-side cache of the first `length` prompt tokens (mapped, or partly the target's
+            own).
+        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length`; left padding allowed.
+        attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
+        position_ids (`torch.Tensor`): `(batch, T)` positions the target reads the prompt at.
+        candidates (`torch.Tensor`): `(batch, length)` bool, the cached positions a selector may choose (the real
+            tokens, from `start` on).
+        source (`PreTrainedModel`, *optional*): the model the cache was mapped from.
+        source_cache (`Cache`, *optional*): the source's cache of the prompt (`T` tokens).
+        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at.
+    """
+
+    target: torch.nn.Module
+    cache: Cache
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    candidates: torch.Tensor
+    source: torch.nn.Module | None = None
+    source_cache: Cache | None = None
+    source_position_ids: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Cached positions (the candidates' width)."""
+        return self.candidates.shape[1]
+
+
+class Selector:
+    r"""
+    Base class of the repair strategies. Subclasses set `name` (the registry key), take their options as keyword
+    arguments and implement `score`: one float per cached position, higher meaning "recompute first". The base turns
+    the scores into positions (`select`), so a strategy never handles budgets, padding or ties.
+    """
+
+    name: ClassVar[str] = ""
+    #: whether `score` reads the source model and its cache (then `repair_cache` must be given both)
+    needs_source: ClassVar[bool] = False
+
+    def settings(self) -> dict[str, Any]:
+        """What `selector_from_dict` needs to rebuild this selector (its name and options)."""
+        return {"name": self.name}
+
+    def score(self, context: RepairContext) -> torch.Tensor:
+        """`(batch, context.length)` float scores; only the candidates' are read."""
+        raise NotImplementedError
+
+    def select(self, context: RepairContext, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `counts[row]` best-scored candidates of every row (`select_positions` of `score`)."""
+        if not any(counts):
+            return select_positions(None, context.candidates, counts, context.attention_mask[:, : context.length])
+        scores = self.score(context)
+        if tuple(scores.shape) != (context.batch, context.length):
+            raise ValueError(
+                f"Repair strategy {self.name!r} returned scores of shape {tuple(scores.shape)}; expected "
+                f"(batch, cached positions) = {(context.batch, context.length)}."
+            )
+        return select_positions(scores, context.candidates, counts, context.attention_mask[:, : context.length])
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{key}={value!r}" for key, value in self.settings().items() if key != "name")
+        return f"{type(self).__name__}({options})"
+
+
+def selector_from_dict(settings: Selector | dict[str, Any] | str) -> Selector:
+    """A registered selector from `{"name": ..., **options}` (or just its name); a `Selector` is returned as is."""
+    if isinstance(settings, Selector):
+        return settings
+    if isinstance(settings, str):
+        settings = {"name": settings}
+    if not isinstance(settings, dict):
+        raise TypeError(f"A repair strategy is a name, a settings dict or a Selector; got {type(settings).__name__}.")
+    settings = dict(settings)
+    name = settings.pop("name", None)
+    if name not in SELECTORS:
+        raise ValueError(f"Unknown repair strategy {name!r}; registered strategies: {', '.join(sorted(SELECTORS))}.")
+    try:
+        return SELECTORS[name](**settings)
+    except TypeError as err:
+        raise TypeError(f"Repair strategy {name!r} does not take these options: {err}") from None
+
+
+def budget_counts(candidates: torch.Tensor, fraction: float | None = None, tokens: int | None = None) -> list[int]:
+    """Positions to recompute per row: `floor(fraction * candidates)` (never more than the fraction asked for) or
+    `min(tokens, candidates)`."""
+    available = candidates.sum(-1).tolist()
+    if fraction is not None:
+        return [min(n, math.floor(fraction * n + 1e-9)) for n in available]
+    return [min(tokens, n) for n in available]
+
+
+def select_positions(
+    scores: torch.Tensor | None, candidates: torch.Tensor, counts: list[int], token_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    The `counts[row]` highest-scored candidates of each row, as one `(batch, n)` index tensor for a batched recompute.
+
+    Rows that recompute fewer than `n = max(counts)` positions are filled with left-padding slots (`token_mask == 0`),
+    whose contents no query reads; `valid` marks the real selections. Ties go to the earlier position.
+
+    Args:
+        scores (`torch.Tensor` or `None`): `(batch, length)` floats (`None` only when every count is 0).
+        candidates (`torch.Tensor`): `(batch, length)` bool.
+        counts (`list[int]`): positions per row, each at most the row's candidates.
+        token_mask (`torch.Tensor`): `(batch, length)` 1 on tokens, 0 on left padding.
+
+    Returns:
+        `(positions, valid)`: `(batch, n)` long (each row's selections ascending, then its filler slots) and bool.
+    """
+    batch, length = candidates.shape
+    width = max(counts) if counts else 0
+    device = candidates.device
+    positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+    valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    if scores is not None and not bool(torch.isfinite(scores[candidates]).all()):
+        raise ValueError("A repair strategy returned NaN or infinite scores on candidate positions.")
+    for row, count in enumerate(counts):
+        if count == 0 and width == 0:
+            continue
+        pool = candidates[row].nonzero().squeeze(-1)
+        if count > pool.numel():
+            raise ValueError(f"Row {row} has {pool.numel()} candidate positions; {count} were asked for.")
+        if count:
+            order = torch.sort(scores[row, pool].float(), descending=True, stable=True).indices
+            chosen = pool[order[:count]].sort().values
+        else:
+            chosen = pool[:0]
+        filler = (token_mask[row] == 0).nonzero().squeeze(-1)[: width - count]
+        if filler.numel() < width - count:
+            raise ValueError(
+                f"Row {row} recomputes {count} positions and has {filler.numel()} padding slots to fill the batch's "
+                f"{width}; repair such rows one at a time."
+            )
+        positions[row] = torch.cat([chosen, filler.to(device)])
+        valid[row, :count] = True
+    return positions, valid
+
+
+def percentile_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Each candidate's rank among its row's candidates, scaled to `(0, 1]` (1: the highest score); 0 elsewhere."""
+    ranks = torch.zeros_like(scores, dtype=torch.float32)
+    for row in range(scores.shape[0]):
+        pool = candidates[row].nonzero().squeeze(-1)
+        if pool.numel():
+            order = torch.sort(scores[row, pool].float(), stable=True).indices
+            ranks[row, pool[order]] = torch.arange(1, pool.numel() + 1, dtype=torch.float32) / pool.numel()
+    return ranks
+
+
+__all__ = [
+    "SELECTORS",
+    "RepairContext",
+    "Selector",
+    "budget_counts",
+    "percentile_ranks",
+    "register_selector",
+    "select_positions",
+    "selector_from_dict",
+]

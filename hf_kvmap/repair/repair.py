@@ -1,0 +1,210 @@
+"""`repair_cache`: the target recomputes the keys/values of the positions a strategy selects, attending to the cache of
+the rest; the rung of the ladder between serving a mapped cache and the target's full prefill."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..rope import positions_from_attention_mask
+from .attention import as_layer
+from .base import RepairContext, Selector, budget_counts, selector_from_dict
+from .recompute import recompute_positions
+
+
+@dataclass
+class RepairConfig:
+    r"""
+    How much of a mapped cache the target recomputes, and which positions.
+
+    Args:
+        strategy (`str`, `dict` or [`Selector`], *optional*, defaults to `"tail"`): a registered strategy's name
+            (`hf_kvmap.repair.SELECTORS`), or its settings `{"name": ..., **options}`, or a selector.
+        fraction (`float`, *optional*): share of each row's cached tokens to recompute, in `[0, 1]` (rounded down).
+        tokens (`int`, *optional*): number of cached tokens per row to recompute instead (at most the row's tokens).
+
+    Exactly one of `fraction` and `tokens` is given. `fraction=1.0` recomputes everything (the target's own prefill),
+    `fraction=0.0` nothing.
+
+    Example:
+
+    ```python
+    >>> from hf_kvmap.repair import RepairConfig
+    >>> RepairConfig(strategy={"name": "source_attention", "last_tokens": 8}, fraction=0.2).to_dict()
+    {'strategy': {'name': 'source_attention', 'last_tokens': 8}, 'fraction': 0.2, 'tokens': None}
+    ```
+    """
+
+    strategy: str | dict | Selector = "tail"
+    fraction: float | None = None
+    tokens: int | None = None
+
+    def __post_init__(self):
+        if (self.fraction is None) == (self.tokens is None):
+            raise ValueError(
+                "RepairConfig needs exactly one budget: `fraction=` (share of the cached tokens, in [0, 1]) or "
+                f"`tokens=` (a count); got fraction={self.fraction!r}, tokens={self.tokens!r}."
+            )
+        if self.fraction is not None:
+            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+                raise TypeError(f"fraction={self.fraction!r} must be a number in [0, 1].")
+            if not math.isfinite(self.fraction) or not 0.0 <= self.fraction <= 1.0:
+                raise ValueError(f"fraction={self.fraction!r} must be in [0, 1] (0 recomputes nothing, 1 everything).")
+            self.fraction = float(self.fraction)
+        if self.tokens is not None and (
+            isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0
+        ):
+            raise ValueError(f"tokens={self.tokens!r} must be a non-negative integer.")
+        self.selector = selector_from_dict(self.strategy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.selector.settings(), "fraction": self.fraction, "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, settings: RepairConfig | dict[str, Any]) -> RepairConfig:
+        """A `RepairConfig` from `to_dict()`'s output (a `RepairConfig` is returned as is)."""
+        if isinstance(settings, RepairConfig):
+            return settings
+        if not isinstance(settings, dict):
+            raise TypeError(f"repair must be a RepairConfig or a dict of its fields; got {type(settings).__name__}.")
+        unknown = set(settings) - {"strategy", "fraction", "tokens"}
+        if unknown:
+            raise ValueError(
+                f"Unknown repair settings {sorted(unknown)}; RepairConfig takes strategy, fraction, tokens."
+            )
+        return cls(**settings)
+
+
+def _check(target, cache, input_ids, attention_mask, position_ids) -> int:
+    if target is None or not hasattr(target, "get_decoder"):
+        raise ValueError(
+            "Repair needs the target model (`target=`), which recomputes the selected positions; got "
+            f"{type(target).__name__}."
+        )
+    if not isinstance(cache, Cache) or not cache.layers or not all(layer.is_initialized for layer in cache.layers):
+        raise ValueError("Repair needs a prefilled cache whose every layer holds keys and values.")
+    layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    if len(cache.layers) != layers:
+        raise ValueError(
+            f"The cache has {len(cache.layers)} layers but the target has {layers}: it is another model's."
+        )
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (batch, T) integer tensor of the prompt; got {got}.")
+    batch, length = cache.layers[0].keys.shape[0], cache.get_seq_length()
+    if input_ids.shape[0] != batch or input_ids.shape[1] < length:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)} but the cache covers (batch, seq) = {(batch, length)}: "
+            "pass the prompt the cache was built from."
+        )
+    for name, tensor in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but input_ids has {tuple(input_ids.shape)}.")
+    if attention_mask is not None:
+        values = attention_mask.long()
+        if not bool(((values == 0) | (values == 1)).all()) or bool((values[:, 1:] < values[:, :-1]).any()):
+            raise ValueError("attention_mask must be a left-padded 0/1 mask (tokenize with `padding_side='left'`).")
+    return length
+
+
+@torch.no_grad()
+def repair_cache(
+    target,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    repair: RepairConfig | dict[str, Any],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    source=None,
+    source_cache: Cache | None = None,
+    source_position_ids: torch.Tensor | None = None,
+    start: int = 0,
+) -> Cache:
+    r"""
+    Have the target recompute the keys/values of the cached positions `repair`'s strategy selects, through every
+    target layer in one forward, each attending to the cache of the positions before it; the recomputed keys/values
+    replace the cached ones.
+
+    Args:
+        target (`PreTrainedModel`): the model that reads the cache (`sdpa` or `eager` attention).
+        cache (`Cache`): its cache of the first `length` prompt tokens (a `MappedCache`, typically); changed in place.
+        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length` (the held-back tokens may follow).
+        repair ([`RepairConfig`] or `dict`): strategy and budget.
+        attention_mask (`torch.Tensor`, *optional*): `(batch, T)` 0/1 mask of a left-padded batch.
+        position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the target reads the prompt at; defaults to
+            the mask's (`cumsum - 1`), or `0 .. T-1`.
+        source (`PreTrainedModel`, *optional*), source_cache (`Cache`, *optional*): the source model and its cache of
+            the `T` prompt tokens, for the strategies that read them (`Selector.needs_source`).
+        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at;
+            defaults to a plain forward's `0 .. T-1`.
+        start (`int`, *optional*, defaults to 0): the first position a strategy may select (the ones before it are,
+            e.g., the target's own already).
+
+    Returns:
+        `cache`. Where it has a `mapping_info` (a `MappedCache`), `mapping_info["repair"]` records the strategy, the
+        budget, the positions recomputed per row and whether that was all of them (`exact`: the cache is then the
+        target's own up to float rounding); `mapping_info["approximate"]` is `False` only then.
+    """
+    repair = RepairConfig.from_dict(repair)
+    length = _check(target, cache, input_ids, attention_mask, position_ids)
+    selector = repair.selector
+    if selector.needs_source and (source is None or source_cache is None):
+        raise ValueError(
+            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
+            "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
+        )
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
+        raise ValueError(f"start={start!r} must be an integer in [0, {length}].")
+    if source_cache is not None and not isinstance(source_cache, Cache):  # a sequence of (keys, values) pairs
+        source_cache = Cache(layers=[as_layer(keys, values) for keys, values in source_cache])
+    batch, width = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    mask = mask.to(input_ids.device).long()
+    if position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
+    candidates = mask[:, :length].bool().clone()
+    candidates[:, :start] = False
+    context = RepairContext(
+        target=target,
+        cache=cache,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        candidates=candidates,
+        source=source,
+        source_cache=source_cache,
+        source_position_ids=source_position_ids,
+    )
+    counts = budget_counts(candidates, repair.fraction, repair.tokens)
+    positions, valid = selector.select(context, counts)
+    recompute_positions(
+        target,
+        cache,
+        input_ids,
+        positions,
+        valid,
+        token_mask=mask[:, :length],
+        position_ids=position_ids[:, :length],
+    )
+    available = candidates.sum(-1).tolist()
+    exact = start == 0 and counts == available
+    record = {
+        **repair.to_dict(),
+        "recomputed": counts,
+        "candidates": available,
+        "recomputed_fraction": sum(counts) / max(sum(available), 1),
+        "exact": exact,
+    }
+    info = getattr(cache, "mapping_info", None)
+    if isinstance(info, dict):
+        info["repair"] = record
+        info["approximate"] = not exact
+    return cache
+
+
+__all__ = ["RepairConfig", "repair_cache"]

@@ -1,0 +1,48 @@
+"""`target_attention`: the positions the target's own last prompt tokens attend to most, read over the mapped cache,
+summed over heads and layers.
+
+The target runs its last `last_tokens` prompt tokens over the cache being repaired (`hf_kvmap.repair.attention`):
+the queries are the target's, so the positions are the ones the model that answers reads, even where the source
+reads the prompt differently. The attention is computed on the mapped keys, so a position whose mapped key is badly
+off can be missed. Costs a target forward of `last_tokens` tokens; needs no source.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import last_tokens_attention
+from .base import RepairContext, Selector, register_selector
+
+
+@register_selector
+class TargetAttentionSelector(Selector):
+    """Scores each cached position by the attention the target's last `last_tokens` prompt tokens pay it over the
+    cache being repaired.
+
+    Args:
+        last_tokens (`int`, *optional*, defaults to 16): how many final prompt tokens' queries to read.
+    """
+
+    name = "target_attention"
+
+    def __init__(self, last_tokens: int = 16):
+        if isinstance(last_tokens, bool) or not isinstance(last_tokens, int) or last_tokens < 1:
+            raise ValueError(f"last_tokens={last_tokens!r} must be a positive integer.")
+        self.last_tokens = last_tokens
+
+    def settings(self) -> dict:
+        return {"name": self.name, "last_tokens": self.last_tokens}
+
+    def score(self, context: RepairContext) -> torch.Tensor:
+        last = min(self.last_tokens, context.input_ids.shape[1] - 1)
+        last = max(last, context.input_ids.shape[1] - context.length)  # the held-back tokens are read anyway
+        mass = last_tokens_attention(
+            context.target,
+            context.cache,
+            context.input_ids,
+            context.attention_mask,
+            context.position_ids,
+            last,
+        )
+        return mass[:, : context.length]

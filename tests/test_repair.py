@@ -1,0 +1,441 @@
+"""Selective repair: recomputing every position is the target's own cache, the tail is a crop and a re-prefill, nothing
+is the mapped cache, left-padded rows equal single rows, every registered strategy returns its budget, and bad input
+is refused with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_kvmap import MappedCache, MapperModel, handoff
+from hf_kvmap._compat import cache_kwargs
+from hf_kvmap.delivery import read_provenance, save_cache
+from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
+from hf_kvmap.repair.attention import last_tokens_attention
+from hf_kvmap.repair.base import budget_counts
+from hf_kvmap.rope import positions_from_attention_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+
+
+def _model(config, seed, implementation):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=["eager", "sdpa"])
+def pair(request, tiny):
+    """`(source, target, identity mapper)`: two 3-layer models of one geometry with independent weights, so the mapped
+    cache is far from the target's own."""
+    config = tiny.config(layers=3)
+    return _model(config, 1, request.param), _model(config, 0, request.param), MapperModel.identity(config)
+
+
+def _prompt(tokens=24, seed=3, batch=1):
+    return torch.randint(3, 128, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _mapped(pair, tiny, ids, mask=None):
+    source, _, mapper = pair
+    source_cache = tiny.prefill(source, ids, mask)
+    positions = None if mask is None else positions_from_attention_mask(mask, *ids.shape, ids.device)
+    return MappedCache.from_source(
+        source_cache, mapper, attention_mask=mask, source_position_ids=positions
+    ), source_cache
+
+
+def _max_diff(first, second, length=None):
+    return max(
+        (a[..., :length, :] - b[..., :length, :]).abs().max().item()
+        for x, y in zip(first.layers, second.layers)
+        for a, b in ((x.keys, y.keys), (x.values, y.values))
+    )
+
+
+def _settings(name):
+    """Every registered strategy with small options (the attention strategies read 4 final tokens)."""
+    return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_recomputing_every_position_is_the_targets_own_cache(pair, tiny, name):
+    source, target, _ = pair
+    ids = _prompt()
+    cache, source_cache = _mapped(pair, tiny, ids)
+    own = tiny.prefill(target, ids[:, :-1])
+    assert _max_diff(cache, own) > 0.1  # the map alone is far from it
+    repair_cache(
+        target, cache, ids, RepairConfig(_settings(name), fraction=1.0), source=source, source_cache=source_cache
+    )
+    assert _max_diff(cache, own) < TOL
+    assert cache.mapping_info["repair"]["exact"] and cache.mapping_info["approximate"] is False
+    assert cache.mapping_info["repair"]["recomputed"] == [ids.shape[1] - 1]
+    assert torch.equal(tiny.greedy(target, ids, cache=cache), tiny.greedy(target, ids))
+
+
+@pytest.mark.parametrize("tail", [1, 5, 12])
+def test_the_tail_is_a_crop_and_a_re_prefill(pair, tiny, tail):
+    _, target, _ = pair
+    ids = _prompt()
+    cache, _ = _mapped(pair, tiny, ids)
+    expected, _ = _mapped(pair, tiny, ids)
+    expected.crop(-tail)
+    length = ids.shape[1] - 1
+    with torch.no_grad():
+        target(input_ids=ids[:, length - tail : length], **cache_kwargs(expected), use_cache=True)
+    repair_cache(target, cache, ids, RepairConfig("tail", tokens=tail))
+    assert _max_diff(cache, expected) < TOL
+    assert cache.mapping_info["repair"]["recomputed"] == [tail] and cache.mapping_info["approximate"] is True
+    assert torch.equal(tiny.greedy(target, ids, cache=cache), tiny.greedy(target, ids, cache=expected))
+
+
+def test_a_fraction_of_the_tail_rounds_down(pair, tiny):
+    _, target, _ = pair
+    ids = _prompt(tokens=21)  # 20 cached tokens: 0.33 of them is 6.6, so 6
+    cache, _ = _mapped(pair, tiny, ids)
+    repair_cache(target, cache, ids, RepairConfig("tail", fraction=0.33))
+    info = cache.mapping_info["repair"]
+    assert info["recomputed"] == [6] and info["candidates"] == [20] and info["recomputed_fraction"] == 0.3
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_recomputing_nothing_leaves_the_mapped_cache(pair, tiny, name):
+    source, target, _ = pair
+    ids = _prompt()
+    cache, source_cache = _mapped(pair, tiny, ids)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    repair_cache(
+        target, cache, ids, RepairConfig(_settings(name), fraction=0.0), source=source, source_cache=source_cache
+    )
+    assert all(
+        torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        for layer, (keys, values) in zip(cache.layers, before)
+    )
+    assert cache.mapping_info["repair"]["recomputed"] == [0] and cache.mapping_info["approximate"] is True
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_left_padded_rows_equal_single_rows(pair, tiny, name):
+    source, target, _ = pair
+    lengths = (15, 24, 19)
+    ids, mask = tiny.left_padded_batch(lengths=lengths, seed=5)
+    repair = RepairConfig(_settings(name), fraction=0.3)
+    batch, batch_source = _mapped(pair, tiny, ids, mask)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)  # the source prefilled as generate does
+    repair_cache(
+        target,
+        batch,
+        ids,
+        repair,
+        attention_mask=mask,
+        source=source,
+        source_cache=batch_source,
+        source_position_ids=positions,
+    )
+    width = ids.shape[1]
+    for row, length in enumerate(lengths):
+        single_ids = ids[row : row + 1, width - length :]
+        single, single_source = _mapped(pair, tiny, single_ids)
+        repair_cache(target, single, single_ids, repair, source=source, source_cache=single_source)
+        for got, want in zip(batch.layers, single.layers):
+            for a, b in ((got.keys, want.keys), (got.values, want.values)):
+                assert (a[row, :, width - length : width - 1] - b[0]).abs().max().item() < 1e-4
+    assert batch.mapping_info["repair"]["recomputed"] == [math.floor(0.3 * (n - 1) + 1e-9) for n in lengths]
+    assert torch.equal(  # row 1 is the longest: unpadded on its own
+        _greedy(target, ids, mask, batch)[1:2, width:],
+        _greedy(target, ids[1:2], None, _single_repaired(pair, tiny, ids[1:2], repair))[:, width:],
+    )
+
+
+def _greedy(model, ids, mask, cache):
+    return model.generate(
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, eos_token_id=None
+    )
+
+
+def _single_repaired(pair, tiny, ids, repair):
+    source, target, _ = pair
+    cache, source_cache = _mapped(pair, tiny, ids)
+    return repair_cache(target, cache, ids, repair, source=source, source_cache=source_cache)
+
+
+def _context(pair, tiny, ids, mask):
+    source, target, _ = pair
+    cache, source_cache = _mapped(pair, tiny, ids, mask)
+    length = cache.get_seq_length()
+    return RepairContext(
+        target=target,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_attention_mask(mask, *ids.shape, ids.device),
+        candidates=mask[:, :length].bool(),
+        source=source,
+        source_cache=source_cache,
+        source_position_ids=positions_from_attention_mask(mask, *ids.shape, ids.device),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("budget", [{"fraction": 0.25}, {"tokens": 7}, {"tokens": 100}])
+def test_every_strategy_returns_its_budget_of_valid_positions(pair, tiny, name, budget):
+    ids, mask = tiny.left_padded_batch(lengths=(10, 22, 16), seed=7)
+    context = _context(pair, tiny, ids, mask)
+    counts = budget_counts(context.candidates, budget.get("fraction"), budget.get("tokens"))
+    positions, valid = selector_from_dict(_settings(name)).select(context, counts)
+    assert valid.sum(-1).tolist() == counts and positions.shape[1] == max(counts)
+    for row in range(ids.shape[0]):
+        chosen = positions[row][valid[row]]
+        filler = positions[row][~valid[row]]
+        assert chosen.unique().numel() == chosen.numel() and bool(context.candidates[row, chosen].all())
+        assert filler.unique().numel() == filler.numel() and not bool(mask[row, filler].any())
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_every_strategy_round_trips_its_settings(name):
+    selector = selector_from_dict(_settings(name))
+    assert isinstance(selector, Selector) and selector_from_dict(selector.settings()).settings() == selector.settings()
+    assert RepairConfig.from_dict(RepairConfig(selector.settings(), tokens=3).to_dict()).to_dict()["strategy"] == (
+        selector.settings()
+    )
+
+
+def test_attention_from_hooks_equals_the_models_own_attention_weights(tiny):
+    """The queries rebuilt from each layer's input meet the cache keys exactly as the eager forward's softmax does."""
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    cache = tiny.prefill(model, ids)
+    mask = torch.ones_like(ids)
+    mass = last_tokens_attention(model, cache, ids, mask, positions_from_attention_mask(None, 1, 20, "cpu"), 5)
+    head = tiny.prefill(model, ids[:, :15])
+    with torch.no_grad():
+        out = model(ids[:, 15:], **cache_kwargs(head), output_attentions=True, use_cache=True)
+    expected = sum(weights.sum((1, 2)) for weights in out.attentions)
+    assert torch.allclose(mass, expected, atol=1e-4) and cache.get_seq_length() == 20
+
+
+def test_early_deviation_at_an_exact_layer_is_zero(tiny):
+    config = tiny.config(layers=3)
+    model = _model(config, 0, "eager")
+    ids = _prompt()
+    cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config))
+    context = RepairContext(
+        target=model,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=positions_from_attention_mask(None, *ids.shape, "cpu"),
+        candidates=torch.ones(1, ids.shape[1] - 1, dtype=torch.bool),
+    )
+    for layer in (0, 1, 2):
+        assert selector_from_dict({"name": "early_deviation", "layer": layer}).score(context).abs().max() < 1e-5
+
+
+def test_the_repair_is_recorded_in_a_saved_cache(pair, tiny, tmp_path):
+    _, target, _ = pair
+    ids = _prompt()
+    cache, _ = _mapped(pair, tiny, ids)
+    repair_cache(target, cache, ids, RepairConfig("tail", fraction=0.5))
+    save_cache(cache, tmp_path / "cache.safetensors", input_ids=ids)
+    record = read_provenance(tmp_path / "cache.safetensors")["mapping_info"]
+    assert record["approximate"] is True and record["repair"]["strategy"] == {"name": "tail"}
+    assert record["repair"]["recomputed"] == [11]
+
+
+def test_from_source_repairs_with_the_target(pair, tiny):
+    source, target, mapper = pair
+    ids = _prompt()
+    source_cache = tiny.prefill(source, ids)
+    repaired = MappedCache.from_source(
+        source_cache,
+        mapper,
+        target_model=target,
+        input_ids=ids,
+        source_model=source,
+        repair=RepairConfig({"name": "source_attention", "last_tokens": 4}, fraction=1.0),
+    )
+    assert _max_diff(repaired, tiny.prefill(target, ids[:, :-1])) < TOL
+    assert repaired.mapping_info["first_layer"] == "target" and repaired.mapping_info["approximate"] is False
+    partial = MappedCache.from_source(
+        source_cache, mapper, target_model=target, input_ids=ids, repair={"strategy": "tail", "tokens": 4}
+    )
+    assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
+
+
+def test_handoff_repairs_and_reports_it(pair, tiny):
+    source, target, mapper = pair
+    ids = _prompt()
+    cache, report = handoff(
+        source, target, mapper, ids, probe="prefix_audit", threshold=1e9, repair=RepairConfig("tail", fraction=1.0)
+    )
+    assert report.accepted and report.reason.startswith("exact mapping") and report.repair["exact"]
+    assert "repair" in report.timings
+    assert torch.equal(tiny.greedy(target, ids, cache=cache), tiny.greedy(target, ids))
+    _, report = handoff(
+        source, target, mapper, ids, probe="prefix_audit", threshold=1e9, repair={"strategy": "tail", "tokens": 3}
+    )
+    assert report.repair["recomputed"] == [3] and not report.repair["exact"]
+    with pytest.raises(ValueError, match="fraction=1.5"):  # never a silent fallback
+        handoff(source, target, mapper, ids, probe="prefix_audit", threshold=1e9, repair={"fraction": 1.5})
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,fragment",
+    [
+        ({"fraction": 1.5}, ValueError, "must be in \\[0, 1\\]"),
+        ({"fraction": -0.1}, ValueError, "must be in \\[0, 1\\]"),
+        ({"fraction": float("nan")}, ValueError, "must be in \\[0, 1\\]"),
+        ({"fraction": True}, TypeError, "must be a number"),
+        ({"fraction": "0.2"}, TypeError, "must be a number"),
+        ({"tokens": -1}, ValueError, "non-negative integer"),
+        ({}, ValueError, "exactly one budget"),
+        ({"fraction": 0.1, "tokens": 3}, ValueError, "exactly one budget"),
+        ({"strategy": "best", "fraction": 0.1}, ValueError, "Unknown repair strategy 'best'"),
+        ({"strategy": {"name": "tail", "depth": 2}, "fraction": 0.1}, TypeError, "does not take these options"),
+        ({"strategy": {"name": "mix", "components": {"mix": 1.0}}, "fraction": 0.1}, ValueError, "cannot contain"),
+        ({"strategy": {"name": "mix", "components": {"tail": -1}}, "fraction": 0.1}, ValueError, "non-negative"),
+        ({"strategy": {"name": "early_deviation", "layer": -1}, "fraction": 0.1}, ValueError, "layer=-1"),
+        ({"strategy": {"name": "source_attention", "last_tokens": 0}, "fraction": 0.1}, ValueError, "last_tokens=0"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        RepairConfig(**kwargs)
+
+
+def test_bad_calls_are_refused(pair, tiny):
+    source, target, mapper = pair
+    ids = _prompt()
+    cache, source_cache = _mapped(pair, tiny, ids)
+    with pytest.raises(ValueError, match="needs the target model"):
+        repair_cache(None, cache, ids, RepairConfig("tail", fraction=0.1))
+    with pytest.raises(ValueError, match="reads the source model and its cache"):
+        repair_cache(target, cache, ids, RepairConfig("source_attention", fraction=0.1))
+    with pytest.raises(ValueError, match="pass the prompt the cache was built from"):
+        repair_cache(target, cache, ids[:, :10], RepairConfig("tail", fraction=0.1))
+    with pytest.raises(ValueError, match="left-padded 0/1 mask"):
+        repair_cache(target, cache, ids, RepairConfig("tail", fraction=0.1), attention_mask=torch.full_like(ids, 2))
+    with pytest.raises(ValueError, match="Unknown repair settings"):
+        repair_cache(target, cache, ids, {"strategy": "tail", "share": 0.1})
+    with pytest.raises(ValueError, match="layers but the target has"):
+        repair_cache(_model(tiny.config(layers=2), 0, "eager"), cache, ids, RepairConfig("tail", fraction=0.1))
+    with pytest.raises(ValueError, match="repair= needs the target"):
+        MappedCache.from_source(source_cache, mapper, repair=RepairConfig("tail", fraction=0.1))
+
+
+def test_an_attention_implementation_without_custom_masks_is_refused(pair, tiny):
+    _, target, _ = pair
+    ids = _prompt()
+    cache, _ = _mapped(pair, tiny, ids)
+    implementation = target.config._attn_implementation
+    target.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            repair_cache(target, cache, ids, RepairConfig("tail", fraction=0.5))
+    finally:
+        target.config._attn_implementation = implementation
+
+
+def test_a_session_repairs_what_it_maps(pair, tiny):
+    from hf_kvmap import HandoffSession
+
+    source, target, mapper = pair
+    models, mappers = {"small": source, "large": target}, {("small", "large"): mapper}
+    transcript = _prompt(tokens=14)
+    session = HandoffSession(models, mappers, input_ids=transcript, repair=RepairConfig("tail", fraction=1.0))
+    session.sync("small")  # the small model prefills the transcript; the large one maps it from there
+    turn = session.sync("large")
+    assert turn.mapped_tokens == turn.repaired_tokens == 13 and "repair" in turn.timings
+    assert _max_diff(session.caches["large"], tiny.prefill(target, transcript[:, :-1])) < TOL
+    partial = HandoffSession(models, mappers, input_ids=transcript, repair={"strategy": "tail", "tokens": 3})
+    partial.sync("small")
+    assert partial.sync("large").repaired_tokens == 3
+    plain = HandoffSession(models, mappers, input_ids=transcript)
+    plain.sync("small")
+    plain.sync("large")
+    expected = plain.caches["large"]
+    expected.crop(-3)
+    with torch.no_grad():
+        target(input_ids=transcript[:, 10:13], **cache_kwargs(expected), use_cache=True)
+    assert _max_diff(partial.caches["large"], expected) < TOL
+
+
+def test_the_flop_bound_of_recomputing_everything_is_a_prefill(tiny):
+    import importlib.util
+    from pathlib import Path
+
+    from hf_kvmap.flops import attention_flops, prefill_flops
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_cost.py"
+    spec = importlib.util.spec_from_file_location("repair_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = tiny.config(layers=3)
+    # causal attention with each position reading itself too: one extra key per query over prefill_flops' T**2 / 2
+    extra = attention_flops(config, 1) * 40
+    assert module.repair_flops(config, list(range(40))) == prefill_flops(config, 40) + extra
+    assert module.repair_flops(config, []) == 0
+
+
+def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_frontier.py"
+    spec = importlib.util.spec_from_file_location("repair_frontier", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def curve(**points):
+        return {name: [{"fraction": f, "retention": r} for f, r in values] for name, values in points.items()}
+
+    selection = {"repair": curve(tail=[(0.05, 0.9), (0.1, 0.97)], mix=[(0.05, 0.96), (0.1, 0.99)])}
+    report = {"repair": curve(tail=[(0.05, 0.5), (0.1, 0.6)], mix=[(0.05, 0.93), (0.1, 0.98)])}
+    chosen = module.choose(selection, report, goal=0.95, budget=0.1)
+    assert chosen["cheapest_reaching_goal"] == {
+        "strategy": "mix",
+        "fraction": 0.05,
+        "selection_retention": 0.96,
+        "report_retention": 0.93,
+    }
+    assert chosen["best_within_budget"]["strategy"] == "mix" and chosen["best_within_budget"]["fraction"] == 0.1
+    assert chosen["best_within_budget"]["report_meets_goal"] is True
+
+
+@pytest.mark.parametrize("script", ["repair_cost", "repair_frontier"])
+def test_every_benchmarks_readme_repair_command_parses(script):
+    """Each `repair_*.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
+    import importlib.util
+    import re
+    import shlex
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(script, benchmarks / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = (benchmarks / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(rf"^python benchmarks/{script}\.py(.*)$", text, re.MULTILINE)
+    assert len(commands) >= 2
+    for command in commands:
+        module.build_parser().parse_args(shlex.split(command, comments=True))
+
+
+def test_a_float32_mapped_cache_is_repaired_in_the_targets_dtype(tiny):
+    config = tiny.config(layers=3)
+    source, target = _model(config, 1, "sdpa"), _model(config, 0, "sdpa").to(torch.bfloat16)
+    ids = _prompt()
+    cache = MappedCache.from_source(tiny.prefill(source, ids), MapperModel.identity(config))
+    assert cache.layers[0].keys.dtype == torch.float32
+    repair_cache(target, cache, ids, RepairConfig("tail", fraction=1.0))
+    own = tiny.prefill(target, ids[:, :-1])
+    assert all(layer.keys.dtype == layer.values.dtype == torch.bfloat16 for layer in cache.layers)
+    assert _max_diff(cache, own) == 0.0
