@@ -34,8 +34,8 @@ import torch
 
 from hf_kvmap import MappedCache, MapperModel
 from hf_kvmap._compat import cache_kwargs, output_cache
-from hf_kvmap.commands._models import load_causal_lm, resolve_mapper
-from hf_kvmap.flops import body_parameters, prefill_flops
+from hf_kvmap.commands.models import load_causal_lm, resolve_mapper
+from hf_kvmap.flops import prefill_flops, repair_flops
 from hf_kvmap.repair import SELECTORS, RepairConfig, recompute, repair_cache
 from hf_kvmap.reporting import environment_info, write_json
 
@@ -59,16 +59,6 @@ def _timed(fn, device) -> tuple[float, object]:
 
 def _strategy(name: str, last_tokens: int) -> dict | str:
     return {"name": name, "last_tokens": last_tokens} if name in ("source_attention", "target_attention") else name
-
-
-def repair_flops(config, positions: list[int]) -> int:
-    """FLOP bound of recomputing the cached `positions` (0-based) of one row: their linear work and their causal
-    attention over the positions up to each (`hf_kvmap.flops` conventions)."""
-    from hf_kvmap.flops import _geometry, _text_fields
-
-    layers, _, heads, _, head_dim = _geometry(_text_fields(config))
-    attention = layers * 4 * heads * head_dim * sum(p + 1 for p in positions)
-    return 2 * len(positions) * body_parameters(config) + attention
 
 
 def measure(source, target, mapper, tokens: int, strategies, fractions, repeats: int, warmup: int, args) -> dict:

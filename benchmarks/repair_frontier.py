@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MapperModel
-from hf_kvmap.commands._models import load_causal_lm, load_tokenizer, resolve_mapper
+from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.evaluation import Handoff, evaluate_items
 from hf_kvmap.repair import SELECTORS, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hf_kvmap import CalibrationStatistics, mapper_from_statistics, zoo
 from hf_kvmap.artifacts import tokenizer_fingerprint
-from hf_kvmap.commands._models import load_causal_lm, load_tokenizer
+from hf_kvmap.commands.models import load_causal_lm, load_tokenizer
 
 
 def main(argv=None) -> None:

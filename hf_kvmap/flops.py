@@ -44,6 +44,7 @@ __all__ = [
     "flop_bound",
     "mapper_parameters",
     "prefill_flops",
+    "repair_flops",
     "ridge_mapper_parameters",
 ]
 
@@ -101,6 +102,14 @@ def attention_flops(config: Any, tokens: int) -> int:
 def prefill_flops(config: Any, tokens: int) -> int:
     """Target body prefill FLOPs: `2 * T * body_parameters + attention_flops` (no embeddings, no LM head)."""
     return 2 * tokens * body_parameters(config) + attention_flops(config, tokens)
+
+
+def repair_flops(config: Any, positions: list[int]) -> int:
+    """FLOP bound of recomputing the cached `positions` (0-based) of one row: their linear work and their causal
+    attention over the positions up to each (`hf_kvmap.flops` conventions)."""
+    layers, _, heads, _, head_dim = _geometry(_text_fields(config))
+    attention = layers * 4 * heads * head_dim * sum(p + 1 for p in positions)
+    return 2 * len(positions) * body_parameters(config) + attention
 
 
 def ridge_mapper_parameters(

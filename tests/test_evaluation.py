@@ -243,7 +243,7 @@ def test_every_malformed_task_line_is_reported_with_its_line_before_any_model_ru
         assert f"{path}:{number}: {fragment}" in message, (number, message)
     assert f"{path}:1:" not in message
 
-    import hf_kvmap.commands._models as models
+    import hf_kvmap.commands.models as models
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the task file was checked")

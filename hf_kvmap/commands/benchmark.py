@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluation import Handoff, measure_latency
     from ..flops import flop_bound
     from ..reporting import environment_info
-    from ._models import load_causal_lm, load_mapper, resolve_mapper
     from ._output import finish
+    from .models import load_causal_lm, load_mapper, resolve_mapper
 
     try:
         tokens = [int(n) for n in str(args.tokens).split(",") if n.strip()]

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..artifacts import results_hash
-    from ._models import load_mapper
+    from .models import load_mapper
 
     mapper = load_mapper(args.directory, "card")
     results = json.loads(args.results.read_text()) if args.results is not None else None

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     tokenizer = zoo.load_tokenizer(padding_side="left")
-    from ._models import load_mapper
+    from .models import load_mapper
 
     for flag, name in (("--source", args.source), ("--target", args.target)):
         if name not in zoo.FAMILY:

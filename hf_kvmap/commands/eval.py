@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..artifacts import content_hash
     from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
     from ..reporting import environment_info, retention_cells
-    from . import _models
-    from ._models import load_tokenizer, resolve_mapper
+    from . import models as _models
     from ._output import finish
+    from .models import load_tokenizer, resolve_mapper
 
     started = time.perf_counter()
     if args.tasks != "tiny-family":  # every malformed line is reported before any model runs

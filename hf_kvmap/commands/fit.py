@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     from ..fitting import collect_statistics, fit, mapper_from_fitted
     from ..plotting import plot_selection, plot_training_curves
     from ..statistics import CalibrationStatistics
-    from ._models import check_model_folder
+    from .models import check_model_folder
 
     try:
         fields = {

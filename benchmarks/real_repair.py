@@ -1,0 +1,230 @@
+"""Selective repair on the real pair (Qwen2.5-Coder 0.5B <-> 1.5B, from `hf-kvmap obtain`): retention vs fraction
+recomputed for each repair strategy, on the retrieval and chat-recall tasks of `hf_kvmap.real.tasks`, with a fitted
+real mapper. Strategies and fractions are chosen on one item set (seed `--selection-seed`) and reported on another
+(`--report-seed`); every point is written as soon as it is measured, so a stopped run resumes where it stopped.
+
+    python -m benchmarks.real_repair --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 \
+        --selection-items 32 --report-items 100 --out benchmarks/results/real_repair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_kvmap import MapperModel
+from hf_kvmap.evaluation import Handoff, evaluate_items
+from hf_kvmap.real import converted_path, is_converted
+from hf_kvmap.real.corpus import load_manifest
+from hf_kvmap.real.tasks import real_family_tasks
+from hf_kvmap.repair import SELECTORS, RepairConfig
+from hf_kvmap.reporting import environment_info, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
+TASKS = ("prose_retrieval", "chat_recall")
+FRACTIONS = (0.1, 0.2, 0.3, 0.5)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _folder(name: str, cache_dir: str | None) -> Path:
+    if not is_converted(name, cache_dir):
+        raise SystemExit(f"{name} is not converted in this cache; run: hf-kvmap obtain {name}")
+    return converted_path(name, cache_dir)
+
+
+def _strategy(name: str) -> dict | str:
+    return {"name": name, "last_tokens": 16} if name in ("source_attention", "target_attention") else name
+
+
+def _retention(accuracy: float, target: float) -> float | None:
+    return accuracy / target if target > 0 else None  # exact match: chance 0
+
+
+class Points:
+    """Measured points, kept in `path` (JSON) after every measurement so a run resumes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+
+    def get(self, key: str, measure) -> dict:
+        if key not in self.data:
+            start = time.perf_counter()
+            accuracy = measure()
+            self.data[key] = {"accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+            print(f"{key}: {accuracy:.3f} ({self.data[key]['seconds']} s)", flush=True)
+        return self.data[key]
+
+
+def measure(handoff: Handoff, points: Points, name: str, task, strategies, fractions) -> dict:
+    def run(mode: str, repair: RepairConfig | None):
+        def go():
+            handoff.repair = repair
+            try:
+                return evaluate_items(handoff, "exact_match", task.items, mode, stop=task.stop)
+            finally:
+                handoff.repair = None
+
+        return go
+
+    target = points.get(f"{name}/{task.name}/target", run("target", None))["accuracy"]
+    mapped = points.get(f"{name}/{task.name}/mapped", run("mapped", None))["accuracy"]
+    out = {
+        "items": len(task.items),
+        "target": target,
+        "mapped": mapped,
+        "mapped_retention": _retention(mapped, target),
+    }
+    out["repair"] = {}
+    for strategy in strategies:
+        rows = []
+        for fraction in fractions:
+            config = RepairConfig(_strategy(strategy), fraction=fraction)
+            point = points.get(f"{name}/{task.name}/{strategy}/{fraction}", run("mapped", config))
+            rows.append(
+                {
+                    "fraction": fraction,
+                    "accuracy": point["accuracy"],
+                    "retention": _retention(point["accuracy"], target),
+                    "seconds": point["seconds"],
+                }
+            )
+        out["repair"][strategy] = rows
+    return out
+
+
+def choose(selection: dict, goal: float) -> dict:
+    """On the selection set: the cheapest (fraction, strategy) whose retention reaches `goal` on every task, else
+    the (fraction, strategy) with the best worst-task retention."""
+    tasks = list(selection)
+    candidates = []
+    for strategy, rows in selection[tasks[0]]["repair"].items():
+        for index, row in enumerate(rows):
+            worst = min((selection[t]["repair"][strategy][index]["retention"] or 0.0) for t in tasks)
+            candidates.append((row["fraction"], strategy, index, worst))
+    reaching = sorted((c for c in candidates if c[3] >= goal), key=lambda c: (c[0], -c[3]))
+    pick = reaching[0] if reaching else max(candidates, key=lambda c: (c[3], -c[0]))
+    return {
+        "strategy": pick[1],
+        "fraction": pick[0],
+        "index": pick[2],
+        "selection_worst_retention": pick[3],
+        "reaches_goal": bool(reaching),
+    }
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = [s for s in ("selection", "report") if s in results["sets"]]
+    cells = [(s, t) for s in sets for t in results["sets"][s]]
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.8 * len(cells), 3.4), squeeze=False)
+    for axis, (name, task) in zip(axes[0], cells):
+        data = results["sets"][name][task]
+        for strategy, rows in data["repair"].items():
+            xs = [0.0] + [r["fraction"] for r in rows]
+            ys = [data["mapped_retention"]] + [r["retention"] for r in rows]
+            axis.plot(xs, ys, marker="o", markersize=3, label=strategy)
+        axis.axhline(results["run"]["goal"], color="grey", linestyle=":", linewidth=1)
+        axis.set_title(f"{results['run']['direction']} {task}\n{name} set ({data['items']} items)", fontsize=9)
+        axis.set_xlabel("fraction recomputed")
+        axis.set_ylim(0, 1.15)
+    axes[0][0].set_ylabel("floor-normalized retention")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mapper", required=True, help="fitted real mapper folder")
+    parser.add_argument("--direction", default="0.5b:1.5b", help="source:target of the mapper")
+    parser.add_argument("--cache-dir", default=None, help="`hf-kvmap obtain` cache directory")
+    parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--strategies", default=",".join(sorted(SELECTORS)))
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    parser.add_argument("--selection-items", type=int, default=32)
+    parser.add_argument("--report-items", type=int, default=100)
+    parser.add_argument("--selection-seed", type=int, default=4321)
+    parser.add_argument("--report-seed", type=int, default=1234)
+    parser.add_argument("--goal", type=float, default=0.9)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--points", default=None, help="resume file (default: --out with .points.json)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "real_repair.json"))
+    parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "real_repair.png"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source_name, target_name = (MODELS[side] for side in args.direction.split(":"))
+    dtype = DTYPES[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(_folder(target_name, args.cache_dir), padding_side="left")
+    source = AutoModelForCausalLM.from_pretrained(_folder(source_name, args.cache_dir), dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(_folder(target_name, args.cache_dir), dtype=dtype).eval()
+    mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
+    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    documents = load_manifest(args.manifest)
+    names = args.tasks.split(",")
+    strategies = args.strategies.split(",")
+    fractions = [float(f) for f in args.fractions.split(",")]
+    points = Points(Path(args.points or Path(args.out).with_suffix(".points.json")))
+
+    results = {
+        "run": {
+            "what": "selective repair on the real pair: retention vs fraction recomputed per strategy",
+            "direction": args.direction,
+            "mapper": str(args.mapper),
+            "mapper_config": {
+                k: mapper.config.to_dict().get(k)
+                for k in ("source_model_id", "target_model_id", "kind", "top_k", "ridge_lambda")
+            },
+            "dtype": args.dtype,
+            "goal": args.goal,
+            "selection": {"seed": args.selection_seed, "items": args.selection_items},
+            "report": {"seed": args.report_seed, "items": args.report_items},
+            "command": "python -m benchmarks.real_repair " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": _dt.date.today().isoformat(),
+        },
+        "environment": environment_info(),
+        "sets": {},
+    }
+    selection_tasks = real_family_tasks(
+        tokenizer, documents, items=args.selection_items, seed=args.selection_seed, names=names
+    )
+    results["sets"]["selection"] = {
+        task.name: measure(handoff, points, "selection", task, strategies, fractions) for task in selection_tasks
+    }
+    chosen = choose(results["sets"]["selection"], args.goal)
+    results["chosen_on_selection"] = chosen
+    write_json(args.out, results)
+    # the report set: the target, the mapped cache, and the chosen strategy at every fraction
+    report_tasks = real_family_tasks(tokenizer, documents, items=args.report_items, seed=args.report_seed, names=names)
+    results["sets"]["report"] = {
+        task.name: measure(handoff, points, "report", task, [chosen["strategy"]], fractions) for task in report_tasks
+    }
+    results["chosen_reported"] = {
+        task: results["sets"]["report"][task]["repair"][chosen["strategy"]][chosen["index"]]
+        for task in results["sets"]["report"]
+    }
+    write_json(args.out, results)
+    plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
