@@ -37,14 +37,8 @@ import torch
 from hf_kvmap import MapperModel, zoo
 from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.delivery import load_cache, save_cache
-from hf_kvmap.handoff import (
-    auc,
-    calibrate_probe,
-    calibrate_threshold,
-    probe_context,
-    roc_curve,
-    target_prefill,
-)
+from hf_kvmap.guard_calibration import auc, calibrate_probe, calibrate_threshold, roc_curve
+from hf_kvmap.handoff import probe_context, target_prefill
 from hf_kvmap.probes import fit_linear_probe, probe_from_dict
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.zoo import corpus, mapper_path

@@ -29,6 +29,7 @@ _LAZY_NAMES = {
     "CalibrationStatistics": "statistics",
     "FitOptions": "fit_options",
     "FittedMapper": "fitting",
+    "GuardLadder": "ladder",
     "HandoffRefusedError": "handoff",
     "HandoffReport": "handoff",
     "HandoffSession": "session",
@@ -37,10 +38,11 @@ _LAZY_NAMES = {
     "MappedLayer": "cache",
     "Probe": "probes",
     "UnsupportedArchitectureError": "geometry",
-    "calibrate_probe": "handoff",
+    "calibrate_probe": "guard_calibration",
     "fit_mapper": "fitting",
     "fitted_config": "fitting",
     "handoff": "handoff",
+    "calibrate_ladder": "ladder",
     "load_cache": "delivery",
     "mapper_device_map": "placement",
     "mapper_from_statistics": "fitting",
@@ -57,7 +59,9 @@ if TYPE_CHECKING:
     from .fit_options import FitOptions
     from .fitting import FittedMapper, fit_mapper, fitted_config, mapper_from_statistics
     from .geometry import UnsupportedArchitectureError
-    from .handoff import HandoffRefusedError, HandoffReport, calibrate_probe, handoff
+    from .guard_calibration import calibrate_probe
+    from .handoff import HandoffRefusedError, HandoffReport, handoff
+    from .ladder import GuardLadder, calibrate_ladder
     from .placement import mapper_device_map, target_layer_devices
     from .probes import Probe, register_probe
     from .repair import RepairConfig, repair_cache
@@ -98,6 +102,7 @@ __all__ = [
     "CalibrationStatistics",
     "FitOptions",
     "FittedMapper",
+    "GuardLadder",
     "HandoffRefusedError",
     "HandoffReport",
     "HandoffSession",
@@ -110,6 +115,7 @@ __all__ = [
     "RepairConfig",
     "UnsupportedArchitectureError",
     "__version__",
+    "calibrate_ladder",
     "calibrate_probe",
     "fit_mapper",
     "fitted_config",

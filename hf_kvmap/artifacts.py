@@ -101,6 +101,7 @@ def content_hash(tensors, config: MapperConfig) -> str:
 #: content hash: the calibrated probe and its threshold, the tokenizer fingerprint, the models' ids and revisions.
 SERVING_FIELDS = (
     "handoff_probe",
+    "handoff_ladder",
     "tokenizer_fingerprint",
     "source_model_id",
     "target_model_id",
@@ -115,6 +116,8 @@ def serving_hash(config: MapperConfig) -> str:
     hash so that calibrating a probe leaves the results measured on the mapping (which record the content hash)
     its own."""
     fields = {name: getattr(config, name, None) for name in SERVING_FIELDS}
+    if fields["handoff_ladder"] is None:  # hashes written before ladders existed stay valid
+        del fields["handoff_ladder"]
     digest = hashlib.sha256(f"{config.content_hash}|serving|".encode())
     digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     return "sha256:" + digest.hexdigest()

@@ -199,6 +199,46 @@ def _handoff_guard(config) -> list[tuple[str, Any]]:
     return rows
 
 
+def _ladder(config) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The card's guard-ladder summary and rows, from `config.handoff_ladder` (empty when there is none)."""
+    stored = getattr(config, "handoff_ladder", None)
+    if not stored:
+        return {}, []
+    probe, strategy = stored.get("probe", {}), stored.get("strategy", {})
+    calibration = stored.get("calibration") or {}
+    outcome = calibration.get("outcome", {})
+    rungs = [{"name": "mapped" if r["fraction"] == 0 else "repair", **r} for r in stored.get("rungs", [])]
+    shares = outcome.get("rungs", {})
+    rows = [
+        {
+            "rung": rung["name"],
+            "max_risk": fmt_number(rung["max_risk"], 4, "g"),
+            "fraction": f"{rung['fraction']:.0%}",
+            "shares": fmt_number(shares.get("mapped" if rung["fraction"] == 0 else f"repair:{rung['fraction']:g}"), 2),
+        }
+        for rung in rungs
+    ]
+    rows.append(
+        {"rung": "fallback", "max_risk": "above", "fraction": "100%", "shares": fmt_number(shares.get("fallback"), 2)}
+    )
+    summary = {
+        "probe": f"{probe.get('name')}:{probe.get('tokens')}",
+        "strategy": ", ".join(f"{k}={v}" for k, v in strategy.items()),
+        "group_names": "share of calibration items",
+        "calibrated": "",
+    }
+    if calibration:
+        per_group = outcome.get("per_group", {})
+        worst = max((g["changed_served"] for g in per_group.values()), default=outcome.get("changed_served"))
+        summary["calibrated"] = (
+            f"Calibrated on {calibration.get('items')} items ({', '.join(sorted(per_group))}): changed answers served "
+            f"at most {fmt_number(calibration.get('max_changed'), 2)} per task (there: {fmt_number(worst, 3)} on the "
+            f"worst task), mean cost {fmt_number(outcome.get('mean_cost'), 3)} of a prefill with the probe, the mapping, "
+            f"the repairs and the fallbacks counted (net saving {fmt_number(outcome.get('net_saving'), 3)})."
+        )
+    return summary, rows
+
+
 def render_card(
     mapper, results: dict | None = None, model_name: str | None = None, repo_id: str | None = None
 ) -> ModelCard:
@@ -253,6 +293,7 @@ def render_card(
         for row in results.get("latency", [])
     ]
     mlp_settings, mlp_rows = _mlp_training(config)
+    ladder, ladder_rows = _ladder(config)
     env = results.get("environment", {})
     diagnostics = [
         f"{key}: {fmt_number(value) if isinstance(value, float) else value}"
@@ -291,6 +332,8 @@ def render_card(
         latency_env=f"{env.get('device', 'cpu')}, {env.get('threads', '?')} threads, torch {env.get('torch', '?')}",
         diagnostics=diagnostics,
         handoff_guard=_handoff_guard(config),
+        ladder=ladder,
+        ladder_rows=ladder_rows,
     )
 
 

@@ -140,11 +140,15 @@ class MapperConfig(PretrainedConfig):
             (`hf_kvmap.artifacts.content_hash`), written by `save_pretrained` and checked by
             `from_pretrained`.
         serving_hash (`str`, *optional*): sha256 of the content hash and the fields that decide what is served
-            (`hf_kvmap.artifacts.SERVING_FIELDS`: `handoff_probe`, `tokenizer_fingerprint`, model ids and revisions),
-            written by `save_pretrained` and checked by `from_pretrained`.
+            (`hf_kvmap.artifacts.SERVING_FIELDS`: `handoff_probe`, `handoff_ladder`, `tokenizer_fingerprint`, model
+            ids and revisions), written by `save_pretrained` and checked by `from_pretrained`.
         handoff_probe (`dict`, *optional*): the calibrated guard of `hf_kvmap.handoff`: `{"probe": {"name": ...,
             "tokens": ...}, "threshold": ..., "max_false_alarm": ..., "calibration": {...}}`, written by
             `hf_kvmap.calibrate_probe`. `None` (older configs) means not calibrated.
+        handoff_ladder (`dict`, *optional*): the calibrated guard ladder of `hf_kvmap.ladder` (`GuardLadder.to_dict()`:
+            probe, repair strategy, rungs of `max_risk` and repair `fraction`, calibration), written by
+            `hf-kvmap calibrate-ladder`; when set, `handoff` serves each row the rung its risk calls for (the mapped
+            cache, a repair, or the target's prefill). `None` means no ladder: the handoff serves or falls back.
 
     Example:
 
@@ -187,6 +191,7 @@ class MapperConfig(PretrainedConfig):
         content_hash: str | None = None,
         serving_hash: str | None = None,
         handoff_probe: dict | None = None,
+        handoff_ladder: dict | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -218,6 +223,7 @@ class MapperConfig(PretrainedConfig):
         self.content_hash = content_hash
         self.serving_hash = serving_hash
         self.handoff_probe = dict(handoff_probe) if handoff_probe else None
+        self.handoff_ladder = copy.deepcopy(dict(handoff_ladder)) if handoff_ladder else None
         if source_layers is not None and (
             not isinstance(source_layers, (list, tuple))
             or any(

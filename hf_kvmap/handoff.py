@@ -14,8 +14,8 @@ The probe and its threshold come from the mapper's config (`MapperConfig.handoff
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from .input_checks import (
     derive_mask,
     first_layer_error,
 )
+from .ladder import GuardLadder, rung_name, serve_rows
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
 from .repair import RepairConfig, repair_cache
 from .rope import positions_from_attention_mask
@@ -79,6 +80,8 @@ class HandoffReport:
         notes (`list[str]`): what the handoff derived on its own (e.g. the attention mask `generate` infers).
         repair (`dict`, *optional*): what the target recomputed of the mapped cache (`mapping_info["repair"]`:
             strategy, budget, positions per row); `None` without `repair=`.
+        ladder (`dict`, *optional*): what the guard ladder served each row (`rows`: `rung`, `fraction`, `risk`,
+            `recomputed` tokens) and the ladder's probe and strategy; `None` without a ladder.
         timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `repair`, `tail`, `audit`,
             `probe`, `fallback_prefill`, `total`); a stage that did not run is absent.
     """
@@ -95,6 +98,7 @@ class HandoffReport:
     mapped_tokens: int = 0
     repair: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    ladder: dict[str, Any] | None = None
     same_weights: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -286,6 +290,7 @@ def handoff(
     target_first_layer: bool = False,
     same_weights: bool = False,
     repair: RepairConfig | dict | None = None,
+    ladder: GuardLadder | dict | bool | None = None,
 ) -> tuple[Cache, HandoffReport]:
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
@@ -332,11 +337,16 @@ def handoff(
             strategy selects of the mapped cache, attending to the mapped rest, before the audit and the probe read it
             ([`~hf_kvmap.repair.repair_cache`]); recorded in `report.repair`. A probe calibrated without repair is
             conservative on a repaired cache.
+        ladder ([`~hf_kvmap.ladder.GuardLadder`], `dict` or `bool`, *optional*): per row, serve the mapped cache,
+            repair it with the fraction the ladder's probe's risk calls for, or prefill the row with the target
+            ([`~hf_kvmap.ladder.serve_rows`]); recorded in `report.ladder`. Defaults to the mapper's calibrated
+            `config.handoff_ladder` when it has one and neither `probe=`, `threshold=` nor `repair=` is given;
+            `False` turns it off. With `policy="fail"`, a row that would fall back raises.
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a
         `DynamicCache` of the target's own prefill otherwise) and a [`HandoffReport`]. The decision is taken for the
-        whole batch: one refused row makes every row fall back.
+        whole batch: one refused row makes every row fall back, except under a ladder, where each row gets its own rung.
 
     Example:
 
@@ -366,7 +376,11 @@ def handoff(
                 f"attention_mask derived as generate derives it: input_ids != pad_token_id "
                 f"({target.generation_config.pad_token_id}); pass attention_mask to say otherwise"
             )
-    probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
+    ladder = resolve_ladder(mapper, ladder, probe=probe, threshold=threshold, repair=repair)
+    if ladder is not None:
+        probe, threshold = probe_from_dict(ladder.probe), math.inf
+    else:
+        probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
     repair = None if repair is None else RepairConfig.from_dict(repair)  # bad settings raise, never fall back
     clock = _Clock()
     batch, length = input_ids.shape
@@ -445,11 +459,63 @@ def handoff(
         scores = probe.score(context).float()
     report.scores = [float(s) for s in scores]
     report.score = max(report.scores)
+    if ladder is not None:
+        return _climb(
+            ladder, context, report, clock, refuse, source_position_ids if source_cache is not None else None
+        )
     if not torch.isfinite(scores).all():
         return refuse(f"probe {probe.name} returned a non-finite risk")
     if report.score > threshold:
         return refuse(f"probe refused: {probe.name} risk {report.score:.4g} > threshold {threshold:.4g}")
     report.accepted, report.reason = True, f"probe passed: {probe.name} risk {report.score:.4g} <= {threshold:.4g}"
+    report.timings = clock.done()
+    return context.cache, report
+
+
+def resolve_ladder(mapper, ladder=None, *, probe=None, threshold=None, repair=None) -> GuardLadder | None:
+    """The ladder a handoff climbs: `ladder` if given (`False`: none), else the mapper config's `handoff_ladder`
+    unless the caller chose a binary guard or a fixed repair (`probe=`, `threshold=`, `repair=`). A ladder given
+    together with any of these raises: the ladder holds its own probe, thresholds and repair."""
+    if ladder is False:
+        return None
+    if ladder is None or ladder is True:
+        stored = getattr(mapper.config, "handoff_ladder", None)
+        if ladder is True and not stored:
+            raise ValueError(
+                "ladder=True but the mapper has no calibrated ladder (`config.handoff_ladder`); calibrate one with "
+                "`hf-kvmap calibrate-ladder` or pass a `GuardLadder`."
+            )
+        if not stored or (ladder is None and (probe is not None or threshold is not None or repair is not None)):
+            return None
+        ladder = stored
+    if probe is not None or threshold is not None or repair is not None:
+        raise ValueError(
+            "A ladder holds its own probe, thresholds and repair strategy: pass `ladder=` without `probe=`, "
+            "`threshold=` or `repair=` (or `ladder=False` to use those)."
+        )
+    return GuardLadder.from_dict(ladder)
+
+
+def _climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: _Clock, refuse, source_positions):
+    """The ladder's end of `handoff`: each row's rung from its risk (`report.scores`), then `serve_rows`."""
+    plan = ladder.plan(report.scores)  # a NaN risk takes no rung: it falls back
+    settings = {"probe": ladder.probe, "strategy": ladder.strategy, "rungs": ladder.to_dict()["rungs"]}
+    report.threshold = None
+    if all(fraction is None for fraction in plan):
+        report.ladder = {
+            **settings,
+            "rows": [{"rung": rung_name(None), "fraction": None, "risk": r} for r in report.scores],
+        }
+        return refuse(f"ladder: every row's risk is above the last rung (risks {[f'{r:.4g}' for r in report.scores]})")
+    if report.policy == "fail" and any(fraction is None for fraction in plan):
+        return refuse(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
+    with clock.stage("repair"):
+        rows = serve_rows(context, plan, ladder.strategy, source_position_ids=source_positions)
+    for row, risk in zip(rows, report.scores):
+        row["risk"] = risk
+    report.ladder = {**settings, "rows": rows}
+    report.accepted = True
+    report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))
     report.timings = clock.done()
     return context.cache, report
 
@@ -469,99 +535,3 @@ def exactness_error(target, input_ids, attention_mask, cache: Cache, *, audit_to
     positions = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
     context = ProbeContext(None, target, input_ids, attention_mask, positions, cache, None)
     return max(PrefixAuditProbe(audit_tokens).score(context).max().item(), first_layer_audit(target, context))
-
-
-# -------------------------------------------------------------------------------------------- calibration
-
-
-def roc_curve(risks: Sequence[float], positives: Sequence[bool]) -> list[dict[str, float]]:
-    """Every distinct threshold `t` (refuse when risk > t) with its true-alarm and false-alarm rates.
-
-    `positives[i]` says item `i`'s handoff answer differs from the target's own. Rows are sorted by threshold; the
-    first (`t` below every risk) refuses everything, the last accepts everything.
-    """
-    risks, positives = [float(r) for r in risks], [bool(p) for p in positives]
-    if len(risks) != len(positives):
-        raise ValueError(f"{len(risks)} risks but {len(positives)} labels.")
-    n_pos, n_neg = sum(positives), len(positives) - sum(positives)
-    thresholds = sorted(set(risks))
-    rows = [{"threshold": thresholds[0] - 1.0 if thresholds else 0.0, "true_alarm": 1.0, "false_alarm": 1.0}]
-    for t in thresholds:
-        caught = sum(r > t for r, p in zip(risks, positives) if p)
-        false = sum(r > t for r, p in zip(risks, positives) if not p)
-        rows.append(
-            {
-                "threshold": t,
-                "true_alarm": caught / n_pos if n_pos else float("nan"),
-                "false_alarm": false / n_neg if n_neg else float("nan"),
-            }
-        )
-    return rows
-
-
-def auc(risks: Sequence[float], positives: Sequence[bool]) -> float:
-    """Probability that a changed-answer item has a higher risk than an unchanged one (ties count half)."""
-    pos = [float(r) for r, p in zip(risks, positives) if p]
-    neg = [float(r) for r, p in zip(risks, positives) if not p]
-    if not pos or not neg:
-        return float("nan")
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
-
-
-def calibrate_threshold(risks: Sequence[float], positives: Sequence[bool], max_false_alarm: float = 0.1) -> float:
-    """The lowest threshold whose false-alarm rate (refused items whose answer did not change) is at most
-    `max_false_alarm`: it catches the most changed answers within that budget."""
-    if not 0.0 <= max_false_alarm <= 1.0:
-        raise ValueError(f"max_false_alarm={max_false_alarm} must be in [0, 1].")
-    if not any(not p for p in positives):
-        raise ValueError("No calibration item kept its answer: a false-alarm rate cannot be measured.")
-    for row in roc_curve(risks, positives):
-        if row["false_alarm"] <= max_false_alarm:
-            return float(row["threshold"])
-    raise AssertionError("unreachable: the last threshold refuses nothing")
-
-
-def calibrate_probe(
-    mapper,
-    probe: Probe | str | dict,
-    risks: Sequence[float],
-    positives: Sequence[bool],
-    *,
-    max_false_alarm: float = 0.1,
-    provenance: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Calibrate `probe`'s threshold on measured items and store it in `mapper.config.handoff_probe`.
-
-    Args:
-        mapper ([`MapperModel`]): the mapper; its config is updated (save it to keep the calibration).
-        probe (`Probe`, `str` or `dict`): the probe whose risks were measured.
-        risks (sequence of `float`): the probe's risk on each calibration item.
-        positives (sequence of `bool`): whether each item's handoff answer differed from the target's own.
-        max_false_alarm (`float`, *optional*, defaults to 0.1): the false-alarm budget.
-        provenance (`dict`, *optional*): what the items were (tasks, seeds, counts), recorded beside the threshold.
-
-    Returns:
-        The `handoff_probe` dict: `probe` (settings), `threshold`, `max_false_alarm`, and the calibration's own
-        true/false-alarm rates and item counts.
-    """
-    probe = probe if isinstance(probe, Probe) else probe_from_dict(probe)
-    threshold = calibrate_threshold(risks, positives, max_false_alarm)
-    n_pos = sum(map(bool, positives))
-    n_neg = len(positives) - n_pos
-    caught = sum(r > threshold for r, p in zip(risks, positives) if p)
-    false = sum(r > threshold for r, p in zip(risks, positives) if not p)
-    stored = {
-        "probe": probe.settings(),
-        "threshold": threshold,
-        "max_false_alarm": max_false_alarm,
-        "calibration": {
-            "items": len(positives),
-            "changed": n_pos,
-            "true_alarm": caught / n_pos if n_pos else None,
-            "false_alarm": false / n_neg,
-            **(provenance or {}),
-        },
-    }
-    mapper.config.handoff_probe = stored
-    return stored

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_kvmap import HandoffRefusedError, MappedCache, MapperConfig, MapperModel, calibrate_probe, handoff, zoo
-from hf_kvmap.handoff import auc, calibrate_threshold, roc_curve
+from hf_kvmap.guard_calibration import auc, calibrate_threshold, roc_curve
 from hf_kvmap.zoo import corpus
 
 SHIPPED = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("tiny-l", "tiny-s"))

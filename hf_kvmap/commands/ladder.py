@@ -1,0 +1,154 @@
+"""`hf-kvmap calibrate-ladder`: measure the guard ladder's rungs on your items and store the calibrated ladder in the
+mapper's config and card.
+
+    hf-kvmap calibrate-ladder --source S --target T --mapper M --tasks my_tasks.jsonl --out M-laddered
+    hf-kvmap calibrate-ladder --source tiny-m --target tiny-l --tasks tiny-family --items 50 --out /tmp/m2l
+
+Every exact-match item is measured one prompt at a time (the target's own answer; each candidate probe's risk on the
+mapped cache; the answer and cost of every repair fraction), and the cheapest ladder whose changed answers stay within
+`--max-changed` on every task is kept. `--records` keeps the measurements (JSONL) so a stopped run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate-ladder",
+        help="Calibrate the guard ladder (serve / repair / fall back per request) on your items; store it in a mapper.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--source", required=True, help="tiny-family member, folder or Hub id")
+    parser.add_argument("--target", required=True, help="tiny-family member, folder or Hub id")
+    parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
+    parser.add_argument("--tasks", default="tiny-family", help="'tiny-family' or a JSONL file of exact-match items")
+    parser.add_argument("--items", type=int, default=50, help="items per task for the tiny-family task set")
+    parser.add_argument("--seed", type=int, default=4321, help="seed of the tiny-family items (not the report's)")
+    parser.add_argument(
+        "--probes",
+        default="draft_agreement:2,lookahead_margin:1,confident_draft:2",
+        help="candidate probes (name:tokens, one hold-back); the cheapest ladder's is kept",
+    )
+    parser.add_argument("--strategy", default="tail", help="repair strategy (hf_kvmap.repair.SELECTORS) or JSON")
+    parser.add_argument("--fractions", default="0.1,0.2,0.3,0.5", help="repair fractions measured (0 is always)")
+    parser.add_argument("--max-changed", type=float, default=0.05, help="changed answers a task may be served")
+    parser.add_argument("--records", type=Path, default=None, help="JSONL of the measurements (resumes)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the mapper with its ladder (may be --mapper)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the calibration summary here")
+    parser.set_defaults(func=run)
+
+
+def _items(args):
+    from .. import zoo
+    from ..evaluation import load_jsonl_tasks
+    from ..ladder_items import LadderItem
+
+    if args.tasks == "tiny-family":
+        tasks = zoo.tiny_family_tasks(args.items, args.seed)
+    else:
+        try:
+            tasks = load_jsonl_tasks(args.tasks)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+    items, skipped = [], []
+    for task in tasks:
+        if task.task_type != "exact_match":
+            skipped.append(task.name)
+            continue
+        for item in task.items:
+            prompt = getattr(item, "prompt", "") or item.context
+            items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    if not items:
+        raise SystemExit(
+            "hf-kvmap calibrate-ladder: no exact-match items: the ladder compares generated answers, so give tasks of "
+            '`"type": "exact_match"` (prompt, answer, stop).'
+        )
+    return items, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..ladder_items import ladder_from_records, measure_ladder_items, parse_probe
+    from ..repair import selector_from_dict
+    from . import models as _models
+    from ._output import finish
+
+    started = time.perf_counter()
+    if not 0.0 <= args.max_changed <= 1.0:
+        raise SystemExit(f"hf-kvmap calibrate-ladder: --max-changed {args.max_changed} must be in [0, 1].")
+    try:
+        probes = [parse_probe(text) for text in args.probes.split(",") if text]
+        strategy = json.loads(args.strategy) if args.strategy.startswith("{") else args.strategy
+        strategy = selector_from_dict(strategy).settings()
+        fractions = [float(f) for f in args.fractions.split(",") if f]
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+    items, skipped = _items(args)
+    source, target = _models.load_causal_lm(args.source), _models.load_causal_lm(args.target)
+    tokenizer = _models.load_tokenizer(args.source)
+    mapper_name = _models.resolve_mapper(args.mapper, args.source, args.target)
+    mapper = _models.load_mapper(mapper_name, "calibrate-ladder")
+    mapper.check_compatible(source, target, tokenizer)
+    done = []
+    if args.records is not None and args.records.is_file():
+        done = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+        print(f"resuming: {len(done)} of {len(items)} items measured in {args.records}")
+
+    def keep(record):
+        if args.records is not None:
+            args.records.parent.mkdir(parents=True, exist_ok=True)
+            with args.records.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    try:
+        records = measure_ladder_items(
+            source,
+            target,
+            mapper,
+            tokenizer,
+            items,
+            probes=probes,
+            strategy=strategy,
+            fractions=fractions,
+            done=done,
+            on_record=keep,
+        )
+    except ValueError as err:
+        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+    provenance = {
+        "tasks": sorted({item.task for item in items}),
+        "task_set": args.tasks if args.tasks == "tiny-family" else Path(args.tasks).name,
+        "seed": args.seed if args.tasks == "tiny-family" else None,
+        "probes": [f"{p.name}:{p.tokens}" for p in probes],
+    }
+    ladder = ladder_from_records(records, strategy=strategy, max_changed=args.max_changed, provenance=provenance)
+    mapper.config.handoff_ladder = ladder.to_dict()
+    mapper.save_pretrained(args.out)
+    outcome = ladder.calibration["outcome"]
+    print(f"ladder on {len(records)} items, probe {ladder.probe['name']}:{ladder.probe['tokens']}:")
+    for rung in ladder.rungs:
+        print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
+    print("  above: the target's own prefill")
+    for task, row in outcome["per_group"].items():
+        print(f"  {task:<16} changed served {row['changed_served']:.3f}  net saving {row['net_saving']:.3f}")
+    print(f"wrote {args.out} (config.json handoff_ladder, README.md)")
+    summary = {
+        "ladder": ladder.to_dict(),
+        "skipped_tasks": skipped,
+        "run": {
+            "source": args.source,
+            "target": args.target,
+            "mapper": mapper_name,
+            "out": str(args.out),
+            "items": len(records),
+            "seconds": time.perf_counter() - started,
+        },
+    }
+    return finish(args.json, summary)

@@ -1,0 +1,249 @@
+"""Measuring the guard ladder on items: per prompt, the target's own answer, every candidate probe's risk on the mapped
+cache, and the answer and cost of every rung; then the ladder calibrated on one item set and replayed on another.
+
+```python
+records = measure_ladder_items(source, target, mapper, tokenizer, items, probes=["draft_agreement:2"],
+                               strategy="tail", fractions=[0.0, 0.1, 0.3])
+ladder = ladder_from_records(records, max_changed=0.05)      # the cheapest probe's ladder
+mapper.config.handoff_ladder = ladder.to_dict()
+```
+
+Every record is measured through the code the handoff serves with (`probe_context`, the probes, `serve_rows`), one
+prompt at a time, so replaying a ladder on records gives what `handoff(..., ladder=)` serves on those prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ._compat import cache_kwargs, output_cache
+from .handoff import probe_context, target_prefill
+from .ladder import FALLBACK, GuardLadder, calibrate_ladder, ladder_outcome, serve_rows
+from .probes import Probe, probe_from_dict
+
+
+@dataclass(frozen=True)
+class LadderItem:
+    """One prompt whose greedy answer is compared: `prompt`, the expected `answer` (+ `stop`), and its `task`."""
+
+    prompt: str
+    answer: str
+    stop: str = ""
+    task: str = "task"
+
+
+def probe_key(probe: Probe | dict | str) -> str:
+    """`"name:tokens"` of a probe (how records name its risk)."""
+    probe = probe if isinstance(probe, Probe) else probe_from_dict(probe)
+    return f"{probe.name}:{probe.tokens}"
+
+
+def parse_probe(text: str) -> Probe:
+    """A probe from `"name"` or `"name:tokens"`."""
+    name, _, tokens = text.partition(":")
+    return probe_from_dict({"name": name, **({"tokens": int(tokens)} if tokens else {})})
+
+
+def _greedy(target, ids, cache, steps: int, pad: int | None) -> list[int]:
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwargs(cache),
+        max_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=None,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+@torch.no_grad()
+def measure_item(
+    source,
+    target,
+    mapper,
+    tokenizer,
+    item: LadderItem,
+    *,
+    probes: Sequence[Probe],
+    strategy: dict | str,
+    fractions: Sequence[float],
+) -> dict[str, Any]:
+    """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `risks` per probe key,
+    `answers[f]` (`changed` from the reference, `correct`) per fraction, and `seconds` of each stage."""
+    ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+    expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
+    pad = tokenizer.pad_token_id
+    start = time.perf_counter()
+    own = target_prefill(target, ids)
+    prefill = time.perf_counter() - start
+    reference = _greedy(target, ids, own, len(expected), pad)
+    source_cache = output_cache(source(input_ids=ids, use_cache=True))
+    start = time.perf_counter()
+    context = probe_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
+    mapping = time.perf_counter() - start
+    risks, probe_seconds = {}, {}
+    for probe in probes:
+        start = time.perf_counter()
+        risks[probe_key(probe)] = float(probe.score(context).float()[0])
+        probe_seconds[probe_key(probe)] = time.perf_counter() - start
+    answers, repair_seconds = {}, {}
+    for fraction in fractions:
+        served = dataclasses.replace(context, cache=copy.deepcopy(context.cache))
+        start = time.perf_counter()
+        serve_rows(served, [fraction], strategy)
+        repair_seconds[f"{fraction:g}"] = time.perf_counter() - start
+        answer = _greedy(target, ids, served.cache, len(expected), pad)
+        answers[f"{fraction:g}"] = {"changed": answer != reference, "correct": answer == expected}
+    return {
+        "task": item.task,
+        "tokens": ids.shape[1],
+        "reference": reference,
+        "correct_target": reference == expected,
+        "risks": risks,
+        "answers": answers,
+        "seconds": {"prefill": prefill, "map": mapping, "probe": probe_seconds, "repair": repair_seconds},
+    }
+
+
+def measure_ladder_items(
+    source,
+    target,
+    mapper,
+    tokenizer,
+    items: Sequence[LadderItem],
+    *,
+    probes: Sequence[Probe | dict | str],
+    strategy: dict | str,
+    fractions: Sequence[float],
+    done: Sequence[dict] = (),
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    r"""
+    Records of `items` for [`ladder_from_records`]: see [`measure_item`].
+
+    Args:
+        source, target, mapper, tokenizer: the handoff's models, its mapper and their shared tokenizer.
+        items (sequence of [`LadderItem`]): the prompts.
+        probes (sequence): candidate probes (`Probe`, settings, or `"name:tokens"`), all with one `hold_back` (they
+            read the same mapped cache).
+        strategy (`dict` or `str`): the repair strategy of the repairing rungs.
+        fractions (sequence of `float`): the rungs measured, in `[0, 1)`; 0 (the mapped cache) is always measured.
+        done (sequence of `dict`, *optional*): records measured before (a resumed run): the first `len(done)` items
+            are not measured again.
+        on_record (callable, *optional*): called with each new record (e.g. to append it to a file).
+        progress (`bool`, *optional*, defaults to `True`): a tqdm bar.
+    """
+    probes = [
+        parse_probe(p) if isinstance(p, str) else p if isinstance(p, Probe) else probe_from_dict(p) for p in probes
+    ]
+    if not probes:
+        raise ValueError("Pass at least one probe (e.g. probes=['draft_agreement:2']).")
+    holds = {p.hold_back for p in probes}
+    if len(holds) > 1:
+        raise ValueError(
+            f"The probes hold back different numbers of tokens ({sorted(holds)}), so they read different mapped "
+            "caches; measure them in separate runs."
+        )
+    fractions = sorted({0.0, *(float(f) for f in fractions)})
+    if not all(0.0 <= f < 1.0 for f in fractions):
+        raise ValueError(f"fractions={fractions} must lie in [0, 1): the fallback is the full prefill.")
+    records = list(done)
+    for item in tqdm(items[len(records) :], desc="ladder items", disable=not progress):
+        record = measure_item(
+            source, target, mapper, tokenizer, item, probes=probes, strategy=strategy, fractions=fractions
+        )
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+    return records
+
+
+def record_costs(records: Sequence[dict], key: str) -> dict[float | str, float]:
+    """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
+    probe `key` counted in every rung, the repair in the repairing ones, and the prefill in the fallback."""
+    fractions = sorted(float(f) for f in records[0]["answers"])
+    sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
+    for record in records:
+        seconds = record["seconds"]
+        base = (seconds["map"] + seconds["probe"][key]) / seconds["prefill"]
+        for f in fractions:
+            sums[f] += base + seconds["repair"][f"{f:g}"] / seconds["prefill"]
+        sums[FALLBACK] += base + 1.0
+    return {k: v / len(records) for k, v in sums.items()}
+
+
+def _changed(records: Sequence[dict]) -> dict[float, list[bool]]:
+    fractions = sorted(float(f) for f in records[0]["answers"])
+    return {f: [bool(r["answers"][f"{f:g}"]["changed"]) for r in records] for f in fractions}
+
+
+def ladder_from_records(
+    records: Sequence[dict],
+    *,
+    strategy: dict | str,
+    probe: str | None = None,
+    max_changed: float = 0.05,
+    provenance: dict[str, Any] | None = None,
+) -> GuardLadder:
+    """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
+    risks), or else of the candidate probe whose ladder costs least there."""
+    if not records:
+        raise ValueError("No records: measure items first (measure_ladder_items).")
+    keys = [probe] if probe else sorted(records[0]["risks"])
+    missing = [k for k in keys if k not in records[0]["risks"]]
+    if missing:
+        raise ValueError(f"The records hold no risk of {missing}; they have {sorted(records[0]['risks'])}.")
+    best = None
+    for key in keys:
+        ladder = calibrate_ladder(
+            [r["risks"][key] for r in records],
+            _changed(records),
+            record_costs(records, key),
+            probe=parse_probe(key).settings(),
+            strategy=strategy,
+            groups=[r["task"] for r in records],
+            max_changed=max_changed,
+            provenance=provenance,
+        )
+        if best is None or ladder.calibration["outcome"]["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
+            best = ladder
+    return best
+
+
+def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[str, Any]:
+    """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): every rung it uses must have been
+    measured there."""
+    ladder = GuardLadder.from_dict(ladder)
+    key = probe_key(ladder.probe)
+    measured = {float(f) for f in records[0]["answers"]}
+    unmeasured = [rung.fraction for rung in ladder.rungs if rung.fraction not in measured]
+    if unmeasured:
+        raise ValueError(
+            f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
+        )
+    if key not in records[0]["risks"]:
+        raise ValueError(f"The records hold no risk of the ladder's probe {key}.")
+    plan = ladder.plan([r["risks"][key] for r in records])
+    return ladder_outcome(plan, _changed(records), record_costs(records, key), [r["task"] for r in records])
+
+
+__all__ = [
+    "LadderItem",
+    "ladder_from_records",
+    "measure_item",
+    "measure_ladder_items",
+    "parse_probe",
+    "probe_key",
+    "record_costs",
+    "replay_ladder",
+]

@@ -1,0 +1,386 @@
+"""The guard ladder: calibration recovers a planted ladder and is the optimum of every monotone assignment, each row of a
+batch gets exactly its rung (mapped rows untouched, repaired rows equal to repairing them alone, fallback rows the
+target's own prefill), replaying a calibrated ladder on measured items gives what the live handoff serves, the ladder
+is covered by the serving hash, shown on the card, and bad ladders are refused by name."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_kvmap import MappedCache, MapperModel, handoff, zoo
+from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap.artifacts import serving_hash
+from hf_kvmap.cli import main as cli
+from hf_kvmap.handoff import probe_context
+from hf_kvmap.ladder import FALLBACK, GuardLadder, LadderRung, calibrate_ladder, ladder_outcome, serve_rows
+from hf_kvmap.ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder
+from hf_kvmap.rope import positions_from_attention_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+PROBE = {"name": "draft_agreement", "tokens": 2}
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+
+def _planted(n=40, seed=0):
+    """Items whose answer changes at fraction f exactly when the risk is above the planted bound of f."""
+    rng = random.Random(seed)
+    risks = [rng.random() for _ in range(n)]
+    bounds = {0.0: 0.3, 0.2: 0.6, 0.5: 0.9}
+    changed = {f: [r > b for r in risks] for f, b in bounds.items()}
+    costs = {0.0: 0.05, 0.2: 0.3, 0.5: 0.6, FALLBACK: 1.05}
+    return risks, changed, costs, bounds
+
+
+def test_calibration_recovers_a_planted_ladder():
+    risks, changed, costs, bounds = _planted()
+    ladder = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", max_changed=0.0)
+    assert [rung.fraction for rung in ladder.rungs] == [0.0, 0.2, 0.5]
+    for rung in ladder.rungs:  # each bound sits at the highest risk that rung can take without a changed answer
+        assert rung.max_risk == max(r for r in risks if r <= bounds[rung.fraction])
+    outcome = ladder.calibration["outcome"]
+    assert outcome["changed_served"] == 0.0
+    assert outcome["rungs"]["fallback"] == pytest.approx(sum(r > 0.9 for r in risks) / len(risks))
+    assert outcome["net_saving"] == pytest.approx(1.0 - outcome["mean_cost"])
+    # replaying it on the same items is what the calibration recorded
+    assert ladder_outcome(ladder.plan(risks), changed, costs) == {**outcome, "per_group": outcome["per_group"]}
+
+
+def _brute_force(risks, changed, costs, groups, max_changed):
+    options = [*sorted(changed), None]
+    order = sorted(range(len(risks)), key=lambda i: risks[i])
+    best = None
+    for picks in itertools.combinations_with_replacement(range(len(options)), len(order)):
+        if any(risks[i] == risks[j] and a != b for (i, a), (j, b) in itertools.pairwise(zip(order, picks))):
+            continue  # a threshold cannot split items of equal risk
+        plan = [None] * len(risks)
+        for i, k in zip(order, picks):
+            plan[i] = options[k]
+        outcome = ladder_outcome(plan, changed, costs, groups)
+        budget_ok = all(
+            row["changed_served"] * row["items"] <= max_changed * row["items"] + 1e-9
+            for row in outcome["per_group"].values()
+        )
+        if budget_ok and (best is None or outcome["mean_cost"] < best - 1e-12):
+            best = outcome["mean_cost"]
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_calibration_is_the_cheapest_monotone_assignment(seed):
+    rng = random.Random(seed)
+    n = 7
+    risks = [round(rng.random(), 1) for _ in range(n)]  # ties included
+    changed = {f: [rng.random() < p for _ in range(n)] for f, p in ((0.0, 0.6), (0.3, 0.3))}
+    costs = {0.0: 0.1, 0.3: 0.4, FALLBACK: 1.1}
+    groups = [rng.choice("ab") for _ in range(n)]
+    ladder = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", groups=groups, max_changed=0.34)
+    outcome = ladder.calibration["outcome"]
+    assert outcome["mean_cost"] == pytest.approx(_brute_force(risks, changed, costs, groups, 0.34))
+    # the thresholds serve exactly the assignment the calibration scored
+    assert ladder_outcome(ladder.plan(risks), changed, costs, groups)["mean_cost"] == pytest.approx(
+        outcome["mean_cost"]
+    )
+
+
+def test_the_budget_holds_in_every_group():
+    risks = [0.1 * i for i in range(20)]
+    groups = ["a"] * 10 + ["b"] * 10
+    changed = {0.0: [g == "b" for g in groups]}  # serving group b unrepaired changes every answer
+    costs = {0.0: 0.1, FALLBACK: 1.1}
+    ladder = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", groups=groups, max_changed=0.1)
+    per_group = ladder.calibration["outcome"]["per_group"]
+    assert per_group["b"]["changed_served"] <= 0.1 and per_group["a"]["changed_served"] == 0.0
+    assert ladder.rungs == [LadderRung(max_risk=1.0, fraction=0.0)]  # a's items, then one of b's: 1 of 10
+
+
+@pytest.mark.parametrize(
+    "settings,error,fragment",
+    [
+        (
+            {"probe": PROBE, "strategy": "tail", "rungs": [{"max_risk": 1.0, "fraction": 1.0}]},
+            ValueError,
+            "in \\[0, 1\\)",
+        ),
+        (
+            {"probe": PROBE, "strategy": "tail", "rungs": [{"max_risk": float("nan"), "fraction": 0.1}]},
+            ValueError,
+            "finite",
+        ),
+        (
+            {
+                "probe": PROBE,
+                "strategy": "tail",
+                "rungs": [{"max_risk": 1.0, "fraction": 0.2}, {"max_risk": 2.0, "fraction": 0.1}],
+            },
+            ValueError,
+            "rise in both",
+        ),
+        ({"probe": {"name": "nope"}, "strategy": "tail", "rungs": []}, ValueError, "Unknown probe"),
+        ({"probe": PROBE, "strategy": "nope", "rungs": []}, ValueError, "Unknown repair strategy"),
+        ({"probe": PROBE, "strategy": "tail", "rungs": [], "extra": 1}, ValueError, "Unknown ladder settings"),
+        ({"probe": PROBE, "rungs": []}, ValueError, "lack \\['strategy'\\]"),
+        ("tail", TypeError, "GuardLadder or a dict"),
+    ],
+)
+def test_bad_ladders_are_refused_by_name(settings, error, fragment):
+    with pytest.raises(error, match=fragment):
+        GuardLadder.from_dict(settings)
+
+
+def test_bad_calibration_inputs_are_refused():
+    risks, changed, costs, _ = _planted(6)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        calibrate_ladder([float("nan")] * 6, changed, costs, probe=PROBE, strategy="tail")
+    with pytest.raises(ValueError, match="'fallback' entry"):
+        calibrate_ladder(risks, changed, {0.0: 0.1, 0.2: 0.2, 0.5: 0.5}, probe=PROBE, strategy="tail")
+    with pytest.raises(ValueError, match="No cost for fraction 0.2"):
+        calibrate_ladder(risks, changed, {0.0: 0.1, 0.5: 0.5, FALLBACK: 1.0}, probe=PROBE, strategy="tail")
+    with pytest.raises(ValueError, match="max_changed"):
+        calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", max_changed=1.5)
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+
+
+def _model(config, seed):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    config = tiny.config(layers=3)
+    return _model(config, 1), _model(config, 0), MapperModel.identity(config)
+
+
+def _batch(tiny, lengths=(20, 26, 23)):
+    return tiny.left_padded_batch(lengths, seed=5)
+
+
+def _context(pair, ids, mask, hold_back=1):
+    source, target, mapper = pair
+    return probe_context(source, target, mapper, ids, mask, None, hold_back)
+
+
+def _diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _row(cache, row, start=0):
+    return [t[row, :, start:] for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+@pytest.mark.parametrize("hold_back", [1, 4])
+def test_each_row_gets_its_rung(pair, tiny, hold_back):
+    source, target, mapper = pair
+    ids, mask = _batch(tiny)
+    mapped = _context(pair, ids, mask, hold_back).cache
+    context = _context(pair, ids, mask, hold_back)
+    rows = serve_rows(context, [0.0, 0.5, None], "tail")
+    assert [row["rung"] for row in rows] == ["mapped", "repair:0.5", "fallback"]
+    width = ids.shape[1]
+    pad = [width - int(n) for n in mask.sum(-1)]
+    # row 0: the mapped cache, untouched (the held-back tokens re-run on the same cache)
+    assert _diff(_row(context.cache, 0, pad[0]), _row(mapped, 0, pad[0])) <= TOL
+    # row 2: the target's own prefill of its tokens
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    own = output_cache(
+        target(input_ids=ids[2:, :-1], attention_mask=mask[2:, :-1], position_ids=positions[2:, :-1], use_cache=True)
+    )
+    assert _diff(_row(context.cache, 2, pad[2]), _row(own, 0, pad[2])) <= TOL
+    # row 1: what repairing it alone gives
+    alone = _context(pair, ids[1:2], mask[1:2], hold_back)
+    serve_rows(alone, [0.5], "tail")
+    assert _diff(_row(context.cache, 1, pad[1]), _row(alone.cache, 0, pad[1])) <= TOL
+    assert rows[1]["recomputed"] == int(0.5 * (int(mask[1].sum()) - hold_back))
+    assert context.cache.get_seq_length() == width - 1
+    assert context.cache.mapping_info["ladder"]["rows"] == rows
+
+
+def test_serve_rows_refuses_a_plan_of_another_batch(pair, tiny):
+    ids, mask = _batch(tiny)
+    with pytest.raises(ValueError, match="2 rung fractions for a batch of 3"):
+        serve_rows(_context(pair, ids, mask), [0.0, None], "tail")
+
+
+def _ladder_for(scores, fractions):
+    """Rungs whose bounds fall between the given rows' risks, so that row i takes fractions[i]."""
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    rungs = [LadderRung(max_risk=scores[i] + 1e-6, fraction=fractions[i]) for i in order if fractions[i] is not None]
+    return GuardLadder({"name": "prefix_audit", "tokens": 8}, "tail", rungs)
+
+
+def test_handoff_climbs_the_ladder_per_row(pair, tiny):
+    source, target, mapper = pair
+    ids, mask = _batch(tiny)
+    _, report = handoff(
+        source,
+        target,
+        mapper,
+        ids,
+        attention_mask=mask,
+        probe={"name": "prefix_audit", "tokens": 8},
+        threshold=1e9,
+        audit_tokens=0,
+    )
+    scores = report.scores
+    assert len(set(scores)) == 3
+    order = sorted(range(3), key=lambda i: scores[i])
+    wanted = [None] * 3
+    wanted[order[0]], wanted[order[1]] = 0.0, 0.3  # the least risky row mapped, the next repaired, the last prefilled
+    ladder = _ladder_for(scores, wanted)
+    cache, report = handoff(source, target, mapper, ids, attention_mask=mask, ladder=ladder, audit_tokens=0)
+    assert report.accepted and isinstance(cache, MappedCache)
+    assert [row["fraction"] for row in report.ladder["rows"]] == wanted
+    assert "repair" in report.timings
+    context = _context(pair, ids, mask)
+    serve_rows(context, wanted, "tail")
+    for row in range(3):
+        assert _diff(_row(cache, row), _row(context.cache, row)) <= TOL
+    # a ladder with no rung falls back for the whole batch: the target's own generation, token for token
+    cache, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_ladder_for(scores, [None] * 3), audit_tokens=0
+    )
+    assert not report.accepted and report.reason.startswith("ladder: every row")
+    assert torch.equal(tiny.greedy(target, ids, mask, cache=cache), tiny.greedy(target, ids, mask))
+    # policy="fail" refuses a batch in which some row would fall back
+    with pytest.raises(Exception, match="would fall back"):
+        handoff(source, target, mapper, ids, attention_mask=mask, ladder=ladder, audit_tokens=0, policy="fail")
+
+
+def test_the_stored_ladder_is_the_default_and_is_hashed(pair, tiny, tmp_path):
+    source, target, mapper = pair
+    ids, mask = _batch(tiny)
+    mapper = MapperModel.identity(target.config)
+    ladder = GuardLadder({"name": "prefix_audit", "tokens": 8}, "tail", [LadderRung(1e9, 0.2)])
+    before = serving_hash(mapper.config)
+    mapper.config.handoff_ladder = ladder.to_dict()
+    assert serving_hash(mapper.config) != before
+    _, report = handoff(source, target, mapper, ids, attention_mask=mask, audit_tokens=0)
+    assert [row["rung"] for row in report.ladder["rows"]] == ["repair:0.2"] * 3
+    _, report = handoff(
+        source,
+        target,
+        mapper,
+        ids,
+        attention_mask=mask,
+        audit_tokens=0,
+        ladder=False,
+        probe="prefix_audit",
+        threshold=1e9,
+    )
+    assert report.ladder is None and report.reason.startswith("probe passed")
+    with pytest.raises(ValueError, match="holds its own probe"):
+        handoff(source, target, mapper, ids, attention_mask=mask, ladder=ladder, threshold=1.0)
+    mapper.save_pretrained(tmp_path / "m")
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "## Guard ladder" in card and "| repair | 1e+09 | 20% |" in card
+    assert MapperModel.from_pretrained(tmp_path / "m").config.handoff_ladder == ladder.to_dict()
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["handoff_ladder"]["rungs"][0]["fraction"] = 0.0  # an edited ladder no longer matches the serving hash
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="serving"):
+        MapperModel.from_pretrained(tmp_path / "m")
+
+
+# ----------------------------------------------------------------------------------------- measured on items
+
+
+@pytest.fixture(scope="module")
+def family():
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    items = []
+    for task in zoo.tiny_family_tasks(6, seed=77):
+        if task.name in ("recall", "chat"):
+            for item in task.items:
+                prompt = getattr(item, "prompt", "") or item.context
+                items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    return source, target, mapper, zoo.load_tokenizer(), items
+
+
+def test_replaying_records_is_what_the_handoff_serves(family):
+    source, target, mapper, tokenizer, items = family
+    records = measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items,
+        probes=["draft_agreement:2"],
+        strategy="tail",
+        fractions=[0.2, 0.5],
+        progress=False,
+    )
+    assert [r["task"] for r in records] == [i.task for i in items]
+    ladder = ladder_from_records(records, strategy="tail", max_changed=0.0)
+    assert ladder.calibration["outcome"]["changed_served"] == 0.0
+    assert replay_ladder(ladder, records) == ladder.calibration["outcome"]
+    for item, record in zip(items, records):
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        cache, report = handoff(source, target, mapper, ids, ladder=ladder, audit_tokens=0)
+        fraction = ladder.fraction_for(record["risks"]["draft_agreement:2"])
+        assert report.scores == [pytest.approx(record["risks"]["draft_agreement:2"])]
+        steps = len(record["reference"])
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        if fraction is None:
+            assert not report.accepted and out == record["reference"]
+        else:
+            assert report.ladder["rows"][0]["fraction"] == fraction
+            assert (out != record["reference"]) == record["answers"][f"{fraction:g}"]["changed"]
+
+
+def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
+    out = tmp_path / "m2l"
+    records = tmp_path / "records.jsonl"
+    args = [
+        "calibrate-ladder",
+        "--source",
+        "tiny-m",
+        "--target",
+        "tiny-l",
+        "--items",
+        "3",
+        "--probes",
+        "draft_agreement:2",
+        "--fractions",
+        "0.3",
+        "--records",
+        str(records),
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "s.json"),
+    ]
+    assert cli(args) == 0
+    stored = MapperModel.from_pretrained(out).config.handoff_ladder
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert stored == summary["ladder"] and stored["calibration"]["items"] == len(records.read_text().splitlines())
+    assert "## Guard ladder" in (out / "README.md").read_text()
+    assert cli(args) == 0  # resumed: nothing measured again
+    assert "resuming: " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--max-changed 2.0"):
+        cli([*args, "--max-changed", "2"])
+    with pytest.raises(SystemExit, match="Unknown probe"):
+        cli([*args[:8], "nope:2", *args[9:]])
