@@ -3,8 +3,8 @@ cache, and the answer and cost of every rung; then the ladder calibrated on one 
 
 ```python
 records = measure_ladder_items(source, target, mapper, tokenizer, items, probes=["draft_agreement:2"],
-                               strategy="tail", fractions=[0.0, 0.1, 0.3])
-ladder = ladder_from_records(records, max_changed=0.05)      # the cheapest probe's ladder
+                               strategies=["tail", "source_attention"], fractions=[0.1, 0.3])
+ladder = ladder_from_records(records, max_changed=0.05)      # the cheapest (probe, strategy) ladder
 mapper.config.handoff_ladder = ladder.to_dict()
 ```
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ._compat import cache_kwargs, output_cache
 from .handoff import probe_context, target_prefill
 from .ladder import FALLBACK, GuardLadder, calibrate_ladder, ladder_outcome, serve_rows
 from .probes import Probe, probe_from_dict
+from .repair import selector_from_dict
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,34 @@ class LadderItem:
     task: str = "task"
 
 
+def items_from_tasks(tasks: Sequence) -> tuple[list[LadderItem], list[str]]:
+    """The exact-match items of `tasks` (`hf_kvmap.evaluation.TaskSpec`s) as [`LadderItem`]s, and the names of the
+    tasks skipped because their items are not answers to compare (choice, perplexity)."""
+    items, skipped = [], []
+    for task in tasks:
+        if task.task_type != "exact_match":
+            skipped.append(task.name)
+            continue
+        for item in task.items:
+            prompt = getattr(item, "prompt", "") or item.context
+            items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    return items, skipped
+
+
 def probe_key(probe: Probe | dict | str) -> str:
     """`"name:tokens"` of a probe (how records name its risk)."""
     probe = probe if isinstance(probe, Probe) else probe_from_dict(probe)
     return f"{probe.name}:{probe.tokens}"
+
+
+def strategy_key(strategy: dict | str) -> str:
+    """How records name a repair strategy: its name, then its options as `:key=value` (JSON for nested ones)."""
+    settings = selector_from_dict(strategy).settings()
+    options = {k: v for k, v in sorted(settings.items()) if k != "name"}
+    parts = [
+        f"{k}={v if isinstance(v, (int, float, str)) else json.dumps(v, sort_keys=True)}" for k, v in options.items()
+    ]
+    return ":".join([settings["name"], *parts])
 
 
 def parse_probe(text: str) -> Probe:
@@ -74,11 +100,13 @@ def measure_item(
     item: LadderItem,
     *,
     probes: Sequence[Probe],
-    strategy: dict | str,
+    strategies: Sequence[dict | str],
     fractions: Sequence[float],
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `risks` per probe key,
-    `answers[f]` (`changed` from the reference, `correct`) per fraction, and `seconds` of each stage."""
+    `answers[strategy][f]` (`changed` from the reference, `correct`) per strategy key and fraction (fraction 0, the
+    mapped cache, is measured once and shared), `strategies` (key -> settings), and `seconds` of each stage
+    (`repair[strategy][f]`)."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
     expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id
@@ -95,20 +123,31 @@ def measure_item(
         start = time.perf_counter()
         risks[probe_key(probe)] = float(probe.score(context).float()[0])
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
-    answers, repair_seconds = {}, {}
-    for fraction in fractions:
+
+    def serve(strategy, fraction):
         served = dataclasses.replace(context, cache=copy.deepcopy(context.cache))
         start = time.perf_counter()
         serve_rows(served, [fraction], strategy)
-        repair_seconds[f"{fraction:g}"] = time.perf_counter() - start
+        seconds = time.perf_counter() - start
         answer = _greedy(target, ids, served.cache, len(expected), pad)
-        answers[f"{fraction:g}"] = {"changed": answer != reference, "correct": answer == expected}
+        return {"changed": answer != reference, "correct": answer == expected}, seconds
+
+    mapped, mapped_seconds = serve(strategies[0], 0.0)
+    answers, repair_seconds, settings = {}, {}, {}
+    for strategy in strategies:
+        key = strategy_key(strategy)
+        settings[key] = selector_from_dict(strategy).settings()
+        answers[key], repair_seconds[key] = {"0": mapped}, {"0": mapped_seconds}
+        for fraction in fractions:
+            if fraction:
+                answers[key][f"{fraction:g}"], repair_seconds[key][f"{fraction:g}"] = serve(strategy, fraction)
     return {
         "task": item.task,
         "tokens": ids.shape[1],
         "reference": reference,
         "correct_target": reference == expected,
         "risks": risks,
+        "strategies": settings,
         "answers": answers,
         "seconds": {"prefill": prefill, "map": mapping, "probe": probe_seconds, "repair": repair_seconds},
     }
@@ -122,7 +161,7 @@ def measure_ladder_items(
     items: Sequence[LadderItem],
     *,
     probes: Sequence[Probe | dict | str],
-    strategy: dict | str,
+    strategies: Sequence[dict | str],
     fractions: Sequence[float],
     done: Sequence[dict] = (),
     on_record: Callable[[dict], None] | None = None,
@@ -136,7 +175,8 @@ def measure_ladder_items(
         items (sequence of [`LadderItem`]): the prompts.
         probes (sequence): candidate probes (`Probe`, settings, or `"name:tokens"`), all with one `hold_back` (they
             read the same mapped cache).
-        strategy (`dict` or `str`): the repair strategy of the repairing rungs.
+        strategies (sequence of `dict` or `str`): the candidate repair strategies of the repairing rungs (each is
+            measured at every fraction; the calibration keeps the cheapest).
         fractions (sequence of `float`): the rungs measured, in `[0, 1)`; 0 (the mapped cache) is always measured.
         done (sequence of `dict`, *optional*): records measured before (a resumed run): the first `len(done)` items
             are not measured again.
@@ -157,10 +197,24 @@ def measure_ladder_items(
     fractions = sorted({0.0, *(float(f) for f in fractions)})
     if not all(0.0 <= f < 1.0 for f in fractions):
         raise ValueError(f"fractions={fractions} must lie in [0, 1): the fallback is the full prefill.")
+    if isinstance(strategies, (str, dict)) or not strategies:
+        raise ValueError("Pass a list of repair strategies (e.g. strategies=['tail']).")
+    strategies = [selector_from_dict(s).settings() for s in strategies]  # unknown strategies raise before any work
+    keys = [strategy_key(s) for s in strategies]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"The strategies {keys} repeat one; give each once.")
+    for record in done:
+        if set(keys) != set(record.get("answers", {})) or set(record["answers"][keys[0]]) != {
+            f"{f:g}" for f in fractions
+        }:
+            raise ValueError(
+                "The records measured before hold other strategies or fractions than asked for now; measure into a "
+                "new records file (or ask for what they hold)."
+            )
     records = list(done)
     for item in tqdm(items[len(records) :], desc="ladder items", disable=not progress):
         record = measure_item(
-            source, target, mapper, tokenizer, item, probes=probes, strategy=strategy, fractions=fractions
+            source, target, mapper, tokenizer, item, probes=probes, strategies=strategies, fractions=fractions
         )
         records.append(record)
         if on_record is not None:
@@ -168,77 +222,102 @@ def measure_ladder_items(
     return records
 
 
-def record_costs(records: Sequence[dict], key: str) -> dict[float | str, float]:
+def record_costs(records: Sequence[dict], key: str, strategy: str) -> dict[float | str, float]:
     """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
-    probe `key` counted in every rung, the repair in the repairing ones, and the prefill in the fallback."""
-    fractions = sorted(float(f) for f in records[0]["answers"])
+    probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
+    fallback."""
+    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
     sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
     for record in records:
         seconds = record["seconds"]
         base = (seconds["map"] + seconds["probe"][key]) / seconds["prefill"]
         for f in fractions:
-            sums[f] += base + seconds["repair"][f"{f:g}"] / seconds["prefill"]
+            sums[f] += base + seconds["repair"][strategy][f"{f:g}"] / seconds["prefill"]
         sums[FALLBACK] += base + 1.0
     return {k: v / len(records) for k, v in sums.items()}
 
 
-def _changed(records: Sequence[dict]) -> dict[float, list[bool]]:
-    fractions = sorted(float(f) for f in records[0]["answers"])
-    return {f: [bool(r["answers"][f"{f:g}"]["changed"]) for r in records] for f in fractions}
+def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
+    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
+    return {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
+
+
+def _pick(keys: Sequence[str] | None, held: Sequence[str], what: str) -> list[str]:
+    keys = list(held) if keys is None else list(keys)
+    missing = [k for k in keys if k not in held]
+    if missing:
+        raise ValueError(f"The records hold no {what} {missing}; they have {sorted(held)}.")
+    return keys
 
 
 def ladder_from_records(
     records: Sequence[dict],
     *,
-    strategy: dict | str,
+    strategy: dict | str | None = None,
     probe: str | None = None,
     max_changed: float = 0.05,
     provenance: dict[str, Any] | None = None,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
-    risks), or else of the candidate probe whose ladder costs least there."""
+    risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there. The costs,
+    changed answers and ladders of every candidate are kept in `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
-    keys = [probe] if probe else sorted(records[0]["risks"])
-    missing = [k for k in keys if k not in records[0]["risks"]]
-    if missing:
-        raise ValueError(f"The records hold no risk of {missing}; they have {sorted(records[0]['risks'])}.")
-    best = None
-    for key in keys:
-        ladder = calibrate_ladder(
-            [r["risks"][key] for r in records],
-            _changed(records),
-            record_costs(records, key),
-            probe=parse_probe(key).settings(),
-            strategy=strategy,
-            groups=[r["task"] for r in records],
-            max_changed=max_changed,
-            provenance=provenance,
-        )
-        if best is None or ladder.calibration["outcome"]["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
-            best = ladder
+    probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
+    strategies = _pick(
+        [strategy_key(strategy)] if strategy is not None else None, sorted(records[0]["answers"]), "strategies"
+    )
+    best, candidates = None, {}
+    for key in probes:
+        for name in strategies:
+            ladder = calibrate_ladder(
+                [r["risks"][key] for r in records],
+                _changed(records, name),
+                record_costs(records, key, name),
+                probe=parse_probe(key).settings(),
+                strategy=records[0]["strategies"][name],
+                groups=[r["task"] for r in records],
+                max_changed=max_changed,
+                provenance=provenance,
+            )
+            outcome = ladder.calibration["outcome"]
+            candidates[f"{key} {name}"] = {
+                "mean_cost": outcome["mean_cost"],
+                "changed_served": outcome["changed_served"],
+                "rungs": ladder.to_dict()["rungs"],
+            }
+            if best is None or outcome["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
+                best = ladder
+    best.calibration["candidates"] = candidates
     return best
 
 
 def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[str, Any]:
-    """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): every rung it uses must have been
-    measured there."""
+    """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): its probe, its strategy and every
+    rung it uses must have been measured there."""
     ladder = GuardLadder.from_dict(ladder)
-    key = probe_key(ladder.probe)
-    measured = {float(f) for f in records[0]["answers"]}
+    key, name = probe_key(ladder.probe), strategy_key(ladder.strategy)
+    if key not in records[0]["risks"]:
+        raise ValueError(f"The records hold no risk of the ladder's probe {key}.")
+    if name not in records[0]["answers"]:
+        raise ValueError(
+            f"The records hold no answers of the ladder's strategy {name}; they have {sorted(records[0]['answers'])}."
+        )
+    measured = {float(f) for f in records[0]["answers"][name]}
     unmeasured = [rung.fraction for rung in ladder.rungs if rung.fraction not in measured]
     if unmeasured:
         raise ValueError(
             f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
         )
-    if key not in records[0]["risks"]:
-        raise ValueError(f"The records hold no risk of the ladder's probe {key}.")
     plan = ladder.plan([r["risks"][key] for r in records])
-    return ladder_outcome(plan, _changed(records), record_costs(records, key), [r["task"] for r in records])
+    return ladder_outcome(
+        plan, _changed(records, name), record_costs(records, key, name), [r["task"] for r in records]
+    )
 
 
 __all__ = [
     "LadderItem",
+    "items_from_tasks",
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
@@ -246,4 +325,5 @@ __all__ = [
     "probe_key",
     "record_costs",
     "replay_ladder",
+    "strategy_key",
 ]

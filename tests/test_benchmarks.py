@@ -441,3 +441,46 @@ def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
                 assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
             if isinstance(node, ast.keyword) and node.arg:
                 assert not node.arg.startswith("_"), (path, node.arg)
+
+
+def _ladder_record(task, risk, changed, seconds):
+    """A synthetic record of `hf_kvmap.ladder_items` with one strategy (`tail`) at fractions 0 and 0.5."""
+    return {
+        "task": task,
+        "tokens": 100,
+        "reference": [1],
+        "correct_target": True,
+        "risks": {"draft_agreement:2": risk},
+        "strategies": {"tail": {"name": "tail"}},
+        "answers": {"tail": {f: {"changed": c, "correct": not c} for f, c in changed.items()}},
+        "seconds": {"prefill": 1.0, "map": 0.1, "probe": {"draft_agreement:2": 0.1}, "repair": {"tail": seconds}},
+    }
+
+
+def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_report_set():
+    from benchmarks.guard_ladder import study
+
+    def records(n):  # risk < 0.3: the mapped cache keeps the answer; < 0.6: half a repair does; above: only prefill
+        out = []
+        for i in range(n):
+            risk = (i + 0.5) / n
+            changed = {"0": risk >= 0.3, "0.5": risk >= 0.6}
+            out.append(_ladder_record("recall" if i % 2 else "chat", risk, changed, {"0": 0.0, "0.5": 0.4}))
+        return out
+
+    result = study(records(20), records(40), max_changed=0.0)
+    ladder, binary = result["ladder"], result["binary_guard"]
+    assert [r["fraction"] for r in ladder["ladder"]["rungs"]] == [0.0, 0.5]
+    assert [r["fraction"] for r in binary["ladder"]["rungs"]] == [0.0]
+    for outcome in (ladder["report"], binary["report"]):
+        assert outcome["changed_served"] == 0.0  # the planted bounds are recovered exactly
+    # the rungs end at the highest selection risks that kept the answer (0.275, 0.575): of the report's 40 risks
+    # (i + 0.5) / 40, 11 are served mapped (0.2 of a prefill each), 12 repaired (0.6) and 17 fall back (1.2)
+    assert [r["max_risk"] for r in ladder["ladder"]["rungs"]] == [0.275, 0.575]
+    assert ladder["report"]["mean_cost"] == pytest.approx((11 * 0.2 + 12 * 0.6 + 17 * 1.2) / 40)
+    assert binary["report"]["mean_cost"] == pytest.approx((11 * 0.2 + 29 * 1.2) / 40)
+    assert ladder["report_accuracy"]["chat"]["served"] == 1.0
+    fixed = {row["fraction"]: row for row in result["fixed_report"]["tail"]}
+    assert fixed[0.5]["mean_cost"] == pytest.approx(0.5) and fixed[0.0]["tasks"]["chat"]["changed"] == pytest.approx(
+        0.7
+    )

@@ -19,7 +19,7 @@ from hf_kvmap.artifacts import serving_hash
 from hf_kvmap.cli import main as cli
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.ladder import FALLBACK, GuardLadder, LadderRung, calibrate_ladder, ladder_outcome, serve_rows
-from hf_kvmap.ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder
+from hf_kvmap.ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder, strategy_key
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -321,14 +321,39 @@ def test_replaying_records_is_what_the_handoff_serves(family):
         tokenizer,
         items,
         probes=["draft_agreement:2"],
-        strategy="tail",
+        strategies=["tail", "source_attention"],
         fractions=[0.2, 0.5],
         progress=False,
     )
     assert [r["task"] for r in records] == [i.task for i in items]
-    ladder = ladder_from_records(records, strategy="tail", max_changed=0.0)
+    for record in records:  # the mapped cache is measured once and shared by both strategies
+        assert set(record["answers"]) == {"tail", "source_attention:last_tokens=16"}
+        assert record["answers"]["tail"]["0"] == record["answers"]["source_attention:last_tokens=16"]["0"]
+    ladder = ladder_from_records(records, max_changed=0.0)
+    candidates = ladder.calibration["candidates"]
+    assert set(candidates) == {"draft_agreement:2 tail", "draft_agreement:2 source_attention:last_tokens=16"}
+    assert ladder.calibration["outcome"]["mean_cost"] == min(c["mean_cost"] for c in candidates.values())
     assert ladder.calibration["outcome"]["changed_served"] == 0.0
     assert replay_ladder(ladder, records) == ladder.calibration["outcome"]
+    only_tail = ladder_from_records(records, strategy="tail", max_changed=0.0)
+    assert only_tail.strategy == {"name": "tail"} and list(only_tail.calibration["candidates"]) == [
+        "draft_agreement:2 tail"
+    ]
+    with pytest.raises(ValueError, match="strategies"):
+        ladder_from_records(records, strategy="early_deviation")
+    with pytest.raises(ValueError, match="other strategies or fractions"):
+        measure_ladder_items(
+            source,
+            target,
+            mapper,
+            tokenizer,
+            items,
+            probes=["draft_agreement:2"],
+            strategies=["tail"],
+            fractions=[0.3],
+            done=records[:1],
+            progress=False,
+        )
     for item, record in zip(items, records):
         ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
         cache, report = handoff(source, target, mapper, ids, ladder=ladder, audit_tokens=0)
@@ -348,7 +373,8 @@ def test_replaying_records_is_what_the_handoff_serves(family):
             assert not report.accepted and out == record["reference"]
         else:
             assert report.ladder["rows"][0]["fraction"] == fraction
-            assert (out != record["reference"]) == record["answers"][f"{fraction:g}"]["changed"]
+            key = strategy_key(ladder.strategy)
+            assert (out != record["reference"]) == record["answers"][key][f"{fraction:g}"]["changed"]
 
 
 def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):

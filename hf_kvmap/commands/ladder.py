@@ -35,7 +35,12 @@ def add_parser(subparsers) -> None:
         default="draft_agreement:2,lookahead_margin:1,confident_draft:2",
         help="candidate probes (name:tokens, one hold-back); the cheapest ladder's is kept",
     )
-    parser.add_argument("--strategy", default="tail", help="repair strategy (hf_kvmap.repair.SELECTORS) or JSON")
+    parser.add_argument(
+        "--strategies",
+        default="tail,source_attention",
+        help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings; "
+        "the cheapest ladder's is kept",
+    )
     parser.add_argument("--fractions", default="0.1,0.2,0.3,0.5", help="repair fractions measured (0 is always)")
     parser.add_argument("--max-changed", type=float, default=0.05, help="changed answers a task may be served")
     parser.add_argument("--records", type=Path, default=None, help="JSONL of the measurements (resumes)")
@@ -49,7 +54,7 @@ def add_parser(subparsers) -> None:
 def _items(args):
     from .. import zoo
     from ..evaluation import load_jsonl_tasks
-    from ..ladder_items import LadderItem
+    from ..ladder_items import items_from_tasks
 
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)
@@ -58,14 +63,7 @@ def _items(args):
             tasks = load_jsonl_tasks(args.tasks)
         except (OSError, ValueError) as err:
             raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
-    items, skipped = [], []
-    for task in tasks:
-        if task.task_type != "exact_match":
-            skipped.append(task.name)
-            continue
-        for item in task.items:
-            prompt = getattr(item, "prompt", "") or item.context
-            items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    items, skipped = items_from_tasks(tasks)
     if not items:
         raise SystemExit(
             "hf-kvmap calibrate-ladder: no exact-match items: the ladder compares generated answers, so give tasks of "
@@ -75,7 +73,7 @@ def _items(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..ladder_items import ladder_from_records, measure_ladder_items, parse_probe
+    from ..ladder_items import ladder_from_records, measure_ladder_items, parse_probe, strategy_key
     from ..repair import selector_from_dict
     from . import models as _models
     from ._output import finish
@@ -85,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --max-changed {args.max_changed} must be in [0, 1].")
     try:
         probes = [parse_probe(text) for text in args.probes.split(",") if text]
-        strategy = json.loads(args.strategy) if args.strategy.startswith("{") else args.strategy
-        strategy = selector_from_dict(strategy).settings()
+        strategies = json.loads(args.strategies) if args.strategies.startswith("[") else args.strategies.split(",")
+        strategies = [selector_from_dict(strategy).settings() for strategy in strategies if strategy]
         fractions = [float(f) for f in args.fractions.split(",") if f]
     except (ValueError, TypeError) as err:
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
@@ -115,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer,
             items,
             probes=probes,
-            strategy=strategy,
+            strategies=strategies,
             fractions=fractions,
             done=done,
             on_record=keep,
@@ -127,12 +125,16 @@ def run(args: argparse.Namespace) -> int:
         "task_set": args.tasks if args.tasks == "tiny-family" else Path(args.tasks).name,
         "seed": args.seed if args.tasks == "tiny-family" else None,
         "probes": [f"{p.name}:{p.tokens}" for p in probes],
+        "strategies": [strategy_key(s) for s in strategies],
     }
-    ladder = ladder_from_records(records, strategy=strategy, max_changed=args.max_changed, provenance=provenance)
+    ladder = ladder_from_records(records, max_changed=args.max_changed, provenance=provenance)
     mapper.config.handoff_ladder = ladder.to_dict()
     mapper.save_pretrained(args.out)
     outcome = ladder.calibration["outcome"]
-    print(f"ladder on {len(records)} items, probe {ladder.probe['name']}:{ladder.probe['tokens']}:")
+    print(
+        f"ladder on {len(records)} items, probe {ladder.probe['name']}:{ladder.probe['tokens']}, "
+        f"repair {strategy_key(ladder.strategy)}:"
+    )
     for rung in ladder.rungs:
         print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
     print("  above: the target's own prefill")

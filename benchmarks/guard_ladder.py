@@ -1,0 +1,309 @@
+"""The guard ladder, calibrated on one item set and reported on another: per request, serve the mapped cache, repair
+the fraction the probe's risk calls for, or fall back to the target's prefill; every stage's cost counted.
+
+For each direction, every item of both sets is measured once through the serving code (`hf_kvmap.ladder_items`): the
+target's own greedy answer, each candidate probe's risk on the mapped cache, and the answer and seconds of every
+candidate repair strategy at every fraction. On the selection set the cheapest (probe, strategy) ladder whose changed
+answers served stay within `--max-changed` on every task is calibrated (`hf_kvmap.ladder_items.ladder_from_records`);
+beside it, the binary guard (the mapped cache or the fallback, same budget) and every fixed (strategy, fraction).
+All of them are then replayed on the report set. Costs are relative to each item's own target prefill, measured side
+by side in this run.
+
+    python -m benchmarks.guard_ladder                                  # tiny-s/m/x -> tiny-l, 60 + 120 items per task
+    python -m benchmarks.guard_ladder --directions tiny-m:tiny-l --selection-items 8 --report-items 8 --quick
+    python -m benchmarks.guard_ladder --family real --directions 0.5b:1.5b --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 \
+        --work $WORK/ladder --out benchmarks/results/guard_ladder_real.json --plot benchmarks/results/guard_ladder_real.png
+
+Records are kept as JSONL under `--work` (one file per direction and set), so a stopped run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_kvmap import MapperModel
+from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
+from hf_kvmap.ladder_items import (
+    items_from_tasks,
+    ladder_from_records,
+    measure_ladder_items,
+    probe_key,
+    replay_ladder,
+    strategy_key,
+)
+from hf_kvmap.reporting import environment_info, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
+TASKS = {"tiny": ("recall", "chat"), "real": ("prose_retrieval", "chat_recall")}
+REAL_MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
+PROBES = "draft_agreement:2,lookahead_margin:1,confident_draft:2"
+STRATEGIES = "tail,source_attention,target_attention,early_deviation"
+FRACTIONS = "0.1,0.2,0.3,0.5"
+
+
+def _settings(name: str) -> dict:
+    return {"name": name}
+
+
+def load_pair(args, direction: str):
+    """(source, target, mapper, tokenizer, mapper name) of one direction."""
+    source_name, target_name = direction.split(":")
+    if args.family == "real":
+        from hf_kvmap.real import converted_path, is_converted
+
+        folders = []
+        for side in (source_name, target_name):
+            if side not in REAL_MODELS:
+                raise SystemExit(f"--family real takes directions of {sorted(REAL_MODELS)}; got {side!r}.")
+            if not is_converted(REAL_MODELS[side], args.cache_dir):
+                raise SystemExit(f"{REAL_MODELS[side]} is not here; run: hf-kvmap obtain {REAL_MODELS[side]}")
+            folders.append(str(converted_path(REAL_MODELS[side], args.cache_dir)))
+        source_name, target_name = folders
+        if args.mapper is None:
+            raise SystemExit("--family real needs --mapper (a fitted real mapper folder).")
+    dtype = getattr(torch, args.dtype)
+    source, target = load_causal_lm(source_name, dtype), load_causal_lm(target_name, dtype)
+    tokenizer = load_tokenizer(target_name)
+    mapper_name = args.mapper or resolve_mapper(None, source_name, target_name)
+    mapper = MapperModel.from_pretrained(mapper_name, dtype=dtype)
+    mapper.check_compatible(source, target, tokenizer)
+    return source, target, mapper, tokenizer, mapper_name
+
+
+def task_items(args, tokenizer, items: int, seed: int):
+    names = args.tasks.split(",")
+    if args.family == "real":
+        from hf_kvmap.real.corpus import load_manifest
+        from hf_kvmap.real.tasks import real_family_tasks
+
+        documents = load_manifest(args.manifest)
+        tasks = real_family_tasks(tokenizer, documents, items=items, seed=seed, names=names)
+    else:
+        from hf_kvmap import zoo
+
+        tasks = [task for task in zoo.tiny_family_tasks(items, seed) if task.name in names]
+    found, skipped = items_from_tasks(tasks)
+    if skipped or {item.task for item in found} != set(names):
+        raise SystemExit(f"--tasks {args.tasks}: these must be exact-match tasks of the {args.family} family.")
+    return found
+
+
+def records_for(path: Path, pair, items, args) -> list[dict]:
+    """Every item's record, resumed from (and appended to) the JSONL file at `path`."""
+    source, target, mapper, tokenizer, _ = pair
+    done = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(record):
+        with path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    return measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items,
+        probes=args.probes.split(","),
+        strategies=[_settings(s) for s in args.strategies.split(",")],
+        fractions=[float(f) for f in args.fractions.split(",")],
+        done=done[: len(items)],
+        on_record=keep,
+    )
+
+
+def _mapped_only(records: list[dict]) -> list[dict]:
+    """The records as if only the mapped cache had been measured (the binary guard's choice)."""
+    out = []
+    for record in records:
+        first = sorted(record["answers"])[0]
+        out.append(
+            {
+                **record,
+                "strategies": {first: record["strategies"][first]},
+                "answers": {first: {"0": record["answers"][first]["0"]}},
+                "seconds": {**record["seconds"], "repair": {first: {"0": record["seconds"]["repair"][first]["0"]}}},
+            }
+        )
+    return out
+
+
+def served_accuracy(plan, records: list[dict], strategy: str) -> dict[str, float]:
+    """Per task: the share of exact answers served under `plan` (fraction or None per record), and the target's."""
+    out: dict[str, list] = {}
+    for fraction, record in zip(plan, records):
+        correct = (
+            record["correct_target"] if fraction is None else record["answers"][strategy][f"{fraction:g}"]["correct"]
+        )
+        out.setdefault(record["task"], []).append((correct, record["correct_target"]))
+    return {
+        task: {
+            "served": sum(c for c, _ in pairs) / len(pairs),
+            "target": sum(t for _, t in pairs) / len(pairs),
+        }
+        for task, pairs in sorted(out.items())
+    }
+
+
+def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
+    """Every (strategy, fraction) served to every request, no probe: cost, changed answers and accuracy per task."""
+    out = {}
+    for strategy in sorted(records[0]["answers"]):
+        rows = []
+        for fraction in sorted(float(f) for f in records[0]["answers"][strategy]):
+            key = f"{fraction:g}"
+            cost = sum(
+                (r["seconds"]["map"] + r["seconds"]["repair"][strategy][key]) / r["seconds"]["prefill"]
+                for r in records
+            ) / len(records)
+            per_task = {}
+            for task in sorted({r["task"] for r in records}):
+                mine = [r for r in records if r["task"] == task]
+                per_task[task] = {
+                    "changed": sum(r["answers"][strategy][key]["changed"] for r in mine) / len(mine),
+                    "accuracy": sum(r["answers"][strategy][key]["correct"] for r in mine) / len(mine),
+                    "target": sum(r["correct_target"] for r in mine) / len(mine),
+                }
+            rows.append({"fraction": fraction, "mean_cost": cost, "tasks": per_task})
+        out[strategy] = rows
+    return out
+
+
+def study(selection: list[dict], report: list[dict], max_changed: float) -> dict:
+    """The ladder and the binary guard calibrated on `selection`, both replayed on `report`, and the fixed points."""
+    out = {}
+    for name, view in (("ladder", lambda r: r), ("binary_guard", _mapped_only)):
+        ladder = ladder_from_records(view(selection), max_changed=max_changed)
+        strategy = strategy_key(ladder.strategy)
+        plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in report])
+        out[name] = {
+            "ladder": ladder.to_dict(),
+            "selection": ladder.calibration["outcome"],
+            "report": replay_ladder(ladder, view(report)),
+            "report_accuracy": served_accuracy(plan, report, strategy),
+        }
+    out["fixed_report"] = fixed_points(report)
+    out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
+    out["tokens"] = sum(r["tokens"] for r in report) / len(report)
+    return out
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = list(results["directions"])
+    fig, axes = plt.subplots(1, len(directions), figsize=(4.4 * len(directions), 3.8), squeeze=False)
+    for axis, direction in zip(axes[0], directions):
+        data = results["directions"][direction]
+        for strategy, rows in data["fixed_report"].items():
+            xs = [row["mean_cost"] for row in rows]
+            ys = [max(t["changed"] for t in row["tasks"].values()) for row in rows]
+            axis.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=f"always {strategy}")
+        for name, marker in (("binary_guard", "s"), ("ladder", "*")):
+            report = data[name]["report"]
+            worst = max(g["changed_served"] for g in report["per_group"].values())
+            axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=name)
+        axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        axis.axhline(results["run"]["max_changed"], color="grey", linewidth=0.8, linestyle=":")
+        axis.set_title(f"{direction} (report set)", fontsize=9)
+        axis.set_xlabel("mean cost per request (1 = the target's prefill)")
+        axis.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("changed answers served (worst task)")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--directions", default=None, help="source:target pairs (default: tiny-s/m/x -> tiny-l)")
+    parser.add_argument("--mapper", default=None, help="mapper folder (one direction; required for --family real)")
+    parser.add_argument("--tasks", default=None, help="exact-match tasks (default: recall,chat or the real two)")
+    parser.add_argument("--probes", default=PROBES, help="candidate probes, name:tokens, one hold-back")
+    parser.add_argument("--strategies", default=STRATEGIES, help="candidate repair strategies")
+    parser.add_argument("--fractions", default=FRACTIONS, help="repair fractions measured (0 always)")
+    parser.add_argument("--selection-items", type=int, default=60, help="items per task of the calibration set")
+    parser.add_argument("--report-items", type=int, default=120, help="items per task of the report set")
+    parser.add_argument("--selection-seed", type=int, default=4321)
+    parser.add_argument("--report-seed", type=int, default=1234)
+    parser.add_argument("--max-changed", type=float, default=0.05, help="changed answers a task may be served")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="one probe, two strategies, two fractions")
+    parser.add_argument("--cache-dir", default=None, help="`hf-kvmap obtain` cache (--family real)")
+    parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
+    parser.add_argument("--work", type=Path, default=REPO / "outputs" / "guard_ladder", help="records (resumable)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "guard_ladder.json"))
+    parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "guard_ladder.png"))
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.probes, args.strategies, args.fractions = "draft_agreement:2", "tail,source_attention", "0.2,0.5"
+    args.tasks = args.tasks or ",".join(TASKS[args.family])
+    directions = (args.directions or ",".join(TINY_DIRECTIONS)).split(",")
+    if args.mapper and len(directions) > 1:
+        raise SystemExit("--mapper names one mapper: give one --directions pair with it.")
+    results = {
+        "run": {
+            "what": "the guard ladder: calibrated on the selection set, replayed on the report set, beside the binary "
+            "guard and every fixed repair",
+            "family": args.family,
+            "tasks": args.tasks.split(","),
+            "probes": args.probes.split(","),
+            "strategies": args.strategies.split(","),
+            "fractions": [float(f) for f in args.fractions.split(",")],
+            "max_changed": args.max_changed,
+            "dtype": args.dtype,
+            "selection": {"seed": args.selection_seed, "items_per_task": args.selection_items},
+            "report": {"seed": args.report_seed, "items_per_task": args.report_items},
+            "cost": "seconds of each stage / the item's own target prefill, side by side in this run; every rung "
+            "counts the mapping and the probe, a repair its recompute, the fallback the prefill",
+            "command": "python -m benchmarks.guard_ladder " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": _dt.date.today().isoformat(),
+        },
+        "environment": environment_info(),
+        "directions": {},
+    }
+    for direction in directions:
+        pair = load_pair(args, direction)
+        tag = direction.replace(":", "-to-")
+        sets = {}
+        for name, items, seed in (
+            ("selection", args.selection_items, args.selection_seed),
+            ("report", args.report_items, args.report_seed),
+        ):
+            found = task_items(args, pair[3], items, seed)
+            print(f"{direction} {name}: {len(found)} items", flush=True)
+            sets[name] = records_for(args.work / f"{tag}.{name}.jsonl", pair, found, args)
+        results["directions"][tag] = {
+            "mapper": str(pair[4]),
+            **study(sets["selection"], sets["report"], args.max_changed),
+        }
+        write_json(args.out, results)
+        report = results["directions"][tag]["ladder"]["report"]
+        print(
+            f"{tag}: ladder on the report set: mean cost {report['mean_cost']:.3f}, rungs {report['rungs']}, changed "
+            + ", ".join(f"{t} {g['changed_served']:.3f}" for t, g in report["per_group"].items()),
+            flush=True,
+        )
+    plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
