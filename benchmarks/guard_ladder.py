@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -92,7 +93,9 @@ def task_items(args, tokenizer, items: int, seed: int):
     found, skipped = items_from_tasks(tasks)
     if skipped or {item.task for item in found} != set(names):
         raise SystemExit(f"--tasks {args.tasks}: these must be exact-match tasks of the {args.family} family.")
-    return found
+    # the tasks in turn, so that a run stopped part-way has measured every task alike
+    per_task = [[item for item in found if item.task == name] for name in names]
+    return [item for group in itertools.zip_longest(*per_task) for item in group if item is not None]
 
 
 def records_for(path: Path, pair, items, args) -> list[dict]:

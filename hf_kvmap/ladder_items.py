@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -143,6 +144,7 @@ def measure_item(
                 answers[key][f"{fraction:g}"], repair_seconds[key][f"{fraction:g}"] = serve(strategy, fraction)
     return {
         "task": item.task,
+        "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
         "tokens": ids.shape[1],
         "reference": reference,
         "correct_target": reference == expected,
@@ -203,7 +205,17 @@ def measure_ladder_items(
     keys = [strategy_key(s) for s in strategies]
     if len(set(keys)) != len(keys):
         raise ValueError(f"The strategies {keys} repeat one; give each once.")
-    for record in done:
+    if len(done) > len(items):
+        raise ValueError(
+            f"{len(done)} records measured before, for {len(items)} items; pass the records of these items."
+        )
+    for item, record in zip(items, done):
+        sha = hashlib.sha256(item.prompt.encode()).hexdigest()
+        if record.get("task") != item.task or record.get("prompt_sha256", sha) != sha:
+            raise ValueError(
+                "The records measured before are of other prompts than these items (in this order); measure into a "
+                "new records file."
+            )
         if set(keys) != set(record.get("answers", {})) or set(record["answers"][keys[0]]) != {
             f"{f:g}" for f in fractions
         }:

@@ -341,6 +341,19 @@ def test_replaying_records_is_what_the_handoff_serves(family):
     ]
     with pytest.raises(ValueError, match="strategies"):
         ladder_from_records(records, strategy="early_deviation")
+    with pytest.raises(ValueError, match="other prompts"):
+        measure_ladder_items(
+            source,
+            target,
+            mapper,
+            tokenizer,
+            items[::-1],
+            probes=["draft_agreement:2"],
+            strategies=["tail", "source_attention"],
+            fractions=[0.2, 0.5],
+            done=records[:1],
+            progress=False,
+        )
     with pytest.raises(ValueError, match="other strategies or fractions"):
         measure_ladder_items(
             source,
