@@ -417,6 +417,8 @@ def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert stored == summary["ladder"] and stored["calibration"]["items"] == len(records.read_text().splitlines())
     assert "## Guard ladder" in (out / "README.md").read_text()
+    printed = capsys.readouterr().out
+    assert ("serving without a handoff is cheaper" in printed) == (stored["calibration"]["outcome"]["mean_cost"] >= 1)
     assert cli(args) == 0  # resumed: nothing measured again
     assert "resuming: " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--max-changed 2.0"):

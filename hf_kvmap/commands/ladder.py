@@ -141,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
     for task, row in outcome["per_group"].items():
         print(f"  {task:<16} changed served {row['changed_served']:.3f}  net saving {row['net_saving']:.3f}")
     print(f"wrote {args.out} (config.json handoff_ladder, README.md)")
+    if outcome["mean_cost"] >= 1.0:
+        print(
+            f"note: on these items the ladder costs {outcome['mean_cost']:.2f} of the target's own prefill (the "
+            "mapping and the probe are paid on every request): serving without a handoff is cheaper here. More "
+            "items (the changed-answer budget is a share of each task's items), a cheaper probe, or a better mapper "
+            "may change that."
+        )
     summary = {
         "ladder": ladder.to_dict(),
         "skipped_tasks": skipped,
