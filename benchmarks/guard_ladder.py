@@ -179,6 +179,27 @@ def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+#: changed-answer budgets the sweep calibrates at (on the selection set), each replayed on the report set
+SWEEP = (0.0, 0.025, 0.05, 0.1)
+
+
+def budget_sweep(selection: list[dict], report: list[dict]) -> list[dict]:
+    """The ladder and the binary guard calibrated at every budget of `SWEEP` on `selection`: what each serves on
+    `report` (worst task's changed answers, mean cost). A budget met on the selection set can be exceeded on another."""
+    rows = []
+    for budget in SWEEP:
+        row = {"max_changed": budget}
+        for name, view in (("ladder", lambda r: r), ("binary_guard", _mapped_only)):
+            outcome = replay_ladder(ladder_from_records(view(selection), max_changed=budget), view(report))
+            row[name] = {
+                "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
+                "mean_cost": outcome["mean_cost"],
+                "rungs": outcome["rungs"],
+            }
+        rows.append(row)
+    return rows
+
+
 def study(selection: list[dict], report: list[dict], max_changed: float) -> dict:
     """The ladder and the binary guard calibrated on `selection`, both replayed on `report`, and the fixed points."""
     out = {}
@@ -192,6 +213,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float) -> dict
             "report": replay_ladder(ladder, view(report)),
             "report_accuracy": served_accuracy(plan, report, strategy),
         }
+    out["budget_sweep"] = budget_sweep(selection, report)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
     out["tokens"] = sum(r["tokens"] for r in report) / len(report)

@@ -480,6 +480,10 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
     assert ladder["report"]["mean_cost"] == pytest.approx((11 * 0.2 + 12 * 0.6 + 17 * 1.2) / 40)
     assert binary["report"]["mean_cost"] == pytest.approx((11 * 0.2 + 29 * 1.2) / 40)
     assert ladder["report_accuracy"]["chat"]["served"] == 1.0
+    sweep = {row["max_changed"]: row for row in result["budget_sweep"]}
+    assert sweep[0.0]["ladder"]["mean_cost"] == ladder["report"]["mean_cost"]
+    assert sweep[0.0]["binary_guard"]["mean_cost"] == binary["report"]["mean_cost"]
+    assert sweep[0.1]["ladder"]["mean_cost"] <= sweep[0.0]["ladder"]["mean_cost"]  # here the looser budget serves cheaper
     fixed = {row["fraction"]: row for row in result["fixed_report"]["tail"]}
     assert fixed[0.5]["mean_cost"] == pytest.approx(0.5) and fixed[0.0]["tasks"]["chat"]["changed"] == pytest.approx(
         0.7
