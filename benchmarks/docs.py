@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import handoff_report, mapper_variants, package_size, retention_curve, variant_parameters
+from . import handoff_report, mapper_variants, package_size, repair_report, retention_curve, variant_parameters
 from .real import family_report, guard, scale_report
 from .sections import demo_markdown, performance_markdown, replace_section
 
@@ -66,6 +66,20 @@ def _handoff() -> str:
         "benchmarks/results/handoff.json",
         "benchmarks/results/handoff_session.json",
     )
+
+
+def _guard_ladder() -> str:
+    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then, once it is measured, the real pair's
+    (`--family real --out benchmarks/results/guard_ladder_real.json`) with its plot."""
+    text = repair_report.ladder_markdown(_json("guard_ladder.json"))
+    real = RESULTS / "guard_ladder_real.json"
+    if real.exists():
+        text += (
+            "\n\n**The real pair.** "
+            + repair_report.ladder_markdown(json.loads(real.read_text()), _relative(real))
+            + "\n\n![The guard ladder on the real pair](../benchmarks/results/guard_ladder_real.png)"
+        )
+    return text
 
 
 def _pct(value: float) -> str:
@@ -154,6 +168,12 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/real-family.md": {
         "real-family": lambda: family_report.report_markdown(_json("real_family.json")),
         "real-scale": lambda: scale_report.report_markdown(_json("real_family_scale.json")),
+    },
+    "docs/repair.md": {
+        "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),
+        "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
+        "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
+        "guard-ladder": _guard_ladder,
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),

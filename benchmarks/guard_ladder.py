@@ -244,9 +244,9 @@ def plot(results: dict, path: str) -> None:
         axis.set_xlabel("mean cost per request (1 = the target's prefill)")
         axis.set_ylim(bottom=0)
     axes[0][0].set_ylabel("changed answers served (worst task)")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def build_parser() -> argparse.ArgumentParser:

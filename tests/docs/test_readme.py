@@ -77,6 +77,13 @@ def test_readme_usage_snippet_runs():
     assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 4
 
 
+def test_readme_repair_snippet_runs():
+    namespace = _run_snippet(_snippet("### Between mapped and prefill: repair and the guard ladder"))
+    record = namespace["report"].repair
+    assert record["strategy"] == {"name": "source_attention", "last_tokens": 16} and record["exact"] is False
+    assert record["recomputed"] == [int(0.2 * n) for n in record["candidates"]]
+
+
 def test_readme_left_padded_batch_recipe_runs():
     """The recipe as written runs (its exactness is `tests/test_cache.py`'s left-padding tests)."""
     import torch

@@ -1,0 +1,460 @@
+"""The markdown of selective repair and the guard ladder, for `python -m benchmarks.docs` (`docs/repair.md`).
+
+One renderer per section, each from the JSON one benchmark wrote (never typed by hand):
+
+- `frontier_markdown`: `benchmarks/repair_frontier.py` (retention vs fraction recomputed per strategy, tiny family);
+- `cost_markdown`: `benchmarks/repair_cost.py` (the repair's time vs its FLOP share, first token vs re-prefill);
+- `real_repair_markdown`: `benchmarks.real_repair` (the real pair, Qwen2.5-Coder 0.5B -> 1.5B);
+- `ladder_markdown`: `benchmarks.guard_ladder` (the calibrated ladder vs the binary guard and every fixed repair).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+#: options whose values are paths on the machine that ran a benchmark (left out of the commands shown)
+LOCAL_OPTIONS = ("--out", "--plot", "--points", "--work", "--merge", "--cache-dir")
+#: strategies measured for reference only: they need the target's own prefill, which repair exists to avoid
+REFERENCE_ONLY = ("oracle",)
+
+
+def _pct(value, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
+
+
+def _fraction(value: float) -> str:
+    """`0.05` -> `5 %` (as many digits as the fraction has)."""
+    return f"{100 * value:.10g} %"
+
+
+def _num(value, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
+
+
+def _command(command: str) -> str:
+    """A benchmark's recorded command without the options that name local paths (`LOCAL_OPTIONS`)."""
+    words, kept = shlex.split(command), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in LOCAL_OPTIONS:
+            skip = "=" not in word
+            continue
+        kept.append(word)
+    return " ".join(kept)
+
+
+def _option(command: str, name: str) -> str | None:
+    """The value of option `name` in a recorded command (`None` when it is not given)."""
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word == name and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def _machine(environment: dict) -> str:
+    threads = environment.get("threads")
+    return f"{environment.get('device', '?')}, {threads} torch thread{'' if threads == 1 else 's'}"
+
+
+def _strategy_name(settings: dict | str) -> str:
+    """`source_attention:last_tokens=16` for a strategy's settings (how `hf_kvmap.ladder_items` records name it)."""
+    if isinstance(settings, str):
+        return settings
+    options = [f"{key}={value}" for key, value in sorted(settings.items()) if key != "name"]
+    return ":".join([settings["name"], *options])
+
+
+def _mapper_name(path: str) -> str:
+    """`` `tiny-m-to-tiny-l` (shipped) `` for a mapper of the package, else the last two parts of its folder
+    (`0.5b-to-1.5b/ridge-k8`), not where it lay on the machine that ran."""
+    parts = Path(path).parts
+    if parts[-3:-1] == ("zoo", "mappers"):
+        return f"`{parts[-1]}` (shipped)"
+    return "`" + "/".join(parts[-2:]) + "`"
+
+
+# ------------------------------------------------------------------------------------------------ frontier
+
+
+def _best_within(selection: dict, report: dict, name: str, budget: float) -> tuple[float, float, float] | None:
+    """`(fraction, selection retention, report retention)` of strategy `name`'s best point on the selection set at a
+    fraction <= `budget` (ties go to the cheaper fraction)."""
+    points = [
+        (point["retention"] or 0.0, -point["fraction"], index)
+        for index, point in enumerate(selection["repair"][name])
+        if point["fraction"] <= budget
+    ]
+    if not points:
+        return None
+    _, _, index = max(points)
+    chosen = selection["repair"][name][index]
+    return chosen["fraction"], chosen["retention"], report["repair"][name][index]["retention"]
+
+
+def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_frontier.json") -> str:
+    """The `repair-frontier` section: per direction and task of the tiny family, the target's and the mapped cache's
+    accuracy, the chosen strategy's retention at every fraction, and each strategy's best point within the budget."""
+    run = result["run"]
+    fractions, goal, budget = run["fractions"], run["goal"], run["budget"]
+    strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
+    merged = run.get("merged")
+    command = f"`{_command(run['command'])}`"
+    if merged:
+        command = f"`{_command(merged['command'])}`, with {command} merged into it"
+    mapper = _option(run["command"], "--mapper")
+    mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {_mapper_name(mapper)}"
+    lines = [
+        f"Generated from `{source}`, written by {command} ({_machine(result.get('environment', {}))}): "
+        f"{mappers}, {run['items_per_set']} items per task on a selection set (seed {run['selection_seed']}: "
+        f"every choice is made there) and {run['items_per_set']} on a report set (seed {run['report_seed']}: every "
+        "number below). Exact match; retention is the repaired handoff's accuracy over the target's own (chance 0), "
+        "so the mapped cache's retention is the point at fraction 0.",
+        "",
+        f"The choice per direction and task: the strategy with the best selection-set retention at a fraction of at "
+        f"most {_fraction(budget)} (its fraction in bold), its report-set retention at every fraction measured, and "
+        f"the cheapest point reaching a retention of {goal:g} on the selection set, where one does "
+        "(selection -> report).",
+        "",
+        "| direction | task | target right | mapped right (retention) | chosen strategy | "
+        + " | ".join(_fraction(f) for f in fractions)
+        + f" | cheapest reaching {goal:g} |",
+        "|---|---|---|---|---|" + "---|" * len(fractions) + "---|",
+    ]
+    for direction, tasks in result["directions"].items():
+        for task, sets in tasks.items():
+            report, choice = sets["report"], sets["choice"]
+            best = choice.get("best_within_budget")
+            cells = ["-"] * len(fractions)
+            chosen = "none"
+            if best is not None:
+                chosen = f"`{best['strategy']}`"
+                for i, point in enumerate(report["repair"][best["strategy"]]):
+                    cells[i] = _bold(_num(point["retention"]), point["fraction"] == best["fraction"])
+            cheapest = choice.get("cheapest_reaching_goal")
+            reaching = (
+                f"`{cheapest['strategy']}` at {_fraction(cheapest['fraction'])}: "
+                f"{_num(cheapest['selection_retention'])} -> {_num(cheapest['report_retention'])}"
+                if cheapest
+                else "none measured"
+            )
+            lines.append(
+                f"| {direction} | {task} | {_num(report['target'])} | {_num(report['mapped'])} "
+                f"({_num(report['mapped_retention'])}) | {chosen} | {' | '.join(cells)} | {reaching} |"
+            )
+    references = [f"`{name}`" for name in strategies if name in REFERENCE_ONLY]
+    lines += [
+        "",
+        f"Each strategy at its best fraction of at most {_fraction(budget)}, chosen on the selection set: retention "
+        "selection -> report (fraction)."
+        + (
+            f" {', '.join(references)}: a reference, never a serving choice (it reads the target's own cache)."
+            if references
+            else ""
+        ),
+        "",
+        "| direction | task | "
+        + " | ".join(f"`{name}`" + (" (reference)" if name in REFERENCE_ONLY else "") for name in strategies)
+        + " |",
+        "|---|---|" + "---|" * len(strategies),
+    ]
+    for direction, tasks in result["directions"].items():
+        for task, sets in tasks.items():
+            cells = []
+            for name in strategies:
+                best = _best_within(sets["selection"], sets["report"], name, budget)
+                cells.append("-" if best is None else f"{_num(best[1])} -> {_num(best[2])} ({_fraction(best[0])})")
+            lines.append(f"| {direction} | {task} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ cost
+
+
+def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.json") -> str:
+    """The `repair-cost` section: per context length and fraction, each strategy's repair time as a share of the
+    target's prefill beside the FLOP share of the recompute, the first-token speedup of the repaired handoff over the
+    target's re-prefill, and the attention check (the recompute of the tail vs a re-prefill of that suffix)."""
+    run, rows = result["run"], result["rows"]
+    strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
+    lines = [
+        f"Generated from `{source}`, written by `{_command(run['command'])}` ({run['source']} -> {run['target']}, "
+        f"mapper {_mapper_name(run['mapper'])}, {run['dtype']}, {run['attn_implementation']} attention, "
+        f"{_machine(result.get('environment', {}))}; one random prompt per length; medians of {run['repeats']} "
+        f"interleaved repeats after {run['warmup']} warm-up; the attention strategies read the last "
+        f"{run['last_tokens']} prompt tokens).",
+        "",
+        "Per strategy: the repair's own time (selection and recompute) as a share of the target's full prefill, then "
+        "the first-token speedup of the repaired handoff (mapping, repair, the held-back token) over that prefill. "
+        "The FLOP share is the bound of recomputing that many positions (`hf_kvmap.flops.repair_flops` over the "
+        "prefill's FLOPs) when they are the tail / when they are spread evenly over the prompt.",
+        "",
+        "| tokens | prefill (ms) | mapped handoff speedup | fraction | FLOP share: tail / spread | "
+        + " | ".join(f"`{name}`" for name in strategies)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(strategies),
+    ]
+    for row in rows:
+        by_key = {(entry["strategy"], entry["fraction"]): entry for entry in row["repair"]}
+        for i, fraction in enumerate(run["fractions"]):
+            first = next(entry for entry in row["repair"] if entry["fraction"] == fraction)
+            head = (
+                [str(row["tokens"]), f"{row['prefill_ms']:.1f}", f"{row['mapped_speedup']:.1f}x"]
+                if i == 0
+                else ["", "", ""]
+            )
+            cells = [
+                f"{_pct(by_key[(name, fraction)]['repair_share_of_prefill'])} · "
+                f"{by_key[(name, fraction)]['speedup']:.1f}x"
+                if (name, fraction) in by_key
+                else "-"
+                for name in strategies
+            ]
+            lines.append(
+                f"| {' | '.join(head)} | {_fraction(fraction)} | {_pct(first['flop_share_bound_tail'])} / "
+                f"{_pct(first['flop_share_bound_uniform'])} | {' | '.join(cells)} |"
+            )
+    checks = [(row["tokens"], check) for row in rows for check in row.get("attention_check", [])]
+    if checks:
+        lines += [
+            "",
+            "The attention check: recomputing the tail (one forward of the selected positions under a custom 4-D "
+            "mask, boolean under sdpa) beside the target re-prefilling the same suffix over the cropped cache "
+            "(transformers' own mask path) and beside the same recompute with an additive float mask (ms).",
+            "",
+            "| tokens | fraction | positions | FLOP share | recompute of the tail | suffix re-prefill | recompute, "
+            "float mask |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for tokens, check in checks:
+            lines.append(
+                f"| {tokens} | {_fraction(check['fraction'])} | {check['recomputed']} | "
+                f"{_pct(check['flop_share_bound'])} | {_num(check.get('recompute_ms'), 1)} | "
+                f"{_num(check['suffix_prefill_ms'], 1)} | {_num(check.get('float_mask_recompute_ms'), 1)} |"
+            )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the real pair
+
+
+def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_repair.json") -> str:
+    """The `real-repair` section: per task and strategy on the selection set, the retention at every fraction; the
+    point chosen there; and the chosen strategy at every fraction on the report set."""
+    run, sets = result["run"], result["sets"]
+    chosen = result["chosen_on_selection"]
+    config = run.get("mapper_config") or {}
+    kind = ", ".join(
+        part
+        for part in (
+            config.get("kind"),
+            f"k = {config['top_k']}" if config.get("top_k") else "",
+            f"lambda {config['ridge_lambda']:g}" if config.get("ridge_lambda") is not None else "",
+        )
+        if part
+    )
+    direction = run["direction"].replace(":", " -> ").upper()
+    selection, report = run["selection"], run["report"]
+    lines = [
+        f"Generated from `{source}`, written by `python -m benchmarks.real_repair` (Qwen2.5-Coder {direction}, "
+        f"mapper {_mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
+        f"{_machine(result.get('environment', {}))}): {selection['items']} items per task on a selection set (seed "
+        f"{selection['seed']}: every strategy at every fraction; the choice is made there) and {report['items']} on a "
+        f"report set (seed {report['seed']}: the chosen strategy only). Exact match; retention is the accuracy over "
+        "the target's own (chance 0; above 1 where the repaired handoff answers more items than the target).",
+        "",
+    ]
+    first = next(iter(sets["selection"].values()))
+    fractions = [row["fraction"] for row in next(iter(first["repair"].values()))]
+    lines += [
+        f"Selection set ({selection['items']} items per task; the chosen point in bold):",
+        "",
+        "| task | target right | mapped retention | strategy | " + " | ".join(_fraction(f) for f in fractions) + " |",
+        "|---|---|---|---|" + "---|" * len(fractions),
+    ]
+    for task, data in sets["selection"].items():
+        for i, (strategy, rows) in enumerate(data["repair"].items()):
+            head = [task, _num(data["target"]), _num(data["mapped_retention"])] if i == 0 else ["", "", ""]
+            cells = [
+                _bold(_num(row["retention"]), strategy == chosen["strategy"] and row["fraction"] == chosen["fraction"])
+                for row in rows
+            ]
+            lines.append(f"| {' | '.join(head)} | `{strategy}` | {' | '.join(cells)} |")
+    reached = "reaches" if chosen["reaches_goal"] else "does not reach"
+    lines += [
+        "",
+        f"Chosen on the selection set (the cheapest point whose worst-task retention reaches {run['goal']:g}, else the "
+        f"best worst-task retention): `{chosen['strategy']}` at {_fraction(chosen['fraction'])}, worst-task "
+        f"retention {_num(chosen['selection_worst_retention'])} ({reached} the goal).",
+    ]
+    if "report" in sets:
+        report_fractions = [
+            row["fraction"] for row in next(iter(sets["report"].values()))["repair"][chosen["strategy"]]
+        ]
+        lines += [
+            "",
+            f"Report set ({report['items']} items per task): `{chosen['strategy']}` at every fraction (the chosen one "
+            "in bold), retention.",
+            "",
+            "| task | target right | mapped right (retention) | "
+            + " | ".join(_fraction(f) for f in report_fractions)
+            + " |",
+            "|---|---|---|" + "---|" * len(report_fractions),
+        ]
+        for task, data in sets["report"].items():
+            cells = [
+                _bold(_num(row["retention"]), row["fraction"] == chosen["fraction"])
+                for row in data["repair"][chosen["strategy"]]
+            ]
+            lines.append(
+                f"| {task} | {_num(data['target'])} | {_num(data['mapped'])} ({_num(data['mapped_retention'])}) | "
+                f"{' | '.join(cells)} |"
+            )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the guard ladder
+
+
+def _rungs(ladder: dict, repairs: bool = True) -> str:
+    """`risk <= 0.5: recompute 20 %; above: prefill` for a ladder's settings."""
+    parts = []
+    for rung in ladder["rungs"]:
+        what = f"recompute {_fraction(rung['fraction'])}" if rung["fraction"] else "mapped"
+        if repairs and not rung["fraction"]:
+            what = "recompute 0 % (mapped)"
+        parts.append(f"risk <= {rung['max_risk']:.4g}: {what}")
+    parts.append("above: prefill" if parts else "none: every request prefills")
+    return "; ".join(parts)
+
+
+def _rung_order(name: str) -> tuple[int, float]:
+    if name == "mapped":
+        return 0, 0.0
+    if name.startswith("repair:"):
+        return 1, float(name.split(":", 1)[1])
+    return 2, 0.0
+
+
+def _rung_label(name: str) -> str:
+    if name.startswith("repair:"):
+        return f"recompute {_fraction(float(name.split(':', 1)[1]))}"
+    return {"fallback": "prefill"}.get(name, name)
+
+
+def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
+    ways = {"binary guard": data["binary_guard"], "ladder": data["ladder"]}
+    lines = [
+        f"**{tag}** (mapper {_mapper_name(data['mapper'])}; report prompts of {data['tokens']:.0f} tokens on "
+        f"average, the target's prefill {1000 * data['prefill_seconds']:.1f} ms on average)",
+        "",
+        "| calibrated on the selection set | probe | repair strategy | rungs | selection: mean cost, worst-task "
+        "changed served |",
+        "|---|---|---|---|---|",
+    ]
+    for name, way in ways.items():
+        ladder, outcome = way["ladder"], way["selection"]
+        probe = f"{ladder['probe']['name']}:{ladder['probe'].get('tokens', '?')}"
+        repairs = name == "ladder"
+        strategy = f"`{_strategy_name(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
+        worst = max(group["changed_served"] for group in outcome["per_group"].values())
+        lines.append(
+            f"| {name} | `{probe}` | {strategy} | {_rungs(ladder, repairs)} | {_num(outcome['mean_cost'])}, "
+            f"{_pct(worst, 1)} |"
+        )
+    rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=_rung_order)
+    lines += [
+        "",
+        "| report set | "
+        + " | ".join(_rung_label(rung) for rung in rungs)
+        + " | "
+        + " | ".join(f"changed served: {task}" for task in tasks)
+        + " | "
+        + " | ".join(f"right, served / target: {task}" for task in tasks)
+        + " | mean cost | net saving |",
+        "|---|" + "---|" * (len(rungs) + 2 * len(tasks) + 2),
+    ]
+    for name, way in ways.items():
+        report, accuracy = way["report"], way["report_accuracy"]
+        cells = [_pct(report["rungs"].get(rung, 0.0)) for rung in rungs]
+        cells += [_pct(report["per_group"][task]["changed_served"], 1) for task in tasks]
+        cells += [f"{_num(accuracy[task]['served'])} / {_num(accuracy[task]['target'])}" for task in tasks]
+        cells += [_num(report["mean_cost"]), _pct(report["net_saving"])]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    sweep = data.get("budget_sweep", [])
+    if sweep:
+        lines += [
+            "",
+            "Other budgets (calibrated on the selection set at each, replayed on the report set): worst task's changed "
+            "answers served · mean cost.",
+            "",
+            "| budget | ladder | binary guard |",
+            "|---|---|---|",
+        ]
+        for row in sweep:
+            cells = [
+                f"{_pct(row[name]['worst_changed'], 1)} · {_num(row[name]['mean_cost'])}"
+                for name in ("ladder", "binary_guard")
+            ]
+            lines.append(f"| {_pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
+    fixed = data["fixed_report"]
+    fractions = sorted({row["fraction"] for rows in fixed.values() for row in rows})
+    lines += [
+        "",
+        "| always serve, no probe (report set) | "
+        + " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
+        + " |",
+        "|---|" + "---|" * len(fractions),
+    ]
+    for strategy, rows in fixed.items():
+        by_fraction = {row["fraction"]: row for row in rows}
+        cells = []
+        for fraction in fractions:
+            row = by_fraction.get(fraction)
+            worst = None if row is None else max(task["changed"] for task in row["tasks"].values())
+            cells.append("-" if row is None else f"{_num(row['mean_cost'])} · {_pct(worst, 1)}")
+        lines.append(f"| `{strategy}` | {' | '.join(cells)} |")
+    return lines
+
+
+def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder.json") -> str:
+    """The `guard-ladder` section: per direction, the calibrated ladder and the binary guard (probe, strategy, rungs),
+    both replayed on the report set (share of requests per rung, changed answers served and accuracy per task, mean
+    cost and net saving), and every fixed repair served to every request (cost, worst-task changed share)."""
+    run = result["run"]
+    tasks = run["tasks"]
+    selection, report = run["selection"], run["report"]
+    lines = [
+        f"Generated from `{source}`, written by `{_command(run['command'])}` ({run['family']} family, {run['dtype']}, "
+        f"{_machine(result.get('environment', {}))}). Candidates: probes "
+        + ", ".join(f"`{probe}`" for probe in run["probes"])
+        + "; repair strategies "
+        + ", ".join(f"`{strategy}`" for strategy in run["strategies"])
+        + "; fractions "
+        + ", ".join(_fraction(f) for f in run["fractions"])
+        + f" (0, the mapped cache, always). Calibrated on a selection set ({selection['items_per_task']} items per "
+        f"task, seed {selection['seed']}) with at most {_pct(run['max_changed'])} changed answers served per task "
+        f"({', '.join(tasks)}), replayed on a report set ({report['items_per_task']} items per task, seed "
+        f"{report['seed']}). *Changed*: the greedy answer differs from the target's own (the prefill never changes "
+        "one). *Cost*: the seconds of every stage over the item's own target prefill, measured side by side (the "
+        "mapping and the probe on every rung, the recompute on a repairing one, the prefill on the fallback); net "
+        "saving = 1 - mean cost. The binary guard is calibrated on the same items with the mapped cache as its only "
+        "rung. The last table serves every request one fixed repair, no probe: mean cost · worst-task changed share.",
+    ]
+    for tag, data in result["directions"].items():
+        lines += ["", *_direction_markdown(tag, data, tasks)]
+    return "\n".join(lines)
+
+
+__all__ = ["cost_markdown", "frontier_markdown", "ladder_markdown", "real_repair_markdown"]
