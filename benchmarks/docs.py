@@ -173,6 +173,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),
         "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
         "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
+        "real-repair-cost": lambda: repair_report.cost_markdown(
+            _json("repair_cost_real.json"), source="benchmarks/results/repair_cost_real.json"
+        ),
         "guard-ladder": _guard_ladder,
     },
     "docs/performance.md": {

@@ -423,5 +423,8 @@ def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     assert "resuming: " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--max-changed 2.0"):
         cli([*args, "--max-changed", "2"])
+    wrong = [*args[:2], "tiny-s", *args[3:], "--mapper", str(zoo.mapper_path("tiny-m", "tiny-l"))]
+    with pytest.raises(SystemExit, match="calibrate-ladder: The mapper does not match"):
+        cli(wrong)
     with pytest.raises(SystemExit, match="Unknown probe"):
         cli([*args[:8], "nope:2", *args[9:]])

@@ -48,6 +48,12 @@ def add_parser(subparsers) -> None:
         "--out", type=Path, required=True, help="folder for the mapper with its ladder (may be --mapper)"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the calibration summary here")
+    parser.add_argument(
+        "--same-weights",
+        action="store_true",
+        help="the models are local copies of the weights the mapper was fitted on (their ids differ from the "
+        "mapper's record; geometry, rope and tokenizer are still checked)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -93,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _models.load_tokenizer(args.source)
     mapper_name = _models.resolve_mapper(args.mapper, args.source, args.target)
     mapper = _models.load_mapper(mapper_name, "calibrate-ladder")
-    mapper.check_compatible(source, target, tokenizer)
+    try:
+        mapper.check_compatible(source, target, tokenizer, same_weights=args.same_weights)
+    except ValueError as err:
+        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
     done = []
     if args.records is not None and args.records.is_file():
         done = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
