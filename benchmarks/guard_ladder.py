@@ -228,7 +228,7 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     directions = list(results["directions"])
-    fig, axes = plt.subplots(1, len(directions), figsize=(4.4 * len(directions), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(directions), figsize=(4.4 * len(directions) + 2.4, 3.8), squeeze=False)
     for axis, direction in zip(axes[0], directions):
         data = results["directions"][direction]
         for strategy, rows in data["fixed_report"].items():
