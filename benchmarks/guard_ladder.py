@@ -49,10 +49,6 @@ STRATEGIES = "tail,source_attention,target_attention,early_deviation"
 FRACTIONS = "0.1,0.2,0.3,0.5"
 
 
-def _settings(name: str) -> dict:
-    return {"name": name}
-
-
 def load_pair(args, direction: str):
     """(source, target, mapper, tokenizer, mapper name) of one direction."""
     source_name, target_name = direction.split(":")
@@ -116,7 +112,7 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         tokenizer,
         items,
         probes=args.probes.split(","),
-        strategies=[_settings(s) for s in args.strategies.split(",")],
+        strategies=args.strategies.split(","),  # names: measure_ladder_items canonicalizes them
         fractions=[float(f) for f in args.fractions.split(",")],
         done=done[: len(items)],
         on_record=keep,
