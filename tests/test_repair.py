@@ -15,6 +15,7 @@ from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
 from hf_kvmap.repair.attention import last_tokens_attention
+from hf_kvmap.repair.draft_attention import DraftAttentionSelector, greedy_draft
 from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.rope import positions_from_attention_mask
 
@@ -61,7 +62,9 @@ def _max_diff(first, second, length=None):
 
 
 def _settings(name):
-    """Every registered strategy with small options (the attention strategies read 4 final tokens)."""
+    """Every registered strategy with small options (the attention strategies read 4 final tokens, the draft is 3)."""
+    if name == "draft_attention":
+        return {"name": name, "draft_tokens": 3, "last_tokens": 4}
     return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
 
 
@@ -220,6 +223,47 @@ def test_attention_from_hooks_equals_the_models_own_attention_weights(tiny):
         out = model(ids[:, 15:], **cache_kwargs(head), output_attentions=True, use_cache=True)
     expected = sum(weights.sum((1, 2)) for weights in out.attentions)
     assert torch.allclose(mass, expected, atol=1e-4) and cache.get_seq_length() == 20
+
+
+def test_the_draft_is_what_generate_decodes_and_leaves_the_cache_alone(pair, tiny):
+    source = pair[0]
+    ids, mask = tiny.left_padded_batch(lengths=(15, 24, 19), seed=5)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    cache = tiny.prefill(source, ids, mask)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    draft = greedy_draft(source, cache, ids, mask, positions, 5)
+    expected = _greedy(source, ids, mask, None)[:, ids.shape[1] : ids.shape[1] + 5]
+    assert torch.equal(draft, expected)
+    assert cache.get_seq_length() == ids.shape[1] and all(
+        torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        for layer, (keys, values) in zip(cache.layers, before)
+    )
+
+
+@pytest.mark.parametrize("last_tokens", [0, 4])
+def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny, last_tokens):
+    """The scores equal the eager forward's softmax weights of the drafted tokens' (and the last prompt tokens')
+    queries, read from one forward of the prompt followed by the draft."""
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    mask = torch.ones_like(ids)
+    cache = tiny.prefill(model, ids)
+    context = RepairContext(
+        target=model,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_attention_mask(None, 1, 20, "cpu"),
+        candidates=mask[:, :19].bool(),
+        source=model,
+        source_cache=cache,
+    )
+    scores = DraftAttentionSelector(draft_tokens=3, last_tokens=last_tokens).score(context)
+    full = _greedy(model, ids, None, None)[:, :23]
+    with torch.no_grad():
+        out = model(full, output_attentions=True)
+    expected = sum(weights[:, :, 23 - 3 - last_tokens :].sum((1, 2)) for weights in out.attentions)[:, :19]
+    assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
 
 
 def test_early_deviation_at_an_exact_layer_is_zero(tiny):

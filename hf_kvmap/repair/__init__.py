@@ -12,6 +12,7 @@ One file per strategy, each one class registered in `SELECTORS` (`base.register_
 """
 
 from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
+from .draft_attention import DraftAttentionSelector, greedy_draft
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
@@ -23,6 +24,7 @@ from .target_attention import TargetAttentionSelector
 
 __all__ = [
     "SELECTORS",
+    "DraftAttentionSelector",
     "EarlyDeviationSelector",
     "MixSelector",
     "OracleSelector",
@@ -32,6 +34,7 @@ __all__ = [
     "SourceAttentionSelector",
     "TailSelector",
     "TargetAttentionSelector",
+    "greedy_draft",
     "recompute_positions",
     "register_selector",
     "repair_cache",

@@ -1,0 +1,115 @@
+"""`draft_attention`: the positions the source reads while it drafts the answer. The source greedily decodes its first
+`draft_tokens` answer tokens on its own cache, then the queries of those tokens and of the prompt's last
+`last_tokens` meet the source cache's keys (`hf_kvmap.repair.attention`); each cached position scores the attention
+mass it receives, summed over heads, queries and layers.
+
+Why: the question at the end of a prompt attends to where an answer starts (the first digit of a number, the first
+word of a fact), but copying the answer reads the rest of it one token at a time, as each drafted token's queries
+find the position after its previous occurrence. Reading the draft's attention finds the whole span the answer is
+copied from; reading only the prompt's last tokens (`source_attention`) finds its start. On the real pair (Qwen2.5-
+Coder 0.5B -> 1.5B, docs/repair.md) this is what turns retrieval from 0 to nearly all of the target's answers at a
+third of the positions recomputed.
+
+Cost: `draft_tokens` greedy decoding steps of the source, plus one source forward of `last_tokens + draft_tokens`
+tokens over its cache; nothing of the target. The source cache is read, never changed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .._compat import cache_kwargs
+from ..rope import positions_from_attention_mask
+from .attention import as_layer, last_tokens_attention
+from .base import RepairContext, Selector, register_selector
+
+
+@torch.no_grad()
+def greedy_draft(
+    model, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, steps: int
+) -> torch.Tensor:
+    r"""
+    The `steps` tokens `model` decodes greedily after the prompt, from its cache of the prompt (left unchanged).
+
+    Args:
+        model (`PreTrainedModel`): a causal LM.
+        cache (`Cache`): its cache of at least the first `T - 1` prompt tokens (the rest is not read).
+        input_ids (`torch.Tensor`): `(batch, T)` prompt, left padding allowed.
+        attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
+        position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at.
+        steps (`int`): tokens to decode.
+
+    Returns:
+        `(batch, steps)` token ids, as `generate(do_sample=False)` would give after the prompt.
+    """
+    length = input_ids.shape[1]
+    if cache.get_seq_length() < length - 1:
+        raise ValueError(
+            f"Drafting from a {length}-token prompt needs a cache of its first {length - 1} tokens; this one covers "
+            f"{cache.get_seq_length()}."
+        )
+    # views of the first T - 1 positions: the decode steps append to new tensors, the given cache is not touched
+    work = Cache(
+        layers=[as_layer(layer.keys[:, :, : length - 1], layer.values[:, :, : length - 1]) for layer in cache.layers]
+    )
+    ids, mask, positions = input_ids[:, -1:], attention_mask, position_ids[:, -1:]
+    drafted = []
+    for _ in range(steps):
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(work)
+        ).logits
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        drafted.append(ids)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        positions = positions + 1
+    return torch.cat(drafted, dim=1)
+
+
+@register_selector
+class DraftAttentionSelector(Selector):
+    """Scores each cached position by the attention the source pays it while drafting the answer: the queries of its
+    `draft_tokens` greedy answer tokens and of the prompt's last `last_tokens`.
+
+    Args:
+        draft_tokens (`int`, *optional*, defaults to 8): answer tokens the source drafts (at least 1).
+        last_tokens (`int`, *optional*, defaults to 16): final prompt tokens whose queries are read too (0: only the
+            draft's).
+    """
+
+    name = "draft_attention"
+    needs_source = True
+
+    def __init__(self, draft_tokens: int = 8, last_tokens: int = 16):
+        for option, value, least in (("draft_tokens", draft_tokens, 1), ("last_tokens", last_tokens, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{option}={value!r} must be an integer >= {least}.")
+        self.draft_tokens = draft_tokens
+        self.last_tokens = last_tokens
+
+    def settings(self) -> dict:
+        return {"name": self.name, "draft_tokens": self.draft_tokens, "last_tokens": self.last_tokens}
+
+    def score(self, context: RepairContext) -> torch.Tensor:
+        ids, mask = context.input_ids, context.attention_mask
+        positions = context.source_position_ids
+        if positions is None:  # a plain forward: every row at 0 .. T-1
+            positions = positions_from_attention_mask(None, *ids.shape, ids.device)
+        draft = greedy_draft(context.source, context.source_cache, ids, mask, positions, self.draft_tokens)
+        steps = draft.shape[1]
+        extended = torch.cat([ids, draft.to(ids.device)], dim=1)
+        extended_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
+        following = positions[:, -1:] + torch.arange(1, steps + 1, device=positions.device)
+        extended_positions = torch.cat([positions, following], dim=1)
+        mass = last_tokens_attention(
+            context.source,
+            context.source_cache,
+            extended,
+            extended_mask,
+            extended_positions,
+            steps + self.last_tokens,
+        )
+        return mass[:, : context.length]
+
+
+__all__ = ["DraftAttentionSelector", "greedy_draft"]
