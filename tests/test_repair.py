@@ -241,11 +241,15 @@ def test_the_draft_is_what_generate_decodes_and_leaves_the_cache_alone(pair, tin
 
 
 @pytest.mark.parametrize("last_tokens", [0, 4])
-def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny, last_tokens):
+@pytest.mark.parametrize("eos_at", [None, 1])
+def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny, last_tokens, eos_at):
     """The scores equal the eager forward's softmax weights of the drafted tokens' (and the last prompt tokens')
-    queries, read from one forward of the prompt followed by the draft."""
+    queries, read from one forward of the prompt followed by the draft; with an end-of-sequence token drafted at step
+    `eos_at`, the draft's queries after it are not read."""
     model = _model(tiny.config(layers=3), 2, "eager")
     ids = _prompt(tokens=20)
+    full = _greedy(model, ids, None, None)[:, :23]
+    model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
     mask = torch.ones_like(ids)
     cache = tiny.prefill(model, ids)
     context = RepairContext(
@@ -259,11 +263,27 @@ def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny,
         source_cache=cache,
     )
     scores = DraftAttentionSelector(draft_tokens=3, last_tokens=last_tokens).score(context)
-    full = _greedy(model, ids, None, None)[:, :23]
     with torch.no_grad():
         out = model(full, output_attentions=True)
-    expected = sum(weights[:, :, 23 - 3 - last_tokens :].sum((1, 2)) for weights in out.attentions)[:, :19]
+    read = 23 if eos_at is None else 20 + eos_at + 1  # queries up to and including the first end token
+    expected = sum(weights[:, :, 20 - last_tokens : read].sum((1, 2)) for weights in out.attentions)[:, :19]
     assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
+
+
+def test_a_query_mask_counts_only_the_queries_it_marks(tiny):
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    cache = tiny.prefill(model, ids)
+    mask, positions = torch.ones_like(ids), positions_from_attention_mask(None, 1, 20, "cpu")
+    marked = torch.zeros_like(ids, dtype=torch.bool)
+    marked[:, [16, 18]] = True
+    every = last_tokens_attention(model, cache, ids, mask, positions, 5)
+    assert torch.equal(every, last_tokens_attention(model, cache, ids, mask, positions, 5, query_mask=mask.bool()))
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+    expected = sum(weights[:, :, [16, 18]].sum((1, 2)) for weights in out.attentions)
+    got = last_tokens_attention(model, cache, ids, mask, positions, 5, query_mask=marked)
+    assert torch.allclose(got, expected, atol=1e-4)
 
 
 def test_early_deviation_at_an_exact_layer_is_zero(tiny):
@@ -348,6 +368,8 @@ def test_handoff_repairs_and_reports_it(pair, tiny):
         ({"strategy": {"name": "mix", "components": {"tail": -1}}, "fraction": 0.1}, ValueError, "non-negative"),
         ({"strategy": {"name": "early_deviation", "layer": -1}, "fraction": 0.1}, ValueError, "layer=-1"),
         ({"strategy": {"name": "source_attention", "last_tokens": 0}, "fraction": 0.1}, ValueError, "last_tokens=0"),
+        ({"strategy": {"name": "draft_attention", "draft_tokens": 0}, "fraction": 0.1}, ValueError, "draft_tokens=0"),
+        ({"strategy": {"name": "draft_attention", "stop_at_eos": "yes"}, "fraction": 0.1}, ValueError, "stop_at_eos"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, error, fragment):

@@ -29,10 +29,11 @@ def as_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     return layer
 
 
-def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int) -> torch.Tensor:
+def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int, query_mask) -> torch.Tensor:
     """`last_tokens_attention` of rows that all read `last` final tokens; `pairs` are the cache's `(keys, values)`."""
     batch, length = input_ids.shape
     start = length - last
+    counted = None if query_mask is None else query_mask[:, start:].float().cpu()[:, None, None, :, None]
     work = Cache(layers=[as_layer(keys[:, :, :start], values[:, :, :start]) for keys, values in pairs])
     decoder = model.get_decoder()
     queries: list[torch.Tensor] = []
@@ -68,7 +69,8 @@ def _window_attention(model, pairs, input_ids, attention_mask, position_ids, las
         allowed = (slots[None, :] <= (start + torch.arange(last))[:, None]).to(logits.device)
         allowed = allowed[None] & attention_mask.bool().to(logits.device)[:, None, :]
         logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
-        total += logits.softmax(-1).nan_to_num(0.0).sum((1, 2, 3)).cpu()
+        weights = logits.softmax(-1).nan_to_num(0.0).cpu()
+        total += (weights if counted is None else weights * counted).sum((1, 2, 3))
     return total * attention_mask.cpu()
 
 
@@ -80,6 +82,7 @@ def last_tokens_attention(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     last: int,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""
     Attention mass of the last `last` prompt tokens on every prompt position, summed over heads, queries and layers.
@@ -94,6 +97,8 @@ def last_tokens_attention(
         attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
         position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at (and the last tokens run at).
         last (`int`): how many final tokens' queries to read.
+        query_mask (`torch.Tensor`, *optional*): `(batch, T)` bool; of the last tokens, only those marked `True` have
+            their queries counted (all of them by default).
 
     Returns:
         `(batch, T)` float32 attention mass (0 on padding).
@@ -109,7 +114,7 @@ def last_tokens_attention(
     windows = own.unique().tolist()
     if len(windows) == 1:  # every row reads the same window: no copy of the cache
         pairs = [(layer.keys, layer.values) for layer in cache.layers]
-        return _window_attention(model, pairs, input_ids, attention_mask, position_ids, int(windows[0]))
+        return _window_attention(model, pairs, input_ids, attention_mask, position_ids, int(windows[0]), query_mask)
     for window in windows:
         rows = (own == window).nonzero().squeeze(-1)
         index = rows.to(input_ids.device)
@@ -118,7 +123,13 @@ def last_tokens_attention(
             for layer in cache.layers
         ]
         total[rows] = _window_attention(
-            model, pairs, input_ids[index], attention_mask[index], position_ids[index], int(window)
+            model,
+            pairs,
+            input_ids[index],
+            attention_mask[index],
+            position_ids[index],
+            int(window),
+            None if query_mask is None else query_mask[index],
         )
     return total
 

@@ -75,20 +75,30 @@ class DraftAttentionSelector(Selector):
         draft_tokens (`int`, *optional*, defaults to 8): answer tokens the source drafts (at least 1).
         last_tokens (`int`, *optional*, defaults to 16): final prompt tokens whose queries are read too (0: only the
             draft's).
+        stop_at_eos (`bool`, *optional*, defaults to `True`): read no draft token after the source's first
+            end-of-sequence token (`generation_config.eos_token_id`): what follows the answer reads nothing of it.
     """
 
     name = "draft_attention"
     needs_source = True
 
-    def __init__(self, draft_tokens: int = 8, last_tokens: int = 16):
+    def __init__(self, draft_tokens: int = 8, last_tokens: int = 16, stop_at_eos: bool = True):
         for option, value, least in (("draft_tokens", draft_tokens, 1), ("last_tokens", last_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{option}={value!r} must be an integer >= {least}.")
+        if not isinstance(stop_at_eos, bool):
+            raise ValueError(f"stop_at_eos={stop_at_eos!r} must be True or False.")
         self.draft_tokens = draft_tokens
         self.last_tokens = last_tokens
+        self.stop_at_eos = stop_at_eos
 
     def settings(self) -> dict:
-        return {"name": self.name, "draft_tokens": self.draft_tokens, "last_tokens": self.last_tokens}
+        return {
+            "name": self.name,
+            "draft_tokens": self.draft_tokens,
+            "last_tokens": self.last_tokens,
+            "stop_at_eos": self.stop_at_eos,
+        }
 
     def score(self, context: RepairContext) -> torch.Tensor:
         ids, mask = context.input_ids, context.attention_mask
@@ -101,6 +111,10 @@ class DraftAttentionSelector(Selector):
         extended_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
         following = positions[:, -1:] + torch.arange(1, steps + 1, device=positions.device)
         extended_positions = torch.cat([positions, following], dim=1)
+        counted = None
+        if self.stop_at_eos:
+            counted = torch.ones_like(extended_mask, dtype=torch.bool)
+            counted[:, ids.shape[1] :] = _before_first_eos(draft, _eos_ids(context.source)).to(ids.device)
         mass = last_tokens_attention(
             context.source,
             context.source_cache,
@@ -108,8 +122,27 @@ class DraftAttentionSelector(Selector):
             extended_mask,
             extended_positions,
             steps + self.last_tokens,
+            query_mask=counted,
         )
         return mass[:, : context.length]
+
+
+def _eos_ids(model) -> list[int]:
+    """The end-of-sequence ids of `model`'s generation config (empty when it has none)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
+
+
+def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """`(batch, steps)` bool: the drafted tokens up to and including each row's first end-of-sequence token."""
+    if not eos:
+        return torch.ones_like(draft, dtype=torch.bool)
+    ended = torch.isin(draft, torch.tensor(eos, device=draft.device))
+    after = ended.long().cumsum(-1) - ended.long()  # end tokens strictly before each step
+    return after == 0
 
 
 __all__ = ["DraftAttentionSelector", "greedy_draft"]
