@@ -68,17 +68,27 @@ def _handoff() -> str:
     )
 
 
+#: the real pair's guard ladder runs, each rendered (with its plot) once its JSON is committed
+REAL_LADDERS = (
+    ("guard_ladder_real.json", "The real pair, 0.5B -> 1.5B, repairing by the source's attention or the tail."),
+    ("guard_ladder_real_draft.json", "The real pair, 0.5B -> 1.5B, repairing by the source's draft attention."),
+    ("guard_ladder_real_reverse.json", "The real pair, 1.5B -> 0.5B."),
+)
+
+
 def _guard_ladder() -> str:
-    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then, once it is measured, the real pair's
-    (`--family real --out benchmarks/results/guard_ladder_real.json`) with its plot."""
+    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then each real-pair run of `REAL_LADDERS`
+    that is measured (`--family real --out benchmarks/results/guard_ladder_real*.json`), with its plot."""
     text = repair_report.ladder_markdown(_json("guard_ladder.json"))
-    real = RESULTS / "guard_ladder_real.json"
-    if real.exists():
-        text += (
-            "\n\n**The real pair.** "
-            + repair_report.ladder_markdown(json.loads(real.read_text()), _relative(real))
-            + "\n\n![The guard ladder on the real pair](../benchmarks/results/guard_ladder_real.png)"
-        )
+    for name, title in REAL_LADDERS:
+        real = RESULTS / name
+        if real.exists():
+            plot = real.with_suffix(".png").name
+            text += (
+                f"\n\n**{title}** "
+                + repair_report.ladder_markdown(json.loads(real.read_text()), _relative(real))
+                + f"\n\n![{title}](../benchmarks/results/{plot})"
+            )
     return text
 
 

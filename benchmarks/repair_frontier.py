@@ -110,7 +110,9 @@ def merge(results: dict, earlier: dict, args) -> None:
                 sets[role]["repair"] = {**old[role]["repair"], **sets[role]["repair"]}
             sets["choice"] = choose(sets["selection"], sets["report"], args.goal, args.budget)
     results["run"]["strategies"] = sorted({*earlier["run"]["strategies"], *results["run"]["strategies"]})
-    results["run"]["merged"] = {"file": args.merge, "command": earlier["run"]["command"]}
+    chain = earlier["run"].get("merged") or []
+    chain = [chain] if isinstance(chain, dict) else list(chain)  # files written before chains were kept
+    results["run"]["merged"] = [*chain, {"file": args.merge, "command": earlier["run"]["command"]}]
 
 
 def plot(results: dict, path: str) -> None:

@@ -112,7 +112,9 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
     merged = run.get("merged")
     command = f"`{_command(run['command'])}`"
     if merged:
-        command = f"`{_command(merged['command'])}`, with {command} merged into it"
+        chain = [merged] if isinstance(merged, dict) else merged  # the earlier runs, the first one first
+        earlier = [f"`{_command(entry['command'])}`" for entry in chain]
+        command = f"{earlier[0]}, with {' then '.join([*earlier[1:], command])} merged into it"
     mapper = _option(run["command"], "--mapper")
     mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {_mapper_name(mapper)}"
     lines = [
