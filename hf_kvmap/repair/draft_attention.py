@@ -73,8 +73,8 @@ class DraftAttentionSelector(Selector):
 
     Args:
         draft_tokens (`int`, *optional*, defaults to 8): answer tokens the source drafts (at least 1).
-        last_tokens (`int`, *optional*, defaults to 16): final prompt tokens whose queries are read too (0: only the
-            draft's).
+        last_tokens (`int`, *optional*, defaults to 0): final prompt tokens whose queries are read too (0: only the
+            draft's; the prompt's own last tokens spend the budget on themselves and on attention sinks).
         stop_at_eos (`bool`, *optional*, defaults to `True`): read no draft token after the source's first
             end-of-sequence token (`generation_config.eos_token_id`): what follows the answer reads nothing of it.
     """
@@ -82,7 +82,7 @@ class DraftAttentionSelector(Selector):
     name = "draft_attention"
     needs_source = True
 
-    def __init__(self, draft_tokens: int = 8, last_tokens: int = 16, stop_at_eos: bool = True):
+    def __init__(self, draft_tokens: int = 8, last_tokens: int = 0, stop_at_eos: bool = True):
         for option, value, least in (("draft_tokens", draft_tokens, 1), ("last_tokens", last_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{option}={value!r} must be an integer >= {least}.")
