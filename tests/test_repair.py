@@ -240,6 +240,20 @@ def test_the_draft_is_what_generate_decodes_and_leaves_the_cache_alone(pair, tin
     )
 
 
+def test_the_draft_stops_once_every_row_has_ended(pair, tiny):
+    source = pair[0]
+    ids, mask = tiny.left_padded_batch(lengths=(15, 24), seed=5)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    cache = tiny.prefill(source, ids, mask)
+    full = greedy_draft(source, cache, ids, mask, positions, 6)
+    ends = [int(full[0, 1]), int(full[1, 3])]  # row 0 ends at step 1, row 1 at step 3 (or earlier)
+    draft = greedy_draft(source, cache, ids, mask, positions, 6, eos=ends)
+    ended = torch.isin(full, torch.tensor(ends))
+    last = int(max(row.nonzero()[0, 0] for row in ended))  # the step at which the last row ends
+    assert last <= 3 and torch.equal(draft, full[:, : last + 1])
+    assert torch.equal(greedy_draft(source, cache, ids, mask, positions, 6, eos=[-1]), full)
+
+
 @pytest.mark.parametrize("last_tokens", [0, 4])
 @pytest.mark.parametrize("eos_at", [None, 1])
 def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny, last_tokens, eos_at):

@@ -10,7 +10,7 @@ copied from; reading only the prompt's last tokens (`source_attention`) finds it
 Coder 0.5B -> 1.5B, docs/repair.md) this is what turns retrieval from 0 to nearly all of the target's answers at a
 third of the positions recomputed.
 
-Cost: `draft_tokens` greedy decoding steps of the source, plus one source forward of `last_tokens + draft_tokens`
+Cost: at most `draft_tokens` greedy decoding steps of the source (fewer once every row has ended its answer), plus one source forward of `last_tokens + draft_tokens`
 tokens over its cache; nothing of the target. The source cache is read, never changed.
 """
 
@@ -27,7 +27,13 @@ from .base import RepairContext, Selector, register_selector
 
 @torch.no_grad()
 def greedy_draft(
-    model, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, steps: int
+    model,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    steps: int,
+    eos: list[int] | None = None,
 ) -> torch.Tensor:
     r"""
     The `steps` tokens `model` decodes greedily after the prompt, from its cache of the prompt (left unchanged).
@@ -39,9 +45,10 @@ def greedy_draft(
         attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
         position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at.
         steps (`int`): tokens to decode.
+        eos (`list[int]`, *optional*): end-of-sequence ids; decoding stops early once every row has drafted one.
 
     Returns:
-        `(batch, steps)` token ids, as `generate(do_sample=False)` would give after the prompt.
+        `(batch, n)` token ids, `n <= steps`, as `generate(do_sample=False)` would give after the prompt.
     """
     length = input_ids.shape[1]
     if cache.get_seq_length() < length - 1:
@@ -54,6 +61,8 @@ def greedy_draft(
         layers=[as_layer(layer.keys[:, :, : length - 1], layer.values[:, :, : length - 1]) for layer in cache.layers]
     )
     ids, mask, positions = input_ids[:, -1:], attention_mask, position_ids[:, -1:]
+    stops = torch.tensor(eos or [], dtype=torch.long, device=input_ids.device)
+    ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     drafted = []
     for _ in range(steps):
         logits = model(
@@ -61,6 +70,9 @@ def greedy_draft(
         ).logits
         ids = logits[:, -1].argmax(-1, keepdim=True)
         drafted.append(ids)
+        ended |= torch.isin(ids[:, 0], stops.to(ids.device)).to(ended.device)
+        if bool(ended.all()):
+            break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         positions = positions + 1
     return torch.cat(drafted, dim=1)
@@ -77,6 +89,7 @@ class DraftAttentionSelector(Selector):
             draft's; the prompt's own last tokens spend the budget on themselves and on attention sinks).
         stop_at_eos (`bool`, *optional*, defaults to `True`): read no draft token after the source's first
             end-of-sequence token (`generation_config.eos_token_id`): what follows the answer reads nothing of it.
+            The draft stops once every row has drafted one, so a short answer costs fewer steps.
     """
 
     name = "draft_attention"
@@ -105,7 +118,8 @@ class DraftAttentionSelector(Selector):
         positions = context.source_position_ids
         if positions is None:  # a plain forward: every row at 0 .. T-1
             positions = positions_from_attention_mask(None, *ids.shape, ids.device)
-        draft = greedy_draft(context.source, context.source_cache, ids, mask, positions, self.draft_tokens)
+        eos = _eos_ids(context.source) if self.stop_at_eos else []
+        draft = greedy_draft(context.source, context.source_cache, ids, mask, positions, self.draft_tokens, eos)
         steps = draft.shape[1]
         extended = torch.cat([ids, draft.to(ids.device)], dim=1)
         extended_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
@@ -114,7 +128,7 @@ class DraftAttentionSelector(Selector):
         counted = None
         if self.stop_at_eos:
             counted = torch.ones_like(extended_mask, dtype=torch.bool)
-            counted[:, ids.shape[1] :] = _before_first_eos(draft, _eos_ids(context.source)).to(ids.device)
+            counted[:, ids.shape[1] :] = _before_first_eos(draft, eos).to(ids.device)
         mass = last_tokens_attention(
             context.source,
             context.source_cache,
