@@ -427,6 +427,24 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
             worst = None if row is None else max(task["changed"] for task in row["tasks"].values())
             cells.append("-" if row is None else f"{_num(row['mean_cost'])} · {_pct(worst, 1)}")
         lines.append(f"| `{strategy}` | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| retention of every fixed repair (report set) | task | "
+        + " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
+        + " |",
+        "|---|---|" + "---|" * len(fractions),
+    ]
+    for strategy, rows in fixed.items():
+        by_fraction = {row["fraction"]: row for row in rows}
+        for index, task in enumerate(tasks):
+            cells = []
+            for fraction in fractions:
+                row = by_fraction.get(fraction)
+                result = None if row is None else row["tasks"][task]
+                cells.append(
+                    "-" if result is None or not result["target"] else _num(result["accuracy"] / result["target"])
+                )
+            lines.append(f"| {f'`{strategy}`' if not index else ''} | {task} | {' | '.join(cells)} |")
     return lines
 
 
