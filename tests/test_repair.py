@@ -448,6 +448,29 @@ def test_a_session_repairs_what_it_maps(pair, tiny):
     assert _max_diff(partial.caches["large"], expected) < TOL
 
 
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_every_strategy_repairs_a_session_turn_after_turn(pair, tiny, name):
+    """Recomputing every newly mapped position, turn after turn, leaves the target's own cache of the transcript."""
+    from hf_kvmap import HandoffSession
+
+    source, target, mapper = pair
+    transcript = _prompt(tokens=14)
+    session = HandoffSession(
+        {"small": source, "large": target},
+        {("small", "large"): mapper},
+        input_ids=transcript,
+        repair=RepairConfig(_settings(name), fraction=1.0),
+    )
+    session.sync("small")
+    assert session.sync("large").repaired_tokens == 13
+    more = _prompt(tokens=6, seed=9)
+    session.append(more)
+    session.sync("small")
+    assert session.sync("large").repaired_tokens == 6
+    whole = torch.cat([transcript, more], dim=1)
+    assert _max_diff(session.caches["large"], tiny.prefill(target, whole[:, :-1])) < TOL
+
+
 def test_the_flop_bound_of_recomputing_everything_is_a_prefill(tiny):
     import importlib.util
     from pathlib import Path
