@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--strategies",
-        default="tail,source_attention",
+        default="tail,source_attention,draft_attention",
         help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings; "
         "the cheapest ladder's is kept",
     )
