@@ -186,6 +186,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "real-repair-cost": lambda: repair_report.cost_markdown(
             _json("repair_cost_real.json"), source="benchmarks/results/repair_cost_real.json"
         ),
+        "real-repair-cost-draft": lambda: repair_report.cost_markdown(
+            _json("repair_cost_real_draft.json"), source="benchmarks/results/repair_cost_real_draft.json"
+        ),
         "guard-ladder": _guard_ladder,
     },
     "docs/performance.md": {

@@ -483,7 +483,9 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
     sweep = {row["max_changed"]: row for row in result["budget_sweep"]}
     assert sweep[0.0]["ladder"]["mean_cost"] == ladder["report"]["mean_cost"]
     assert sweep[0.0]["binary_guard"]["mean_cost"] == binary["report"]["mean_cost"]
-    assert sweep[0.1]["ladder"]["mean_cost"] <= sweep[0.0]["ladder"]["mean_cost"]  # here the looser budget serves cheaper
+    assert (
+        sweep[0.1]["ladder"]["mean_cost"] <= sweep[0.0]["ladder"]["mean_cost"]
+    )  # here the looser budget serves cheaper
     fixed = {row["fraction"]: row for row in result["fixed_report"]["tail"]}
     assert fixed[0.5]["mean_cost"] == pytest.approx(0.5) and fixed[0.0]["tasks"]["chat"]["changed"] == pytest.approx(
         0.7

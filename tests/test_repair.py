@@ -15,8 +15,8 @@ from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
 from hf_kvmap.repair.attention import last_tokens_attention
-from hf_kvmap.repair.draft_attention import DraftAttentionSelector, greedy_draft
 from hf_kvmap.repair.base import budget_counts
+from hf_kvmap.repair.draft_attention import DraftAttentionSelector, greedy_draft
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")

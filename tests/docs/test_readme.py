@@ -80,7 +80,8 @@ def test_readme_usage_snippet_runs():
 def test_readme_repair_snippet_runs():
     namespace = _run_snippet(_snippet("### Between mapped and prefill: repair and the guard ladder"))
     record = namespace["report"].repair
-    assert record["strategy"] == {"name": "source_attention", "last_tokens": 16} and record["exact"] is False
+    assert record["strategy"] == {"name": "draft_attention", "draft_tokens": 8, "last_tokens": 0, "stop_at_eos": True}
+    assert record["exact"] is False
     assert record["recomputed"] == [int(0.2 * n) for n in record["candidates"]]
 
 
