@@ -1,17 +1,19 @@
 """`draft_attention`: the positions the source reads while it drafts the answer. The source greedily decodes its first
-`draft_tokens` answer tokens on its own cache, then the queries of those tokens and of the prompt's last
-`last_tokens` meet the source cache's keys (`hf_kvmap.repair.attention`); each cached position scores the attention
-mass it receives, summed over heads, queries and layers.
+`draft_tokens` answer tokens on its own cache, then the queries of those tokens (and of the prompt's last
+`last_tokens`, none by default) meet the source cache's keys (`hf_kvmap.repair.attention`); each cached position
+scores the attention mass it receives, summed over heads, queries and layers.
 
 Why: the question at the end of a prompt attends to where an answer starts (the first digit of a number, the first
 word of a fact), but copying the answer reads the rest of it one token at a time, as each drafted token's queries
 find the position after its previous occurrence. Reading the draft's attention finds the whole span the answer is
-copied from; reading only the prompt's last tokens (`source_attention`) finds its start. On the real pair (Qwen2.5-
-Coder 0.5B -> 1.5B, docs/repair.md) this is what turns retrieval from 0 to nearly all of the target's answers at a
-third of the positions recomputed.
+copied from; reading only the prompt's last tokens (`source_attention`) finds its start, and spends much of the
+budget on attention sinks and on those tokens themselves. On the real pair (Qwen2.5-Coder 0.5B -> 1.5B,
+docs/repair.md) recomputing the fifth of the positions it selects keeps every retrieval and chat-recall answer of the
+report set, where the source's attention keeps no retrieval at that fraction.
 
-Cost: at most `draft_tokens` greedy decoding steps of the source (fewer once every row has ended its answer), plus one source forward of `last_tokens + draft_tokens`
-tokens over its cache; nothing of the target. The source cache is read, never changed.
+Cost: at most `draft_tokens` greedy decoding steps of the source (fewer once every row has ended its answer), plus
+one source forward of `last_tokens + draft_tokens` tokens over its cache; nothing of the target. The source cache is
+read, never changed.
 """
 
 from __future__ import annotations
