@@ -33,7 +33,7 @@ def _window_attention(model, pairs, input_ids, attention_mask, position_ids, las
     """`last_tokens_attention` of rows that all read `last` final tokens; `pairs` are the cache's `(keys, values)`."""
     batch, length = input_ids.shape
     start = length - last
-    counted = None if query_mask is None else query_mask[:, start:].float().cpu()[:, None, None, :, None]
+    counted = None if query_mask is None else query_mask[:, start:].float()[:, None, None, :, None]
     work = Cache(layers=[as_layer(keys[:, :, :start], values[:, :, :start]) for keys, values in pairs])
     decoder = model.get_decoder()
     queries: list[torch.Tensor] = []
@@ -69,8 +69,10 @@ def _window_attention(model, pairs, input_ids, attention_mask, position_ids, las
         allowed = (slots[None, :] <= (start + torch.arange(last))[:, None]).to(logits.device)
         allowed = allowed[None] & attention_mask.bool().to(logits.device)[:, None, :]
         logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
-        weights = logits.softmax(-1).nan_to_num(0.0).cpu()
-        total += (weights if counted is None else weights * counted).sum((1, 2, 3))
+        weights = logits.softmax(-1).nan_to_num(0.0)
+        if counted is not None:
+            weights = weights * counted.to(weights.device)
+        total += weights.sum((1, 2, 3)).cpu()
     return total * attention_mask.cpu()
 
 
