@@ -412,39 +412,35 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
             lines.append(f"| {_pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
     fixed = data["fixed_report"]
     fractions = sorted({row["fraction"] for rows in fixed.values() for row in rows})
-    lines += [
-        "",
-        "| always serve, no probe (report set) | "
-        + " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
-        + " |",
-        "|---|" + "---|" * len(fractions),
-    ]
+    columns = " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
+
+    def cell(rows: list[dict], fraction: float, show) -> str:
+        row = next((row for row in rows if row["fraction"] == fraction), None)
+        return "-" if row is None else show(row)
+
+    def worst(row: dict) -> str:
+        changed = max(task["changed"] for task in row["tasks"].values())
+        return f"{_num(row['mean_cost'])} · {_pct(changed, 1)}"
+
+    def retention(task: str):
+        def show(row: dict) -> str:
+            result = row["tasks"][task]
+            return _num(result["accuracy"] / result["target"]) if result["target"] else "-"
+
+        return show
+
+    lines += ["", f"| always serve, no probe (report set) | {columns} |", "|---|" + "---|" * len(fractions)]
     for strategy, rows in fixed.items():
-        by_fraction = {row["fraction"]: row for row in rows}
-        cells = []
-        for fraction in fractions:
-            row = by_fraction.get(fraction)
-            worst = None if row is None else max(task["changed"] for task in row["tasks"].values())
-            cells.append("-" if row is None else f"{_num(row['mean_cost'])} · {_pct(worst, 1)}")
-        lines.append(f"| `{strategy}` | {' | '.join(cells)} |")
+        lines.append(f"| `{strategy}` | {' | '.join(cell(rows, f, worst) for f in fractions)} |")
     lines += [
         "",
-        "| retention of every fixed repair (report set) | task | "
-        + " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
-        + " |",
+        f"| retention of every fixed repair (report set) | task | {columns} |",
         "|---|---|" + "---|" * len(fractions),
     ]
     for strategy, rows in fixed.items():
-        by_fraction = {row["fraction"]: row for row in rows}
         for index, task in enumerate(tasks):
-            cells = []
-            for fraction in fractions:
-                row = by_fraction.get(fraction)
-                result = None if row is None else row["tasks"][task]
-                cells.append(
-                    "-" if result is None or not result["target"] else _num(result["accuracy"] / result["target"])
-                )
-            lines.append(f"| {f'`{strategy}`' if not index else ''} | {task} | {' | '.join(cells)} |")
+            cells = " | ".join(cell(rows, f, retention(task)) for f in fractions)
+            lines.append(f"| {f'`{strategy}`' if not index else ''} | {task} | {cells} |")
     return lines
 
 
