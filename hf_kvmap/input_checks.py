@@ -99,6 +99,12 @@ def as_token_row(token_ids, models: Sequence = ()) -> torch.Tensor:
     return row
 
 
+def eos_token_ids(model) -> list[int]:
+    """The end-of-sequence ids of `model`'s generation config, as a list (empty when it has none)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(token) for token in eos])
+
+
 def generate_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     """The attention mask `model.generate(input_ids)` infers without one (`input_ids != pad_token_id` where the pad
     token occurs and differs from every eos token), or `None` when it infers all ones."""
@@ -106,9 +112,7 @@ def generate_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     pad = getattr(config, "pad_token_id", None)
     if pad is None:
         return None
-    eos = getattr(config, "eos_token_id", None)
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if pad in eos or not bool((input_ids == pad).any()):
+    if pad in eos_token_ids(model) or not bool((input_ids == pad).any()):
         return None
     return (input_ids != pad).long()
 

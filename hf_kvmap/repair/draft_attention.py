@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._compat import cache_kwargs
+from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
 from .attention import as_layer, last_tokens_attention
 from .base import RepairContext, Selector, register_selector
@@ -120,7 +121,7 @@ class DraftAttentionSelector(Selector):
         positions = context.source_position_ids
         if positions is None:  # a plain forward: every row at 0 .. T-1
             positions = positions_from_attention_mask(None, *ids.shape, ids.device)
-        eos = _eos_ids(context.source) if self.stop_at_eos else []
+        eos = eos_token_ids(context.source) if self.stop_at_eos else []
         draft = greedy_draft(context.source, context.source_cache, ids, mask, positions, self.draft_tokens, eos)
         steps = draft.shape[1]
         extended = torch.cat([ids, draft.to(ids.device)], dim=1)
@@ -141,15 +142,6 @@ class DraftAttentionSelector(Selector):
             query_mask=counted,
         )
         return mass[:, : context.length]
-
-
-def _eos_ids(model) -> list[int]:
-    """The end-of-sequence ids of `model`'s generation config (empty when it has none)."""
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
 
 
 def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:
