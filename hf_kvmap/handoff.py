@@ -35,7 +35,7 @@ from .input_checks import (
 )
 from .ladder import GuardLadder, rung_name, serve_rows
 from .probes import PrefixAuditProbe, Probe, ProbeContext, probe_from_dict
-from .repair import RepairConfig, repair_cache
+from .repair import Draft, RepairConfig, repair_cache
 from .rope import positions_from_attention_mask
 
 logger = logging.get_logger(__name__)
@@ -236,8 +236,12 @@ def probe_context(
             source_position_ids=source_position_ids,
             **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
         )
+    drafts = {}
     if repair is not None:
         with clock.stage("repair"):
+            if RepairConfig.from_dict(repair).selector.needs_source and source is not None:
+                # the source's draft, should the strategy decode one, is kept for a probe that verifies it
+                drafts["source"] = Draft(source, source_cache, input_ids, mask, positions)
             repair_cache(
                 target,
                 cache,
@@ -248,6 +252,7 @@ def probe_context(
                 source=source,
                 source_cache=source_cache,
                 source_position_ids=source_position_ids,
+                source_draft=drafts.get("source"),
             )
     tail_logits = None
     if hold_back > 1:
@@ -269,6 +274,7 @@ def probe_context(
         source_cache=source_cache,
         hold_back=hold_back,
         tail_logits=tail_logits,
+        drafts=drafts,
     )
 
 

@@ -194,9 +194,11 @@ def serve_rows(
     for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
         index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
         part = _row_cache(cache, index)
-        source_part = None
+        source_part = source_draft = None
         if selector.needs_source:
             source_part = _row_cache(context.source_cache, index)
+            if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
+                source_draft = context.drafts["source"].rows(index)
         repair_cache(
             context.target,
             part,
@@ -207,6 +209,7 @@ def serve_rows(
             source=context.source,
             source_cache=source_part,
             source_position_ids=None if source_position_ids is None else source_position_ids[index],
+            source_draft=source_draft,
         )
         _write_rows(cache, index, part)
         real = mask[index, :mapped].sum(-1).tolist()

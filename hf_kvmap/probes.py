@@ -22,13 +22,15 @@ A new probe is one class and one line:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from transformers.cache_utils import Cache
 
 from ._compat import cache_kwargs, output_cache
+from .repair.attention import as_layer
+from .repair.draft import Draft
 
 #: name -> probe class; filled by `register_probe`.
 PROBES: dict[str, type[Probe]] = {}
@@ -60,6 +62,7 @@ class ProbeContext:
         hold_back (`int`): how many final prompt tokens were held back from the mapping.
         tail_logits (`torch.Tensor`, *optional*): `(batch, hold_back - 1, vocab)` target logits on the held-back
             tokens it ran (they predict the tokens at columns `T - hold_back + 1 .. T - 1`); `None` for `hold_back=1`.
+        drafts (`dict[str, Draft]`): the greedy drafts decoded for this request so far, by role (`draft`).
     """
 
     source: torch.nn.Module
@@ -71,10 +74,22 @@ class ProbeContext:
     source_cache: Cache
     hold_back: int = 1
     tail_logits: torch.Tensor | None = None
+    drafts: dict[str, Draft] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
         return self.input_ids.shape[0]
+
+    def draft(self, role: str) -> Draft:
+        """The greedy draft of the `"source"` (on `source_cache`) or of the `"target"` (on the mapped `cache`) after
+        the prompt ([`~hf_kvmap.repair.Draft`]), decoded once per request as far as its readers ask: the probes, and
+        then a repair strategy that drafts (`draft_attention` continues the source's)."""
+        if role not in ("source", "target"):
+            raise ValueError(f"role={role!r}: a draft is the 'source''s or the 'target''s.")
+        if role not in self.drafts:
+            model, cache = (self.source, self.source_cache) if role == "source" else (self.target, self.cache)
+            self.drafts[role] = Draft(model, cache, self.input_ids, self.attention_mask, self.position_ids)
+        return self.drafts[role]
 
     @property
     def length(self) -> int:
@@ -151,28 +166,9 @@ def _run(model, ids, cache, mask, positions) -> torch.Tensor:
     ).logits.float()
 
 
-@torch.no_grad()
-def _greedy(model, cache, context: ProbeContext, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode `steps` tokens from the last prompt token on `cache` (which covers the first `T - 1` tokens).
-
-    Returns `(tokens (batch, steps), probabilities (batch, steps, vocab))`; the cache grows by `steps` tokens.
-    """
-    ids = context.input_ids[:, -1:]
-    mask = context.attention_mask
-    position = context.position_ids[:, -1:]
-    tokens, probs = [], []
-    for _ in range(steps):
-        logits = _run(model, ids, cache, mask, position)[:, -1]
-        probs.append(logits.softmax(-1))
-        ids = logits.argmax(-1, keepdim=True)
-        tokens.append(ids)
-        mask, position = _extend_mask(mask, 1), position + 1
-    return torch.cat(tokens, dim=1), torch.stack(probs, dim=1)
-
-
-def _crop(cache: Cache, tokens: int) -> None:
-    if tokens:
-        cache.crop(-tokens)
+def _prefix(cache: Cache, length: int) -> Cache:
+    """A cache of views of `cache`'s first `length` positions: a forward appends to it, `cache` stays as it is."""
+    return Cache(layers=[as_layer(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers])
 
 
 # ------------------------------------------------------------------------------------------------- probes
@@ -232,21 +228,15 @@ class DraftAgreementProbe(Probe):
         """`(disagree, confidence)`, each `(batch, tokens)`: whether the target's argmax on the mapped cache differs
         from each draft token, and the source's probability of that draft token."""
         steps = self.tokens
-        source_cache = context.source_cache
-        # the source drafts from the last prompt token, as generation would; its own entry is put back afterwards
-        last = [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in source_cache.layers]
-        _crop(source_cache, 1)
-        draft, source_probs = _greedy(context.source, source_cache, context, steps)
-        _crop(source_cache, steps)
-        for idx, (keys, values) in enumerate(last):
-            source_cache.layers[idx].update(keys, values)
+        # the source drafts from the last prompt token, as generation would (shared with a repair that drafts)
+        source_draft = context.draft("source")
+        draft = source_draft.tokens(steps).to(context.input_ids.device)
+        confidence = source_draft.top2(steps)[..., 0].cpu()  # the drafted token is the most probable one
         ids = torch.cat([context.input_ids[:, -1:], draft[:, :-1]], dim=1)
         mask = _extend_mask(context.attention_mask, steps - 1)
         positions = context.position_ids[:, -1:] + torch.arange(steps, device=ids.device)
-        logits = _run(context.target, ids, context.cache, mask, positions)
-        _crop(context.cache, steps)
-        confidence = source_probs.gather(-1, draft.unsqueeze(-1)).squeeze(-1).cpu()
-        return (logits.argmax(-1) != draft).float().cpu(), confidence
+        logits = _run(context.target, ids, _prefix(context.cache, context.length - 1), mask, positions)
+        return (logits.argmax(-1).to(draft.device) != draft).float().cpu(), confidence
 
 
 @register_probe
@@ -277,9 +267,7 @@ class LookaheadMarginProbe(Probe):
 
     @torch.no_grad()
     def score(self, context: ProbeContext) -> torch.Tensor:
-        _, probs = _greedy(context.target, context.cache, context, self.tokens)
-        _crop(context.cache, self.tokens)
-        top = probs.topk(2, dim=-1).values
+        top = context.draft("target").top2(self.tokens)
         return 1.0 - (top[..., 0] - top[..., 1]).amin(-1)
 
 

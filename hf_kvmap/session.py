@@ -72,12 +72,12 @@ class HandoffSession:
         input_ids (`torch.Tensor` or `Sequence[int]`, *optional*): the transcript so far.
         same_weights (`bool`, *optional*, defaults to `False`): the models are the weights their mappers were fitted
             for, loaded from another location (`MapperModel.check_compatible(..., same_weights=True)`).
+        repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
+            recomputes the share of them the config's strategy selects, attending to its cache of the rest.
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
     model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
     (`mapped_positions`, the mappers), which `save_cache` records.
-        repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
-            recomputes the share of them the config's strategy selects, attending to its cache of the rest.
     """
 
     def __init__(

@@ -3,10 +3,13 @@ exact mapping scored as exact where the probe can tell."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from hf_kvmap import MapperModel, Probe, register_probe
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.probes import PROBES, fit_linear_probe, probe_from_dict
 
@@ -62,6 +65,46 @@ def test_exact_mapping_scores_zero(name, models):
     probe = probe_from_dict({"name": name, "tokens": 4})
     context = probe_context(target, target, MapperModel.identity(config), ids)
     torch.testing.assert_close(probe.score(context), torch.zeros(3), rtol=0, atol=1e-5)
+
+
+def test_lookahead_margin_reads_the_targets_greedy_steps_on_the_mapped_cache(models, tiny):
+    """The risk is one minus the smallest top-1 minus top-2 probability margin of the target's first greedy steps on
+    the mapped cache, as `generate` scores them."""
+    source, target, config = models
+    ids, mask = tiny.left_padded_batch(lengths=(12, 16))
+    context = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    risks = probe_from_dict({"name": "lookahead_margin", "tokens": 3}).score(context)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        **cache_kwargs(copy.deepcopy(context.cache)),
+        max_new_tokens=3,
+        do_sample=False,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    top = torch.stack([score.float().softmax(-1).topk(2, dim=-1).values for score in out.scores], dim=1)
+    torch.testing.assert_close(risks, 1.0 - (top[..., 0] - top[..., 1]).amin(-1), rtol=0, atol=1e-5)
+
+
+def test_the_draft_probes_share_one_source_draft(models, tiny):
+    """`draft_agreement` and `confident_draft` on one context decode the source's draft once; the second reads it."""
+    source, target, config = models
+    ids, mask = tiny.left_padded_batch(lengths=(12, 16))
+    context = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    calls = []
+    handle = source.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        agreement = probe_from_dict({"name": "draft_agreement", "tokens": 3}).score(context)
+        first = len(calls)
+        confident = probe_from_dict({"name": "confident_draft", "tokens": 3}).score(context)
+    finally:
+        handle.remove()
+    assert first == 3 and len(calls) == first
+    fresh = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    assert torch.equal(probe_from_dict({"name": "confident_draft", "tokens": 3}).score(fresh), confident)
+    assert (confident <= agreement + 1e-6).all()
 
 
 def test_prefix_audit_sees_a_zeroed_mapping(models):

@@ -20,6 +20,7 @@ from hf_kvmap.cli import main as cli
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.ladder import FALLBACK, GuardLadder, LadderRung, calibrate_ladder, ladder_outcome, serve_rows
 from hf_kvmap.ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder, strategy_key
+from hf_kvmap.probes import probe_from_dict
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -208,6 +209,30 @@ def test_each_row_gets_its_rung(pair, tiny, hold_back):
     assert rows[1]["recomputed"] == int(0.5 * (int(mask[1].sum()) - hold_back))
     assert context.cache.get_seq_length() == width - 1
     assert context.cache.mapping_info["ladder"]["rows"] == rows
+
+
+def test_a_drafting_repair_continues_the_probes_draft(pair, tiny):
+    """Rows repaired by `draft_attention` after a draft probe continue the probe's source draft: the same cache as
+    drafting afresh, with the probe's steps not decoded again."""
+    source = pair[0]
+    ids, mask = _batch(tiny)
+    strategy = {"name": "draft_attention", "draft_tokens": 4, "stop_at_eos": False}
+    plan = [0.3, 0.0, 0.3]
+    shared = _context(pair, ids, mask)
+    probe_from_dict({"name": "confident_draft", "tokens": 2}).score(shared)
+    alone = _context(pair, ids, mask)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)  # where `probe_context` prefilled
+    calls = []
+    handle = source.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        serve_rows(shared, plan, strategy, source_position_ids=positions)
+        continued = len(calls)
+        serve_rows(alone, plan, strategy, source_position_ids=positions)
+    finally:
+        handle.remove()
+    assert (continued, len(calls) - continued) == (2, 4)  # the source decodes the two steps the probe did not
+    for mine, theirs in zip(shared.cache.layers, alone.cache.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
 def test_serve_rows_refuses_a_plan_of_another_batch(pair, tiny):

@@ -16,7 +16,8 @@ from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
-from hf_kvmap.repair.draft_attention import DraftAttentionSelector, greedy_draft
+from hf_kvmap.repair.draft import Draft, greedy_draft
+from hf_kvmap.repair.draft_attention import DraftAttentionSelector
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -252,6 +253,40 @@ def test_the_draft_stops_once_every_row_has_ended(pair, tiny):
     last = int(max(row.nonzero()[0, 0] for row in ended))  # the step at which the last row ends
     assert last <= 3 and torch.equal(draft, full[:, : last + 1])
     assert torch.equal(greedy_draft(source, cache, ids, mask, positions, 6, eos=[-1]), full)
+
+
+def test_a_draft_read_in_steps_is_the_draft_read_at_once(pair, tiny):
+    """A probe reads the first tokens of a `Draft`, the repair continues it: the tokens are the ones one reader would
+    decode, the top probability is `generate`'s, and the rows of a draft continue as those rows alone would."""
+    source = pair[0]
+    ids, mask = tiny.left_padded_batch(lengths=(15, 24, 19), seed=5)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    cache = tiny.prefill(source, ids, mask)
+    full = greedy_draft(source, cache, ids, mask, positions, 6)
+    draft = Draft(source, cache, ids, mask, positions)
+    assert torch.equal(draft.tokens(2), full[:, :2]) and draft.steps == 2
+    ends = [int(full[0, 2]), int(full[1, 3]), int(full[2, 1])]
+    assert torch.equal(draft.tokens(6, eos=ends), greedy_draft(source, cache, ids, mask, positions, 6, eos=ends))
+    assert torch.equal(draft.tokens(6), full) and draft.steps == 6
+    out = source.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    top = torch.stack([score.float().softmax(-1).max(-1).values for score in out.scores], dim=1)
+    torch.testing.assert_close(draft.top2(3)[..., 0], top, rtol=0, atol=1e-6)
+    assert (draft.top2(3)[..., 0] >= draft.top2(3)[..., 1]).all()
+    part = Draft(source, cache, ids, mask, positions)
+    part.tokens(2)
+    rows = part.rows(torch.tensor([2, 0]))
+    assert torch.equal(rows.tokens(6), full[[2, 0]]) and part.steps == 2
+    with pytest.raises(ValueError, match="needs a cache of its first 23 tokens"):
+        cache.crop(-3)
+        Draft(source, cache, ids, mask, positions)
 
 
 @pytest.mark.parametrize("last_tokens", [0, 4])

@@ -12,7 +12,8 @@ One file per strategy, each one class registered in `SELECTORS` (`base.register_
 """
 
 from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
-from .draft_attention import DraftAttentionSelector, greedy_draft
+from .draft import Draft, greedy_draft
+from .draft_attention import DraftAttentionSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
@@ -24,6 +25,7 @@ from .target_attention import TargetAttentionSelector
 
 __all__ = [
     "SELECTORS",
+    "Draft",
     "DraftAttentionSelector",
     "EarlyDeviationSelector",
     "MixSelector",

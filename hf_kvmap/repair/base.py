@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from .draft import Draft
+
 #: name -> selector class; filled by `register_selector`.
 SELECTORS: dict[str, type[Selector]] = {}
 
@@ -57,6 +59,8 @@ class RepairContext:
         source (`PreTrainedModel`, *optional*): the model the cache was mapped from.
         source_cache (`Cache`, *optional*): the source's cache of the prompt (`T` tokens).
         source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at.
+        source_draft ([`~hf_kvmap.repair.Draft`], *optional*): the source's greedy draft after this prompt, as far as
+            the request decoded it already (a probe's); a strategy that drafts continues it.
     """
 
     target: torch.nn.Module
@@ -68,6 +72,7 @@ class RepairContext:
     source: torch.nn.Module | None = None
     source_cache: Cache | None = None
     source_position_ids: torch.Tensor | None = None
+    source_draft: Draft | None = None
 
     @property
     def batch(self) -> int:

@@ -13,72 +13,19 @@ report set, where the source's attention keeps no retrieval at that fraction.
 
 Cost: at most `draft_tokens` greedy decoding steps of the source (fewer once every row has ended its answer), plus
 one source forward of `last_tokens + draft_tokens` tokens over its cache; nothing of the target. The source cache is
-read, never changed.
+read, never changed. A draft the request already decoded (`RepairContext.source_draft`: the guard's
+`draft_agreement` / `confident_draft` probe drafts the same tokens) is continued, not decoded again.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
-from .._compat import cache_kwargs
 from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
-from .attention import as_layer, last_tokens_attention
+from .attention import last_tokens_attention
 from .base import RepairContext, Selector, register_selector
-
-
-@torch.no_grad()
-def greedy_draft(
-    model,
-    cache: Cache,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    steps: int,
-    eos: list[int] | None = None,
-) -> torch.Tensor:
-    r"""
-    The `steps` tokens `model` decodes greedily after the prompt, from its cache of the prompt (left unchanged).
-
-    Args:
-        model (`PreTrainedModel`): a causal LM.
-        cache (`Cache`): its cache of at least the first `T - 1` prompt tokens (the rest is not read).
-        input_ids (`torch.Tensor`): `(batch, T)` prompt, left padding allowed.
-        attention_mask (`torch.Tensor`): `(batch, T)` 0/1.
-        position_ids (`torch.Tensor`): `(batch, T)` positions the cache was built at.
-        steps (`int`): tokens to decode.
-        eos (`list[int]`, *optional*): end-of-sequence ids; decoding stops early once every row has drafted one.
-
-    Returns:
-        `(batch, n)` token ids, `n <= steps`, as `generate(do_sample=False)` would give after the prompt.
-    """
-    length = input_ids.shape[1]
-    if cache.get_seq_length() < length - 1:
-        raise ValueError(
-            f"Drafting from a {length}-token prompt needs a cache of its first {length - 1} tokens; this one covers "
-            f"{cache.get_seq_length()}."
-        )
-    # views of the first T - 1 positions: the decode steps append to new tensors, the given cache is not touched
-    work = Cache(
-        layers=[as_layer(layer.keys[:, :, : length - 1], layer.values[:, :, : length - 1]) for layer in cache.layers]
-    )
-    ids, mask, positions = input_ids[:, -1:], attention_mask, position_ids[:, -1:]
-    stops = torch.tensor(eos or [], dtype=torch.long, device=input_ids.device)
-    ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    drafted = []
-    for _ in range(steps):
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(work)
-        ).logits
-        ids = logits[:, -1].argmax(-1, keepdim=True)
-        drafted.append(ids)
-        ended |= torch.isin(ids[:, 0], stops.to(ids.device)).to(ended.device)
-        if bool(ended.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        positions = positions + 1
-    return torch.cat(drafted, dim=1)
+from .draft import Draft
 
 
 @register_selector
@@ -122,7 +69,10 @@ class DraftAttentionSelector(Selector):
         if positions is None:  # a plain forward: every row at 0 .. T-1
             positions = positions_from_attention_mask(None, *ids.shape, ids.device)
         eos = eos_token_ids(context.source) if self.stop_at_eos else []
-        draft = greedy_draft(context.source, context.source_cache, ids, mask, positions, self.draft_tokens, eos)
+        shared = context.source_draft
+        if shared is None or not shared.reads(context.source, ids, positions):
+            shared = Draft(context.source, context.source_cache, ids, mask, positions)
+        draft = shared.tokens(self.draft_tokens, eos)
         steps = draft.shape[1]
         extended = torch.cat([ids, draft.to(ids.device)], dim=1)
         extended_mask = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
@@ -153,4 +103,4 @@ def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:
     return after == 0
 
 
-__all__ = ["DraftAttentionSelector", "greedy_draft"]
+__all__ = ["DraftAttentionSelector"]

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 from ..rope import positions_from_attention_mask
 from .attention import as_layer
 from .base import RepairContext, Selector, budget_counts, selector_from_dict
+from .draft import Draft
 from .recompute import recompute_positions
 
 
@@ -123,6 +124,7 @@ def repair_cache(
     source=None,
     source_cache: Cache | None = None,
     source_position_ids: torch.Tensor | None = None,
+    source_draft: Draft | None = None,
     start: int = 0,
 ) -> Cache:
     r"""
@@ -142,6 +144,9 @@ def repair_cache(
             the `T` prompt tokens, for the strategies that read them (`Selector.needs_source`).
         source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at;
             defaults to a plain forward's `0 .. T-1`.
+        source_draft ([`Draft`], *optional*): the source's greedy draft after this prompt as far as the request
+            decoded it (a guard probe's); a strategy that drafts (`draft_attention`) continues it instead of decoding
+            it again. Ignored unless it drafts after these `input_ids` at the source's positions.
         start (`int`, *optional*, defaults to 0): the first position a strategy may select (the ones before it are,
             e.g., the target's own already).
 
@@ -179,6 +184,7 @@ def repair_cache(
         source=source,
         source_cache=source_cache,
         source_position_ids=source_position_ids,
+        source_draft=source_draft,
     )
     counts = budget_counts(candidates, repair.fraction, repair.tokens)
     positions, valid = selector.select(context, counts)
