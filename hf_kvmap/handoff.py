@@ -227,6 +227,8 @@ def probe_context(
                 source(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
             )
         source_position_ids = positions
+    elif source_position_ids is None:  # a plain forward's
+        source_position_ids = positions_from_attention_mask(None, batch, length, input_ids.device)
     with clock.stage("map"):
         cache = MappedCache.from_source(
             source_cache,
@@ -241,7 +243,7 @@ def probe_context(
         with clock.stage("repair"):
             if RepairConfig.from_dict(repair).selector.needs_source and source is not None:
                 # the source's draft, should the strategy decode one, is kept for a probe that verifies it
-                drafts["source"] = Draft(source, source_cache, input_ids, mask, positions)
+                drafts["source"] = Draft(source, source_cache, input_ids, mask, source_position_ids)
             repair_cache(
                 target,
                 cache,
@@ -275,6 +277,7 @@ def probe_context(
         hold_back=hold_back,
         tail_logits=tail_logits,
         drafts=drafts,
+        source_position_ids=source_position_ids,
     )
 
 
@@ -466,9 +469,7 @@ def handoff(
     report.scores = [float(s) for s in scores]
     report.score = max(report.scores)
     if ladder is not None:
-        return _climb(
-            ladder, context, report, clock, refuse, source_position_ids if source_cache is not None else None
-        )
+        return _climb(ladder, context, report, clock, refuse)
     if not torch.isfinite(scores).all():
         return refuse(f"probe {probe.name} returned a non-finite risk")
     if report.score > threshold:
@@ -502,7 +503,7 @@ def resolve_ladder(mapper, ladder=None, *, probe=None, threshold=None, repair=No
     return GuardLadder.from_dict(ladder)
 
 
-def _climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: _Clock, refuse, source_positions):
+def _climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: _Clock, refuse):
     """The ladder's end of `handoff`: each row's rung from its risk (`report.scores`), then `serve_rows`."""
     plan = ladder.plan(report.scores)  # a NaN risk takes no rung: it falls back
     settings = {"probe": ladder.probe, "strategy": ladder.strategy, "rungs": ladder.to_dict()["rungs"]}
@@ -516,7 +517,7 @@ def _climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, cl
     if report.policy == "fail" and any(fraction is None for fraction in plan):
         return refuse(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
     with clock.stage("repair"):
-        rows = serve_rows(context, plan, ladder.strategy, source_position_ids=source_positions)
+        rows = serve_rows(context, plan, ladder.strategy)
     for row, risk in zip(rows, report.scores):
         row["risk"] = risk
     report.ladder = {**settings, "rows": rows}

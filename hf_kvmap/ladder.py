@@ -174,12 +174,15 @@ def serve_rows(
         context ([`~hf_kvmap.probes.ProbeContext`]): what the handoff built (its `cache` covers `T - 1` tokens).
         fractions (sequence of `float` or `None`): one per row.
         strategy (`dict` or `str`): the repair strategy.
-        source_position_ids (`torch.Tensor`, *optional*): positions the source cache was built at.
+        source_position_ids (`torch.Tensor`, *optional*): positions the source cache was built at; defaults to the
+            context's (`ProbeContext.source_position_ids`).
 
     Returns:
         One dict per row: `rung` (`"mapped"`, `"repair:<f>"`, `"fallback"`), `fraction`, and `recomputed` tokens.
     """
     ids, mask, positions, cache = context.input_ids, context.attention_mask, context.position_ids, context.cache
+    if source_position_ids is None:
+        source_position_ids = context.source_position_ids
     batch, length = ids.shape
     if len(fractions) != batch:
         raise ValueError(f"{len(fractions)} rung fractions for a batch of {batch} rows.")

@@ -63,6 +63,8 @@ class ProbeContext:
         tail_logits (`torch.Tensor`, *optional*): `(batch, hold_back - 1, vocab)` target logits on the held-back
             tokens it ran (they predict the tokens at columns `T - hold_back + 1 .. T - 1`); `None` for `hold_back=1`.
         drafts (`dict[str, Draft]`): the greedy drafts decoded for this request so far, by role (`draft`).
+        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions `source_cache` was built at (a
+            plain forward's `0 .. T-1` differ from `position_ids` in left-padded rows); defaults to `position_ids`.
     """
 
     source: torch.nn.Module
@@ -75,6 +77,7 @@ class ProbeContext:
     hold_back: int = 1
     tail_logits: torch.Tensor | None = None
     drafts: dict[str, Draft] = field(default_factory=dict)
+    source_position_ids: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -87,8 +90,12 @@ class ProbeContext:
         if role not in ("source", "target"):
             raise ValueError(f"role={role!r}: a draft is the 'source''s or the 'target''s.")
         if role not in self.drafts:
-            model, cache = (self.source, self.source_cache) if role == "source" else (self.target, self.cache)
-            self.drafts[role] = Draft(model, cache, self.input_ids, self.attention_mask, self.position_ids)
+            if role == "source":
+                positions = self.position_ids if self.source_position_ids is None else self.source_position_ids
+                model, cache = self.source, self.source_cache
+            else:
+                positions, model, cache = self.position_ids, self.target, self.cache
+            self.drafts[role] = Draft(model, cache, self.input_ids, self.attention_mask, positions)
         return self.drafts[role]
 
     @property

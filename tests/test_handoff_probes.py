@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from hf_kvmap import MapperModel, Probe, register_probe
-from hf_kvmap._compat import cache_kwargs
+from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.probes import PROBES, fit_linear_probe, probe_from_dict
+from hf_kvmap.repair import greedy_draft
+from hf_kvmap.rope import positions_from_attention_mask
 
 # settings for probes that take more than a size
 EXAMPLES = {
@@ -105,6 +107,23 @@ def test_the_draft_probes_share_one_source_draft(models, tiny):
     fresh = probe_context(source, target, MapperModel.identity(config), ids, mask)
     assert torch.equal(probe_from_dict({"name": "confident_draft", "tokens": 3}).score(fresh), confident)
     assert (confident <= agreement + 1e-6).all()
+
+
+def test_the_source_draft_reads_the_positions_its_cache_was_built_at(models, tiny):
+    """A left-padded source cache from a plain forward (every row at 0 .. T-1) is drafted at those positions; one the
+    handoff prefills, at the mask's."""
+    source, target, config = models
+    ids, mask = tiny.left_padded_batch(lengths=(12, 16))
+    plain = output_cache(source(input_ids=ids, attention_mask=mask, use_cache=True))
+    given = probe_context(source, target, MapperModel.identity(config), ids, mask, plain)
+    arange = positions_from_attention_mask(None, *ids.shape, ids.device)
+    assert torch.equal(given.source_position_ids, arange)
+    assert torch.equal(given.draft("source").tokens(3), greedy_draft(source, plain, ids, mask, arange, 3))
+    prefilled = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    assert torch.equal(prefilled.source_position_ids, positions)
+    expected = greedy_draft(source, prefilled.source_cache, ids, mask, positions, 3)
+    assert torch.equal(prefilled.draft("source").tokens(3), expected)
 
 
 def test_prefix_audit_sees_a_zeroed_mapping(models):

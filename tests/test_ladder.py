@@ -221,13 +221,12 @@ def test_a_drafting_repair_continues_the_probes_draft(pair, tiny):
     shared = _context(pair, ids, mask)
     probe_from_dict({"name": "confident_draft", "tokens": 2}).score(shared)
     alone = _context(pair, ids, mask)
-    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)  # where `probe_context` prefilled
     calls = []
     handle = source.register_forward_hook(lambda *args: calls.append(1))
     try:
-        serve_rows(shared, plan, strategy, source_position_ids=positions)
+        serve_rows(shared, plan, strategy)
         continued = len(calls)
-        serve_rows(alone, plan, strategy, source_position_ids=positions)
+        serve_rows(alone, plan, strategy)
     finally:
         handle.remove()
     assert (continued, len(calls) - continued) == (2, 4)  # the source decodes the two steps the probe did not
