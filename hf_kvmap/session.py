@@ -27,10 +27,16 @@ from transformers.utils import logging
 
 from ._compat import cache_kwargs, output_cache
 from .input_checks import as_token_row
+from .ladder import GuardLadder, rung_name
+from .probes import ProbeContext, probe_from_dict
 from .repair import RepairConfig, repair_cache
 from .repair.base import budget_counts
 
 logger = logging.get_logger(__name__)
+
+#: probes a session's ladder can use: they read the answering model on its cache of the whole transcript (the model
+#: whose cache was mapped from has seldom processed the newest user turn, so a probe that drafts with it cannot run)
+SESSION_PROBES = ("lookahead_margin",)
 
 
 @dataclass
@@ -45,7 +51,11 @@ class SessionTurn:
         mapped_tokens (`int`): tokens mapped into this model's cache at this switch.
         window_tokens (`int`): earlier source positions read along for the mapper's context window.
         prefilled_tokens (`int`): tokens this model prefilled itself before generating.
-        repaired_tokens (`int`): mapped tokens this model then recomputed itself (`HandoffSession(repair=...)`).
+        repaired_tokens (`int`): mapped tokens this model then recomputed itself (`HandoffSession(repair=...)`, or
+            the ladder's repairing rung).
+        rung (`str`, *optional*): with a ladder, the rung this switch took (`"mapped"`, `"repair:<f>"`, or
+            `"fallback"`: the model prefilled the tokens it would have mapped); `None` without a ladder or a mapping.
+        risk (`float`, *optional*): the ladder probe's risk on this switch.
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
     """
@@ -57,6 +67,8 @@ class SessionTurn:
     window_tokens: int = 0
     prefilled_tokens: int = 0
     repaired_tokens: int = 0
+    rung: str | None = None
+    risk: float | None = None
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -74,6 +86,10 @@ class HandoffSession:
             for, loaded from another location (`MapperModel.check_compatible(..., same_weights=True)`).
         repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
             recomputes the share of them the config's strategy selects, attending to its cache of the rest.
+        ladder ([`~hf_kvmap.ladder.GuardLadder`] or `dict`, *optional*): instead of one fixed repair, a rung per
+            switch: once the model's cache covers the transcript, the ladder's probe (one of `SESSION_PROBES`) scores
+            it, and the model keeps the mapped tokens, recomputes the share of them the rung calls for, or prefills
+            them itself (then the tokens after them run again on what is kept). Recorded in `SessionTurn.rung`.
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
     model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
@@ -88,6 +104,7 @@ class HandoffSession:
         *,
         same_weights: bool = False,
         repair=None,
+        ladder=None,
     ):
         from .modeling_mapper import MapperModel
 
@@ -96,6 +113,19 @@ class HandoffSession:
         self.models = dict(models)
         self.mappers = dict(mappers or {})
         self.repair = None if repair is None else RepairConfig.from_dict(repair)
+        if ladder is not None and repair is not None:
+            raise ValueError(
+                "Pass `repair=` (one fixed repair at every switch) or `ladder=` (a rung per switch by its probe's "
+                "risk), not both."
+            )
+        self.ladder = None if ladder is None else GuardLadder.from_dict(ladder)
+        if self.ladder is not None and self.ladder.probe["name"] not in SESSION_PROBES:
+            raise ValueError(
+                f"A session's ladder cannot use probe {self.ladder.probe['name']!r}: a switch maps what another model "
+                "processed, which has seldom seen the newest turn, so the probe must read the answering model "
+                f"alone. Calibrate the ladder with one of {list(SESSION_PROBES)}."
+            )
+        self._probe = None if self.ladder is None else probe_from_dict(self.ladder.probe)
         for source, target in self.mappers:
             for name in (source, target):
                 if name not in self.models:
@@ -172,6 +202,7 @@ class HandoffSession:
             raise ValueError("The transcript is empty: append the first turn before a model responds.")
         record = SessionTurn(model=name, tokens=[])
         have = self.covered(name)
+        mapped = None
         donors = [
             other
             for other in self.models
@@ -184,6 +215,7 @@ class HandoffSession:
             record.window_tokens = self._map_into(donor, name, have, upto)
             record.timings["map"] = time.perf_counter() - start_time
             record.mapped_from, record.mapped_tokens = donor, upto - have
+            mapped = (donor, have, upto)
             if self.repair is not None:
                 start_time = time.perf_counter()
                 repair_cache(
@@ -209,7 +241,57 @@ class HandoffSession:
             self.models[name](input_ids=self.input_ids[:, have:end], use_cache=True, **cache_kwargs(cache))
             record.timings["prefill"] = time.perf_counter() - start_time
             record.prefilled_tokens = end - have
+        if mapped is not None and self.ladder is not None:
+            self._climb(name, record, *mapped, end)
         return record
+
+    def _climb(self, name: str, record: SessionTurn, donor: str, start: int, upto: int, end: int) -> None:
+        """The ladder's rung for the tokens `[start, upto)` just mapped from `donor` into `name`'s cache (which now
+        covers `end` tokens): keep them, recompute a share, or prefill them; then re-run `[upto, end)` on the result."""
+        model, cache = self.models[name], self.caches[name]
+        ids = self.input_ids[:, : end + 1]
+        start_time = time.perf_counter()
+        context = ProbeContext(
+            source=self.models[donor],
+            target=model,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.arange(end + 1, device=ids.device).unsqueeze(0),
+            cache=cache,
+            source_cache=self.caches[donor],
+        )
+        record.risk = float(self._probe.score(context).float()[0])
+        record.timings["probe"] = time.perf_counter() - start_time
+        fraction = self.ladder.fraction_for(record.risk)
+        record.rung = rung_name(fraction)
+        if fraction == 0.0:
+            return
+        start_time = time.perf_counter()
+        keep = start if fraction is None else upto
+        if cache.get_seq_length() > keep:
+            cache.crop(-(cache.get_seq_length() - keep))
+        if fraction is None:  # the fallback: the mapped span is the model's own again
+            info = cache.mapping_info
+            info["mapped_positions"].pop()
+            info["mappers"].pop()
+            info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
+            info["approximate"] = cache.approximate = bool(info["mapped_positions"])
+            record.prefilled_tokens += upto - start
+        else:
+            repair_cache(
+                model,
+                cache,
+                self.input_ids[:, :upto],
+                RepairConfig(self.ladder.strategy, fraction=fraction),
+                source=self.models[donor],
+                source_cache=self.caches[donor],
+                start=start,
+            )
+            candidates = torch.ones(1, upto - start, dtype=torch.bool)
+            record.repaired_tokens = budget_counts(candidates, fraction)[0]
+        if end > keep:
+            model(input_ids=self.input_ids[:, keep:end], use_cache=True, **cache_kwargs(cache))
+        record.timings["repair" if fraction is not None else "fallback"] = time.perf_counter() - start_time
 
     # ------------------------------------------------------------------------------------------------ respond
     @torch.no_grad()

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from hf_kvmap import HandoffSession, MappedCache, MapperModel, zoo
+from hf_kvmap.ladder import GuardLadder, LadderRung
+from hf_kvmap.repair import RepairConfig
 from hf_kvmap.zoo import corpus
 
 
@@ -105,3 +107,64 @@ def test_bad_session_input_is_refused(tiny):
         session.respond("a", 2)
     with pytest.raises(ValueError, match="Unknown model"):
         session.sync("z")
+
+
+def _ladder_session(tiny, **kwargs):
+    """small answers a first turn, a user turn follows, and large takes over: it maps small's tokens."""
+    config = tiny.config()
+    small, large = tiny.model(config, seed=0), tiny.model(config, seed=1)
+    session = HandoffSession(
+        {"small": small, "large": large}, {("small", "large"): MapperModel.identity(config)}, **kwargs
+    )
+    session.append(torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(0)))
+    session.respond("small", 4, pad_token_id=0)
+    session.append([5, 6, 7])
+    return session, large
+
+
+def _caches_close(first, second, atol=1e-5):
+    for a, b in zip(first.layers, second.layers):
+        assert a.keys.shape == b.keys.shape
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=atol)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=atol)
+
+
+LOOKAHEAD = {"name": "lookahead_margin", "tokens": 2}
+
+
+def test_a_session_ladder_falls_back_to_the_models_own_prefill(tiny, one_thread):
+    """Risk above every rung: large prefills what it would have mapped, and answers as it would alone."""
+    session, large = _ladder_session(tiny, ladder=GuardLadder(LOOKAHEAD, "tail", []))
+    before = session.input_ids.clone()
+    turn = session.respond("large", 4, pad_token_id=0)
+    own = large.generate(before, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert turn.rung == "fallback" and 0.0 <= turn.risk <= 1.0 and "fallback" in turn.timings
+    assert turn.tokens == own[0, before.shape[1] :].tolist()
+    assert turn.prefilled_tokens == before.shape[1] - 1
+    assert session.caches["large"].approximate is False
+    assert session.caches["large"].mapping_info["mapped_positions"] == []
+
+
+def test_a_session_ladder_keeps_or_repairs_as_the_fixed_settings_do(tiny, one_thread):
+    """The mapped rung is the session without a ladder; a repairing rung is the session with that fixed repair."""
+    for rungs, fixed in (([LadderRung(2.0, 0.0)], None), ([LadderRung(2.0, 0.5)], RepairConfig("tail", fraction=0.5))):
+        laddered, _ = _ladder_session(tiny, ladder=GuardLadder(LOOKAHEAD, "tail", rungs))
+        plain, _ = _ladder_session(tiny, repair=fixed)
+        turn = laddered.respond("large", 4, pad_token_id=0)
+        reference = plain.respond("large", 4, pad_token_id=0)
+        assert turn.rung == ("mapped" if fixed is None else "repair:0.5")
+        assert turn.tokens == reference.tokens and turn.repaired_tokens == reference.repaired_tokens
+        assert turn.mapped_tokens == reference.mapped_tokens > 0
+        _caches_close(laddered.caches["large"], plain.caches["large"])
+        assert laddered.caches["large"].approximate is True
+
+
+def test_a_session_ladder_is_refused_where_it_cannot_run(tiny):
+    config = tiny.config()
+    model = tiny.model(config)
+    with pytest.raises(ValueError, match="not both"):
+        HandoffSession(
+            {"a": model}, ladder=GuardLadder(LOOKAHEAD, "tail", []), repair=RepairConfig("tail", fraction=0.1)
+        )
+    with pytest.raises(ValueError, match="cannot use probe 'draft_agreement'"):
+        HandoffSession({"a": model}, ladder=GuardLadder({"name": "draft_agreement", "tokens": 2}, "tail", []))
