@@ -30,7 +30,7 @@ from ._compat import cache_kwargs, output_cache
 from .handoff import probe_context, target_prefill
 from .ladder import FALLBACK, GuardLadder, calibrate_ladder, ladder_outcome, serve_rows
 from .probes import Probe, probe_from_dict
-from .repair import selector_from_dict
+from .repair import Draft, selector_from_dict
 
 
 @dataclass(frozen=True)
@@ -119,30 +119,35 @@ def measure_item(
     start = time.perf_counter()
     context = probe_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
     mapping = time.perf_counter() - start
-    risks, probe_seconds = {}, {}
+    risks, probe_seconds, probe_steps = {}, {}, {}
     for probe in probes:
         start = time.perf_counter()
         # each probe on drafts of its own: its seconds are what it costs when it is the ladder's only probe
-        risks[probe_key(probe)] = float(probe.score(dataclasses.replace(context, drafts={})).float()[0])
+        scored = dataclasses.replace(context, drafts={})
+        risks[probe_key(probe)] = float(probe.score(scored).float()[0])
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
+        probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
     def serve(strategy, fraction):
-        served = dataclasses.replace(context, cache=copy.deepcopy(context.cache))
+        # a fresh source draft: a strategy that drafts decodes it here, and its steps are timed one by one
+        draft = Draft(source, source_cache, ids, context.attention_mask, context.source_position_ids)
+        served = dataclasses.replace(context, cache=copy.deepcopy(context.cache), drafts={"source": draft})
         start = time.perf_counter()
         serve_rows(served, [fraction], strategy)
         seconds = time.perf_counter() - start
         answer = _greedy(target, ids, served.cache, len(expected), pad)
-        return {"changed": answer != reference, "correct": answer == expected}, seconds
+        return {"changed": answer != reference, "correct": answer == expected}, seconds, draft.step_seconds
 
-    mapped, mapped_seconds = serve(strategies[0], 0.0)
-    answers, repair_seconds, settings = {}, {}, {}
+    mapped, mapped_seconds, _ = serve(strategies[0], 0.0)
+    answers, repair_seconds, draft_steps, settings = {}, {}, {}, {}
     for strategy in strategies:
         key = strategy_key(strategy)
         settings[key] = selector_from_dict(strategy).settings()
-        answers[key], repair_seconds[key] = {"0": mapped}, {"0": mapped_seconds}
+        answers[key], repair_seconds[key], draft_steps[key] = {"0": mapped}, {"0": mapped_seconds}, {"0": []}
         for fraction in fractions:
             if fraction:
-                answers[key][f"{fraction:g}"], repair_seconds[key][f"{fraction:g}"] = serve(strategy, fraction)
+                f = f"{fraction:g}"
+                answers[key][f], repair_seconds[key][f], draft_steps[key][f] = serve(strategy, fraction)
     return {
         "task": item.task,
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
@@ -152,7 +157,14 @@ def measure_item(
         "risks": risks,
         "strategies": settings,
         "answers": answers,
-        "seconds": {"prefill": prefill, "map": mapping, "probe": probe_seconds, "repair": repair_seconds},
+        "seconds": {
+            "prefill": prefill,
+            "map": mapping,
+            "probe": probe_seconds,
+            "repair": repair_seconds,
+            "probe_source_steps": probe_steps,
+            "repair_draft_steps": draft_steps,
+        },
     }
 
 
@@ -238,14 +250,18 @@ def measure_ladder_items(
 def record_costs(records: Sequence[dict], key: str, strategy: str) -> dict[float | str, float]:
     """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
     probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
-    fallback."""
+    fallback. A repair that continues the probe's source draft does not pay again for the steps the probe decoded:
+    the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full)."""
     fractions = sorted(float(f) for f in records[0]["answers"][strategy])
     sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
     for record in records:
         seconds = record["seconds"]
         base = (seconds["map"] + seconds["probe"][key]) / seconds["prefill"]
+        shared = seconds.get("probe_source_steps", {}).get(key, 0)
         for f in fractions:
-            sums[f] += base + seconds["repair"][strategy][f"{f:g}"] / seconds["prefill"]
+            steps = seconds.get("repair_draft_steps", {}).get(strategy, {}).get(f"{f:g}", [])
+            repair = seconds["repair"][strategy][f"{f:g}"] - sum(steps[:shared])
+            sums[f] += base + repair / seconds["prefill"]
         sums[FALLBACK] += base + 1.0
     return {k: v / len(records) for k, v in sums.items()}
 

@@ -19,7 +19,14 @@ from hf_kvmap.artifacts import serving_hash
 from hf_kvmap.cli import main as cli
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.ladder import FALLBACK, GuardLadder, LadderRung, calibrate_ladder, ladder_outcome, serve_rows
-from hf_kvmap.ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder, strategy_key
+from hf_kvmap.ladder_items import (
+    LadderItem,
+    ladder_from_records,
+    measure_ladder_items,
+    record_costs,
+    replay_ladder,
+    strategy_key,
+)
 from hf_kvmap.probes import probe_from_dict
 from hf_kvmap.rope import positions_from_attention_mask
 
@@ -334,6 +341,44 @@ def family():
                 prompt = getattr(item, "prompt", "") or item.context
                 items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
     return source, target, mapper, zoo.load_tokenizer(), items
+
+
+def test_a_repair_that_continues_the_probes_draft_is_charged_only_its_own_steps(family):
+    """The records time the repair's draft step by step; a probe that drafted the source's first steps spares the
+    repair those steps in the ladder's costs, and a probe that drafts nothing spares none."""
+    source, target, mapper, tokenizer, items = family
+    strategy = {"name": "draft_attention", "draft_tokens": 3, "stop_at_eos": False}
+    records = measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items[:2],
+        probes=["draft_agreement:2", "lookahead_margin:1"],
+        strategies=[strategy],
+        fractions=[0.2],
+        progress=False,
+    )
+    key = strategy_key(strategy)
+    for record in records:
+        seconds = record["seconds"]
+        assert seconds["probe_source_steps"] == {"draft_agreement:2": 2, "lookahead_margin:1": 0}
+        assert len(seconds["repair_draft_steps"][key]["0.2"]) == 3 and seconds["repair_draft_steps"][key]["0"] == []
+    record = {
+        "answers": {"s": {"0": {}, "0.5": {}}},
+        "seconds": {
+            "prefill": 2.0,
+            "map": 0.2,
+            "probe": {"drafts": 0.4, "reads": 0.4},
+            "repair": {"s": {"0": 0.0, "0.5": 1.0}},
+            "probe_source_steps": {"drafts": 2, "reads": 0},
+            "repair_draft_steps": {"s": {"0": [], "0.5": [0.1, 0.2, 0.3]}},
+        },
+    }
+    assert record_costs([record], "drafts", "s")[0.5] == pytest.approx(0.3 + (1.0 - 0.3) / 2)
+    assert record_costs([record], "reads", "s")[0.5] == pytest.approx(0.3 + 1.0 / 2)
+    del record["seconds"]["probe_source_steps"], record["seconds"]["repair_draft_steps"]  # a record of before
+    assert record_costs([record], "drafts", "s")[0.5] == pytest.approx(0.3 + 1.0 / 2)
 
 
 def test_replaying_records_is_what_the_handoff_serves(family):

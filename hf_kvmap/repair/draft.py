@@ -12,6 +12,8 @@ draft.tokens(8, eos=[2])   # the repair's: four more, or fewer once every row ha
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -52,6 +54,8 @@ class Draft:
         self._position = position_ids[:, -1:]
         self._tokens: list[torch.Tensor] = []  # (batch, 1) each
         self._top2: list[torch.Tensor] = []  # (batch, 2) each: the step's two largest probabilities
+        #: wall-clock seconds of each decoding step (what a reader that continues this draft does not spend)
+        self.step_seconds: list[float] = []
 
     @property
     def steps(self) -> int:
@@ -79,6 +83,7 @@ class Draft:
     @torch.no_grad()
     def _extend(self, steps: int, eos: list[int] | None) -> None:
         while self.steps < steps and self._ended_at(eos) is None:
+            start = time.perf_counter()
             logits = self.model(
                 input_ids=self._next,
                 attention_mask=self._mask,
@@ -91,6 +96,7 @@ class Draft:
             self._top2.append(logits.float().softmax(-1).topk(2, dim=-1).values)
             self._mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], dim=1)
             self._position = self._position + 1
+            self.step_seconds.append(time.perf_counter() - start)
 
     def tokens(self, steps: int, eos: list[int] | None = None) -> torch.Tensor:
         """`(batch, n)` greedy tokens, `n = steps`, or fewer with `eos` (end-of-sequence ids): up to the first step
@@ -106,7 +112,10 @@ class Draft:
         return torch.stack(self._top2[:steps], dim=1)
 
     def rows(self, index: torch.Tensor) -> Draft:
-        """The draft of rows `index` only (a new object: decoding it further leaves this one as it is)."""
+        """The draft of rows `index` only: this draft itself when they are all its rows in order, else a new object
+        (decoding it further leaves this one as it is)."""
+        if torch.equal(index.cpu(), torch.arange(self.input_ids.shape[0])):
+            return self
         part = Draft.__new__(Draft)
         part.model = self.model
         part.input_ids = self.input_ids[index]
@@ -122,6 +131,7 @@ class Draft:
         part._position = self._position[index]
         part._tokens = [tokens[index] for tokens in self._tokens]
         part._top2 = [top[index.to(top.device)] for top in self._top2]
+        part.step_seconds = list(self.step_seconds)
         return part
 
 
