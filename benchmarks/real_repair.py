@@ -1,10 +1,15 @@
 """Selective repair on the real pair (Qwen2.5-Coder 0.5B <-> 1.5B, from `hf-kvmap obtain`): retention vs fraction
-recomputed for each repair strategy, on the retrieval and chat-recall tasks of `hf_kvmap.real.tasks`, with a fitted
-real mapper. Strategies and fractions are chosen on one item set (seed `--selection-seed`) and reported on another
+recomputed for each repair strategy, on the five tasks of `hf_kvmap.real.tasks`, with a fitted real mapper.
+Strategies and fractions are chosen on one item set (seed `--selection-seed`) and reported on another
 (`--report-seed`); every point is written as soon as it is measured, so a stopped run resumes where it stopped.
 
-    python -m benchmarks.real_repair --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 \
-        --selection-items 32 --report-items 100 --out benchmarks/results/real_repair.json
+Each task is scored its own way: the two read-back tasks by exact match (retention = accuracy over the target's,
+chance 0), `code_recall` by a four-way choice (floor-normalized retention, chance 0.25; none where the target does
+not beat chance), and the two perplexity tasks by the share of the mapped cache's perplexity gap to the target that
+the repair closes.
+
+    python -m benchmarks.real_repair --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 --dtype float32 \
+        --selection-items 32 --report-items 200 --report-items-other 64 --out benchmarks/results/real_repair.json
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from hf_kvmap import MapperModel
 from hf_kvmap.evaluation import Handoff, evaluate_items
 from hf_kvmap.real import converted_path, is_converted
 from hf_kvmap.real.corpus import load_manifest
-from hf_kvmap.real.tasks import real_family_tasks
+from hf_kvmap.real.tasks import TASK_NAMES, real_family_tasks
 from hf_kvmap.repair import SELECTORS, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
-TASKS = ("prose_retrieval", "chat_recall")
+GENERATION_TASKS = ("prose_retrieval", "chat_recall")
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,8 +49,19 @@ def _strategy(name: str) -> dict | str:
     return {"name": name, "last_tokens": 16} if name in ("source_attention", "target_attention") else name
 
 
-def _retention(accuracy: float, target: float) -> float | None:
-    return accuracy / target if target > 0 else None  # exact match: chance 0
+def _retention(score: float, target: float, chance: float) -> float | None:
+    """Floor-normalized retention; none where the target does not beat chance."""
+    return (score - chance) / (target - chance) if target > chance else None
+
+
+def _gap_closed(perplexity: float, target: float, mapped: float) -> float | None:
+    """The share of the mapped cache's perplexity gap to the target's that a repair closes (1 = the target's)."""
+    return (mapped - perplexity) / (mapped - target) if mapped > target else None
+
+
+def value(row: dict) -> float | None:
+    """The number a frontier plots for one measured point: retention, or the perplexity gap closed."""
+    return row["retention"] if "retention" in row else row.get("gap_closed")
 
 
 class Points:
@@ -58,57 +74,69 @@ class Points:
     def get(self, key: str, measure) -> dict:
         if key not in self.data:
             start = time.perf_counter()
-            accuracy = measure()
-            self.data[key] = {"accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)}
+            score = measure()
+            self.data[key] = {"score": score, "seconds": round(time.perf_counter() - start, 1)}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
             tmp.replace(self.path)
-            print(f"{key}: {accuracy:.3f} ({self.data[key]['seconds']} s)", flush=True)
+            print(f"{key}: {score:.3f} ({self.data[key]['seconds']} s)", flush=True)
         return self.data[key]
 
 
 def measure(handoff: Handoff, points: Points, name: str, task, strategies, fractions) -> dict:
+    """The target, the mapped cache, and every (strategy, fraction) on one task: its score (accuracy, or perplexity
+    for a perplexity task), and the retention (or the perplexity gap closed) of each."""
+    kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
+
     def run(mode: str, repair: RepairConfig | None):
         def go():
             handoff.repair = repair
             try:
-                return evaluate_items(handoff, "exact_match", task.items, mode, stop=task.stop)
+                return evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
             finally:
                 handoff.repair = None
 
         return go
 
-    target = points.get(f"{name}/{task.name}/target", run("target", None))["accuracy"]
-    mapped = points.get(f"{name}/{task.name}/mapped", run("mapped", None))["accuracy"]
+    target = points.get(f"{name}/{task.name}/target", run("target", None))["score"]
+    mapped = points.get(f"{name}/{task.name}/mapped", run("mapped", None))["score"]
+    perplexity = task.task_type == "perplexity"
+
+    def judged(score: float) -> dict:
+        if perplexity:
+            return {"gap_closed": _gap_closed(score, target, mapped)}
+        return {"retention": _retention(score, target, task.chance)}
+
     out = {
         "items": len(task.items),
+        "task_type": task.task_type,
+        "chance": None if perplexity else task.chance,
         "target": target,
         "mapped": mapped,
-        "mapped_retention": _retention(mapped, target),
+        "repair": {},
     }
-    out["repair"] = {}
+    if not perplexity:
+        out["mapped_retention"] = _retention(mapped, target, task.chance)
     for strategy in strategies:
         rows = []
         for fraction in fractions:
             config = RepairConfig(_strategy(strategy), fraction=fraction)
             point = points.get(f"{name}/{task.name}/{strategy}/{fraction}", run("mapped", config))
             rows.append(
-                {
-                    "fraction": fraction,
-                    "accuracy": point["accuracy"],
-                    "retention": _retention(point["accuracy"], target),
-                    "seconds": point["seconds"],
-                }
+                {"fraction": fraction, "score": point["score"], **judged(point["score"]), "seconds": point["seconds"]}
             )
         out["repair"][strategy] = rows
     return out
 
 
 def choose(selection: dict, goal: float) -> dict:
-    """On the selection set: the cheapest (fraction, strategy) whose retention reaches `goal` on every task, else
-    the (fraction, strategy) with the best worst-task retention."""
-    tasks = list(selection)
+    """On the selection set: the cheapest (fraction, strategy) whose retention reaches `goal` on every task that has
+    a retention (not the perplexity tasks; not a task the target does not beat chance on), else the (fraction,
+    strategy) with the best worst-task retention."""
+    tasks = [t for t, data in selection.items() if data.get("mapped_retention") is not None]
+    if not tasks:
+        raise SystemExit("no task of the selection set has a measurable retention: nothing to choose a repair by")
     candidates = []
     for strategy, rows in selection[tasks[0]]["repair"].items():
         for index, row in enumerate(rows):
@@ -132,20 +160,28 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     sets = [s for s in ("selection", "report") if s in results["sets"]]
-    cells = [(s, t) for s in sets for t in results["sets"][s]]
-    fig, axes = plt.subplots(1, len(cells), figsize=(3.8 * len(cells), 3.4), squeeze=False)
-    for axis, (name, task) in zip(axes[0], cells):
+    columns = max(len(results["sets"][s]) for s in sets)
+    fig, axes = plt.subplots(len(sets), columns, figsize=(3.6 * columns, 3.3 * len(sets)), squeeze=False)
+    for axis in axes.flat:
+        axis.set_visible(False)
+    cells = [(axes[i][j], name, task) for i, name in enumerate(sets) for j, task in enumerate(results["sets"][name])]
+    for axis, name, task in cells:
+        axis.set_visible(True)
         data = results["sets"][name][task]
+        perplexity = data.get("task_type") == "perplexity"
         for strategy, rows in data["repair"].items():
             xs = [0.0] + [r["fraction"] for r in rows]
-            ys = [data["mapped_retention"]] + [r["retention"] for r in rows]
-            axis.plot(xs, ys, marker="o", markersize=3, label=strategy)
+            ys = [0.0 if perplexity else data["mapped_retention"]] + [value(r) for r in rows]
+            axis.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", markersize=3, label=strategy)
         axis.axhline(results["run"]["goal"], color="grey", linestyle=":", linewidth=1)
-        axis.set_title(f"{results['run']['direction']} {task}\n{name} set ({data['items']} items)", fontsize=9)
+        measure = "perplexity gap closed" if perplexity else "retention"
+        axis.set_title(f"{task} ({measure})\n{name} set ({data['items']} items)", fontsize=9)
         axis.set_xlabel("fraction recomputed")
-        axis.set_ylim(0, 1.15)
-    axes[0][0].set_ylabel("floor-normalized retention")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+        axis.set_ylim(-0.05, 1.15)
+    for row in axes:
+        row[0].set_ylabel("floor-normalized retention")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"selective repair, Qwen2.5-Coder {results['run']['direction'].replace(':', ' -> ')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -156,12 +192,17 @@ def main(argv=None) -> None:
     parser.add_argument("--direction", default="0.5b:1.5b", help="source:target of the mapper")
     parser.add_argument("--cache-dir", default=None, help="`hf-kvmap obtain` cache directory")
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--tasks", default=",".join(TASK_NAMES))
     parser.add_argument("--strategies", default=",".join(sorted(SELECTORS)))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
-    parser.add_argument("--selection-items", type=int, default=32)
-    parser.add_argument("--report-items", type=int, default=100)
+    parser.add_argument("--selection-items", type=int, default=32, help="selection items of the read-back tasks")
+    parser.add_argument("--selection-items-other", type=int, default=16, help="selection items of the other tasks")
+    parser.add_argument("--report-items", type=int, default=200, help="report items of the read-back tasks")
+    parser.add_argument("--report-items-other", type=int, default=64, help="report items of the other tasks")
+    parser.add_argument(
+        "--report-fractions", default="chosen", help="fractions measured on the report set: a list, or 'chosen'"
+    )
     parser.add_argument("--selection-seed", type=int, default=4321)
     parser.add_argument("--report-seed", type=int, default=1234)
     parser.add_argument("--goal", type=float, default=0.9)
@@ -196,33 +237,46 @@ def main(argv=None) -> None:
             },
             "dtype": args.dtype,
             "goal": args.goal,
-            "selection": {"seed": args.selection_seed, "items": args.selection_items},
-            "report": {"seed": args.report_seed, "items": args.report_items},
+            "selection": {
+                "seed": args.selection_seed,
+                "items": args.selection_items,
+                "items_other": args.selection_items_other,
+            },
+            "report": {"seed": args.report_seed, "items": args.report_items, "items_other": args.report_items_other},
             "command": "python -m benchmarks.real_repair " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": _dt.date.today().isoformat(),
         },
         "environment": environment_info(),
         "sets": {},
     }
-    selection_tasks = real_family_tasks(
-        tokenizer, documents, items=args.selection_items, seed=args.selection_seed, names=names
-    )
-    results["sets"]["selection"] = {
-        task.name: measure(handoff, points, "selection", task, strategies, fractions) for task in selection_tasks
-    }
+
+    def tasks(items: int, items_other: int, seed: int) -> list:
+        counts = {name: items if name in GENERATION_TASKS else items_other for name in names}
+        return [task for name in names for task in real_family_tasks(tokenizer, documents, counts[name], seed, [name])]
+
+    results["sets"]["selection"] = {}
+    for task in tasks(args.selection_items, args.selection_items_other, args.selection_seed):
+        results["sets"]["selection"][task.name] = measure(handoff, points, "selection", task, strategies, fractions)
     chosen = choose(results["sets"]["selection"], args.goal)
     results["chosen_on_selection"] = chosen
+    report_fractions = (
+        [chosen["fraction"]]
+        if args.report_fractions == "chosen"
+        else sorted({chosen["fraction"], *(float(f) for f in args.report_fractions.split(","))})
+    )
+    results["run"]["report"]["fractions"] = report_fractions
     write_json(args.out, results)
-    # the report set: the target, the mapped cache, and the chosen strategy at every fraction
-    report_tasks = real_family_tasks(tokenizer, documents, items=args.report_items, seed=args.report_seed, names=names)
-    results["sets"]["report"] = {
-        task.name: measure(handoff, points, "report", task, [chosen["strategy"]], fractions) for task in report_tasks
-    }
-    results["chosen_reported"] = {
-        task: results["sets"]["report"][task]["repair"][chosen["strategy"]][chosen["index"]]
-        for task in results["sets"]["report"]
-    }
-    write_json(args.out, results)
+    # the report set: the target, the mapped cache, and the chosen strategy at the report fractions (the chosen one
+    # among them); written task by task, so a cut run shows what it measured
+    results["sets"]["report"] = {}
+    results["chosen_reported"] = {}
+    for task in tasks(args.report_items, args.report_items_other, args.report_seed):
+        data = measure(handoff, points, "report", task, [chosen["strategy"]], report_fractions)
+        results["sets"]["report"][task.name] = data
+        results["chosen_reported"][task.name] = next(
+            row for row in data["repair"][chosen["strategy"]] if row["fraction"] == chosen["fraction"]
+        )
+        write_json(args.out, results)
     plot(results, args.plot)
 
 

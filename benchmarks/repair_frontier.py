@@ -110,8 +110,7 @@ def merge(results: dict, earlier: dict, args) -> None:
                 sets[role]["repair"] = {**old[role]["repair"], **sets[role]["repair"]}
             sets["choice"] = choose(sets["selection"], sets["report"], args.goal, args.budget)
     results["run"]["strategies"] = sorted({*earlier["run"]["strategies"], *results["run"]["strategies"]})
-    chain = earlier["run"].get("merged") or []
-    chain = [chain] if isinstance(chain, dict) else list(chain)  # files written before chains were kept
+    chain = list(earlier["run"].get("merged") or [])  # the earlier runs, the first one first
     results["run"]["merged"] = [*chain, {"file": args.merge, "command": earlier["run"]["command"]}]
 
 

@@ -109,11 +109,10 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
     run = result["run"]
     fractions, goal, budget = run["fractions"], run["goal"], run["budget"]
     strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
-    merged = run.get("merged")
+    merged = run.get("merged")  # the earlier runs, the first one first
     command = f"`{_command(run['command'])}`"
     if merged:
-        chain = [merged] if isinstance(merged, dict) else merged  # the earlier runs, the first one first
-        earlier = [f"`{_command(entry['command'])}`" for entry in chain]
+        earlier = [f"`{_command(entry['command'])}`" for entry in merged]
         command = f"{earlier[0]}, with {' then '.join([*earlier[1:], command])} merged into it"
     mapper = _option(run["command"], "--mapper")
     mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {_mapper_name(mapper)}"
@@ -251,9 +250,30 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
 # ------------------------------------------------------------------------------------------------ the real pair
 
 
+def _task_value(data: dict, row: dict) -> float | None:
+    """A measured point's retention, or (a perplexity task) the share of the mapped cache's perplexity gap closed."""
+    return row.get("gap_closed") if data.get("task_type") == "perplexity" else row.get("retention")
+
+
+def _score(data: dict, value) -> str:
+    """A task's raw score: items right of items, or a perplexity."""
+    if data.get("task_type") == "perplexity":
+        return _num(value, 3)
+    return "n/a" if value is None else f"{round(value * data['items'])}/{data['items']}"
+
+
+def _task_label(name: str, data: dict) -> str:
+    if data.get("task_type") == "perplexity":
+        return f"{name} (perplexity: gap closed)"
+    if data.get("chance"):
+        return f"{name} (choice, chance {data['chance']:g})"
+    return f"{name} (exact match)"
+
+
 def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_repair.json") -> str:
-    """The `real-repair` section: per task and strategy on the selection set, the retention at every fraction; the
-    point chosen there; and the chosen strategy at every fraction on the report set."""
+    """The `real-repair` section: per task and strategy on the selection set, the retention (or perplexity gap
+    closed) at every fraction; the point chosen there; and the chosen strategy at every fraction on the report set,
+    task by task as far as the run got."""
     run, sets = result["run"], result["sets"]
     chosen = result["chosen_on_selection"]
     config = run.get("mapper_config") or {}
@@ -269,60 +289,88 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
     direction = run["direction"].replace(":", " -> ").upper()
     selection, report = run["selection"], run["report"]
     lines = [
-        f"Generated from `{source}`, written by `python -m benchmarks.real_repair` (Qwen2.5-Coder {direction}, "
-        f"mapper {_mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
-        f"{_machine(result.get('environment', {}))}): {selection['items']} items per task on a selection set (seed "
-        f"{selection['seed']}: every strategy at every fraction; the choice is made there) and {report['items']} on a "
-        f"report set (seed {report['seed']}: the chosen strategy only). Exact match; retention is the accuracy over "
-        "the target's own (chance 0; above 1 where the repaired handoff answers more items than the target).",
+        f"Generated from `{source}`, written by `{_command(run['command'])}` (Qwen2.5-Coder {direction}, mapper "
+        f"{_mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
+        f"{_machine(result.get('environment', {}))}). Selection set (seed {selection['seed']}): every strategy at "
+        "every fraction, and the choice is made there. Report set (seed "
+        f"{report['seed']}): the chosen strategy only. Retention is floor-normalized (exact match: chance 0, above 1 "
+        "where the repaired handoff answers more items than the target; choice: chance 0.25, none where the target "
+        "does not beat chance); a perplexity task shows the share of the mapped cache's perplexity gap to the "
+        "target's that the repair closes (1 = the target's own perplexity).",
         "",
     ]
     first = next(iter(sets["selection"].values()))
     fractions = [row["fraction"] for row in next(iter(first["repair"].values()))]
     lines += [
-        f"Selection set ({selection['items']} items per task; the chosen point in bold):",
+        "Selection set (target and mapped: the raw scores, items right or the perplexity; per fraction: retention or "
+        "the gap closed; the chosen point in bold):",
         "",
-        "| task | target right | mapped retention | strategy | " + " | ".join(_fraction(f) for f in fractions) + " |",
-        "|---|---|---|---|" + "---|" * len(fractions),
+        "| task | items | target | mapped | strategy | " + " | ".join(_fraction(f) for f in fractions) + " |",
+        "|---|---|---|---|---|" + "---|" * len(fractions),
     ]
     for task, data in sets["selection"].items():
         for i, (strategy, rows) in enumerate(data["repair"].items()):
-            head = [task, _num(data["target"]), _num(data["mapped_retention"])] if i == 0 else ["", "", ""]
+            head = ["", "", "", ""]
+            if i == 0:
+                head = [
+                    _task_label(task, data),
+                    str(data["items"]),
+                    _score(data, data["target"]),
+                    _score(data, data["mapped"]),
+                ]
             cells = [
-                _bold(_num(row["retention"]), strategy == chosen["strategy"] and row["fraction"] == chosen["fraction"])
+                _bold(
+                    _num(_task_value(data, row)),
+                    strategy == chosen["strategy"]
+                    and row["fraction"] == chosen["fraction"]
+                    and data.get("task_type") != "perplexity",
+                )
                 for row in rows
             ]
             lines.append(f"| {' | '.join(head)} | `{strategy}` | {' | '.join(cells)} |")
     reached = "reaches" if chosen["reaches_goal"] else "does not reach"
     lines += [
         "",
-        f"Chosen on the selection set (the cheapest point whose worst-task retention reaches {run['goal']:g}, else the "
-        f"best worst-task retention): `{chosen['strategy']}` at {_fraction(chosen['fraction'])}, worst-task "
-        f"retention {_num(chosen['selection_worst_retention'])} ({reached} the goal).",
+        f"Chosen on the selection set (the cheapest point whose worst-task retention reaches {run['goal']:g} on every "
+        f"task with a retention, else the best worst-task retention): `{chosen['strategy']}` at "
+        f"{_fraction(chosen['fraction'])}, worst-task retention {_num(chosen['selection_worst_retention'])} "
+        f"({reached} the goal).",
     ]
-    if "report" in sets:
+    if sets.get("report"):
         report_fractions = [
             row["fraction"] for row in next(iter(sets["report"].values()))["repair"][chosen["strategy"]]
         ]
         lines += [
             "",
-            f"Report set ({report['items']} items per task): `{chosen['strategy']}` at every fraction (the chosen one "
-            "in bold), retention.",
+            f"Report set: `{chosen['strategy']}` at {', '.join(_fraction(f) for f in report_fractions)} (the chosen "
+            "fraction in bold); the raw score (items right, or the perplexity) after each value.",
             "",
-            "| task | target right | mapped right (retention) | "
+            "| task | items | target | mapped (retention) | "
             + " | ".join(_fraction(f) for f in report_fractions)
             + " |",
-            "|---|---|---|" + "---|" * len(report_fractions),
+            "|---|---|---|---|" + "---|" * len(report_fractions),
         ]
         for task, data in sets["report"].items():
             cells = [
-                _bold(_num(row["retention"]), row["fraction"] == chosen["fraction"])
+                _bold(
+                    f"{_num(_task_value(data, row))} ({_score(data, row['score'])})",
+                    row["fraction"] == chosen["fraction"],
+                )
                 for row in data["repair"][chosen["strategy"]]
             ]
+            mapped = _score(data, data["mapped"])
+            if data.get("task_type") != "perplexity":
+                mapped += f" ({_num(data.get('mapped_retention'))})"
             lines.append(
-                f"| {task} | {_num(data['target'])} | {_num(data['mapped'])} ({_num(data['mapped_retention'])}) | "
+                f"| {_task_label(task, data)} | {data['items']} | {_score(data, data['target'])} | {mapped} | "
                 f"{' | '.join(cells)} |"
             )
+        missing = [name for name in sets["selection"] if name not in sets["report"]]
+        if missing:
+            lines += [
+                "",
+                f"Not yet measured on the report set (the run resumes from its points): {', '.join(missing)}.",
+            ]
     return "\n".join(lines)
 
 

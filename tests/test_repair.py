@@ -548,6 +548,63 @@ def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
     assert chosen["best_within_budget"]["report_meets_goal"] is True
 
 
+def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_cut_run():
+    """`benchmarks.real_repair`: floor-normalized retention (none where the target does not beat chance), the share
+    of the perplexity gap closed, a choice that reads only the tasks with a retention, and a page of a run cut before
+    its report set was done."""
+    import importlib
+
+    real_repair = importlib.import_module("benchmarks.real_repair")
+    report = importlib.import_module("benchmarks.repair_report")
+    assert real_repair._retention(0.625, 1.0, 0.25) == 0.5 and real_repair._retention(0.3, 0.25, 0.25) is None
+    assert real_repair._gap_closed(5.0, 4.0, 8.0) == 0.75 and real_repair._gap_closed(5.0, 4.0, 3.0) is None
+
+    def task(task_type, chance, target, mapped, rows):
+        judged = "gap_closed" if task_type == "perplexity" else "retention"
+        data = {"items": 8, "task_type": task_type, "chance": chance, "target": target, "mapped": mapped}
+        data["repair"] = {
+            name: [{"fraction": f, "score": 0.0, judged: v, "seconds": 1.0} for f, v in points]
+            for name, points in rows.items()
+        }
+        if task_type != "perplexity":
+            data["mapped_retention"] = real_repair._retention(mapped, target, chance) if target > chance else None
+        return data
+
+    selection = {
+        "retrieval": task(
+            "exact_match", 0.0, 1.0, 0.0, {"draft": [(0.1, 0.8), (0.2, 1.0)], "tail": [(0.1, 0.9), (0.2, 0.9)]}
+        ),
+        "choice": task(
+            "choice", 0.25, 0.2, 0.3, {"draft": [(0.1, None), (0.2, None)], "tail": [(0.1, None), (0.2, None)]}
+        ),
+        "ppl": task(
+            "perplexity", None, 4.0, 6.0, {"draft": [(0.1, 0.1), (0.2, 0.2)], "tail": [(0.1, 0.0), (0.2, 0.0)]}
+        ),
+    }
+    chosen = real_repair.choose(selection, goal=0.9)
+    assert (chosen["strategy"], chosen["fraction"], chosen["reaches_goal"]) == ("tail", 0.1, True)
+    result = {
+        "run": {
+            "direction": "0.5b:1.5b",
+            "mapper": "/x/0.5b-to-1.5b/ridge-k8",
+            "dtype": "float32",
+            "goal": 0.9,
+            "selection": {"seed": 1, "items": 8, "items_other": 8},
+            "report": {"seed": 2, "items": 8, "items_other": 8, "fractions": [0.1]},
+            "command": "python -m benchmarks.real_repair --mapper /x/0.5b-to-1.5b/ridge-k8 --out /tmp/x.json",
+        },
+        "sets": {
+            "selection": selection,
+            "report": {"retrieval": task("exact_match", 0.0, 1.0, 0.0, {"tail": [(0.1, 0.95)]})},
+        },
+        "chosen_on_selection": chosen,
+    }
+    page = report.real_repair_markdown(result)
+    assert "| retrieval (exact match) | 8 | 8/8 | 0/8 (0.00) | **0.95 (0/8)** |" in page
+    assert "Not yet measured on the report set (the run resumes from its points): choice, ppl." in page
+    assert "--out" not in page and "ppl (perplexity: gap closed)" in page
+
+
 @pytest.mark.parametrize("script", ["repair_cost", "repair_frontier"])
 def test_every_benchmarks_readme_repair_command_parses(script):
     """Each `repair_*.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
