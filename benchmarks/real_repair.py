@@ -153,6 +153,12 @@ def choose(selection: dict, goal: float) -> dict:
     }
 
 
+def fractions_of(results: dict) -> list[float]:
+    """Every fraction the selection set measured."""
+    first = next(iter(results["sets"]["selection"].values()))
+    return [row["fraction"] for rows in first["repair"].values() for row in rows]
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -177,7 +183,9 @@ def plot(results: dict, path: str) -> None:
         measure = "perplexity gap closed" if perplexity else "retention"
         axis.set_title(f"{task} ({measure})\n{name} set ({data['items']} items)", fontsize=9)
         axis.set_xlabel("fraction recomputed")
-        axis.set_ylim(-0.05, 1.15)
+        shown = [y for r in data["repair"].values() for y in map(value, r) if y is not None]
+        axis.set_ylim(min(-0.05, *shown) - 0.05, max(1.15, *shown) + 0.05)  # a repair can overshoot or make it worse
+        axis.set_xlim(-0.01, max(results["run"]["report"].get("fractions", [0.0]) + fractions_of(results)) + 0.01)
     for row in axes:
         row[0].set_ylabel("floor-normalized retention")
     axes[0][0].legend(fontsize=7, loc="lower right")
