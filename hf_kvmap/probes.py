@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ._compat import cache_kwargs, output_cache
-from .repair.attention import as_layer
+from .repair.attention import prefix_view
 from .repair.draft import Draft
 
 #: name -> probe class; filled by `register_probe`.
@@ -173,11 +173,6 @@ def _run(model, ids, cache, mask, positions) -> torch.Tensor:
     ).logits.float()
 
 
-def _prefix(cache: Cache, length: int) -> Cache:
-    """A cache of views of `cache`'s first `length` positions: a forward appends to it, `cache` stays as it is."""
-    return Cache(layers=[as_layer(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers])
-
-
 # ------------------------------------------------------------------------------------------------- probes
 
 
@@ -242,7 +237,7 @@ class DraftAgreementProbe(Probe):
         ids = torch.cat([context.input_ids[:, -1:], draft[:, :-1]], dim=1)
         mask = _extend_mask(context.attention_mask, steps - 1)
         positions = context.position_ids[:, -1:] + torch.arange(steps, device=ids.device)
-        logits = _run(context.target, ids, _prefix(context.cache, context.length - 1), mask, positions)
+        logits = _run(context.target, ids, prefix_view(context.cache, context.length - 1), mask, positions)
         return (logits.argmax(-1).to(draft.device) != draft).float().cpu(), confidence
 
 

@@ -218,17 +218,7 @@ class HandoffSession:
             mapped = (donor, have, upto)
             if self.repair is not None:
                 start_time = time.perf_counter()
-                repair_cache(
-                    self.models[name],
-                    self.caches[name],
-                    self.input_ids[:, :upto],
-                    self.repair,
-                    source=self.models[donor],
-                    source_cache=self.caches[donor],
-                    start=have,
-                )
-                candidates = torch.ones(1, upto - have, dtype=torch.bool)
-                record.repaired_tokens = budget_counts(candidates, self.repair.fraction, self.repair.tokens)[0]
+                record.repaired_tokens = self._repair(name, donor, have, upto, self.repair)
                 record.timings["repair"] = time.perf_counter() - start_time
             have = upto
         elif any(self.covered(other) > have for other in self.models if other != name):
@@ -244,6 +234,21 @@ class HandoffSession:
         if mapped is not None and self.ladder is not None:
             self._climb(name, record, *mapped, end)
         return record
+
+    def _repair(self, name: str, donor: str, start: int, upto: int, config: RepairConfig) -> int:
+        """`name` recomputes the share of the tokens `[start, upto)` mapped from `donor` that `config` selects;
+        returns how many it recomputed."""
+        repair_cache(
+            self.models[name],
+            self.caches[name],
+            self.input_ids[:, :upto],
+            config,
+            source=self.models[donor],
+            source_cache=self.caches[donor],
+            start=start,
+        )
+        candidates = torch.ones(1, upto - start, dtype=torch.bool)
+        return budget_counts(candidates, config.fraction, config.tokens)[0]
 
     def _climb(self, name: str, record: SessionTurn, donor: str, start: int, upto: int, end: int) -> None:
         """The ladder's rung for the tokens `[start, upto)` just mapped from `donor` into `name`'s cache (which now
@@ -278,17 +283,8 @@ class HandoffSession:
             info["approximate"] = cache.approximate = bool(info["mapped_positions"])
             record.prefilled_tokens += upto - start
         else:
-            repair_cache(
-                model,
-                cache,
-                self.input_ids[:, :upto],
-                RepairConfig(self.ladder.strategy, fraction=fraction),
-                source=self.models[donor],
-                source_cache=self.caches[donor],
-                start=start,
-            )
-            candidates = torch.ones(1, upto - start, dtype=torch.bool)
-            record.repaired_tokens = budget_counts(candidates, fraction)[0]
+            config = RepairConfig(self.ladder.strategy, fraction=fraction)
+            record.repaired_tokens = self._repair(name, donor, start, upto, config)
         if end > keep:
             model(input_ids=self.input_ids[:, keep:end], use_cache=True, **cache_kwargs(cache))
         record.timings["repair" if fraction is not None else "fallback"] = time.perf_counter() - start_time

@@ -29,6 +29,11 @@ def as_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     return layer
 
 
+def prefix_view(cache, length: int) -> Cache:
+    """A cache of views of `cache`'s first `length` positions: a forward appends to it, `cache` stays as it is."""
+    return Cache(layers=[as_layer(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers])
+
+
 def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int, query_mask) -> torch.Tensor:
     """`last_tokens_attention` of rows that all read `last` final tokens; `pairs` are the cache's `(keys, values)`."""
     batch, length = input_ids.shape

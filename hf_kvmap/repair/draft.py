@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._compat import cache_kwargs
-from .attention import as_layer
+from .attention import as_layer, prefix_view
 
 
 class Draft:
@@ -44,11 +44,7 @@ class Draft:
         self.model = model
         self.input_ids = input_ids
         self.position_ids = position_ids
-        self._work = Cache(
-            layers=[
-                as_layer(layer.keys[:, :, : length - 1], layer.values[:, :, : length - 1]) for layer in cache.layers
-            ]
-        )
+        self._work = prefix_view(cache, length - 1)
         self._next = input_ids[:, -1:]
         self._mask = attention_mask
         self._position = position_ids[:, -1:]
