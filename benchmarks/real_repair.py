@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_kvmap import MapperModel
 from hf_kvmap.evaluation import Handoff, evaluate_items
 from hf_kvmap.real import converted_path, is_converted
-from hf_kvmap.real.corpus import load_manifest
+from hf_kvmap.real.corpus import load_manifest, manifest_sha256
 from hf_kvmap.real.tasks import TASK_NAMES, real_family_tasks
 from hf_kvmap.repair import SELECTORS, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
@@ -65,23 +65,88 @@ def value(row: dict) -> float | None:
 
 
 class Points:
-    """Measured points, kept in `path` (JSON) after every measurement so a run resumes."""
+    """Measured points, kept in `path` (JSON) after every measurement so a run resumes.
 
-    def __init__(self, path: Path):
+    The file records the `setup` its points were measured under (direction, mapper, dtype, manifest, both item
+    sets); a resume under another setup is refused, since a point's key (`set/task/mode`) does not say how many
+    items it scored or which mapper it used."""
+
+    def __init__(self, path: Path, setup: dict):
         self.path = path
-        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        self.setup = setup
+        self.data = {}
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if "setup" not in stored or "points" not in stored:
+                raise SystemExit(
+                    f"{path} records no setup (it was written before points files did), so its points cannot be "
+                    "matched to this run; pass another --points file to measure afresh"
+                )
+            differ = _differences(stored["setup"], setup)
+            if differ:
+                raise SystemExit(
+                    f"{path} was measured under another setup ({'; '.join(differ)}); pass another --points file, or "
+                    "the arguments it was measured with"
+                )
+            self.data = stored["points"]
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"setup": self.setup, "points": self.data}, indent=1, sort_keys=True))
+        tmp.replace(self.path)
 
     def get(self, key: str, measure) -> dict:
         if key not in self.data:
             start = time.perf_counter()
             score = measure()
             self.data[key] = {"score": score, "seconds": round(time.perf_counter() - start, 1)}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-            tmp.replace(self.path)
+            self._write()
             print(f"{key}: {score:.3f} ({self.data[key]['seconds']} s)", flush=True)
         return self.data[key]
+
+    def adopt_targets(self, other: Path) -> int:
+        """Take the target-alone points of another run whose setup differs only in the mapper (the target alone
+        reads no mapper): the same items, dtype and models. Returns how many were taken."""
+        stored = json.loads(other.read_text())
+        if "setup" not in stored:
+            raise SystemExit(f"--targets-from {other} records no setup: its target points cannot be matched")
+        differ = _differences(
+            {k: v for k, v in stored["setup"].items() if k != "mapper"},
+            {k: v for k, v in self.setup.items() if k != "mapper"},
+        )
+        if differ:
+            raise SystemExit(f"--targets-from {other} was measured under another setup ({'; '.join(differ)})")
+        taken = 0
+        for key, point in stored["points"].items():
+            if key.endswith("/target") and key not in self.data:
+                self.data[key] = {**point, "from": str(other)}
+                taken += 1
+        if taken:
+            self._write()
+        return taken
+
+
+def _differences(stored: dict, wanted: dict) -> list[str]:
+    """`key: stored -> wanted` for every setup field that differs."""
+    return [
+        f"{key}: {stored.get(key)!r} there, {wanted.get(key)!r} here"
+        for key in sorted(set(stored) | set(wanted))
+        if stored.get(key) != wanted.get(key)
+    ]
+
+
+def setup_of(args, mapper_hash: str | None, manifest_sha256: str) -> dict:
+    """What a measured point depends on besides its key: the models, the mapper, the dtype, the documents the items
+    are built from, and both item sets."""
+    return {
+        "direction": args.direction,
+        "mapper": mapper_hash,
+        "dtype": args.dtype,
+        "manifest": manifest_sha256,
+        "selection": [args.selection_seed, args.selection_items, args.selection_items_other],
+        "report": [args.report_seed, args.report_items, args.report_items_other],
+    }
 
 
 def measure(handoff: Handoff, points: Points, name: str, task, strategies, fractions) -> dict:
@@ -216,6 +281,12 @@ def main(argv=None) -> None:
     parser.add_argument("--goal", type=float, default=0.9)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--points", default=None, help="resume file (default: --out with .points.json)")
+    parser.add_argument(
+        "--targets-from",
+        default=None,
+        help="another run's points file (same items, dtype and direction, another mapper): its target-alone points "
+        "are taken instead of measured again",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "real_repair.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "real_repair.png"))
     args = parser.parse_args(argv)
@@ -232,13 +303,20 @@ def main(argv=None) -> None:
     names = args.tasks.split(",")
     strategies = args.strategies.split(",")
     fractions = [float(f) for f in args.fractions.split(",")]
-    points = Points(Path(args.points or Path(args.out).with_suffix(".points.json")))
+    points = Points(
+        Path(args.points or Path(args.out).with_suffix(".points.json")),
+        setup_of(args, mapper.config.content_hash, manifest_sha256(documents)),
+    )
+    if args.targets_from:
+        print(f"{points.adopt_targets(Path(args.targets_from))} target points taken from {args.targets_from}")
 
     results = {
         "run": {
             "what": "selective repair on the real pair: retention vs fraction recomputed per strategy",
             "direction": args.direction,
             "mapper": str(args.mapper),
+            "mapper_content_hash": mapper.config.content_hash,
+            "targets_from": args.targets_from,
             "mapper_config": {
                 k: mapper.config.to_dict().get(k)
                 for k in ("source_model_id", "target_model_id", "kind", "top_k", "ridge_lambda")

@@ -605,6 +605,40 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
     assert "--out" not in page and "ppl (perplexity: gap closed)" in page
 
 
+def test_real_repair_points_resume_only_under_their_setup_and_share_only_the_target(tmp_path):
+    """A points file resumes only under the setup it was measured with (its keys do not say how many items or
+    which mapper), and another mapper's run hands over its target-alone points and nothing else."""
+    import importlib
+    import json
+
+    real_repair = importlib.import_module("benchmarks.real_repair")
+    setup = {
+        "direction": "0.5b:1.5b",
+        "mapper": "sha256:a",
+        "dtype": "float32",
+        "manifest": "m",
+        "selection": [1, 8, 4],
+    }
+    first = real_repair.Points(tmp_path / "a.json", setup)
+    first.get("selection/chat/target", lambda: 0.75)
+    first.get("selection/chat/mapped", lambda: 0.25)
+    first.get("selection/chat/tail/0.1", lambda: 0.5)
+    assert real_repair.Points(tmp_path / "a.json", setup).data == first.data  # resumes: nothing measured again
+
+    with pytest.raises(SystemExit, match=r"selection: \[1, 8, 4\] there, \[1, 16, 4\] here"):
+        real_repair.Points(tmp_path / "a.json", {**setup, "selection": [1, 16, 4]})
+    (tmp_path / "legacy.json").write_text(json.dumps({"selection/chat/target": {"score": 1.0, "seconds": 1.0}}))
+    with pytest.raises(SystemExit, match="records no setup"):
+        real_repair.Points(tmp_path / "legacy.json", setup)
+
+    other = real_repair.Points(tmp_path / "b.json", {**setup, "mapper": "sha256:b"})
+    assert other.adopt_targets(tmp_path / "a.json") == 1
+    assert set(other.data) == {"selection/chat/target"} and other.data["selection/chat/target"]["score"] == 0.75
+    assert json.loads((tmp_path / "b.json").read_text())["points"] == other.data  # written, so a resume keeps it
+    with pytest.raises(SystemExit, match="dtype: 'float32' there, 'bfloat16' here"):
+        real_repair.Points(tmp_path / "c.json", {**setup, "dtype": "bfloat16"}).adopt_targets(tmp_path / "a.json")
+
+
 @pytest.mark.parametrize("script", ["repair_cost", "repair_frontier"])
 def test_every_benchmarks_readme_repair_command_parses(script):
     """Each `repair_*.py` command in benchmarks/README.md is one the script accepts (the docs match the code)."""
