@@ -73,6 +73,13 @@ class SessionTurn:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def _record_mapped(cache, info: dict) -> None:
+    """Set `info`'s token count and approximate flag from its mapped spans, and hang it on `cache`."""
+    info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
+    info["approximate"] = cache.approximate = bool(info["mapped_positions"])
+    cache.mapping_info = info
+
+
 class HandoffSession:
     r"""
     A conversation (batch 1) that several models of one family answer in turn.
@@ -185,10 +192,8 @@ class HandoffSession:
             cache.update(new_keys.to(device, dtype), new_values.to(device, dtype), idx)
         info = getattr(cache, "mapping_info", None) or {"mapped_positions": [], "mappers": []}
         info["mapped_positions"].append([start, end])
-        info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
         info["mappers"].append({"from": source, "content_hash": mapper.config.content_hash})
-        info["approximate"] = True
-        cache.mapping_info, cache.approximate = info, True
+        _record_mapped(cache, info)
         return start - begin
 
     @torch.no_grad()
@@ -279,8 +284,7 @@ class HandoffSession:
             info = cache.mapping_info
             info["mapped_positions"].pop()
             info["mappers"].pop()
-            info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
-            info["approximate"] = cache.approximate = bool(info["mapped_positions"])
+            _record_mapped(cache, info)
             record.prefilled_tokens += upto - start
         else:
             config = RepairConfig(self.ladder.strategy, fraction=fraction)

@@ -163,6 +163,22 @@ def run_greedy(model, ids, mask=None, cache=None, new=8):
     )
 
 
+def run_greedy_probabilities(model, ids, mask=None, cache=None, new=3):
+    """The next-token probabilities (float32, `(batch, new, vocab)`) of each step of a greedy `generate` of `new`
+    tokens (no end-of-sequence stop), on top of `cache` when given: what `generate`'s own scores say."""
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **cache_kwargs(cache),
+    )
+    return torch.stack([score.float().softmax(-1) for score in out.scores], dim=1)
+
+
 class Helpers:
     """What the tests share, handed out by the `tiny` fixture (test modules never import each other)."""
 
@@ -176,6 +192,7 @@ class Helpers:
     left_padded_batch = staticmethod(make_left_padded_batch)
     prefill = staticmethod(run_prefill)
     greedy = staticmethod(run_greedy)
+    greedy_probabilities = staticmethod(run_greedy_probabilities)
 
     @staticmethod
     def arch_config(name: str = "qwen3"):
@@ -186,7 +203,7 @@ class Helpers:
 @pytest.fixture(scope="session")
 def tiny():
     """The one tiny-model factory and its companions: `tiny.model(config=None, seed=0, sharpen=True, **fields)`,
-    `tiny.config(...)`, `tiny.batches(...)`, `tiny.left_padded_batch(...)`, `tiny.prefill`, `tiny.greedy`, and the
+    `tiny.config(...)`, `tiny.batches(...)`, `tiny.left_padded_batch(...)`, `tiny.prefill`, `tiny.greedy`, `tiny.greedy_probabilities`, and the
     architecture registries `tiny.SUPPORTED` / `tiny.REFUSED`."""
     return Helpers
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_kvmap import MapperModel, Probe, register_probe
-from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap._compat import output_cache
 from hf_kvmap.handoff import probe_context
 from hf_kvmap.probes import PROBES, fit_linear_probe, probe_from_dict
 from hf_kvmap.repair import greedy_draft
@@ -76,17 +76,7 @@ def test_lookahead_margin_reads_the_targets_greedy_steps_on_the_mapped_cache(mod
     ids, mask = tiny.left_padded_batch(lengths=(12, 16))
     context = probe_context(source, target, MapperModel.identity(config), ids, mask)
     risks = probe_from_dict({"name": "lookahead_margin", "tokens": 3}).score(context)
-    out = target.generate(
-        ids,
-        attention_mask=mask,
-        **cache_kwargs(copy.deepcopy(context.cache)),
-        max_new_tokens=3,
-        do_sample=False,
-        eos_token_id=None,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
-    top = torch.stack([score.float().softmax(-1).topk(2, dim=-1).values for score in out.scores], dim=1)
+    top = tiny.greedy_probabilities(target, ids, mask, copy.deepcopy(context.cache), new=3).topk(2, dim=-1).values
     torch.testing.assert_close(risks, 1.0 - (top[..., 0] - top[..., 1]).amin(-1), rtol=0, atol=1e-5)
 
 
