@@ -318,8 +318,11 @@ def main(argv=None) -> None:
             "mapper_content_hash": mapper.config.content_hash,
             "targets_from": args.targets_from,
             "mapper_config": {
-                k: mapper.config.to_dict().get(k)
-                for k in ("source_model_id", "target_model_id", "kind", "top_k", "ridge_lambda")
+                **{
+                    k: mapper.config.to_dict().get(k)
+                    for k in ("source_model_id", "target_model_id", "kind", "top_k", "ridge_lambda", "objective")
+                },
+                "calibration_positions": (mapper.config.calibration or {}).get("positions"),
             },
             "dtype": args.dtype,
             "goal": args.goal,

@@ -539,6 +539,22 @@ def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
     assert chosen["best_within_budget"]["report_meets_goal"] is True
 
 
+def _real_task(task_type, chance, target, mapped, rows, items=8):
+    """One task of a `benchmarks.real_repair` result: `rows` maps a strategy to its `(fraction, value)` points."""
+    import importlib
+
+    real_repair = importlib.import_module("benchmarks.real_repair")
+    judged = "gap_closed" if task_type == "perplexity" else "retention"
+    data = {"items": items, "task_type": task_type, "chance": chance, "target": target, "mapped": mapped}
+    data["repair"] = {
+        name: [{"fraction": f, "score": 0.0, judged: v, "seconds": 1.0} for f, v in points]
+        for name, points in rows.items()
+    }
+    if task_type != "perplexity":
+        data["mapped_retention"] = real_repair._retention(mapped, target, chance) if target > chance else None
+    return data
+
+
 def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_cut_run():
     """`benchmarks.real_repair`: floor-normalized retention (none where the target does not beat chance), the share
     of the perplexity gap closed, a choice that reads only the tasks with a retention, and a page of a run cut before
@@ -550,16 +566,7 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
     assert real_repair._retention(0.625, 1.0, 0.25) == 0.5 and real_repair._retention(0.3, 0.25, 0.25) is None
     assert real_repair._gap_closed(5.0, 4.0, 8.0) == 0.75 and real_repair._gap_closed(5.0, 4.0, 3.0) is None
 
-    def task(task_type, chance, target, mapped, rows):
-        judged = "gap_closed" if task_type == "perplexity" else "retention"
-        data = {"items": 8, "task_type": task_type, "chance": chance, "target": target, "mapped": mapped}
-        data["repair"] = {
-            name: [{"fraction": f, "score": 0.0, judged: v, "seconds": 1.0} for f, v in points]
-            for name, points in rows.items()
-        }
-        if task_type != "perplexity":
-            data["mapped_retention"] = real_repair._retention(mapped, target, chance) if target > chance else None
-        return data
+    task = _real_task
 
     selection = {
         "retrieval": task(
@@ -594,6 +601,66 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
     assert "| retrieval (exact match) | 8 | 8/8 | 0/8 (0.00) | **0.95 (0/8)** |" in page
     assert "Not yet measured on the report set (the run resumes from its points): choice, ppl." in page
     assert "--out" not in page and "ppl (perplexity: gap closed)" in page
+
+
+def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
+    """`benchmarks.real_repair_maps`: each map's frontier for the strategy both runs measured, its chosen point and
+    its report row; runs on other items are refused, not compared."""
+    import importlib
+
+    maps = importlib.import_module("benchmarks.real_repair_maps")
+
+    def run(mapper, objective, mapped, values, chosen, report_value):
+        selection = {
+            "retrieval": _real_task("exact_match", 0.0, 1.0, mapped, {"draft_attention": values, "tail": values}),
+            "ppl": _real_task("perplexity", None, 4.0, 6.0, {"draft_attention": [(0.1, 0.5)], "tail": [(0.1, 0.4)]}),
+        }
+        report = {"retrieval": _real_task("exact_match", 0.0, 1.0, 0.0, {"draft_attention": [report_value]}, 200)}
+        return {
+            "run": {
+                "direction": "0.5b:1.5b",
+                "dtype": "float32",
+                "goal": 0.9,
+                "mapper": f"/w/0.5b-to-1.5b/{mapper}",
+                "mapper_config": {"objective": objective, "calibration_positions": 8192},
+                "selection": {"seed": 1, "items": 8, "items_other": 4},
+                "report": {"seed": 2, "items": 200, "items_other": 4, "fractions": [chosen]},
+            },
+            "sets": {"selection": selection, "report": report},
+            "chosen_on_selection": {
+                "strategy": "draft_attention",
+                "fraction": chosen,
+                "selection_worst_retention": 0.95,
+                "reaches_goal": True,
+            },
+            "chosen_reported": {"retrieval": report["retrieval"]["repair"]["draft_attention"][0]},
+        }
+
+    ridge = run("ridge-k8", "mse", 0.0, [(0.1, 0.5), (0.2, 1.0)], 0.2, (0.2, 0.99))
+    tuned = run("ridge-k8-kl", "kl", 0.25, [(0.05, 0.9), (0.1, 1.0)], 0.05, (0.05, 0.97))
+    page = maps.maps_markdown([ridge, tuned], ["a.json", "b.json"])
+    assert maps.common_strategy([ridge, tuned]) == "draft_attention"
+    assert "| map | mapped | 5 % | 10 % | 20 % |" in page
+    assert (
+        "| retrieval (exact match) | `0.5b-to-1.5b/ridge-k8` (8,192 calibration positions) | 0.00 | - | 0.50 | 1.00 |"
+        in page
+    )
+    assert (
+        "|  | `0.5b-to-1.5b/ridge-k8-kl` (fine-tuned: kl, 8,192 calibration positions) | 0.25 | 0.90 | 1.00 | - |"
+        in page
+    )
+    assert (
+        "- `0.5b-to-1.5b/ridge-k8-kl` (fine-tuned: kl, 8,192 calibration positions): `draft_attention` at 5 %" in page
+    )
+    assert "| `ridge-k8` mapped | `ridge-k8` repaired | `ridge-k8-kl` mapped | `ridge-k8-kl` repaired |" in page
+    assert "| 200 | 200/200 | 0/200 | 0.99 (0/200) at 20 % | 0/200 | 0.97 (0/200) at 5 % |" in page
+    other = run("ridge-k8-kl", "kl", 0.25, [(0.05, 0.9)], 0.05, (0.05, 0.97))
+    other["run"]["selection"]["items"] = 16
+    with pytest.raises(ValueError, match="differ .*selection"):
+        maps.maps_markdown([ridge, other], ["a.json", "b.json"])
+    pytest.importorskip("matplotlib")
+    maps.plot([ridge, tuned], str(tmp_path / "maps.png"))
+    assert (tmp_path / "maps.png").stat().st_size > 0
 
 
 def test_real_repair_points_resume_only_under_their_setup_and_share_only_the_target(tmp_path):
