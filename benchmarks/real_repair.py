@@ -46,7 +46,16 @@ def _folder(name: str, cache_dir: str | None) -> Path:
 
 
 def _strategy(name: str) -> dict | str:
-    return {"name": name, "last_tokens": 16} if name in ("source_attention", "target_attention") else name
+    """A strategy's settings from its name on the command line; `mix:a+b` is an equal-weight `mix` of a and b."""
+    if name.startswith("mix:"):
+        return {"name": "mix", "components": [{**_settings(part), "weight": 1.0} for part in name[4:].split("+")]}
+    return _settings(name)
+
+
+def _settings(name: str) -> dict:
+    if name not in SELECTORS:
+        raise SystemExit(f"unknown repair strategy {name!r}; known: {', '.join(sorted(SELECTORS))} (or mix:a+b)")
+    return {"name": name, "last_tokens": 16} if name in ("source_attention", "target_attention") else {"name": name}
 
 
 def _retention(score: float, target: float, chance: float) -> float | None:
@@ -280,6 +289,9 @@ def main(argv=None) -> None:
     parser.add_argument("--report-seed", type=int, default=1234)
     parser.add_argument("--goal", type=float, default=0.9)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--selection-only", action="store_true", help="stop after the choice (a later run resumes with the report set)"
+    )
     parser.add_argument("--points", default=None, help="resume file (default: --out with .points.json)")
     parser.add_argument(
         "--targets-from",
@@ -290,6 +302,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "real_repair.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "real_repair.png"))
     args = parser.parse_args(argv)
+    for name in args.strategies.split(","):
+        RepairConfig(_strategy(name), fraction=0.1)  # a typo or a bad mix fails here, before the models load
     if args.threads:
         torch.set_num_threads(args.threads)
     source_name, target_name = (MODELS[side] for side in args.direction.split(":"))
@@ -355,6 +369,9 @@ def main(argv=None) -> None:
     )
     results["run"]["report"]["fractions"] = report_fractions
     write_json(args.out, results)
+    if args.selection_only:
+        plot(results, args.plot)
+        return
     # the report set: the target, the mapped cache, and the chosen strategy at the report fractions (the chosen one
     # among them); written task by task, so a cut run shows what it measured
     results["sets"]["report"] = {}

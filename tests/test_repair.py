@@ -565,6 +565,13 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
     report = importlib.import_module("benchmarks.repair_report")
     assert real_repair._retention(0.625, 1.0, 0.25) == 0.5 and real_repair._retention(0.3, 0.25, 0.25) is None
     assert real_repair._gap_closed(5.0, 4.0, 8.0) == 0.75 and real_repair._gap_closed(5.0, 4.0, 3.0) is None
+    mix = RepairConfig(real_repair._strategy("mix:draft_attention+tail"), fraction=0.2).selector
+    assert [(type(c).__name__, w) for c, w in mix.components] == [
+        ("DraftAttentionSelector", 1.0),
+        ("TailSelector", 1.0),
+    ]
+    with pytest.raises(SystemExit, match="unknown repair strategy 'tale'"):
+        real_repair._strategy("mix:draft_attention+tale")
 
     task = _real_task
 
