@@ -152,8 +152,9 @@ def repair_cache(
 
     Returns:
         `cache`. Where it has a `mapping_info` (a `MappedCache`), `mapping_info["repair"]` records the strategy, the
-        budget, the positions recomputed per row and whether that was all of them (`exact`: the cache is then the
-        target's own up to float rounding); `mapping_info["approximate"]` is `False` only then.
+        budget, how many positions were recomputed per row (`recomputed`, of `candidates`) and whether that was all
+        of them (`exact`: the cache is then the target's own up to float rounding); `mapping_info["approximate"]` is
+        `False` only then.
     """
     repair = RepairConfig.from_dict(repair)
     length = _check(target, cache, input_ids, attention_mask, position_ids)
