@@ -268,7 +268,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", required=True, help="fitted real mapper folder")
     parser.add_argument("--direction", default="0.5b:1.5b", help="source:target of the mapper")
@@ -301,7 +301,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "real_repair.json"))
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "results" / "real_repair.png"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     for name in args.strategies.split(","):
         RepairConfig(_strategy(name), fraction=0.1)  # a typo or a bad mix fails here, before the models load
     if args.threads:

@@ -175,11 +175,15 @@ def plot(runs: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="`benchmarks.real_repair` result JSON files, one per map")
     parser.add_argument("--plot", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if len(args.runs) < 2:
         raise SystemExit("give at least two runs (one per map) to compare")
     runs = [json.loads(Path(path).read_text()) for path in args.runs]

@@ -723,6 +723,25 @@ def test_every_benchmarks_readme_repair_command_parses(script):
         module.build_parser().parse_args(shlex.split(command, comments=True))
 
 
+@pytest.mark.parametrize("module", ["real_repair", "real_repair_maps"])
+def test_every_benchmarks_readme_real_repair_command_parses(module):
+    """Each `python -m benchmarks.<module>` command in benchmarks/README.md is one the module accepts, strategies
+    included (a `mix:a+b` too)."""
+    import importlib
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = importlib.import_module(f"benchmarks.{module}")
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(rf"python -m benchmarks\.{module} (.*?)(?:`|$)", text, re.MULTILINE)
+    assert commands
+    for command in commands:
+        args = script.build_parser().parse_args(shlex.split(command, comments=True))
+        for name in getattr(args, "strategies", "").split(",") if module == "real_repair" else []:
+            RepairConfig(script._strategy(name), fraction=0.1)
+
+
 def test_a_float32_mapped_cache_is_repaired_in_the_targets_dtype(tiny):
     config = tiny.config(layers=3)
     source, target = _model(config, 1, "sdpa"), _model(config, 0, "sdpa").to(torch.bfloat16)
