@@ -45,7 +45,7 @@ def _folder(name: str, cache_dir: str | None) -> Path:
     return converted_path(name, cache_dir)
 
 
-def _strategy(name: str) -> dict | str:
+def _strategy(name: str) -> dict:
     """A strategy's settings from its name on the command line; `mix:a+b` is an equal-weight `mix` of a and b."""
     if name.startswith("mix:"):
         return {"name": "mix", "components": [{**_settings(part), "weight": 1.0} for part in name[4:].split("+")]}
@@ -85,12 +85,7 @@ class Points:
         self.setup = setup
         self.data = {}
         if path.is_file():
-            stored = json.loads(path.read_text())
-            if "setup" not in stored or "points" not in stored:
-                raise SystemExit(
-                    f"{path} records no setup (it was written before points files did), so its points cannot be "
-                    "matched to this run; pass another --points file to measure afresh"
-                )
+            stored = _stored(path)
             differ = _differences(stored["setup"], setup)
             if differ:
                 raise SystemExit(
@@ -117,13 +112,8 @@ class Points:
     def adopt_targets(self, other: Path) -> int:
         """Take the target-alone points of another run whose setup differs only in the mapper (the target alone
         reads no mapper): the same items, dtype and models. Returns how many were taken."""
-        stored = json.loads(other.read_text())
-        if "setup" not in stored:
-            raise SystemExit(f"--targets-from {other} records no setup: its target points cannot be matched")
-        differ = _differences(
-            {k: v for k, v in stored["setup"].items() if k != "mapper"},
-            {k: v for k, v in self.setup.items() if k != "mapper"},
-        )
+        stored = _stored(other)
+        differ = _differences(stored["setup"], self.setup, ignore=("mapper",))
         if differ:
             raise SystemExit(f"--targets-from {other} was measured under another setup ({'; '.join(differ)})")
         taken = 0
@@ -136,11 +126,22 @@ class Points:
         return taken
 
 
-def _differences(stored: dict, wanted: dict) -> list[str]:
-    """`key: stored -> wanted` for every setup field that differs."""
+def _stored(path: Path) -> dict:
+    """A points file's `{"setup": ..., "points": ...}`; one without a setup cannot be matched to a run."""
+    stored = json.loads(path.read_text())
+    if "setup" not in stored or "points" not in stored:
+        raise SystemExit(
+            f"{path} records no setup (it was written before points files did), so its points cannot be matched to "
+            "this run; pass another --points file to measure afresh"
+        )
+    return stored
+
+
+def _differences(stored: dict, wanted: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """`key: stored there, wanted here` for every setup field that differs (but those in `ignore`)."""
     return [
         f"{key}: {stored.get(key)!r} there, {wanted.get(key)!r} here"
-        for key in sorted(set(stored) | set(wanted))
+        for key in sorted((set(stored) | set(wanted)) - set(ignore))
         if stored.get(key) != wanted.get(key)
     ]
 

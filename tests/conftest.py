@@ -203,8 +203,8 @@ class Helpers:
 @pytest.fixture(scope="session")
 def tiny():
     """The one tiny-model factory and its companions: `tiny.model(config=None, seed=0, sharpen=True, **fields)`,
-    `tiny.config(...)`, `tiny.batches(...)`, `tiny.left_padded_batch(...)`, `tiny.prefill`, `tiny.greedy`, `tiny.greedy_probabilities`, and the
-    architecture registries `tiny.SUPPORTED` / `tiny.REFUSED`."""
+    `tiny.config(...)`, `tiny.batches(...)`, `tiny.left_padded_batch(...)`, `tiny.prefill`, `tiny.greedy`,
+    `tiny.greedy_probabilities`, and the architecture registries `tiny.SUPPORTED` / `tiny.REFUSED`."""
     return Helpers
 
 
