@@ -78,18 +78,28 @@ class Handoff:
         return builder, reader
 
     @torch.no_grad()
+    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor | None = None):
+        """The builder's cache of `ids`: a generate-style prefill (with a `mask`, every row from position 0).
+
+        A subclass may take it from elsewhere (a store of earlier prefills) by overriding this method alone, so the
+        positions the cache was built at and the positions the mapping strips stay one decision
+        ([`position_ids`]).
+        """
+        kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": self.position_ids(ids, mask)}
+        return output_cache(model(input_ids=ids, use_cache=True, **kwargs))
+
+    @staticmethod
+    def position_ids(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The positions [`prefill`] builds each row at: from the mask (left padding), or `None` (0..T-1)."""
+        return None if mask is None else positions_from_attention_mask(mask, *ids.shape, ids.device)
+
+    @torch.no_grad()
     def context_cache(self, mode: str, ids: torch.Tensor, mask: torch.Tensor | None = None):
         """`(reader, cache)`: the cache of `ids` minus its last `hold_back` tokens, as `mode` builds it."""
         builder, reader = self._models(mode)
-        kwargs = {}
-        if mask is not None:  # a generate-style prefill: every row from position 0
-            kwargs = {
-                "attention_mask": mask,
-                "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
-            }
-        cache = output_cache(builder(input_ids=ids, use_cache=True, **kwargs))
+        cache = self.prefill(builder, ids, mask)
         if mode == "mapped":
-            cache = self.mapped_cache(cache, ids, mask, source_position_ids=kwargs.get("position_ids"))
+            cache = self.mapped_cache(cache, ids, mask, source_position_ids=self.position_ids(ids, mask))
         else:
             cache.crop(-self.hold_back)
         return reader, cache

@@ -426,3 +426,34 @@ def test_key_geometry_of_exact_and_scaled_keys(scale_script):
     doubled = scale_script.key_geometry([2 * k for k in keys], keys)
     assert doubled["norm_ratio"] == pytest.approx(2.0) and doubled["cosine"] == pytest.approx(1.0)
     assert doubled["r2"] < 0.5  # R^2 sees the scale that the cosine ignores
+
+
+def test_stored_prefills_map_as_the_handoff_maps_a_left_padded_batch(tmp_path, one_thread):
+    """The benchmarks' `CachedHandoff` takes the builder's prefill from a `PrefillStore` and must map it exactly as
+    `Handoff` does, padded rows included (a store that built at mask positions while the mapping stripped at
+    0..T-1 once scored every left-padded row of a batch wrong, silently). Checked twice: computing the prefills and
+    loading them back."""
+    from benchmarks.real.common import PrefillStore, cached_handoff_class
+    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap.evaluation import Handoff
+
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper, tokenizer = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l")), zoo.load_tokenizer()
+    texts = ["the code of locker 7 is 4 1 9 . the code of locker 7 is", "locker 2 holds 8 . locker 2 holds"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert int((mask == 0).sum()) > 0  # a padded row is what the check is about
+    plain = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    store = PrefillStore(tmp_path)
+    cached = cached_handoff_class()(
+        source, target, mapper, tokenizer, store=store, names={id(source): "s", id(target): "t"}
+    )
+    _, want = plain.context_cache("mapped", ids, mask)
+    for _ in range(2):
+        _, got = cached.context_cache("mapped", ids, mask)
+        for a, b in zip(got.layers, want.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    assert (store.computed, store.loaded) == (1, 1)
+    with pytest.raises(ValueError, match="position_ids"):
+        PrefillStore(tmp_path / "other").cache("s", source, ids, mask)

@@ -126,12 +126,14 @@ class PrefillStore:
         return self.folder / f"{name}-{digest.hexdigest()[:32]}.safetensors"
 
     @torch.no_grad()
-    def cache(self, name: str, model, ids: torch.Tensor, mask: torch.Tensor | None):
+    def cache(
+        self, name: str, model, ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ):
+        """`model`'s cache of `ids` (built at `position_ids`: give them with a `mask`), from disk or computed once."""
         from safetensors.torch import load_file, save_file
         from transformers import DynamicCache
 
         from hf_kvmap._compat import output_cache
-        from hf_kvmap.rope import positions_from_attention_mask
 
         # the dtype is part of the key: a bfloat16 prefill must never stand in for a float32 one
         path = self._path(f"{name}-{str(model.dtype).removeprefix('torch.')}", ids, mask)
@@ -140,12 +142,9 @@ class PrefillStore:
             self.loaded += 1
             layers = len(tensors) // 2
             return DynamicCache(ddp_cache_data=[(tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(layers)])
-        kwargs = {}
-        if mask is not None:
-            kwargs = {
-                "attention_mask": mask,
-                "position_ids": positions_from_attention_mask(mask, *ids.shape, ids.device),
-            }
+        if mask is not None and position_ids is None:
+            raise ValueError("A masked prefill needs the position_ids it is built at (`Handoff.position_ids`).")
+        kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": position_ids}
         cache = output_cache(model.get_decoder()(input_ids=ids, use_cache=True, **kwargs))
         tensors = {}
         for i, layer in enumerate(cache.layers):
@@ -160,27 +159,19 @@ class PrefillStore:
 def cached_handoff_class():
     from dataclasses import dataclass
 
-    from hf_kvmap.evaluation import MODES, Handoff
+    from hf_kvmap.evaluation import Handoff
 
     @dataclass
     class CachedHandoff(Handoff):
-        """`Handoff` whose builder prefills come from a `PrefillStore` (the reader side is unchanged)."""
+        """`Handoff` whose builder prefills come from a `PrefillStore`. It overrides `prefill` alone: the positions a
+        stored cache was built at are the ones `Handoff` strips when it maps it (a store that built at other positions
+        than the mapping assumed once scored every left-padded row of a batch wrong)."""
 
         store: PrefillStore | None = None
         names: dict | None = None
 
-        @torch.no_grad()
-        def context_cache(self, mode, ids, mask=None):
-            if mode not in MODES:
-                raise ValueError(f"mode={mode!r} is not one of {MODES}.")
-            builder = self.target if mode == "target" else self.source  # as `Handoff` reads the modes
-            reader = self.source if mode == "source" else self.target
-            cache = self.store.cache(self.names[id(builder)], builder, ids, mask)
-            if mode == "mapped":
-                cache = self.mapped_cache(cache, ids, mask)
-            else:
-                cache.crop(-self.hold_back)
-            return reader, cache
+        def prefill(self, model, ids, mask=None):
+            return self.store.cache(self.names[id(model)], model, ids, mask, self.position_ids(ids, mask))
 
     return CachedHandoff
 
