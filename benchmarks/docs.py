@@ -27,6 +27,22 @@ def _json(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+def errata(name: str) -> list[dict]:
+    """The known defects of results file `name` (`benchmarks/results/errata.json`): what they invalidate, and why."""
+    return [entry for entry in _json("errata.json")["errata"] if name in entry["results"]]
+
+
+def with_errata(name: str, markdown: str) -> str:
+    """`markdown` rendered from results file `name`, behind a warning for each of its known defects."""
+    notes = [
+        f"> **Erratum ({entry['found']}, fixed in {entry['fixed_in']}): do not use {entry['affected']} in this "
+        f"section.** Cause: {entry['cause']}. Not affected: {entry['not_affected']}. Regression test: "
+        f"`{entry['check']}`. Re-measured: {entry['remeasured']}."
+        for entry in errata(name)
+    ]
+    return "\n\n".join([*notes, markdown])
+
+
 def _relative(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -176,8 +192,12 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "real-guard": lambda: guard.guard_markdown(_json("real_family_guard.json")),
     },
     "docs/real-family.md": {
-        "real-family": lambda: family_report.report_markdown(_json("real_family.json")),
-        "real-scale": lambda: scale_report.report_markdown(_json("real_family_scale.json")),
+        "real-family": lambda: with_errata(
+            "real_family.json", family_report.report_markdown(_json("real_family.json"))
+        ),
+        "real-scale": lambda: with_errata(
+            "real_family_scale.json", scale_report.report_markdown(_json("real_family_scale.json"))
+        ),
     },
     "docs/repair.md": {
         "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),

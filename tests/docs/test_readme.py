@@ -36,6 +36,21 @@ def test_docs_check_passes_and_every_page_is_linked():
             assert f"]({page.removeprefix('docs/')})" in index, page
 
 
+def test_every_erratum_names_real_results_and_warns_where_they_render():
+    """`benchmarks/results/errata.json`: each known defect names results files that exist and the test that pins its
+    fix, and every generated section rendered from such a file opens with its warning."""
+    entries = docs._json("errata.json")["errata"]
+    assert entries
+    for entry in entries:
+        assert entry["results"] and all((docs.RESULTS / name).is_file() for name in entry["results"])
+        test_file, test_name = entry["check"].split("::")
+        assert f"def {test_name}(" in (ROOT / test_file).read_text()
+        for name in entry["results"]:
+            assert docs.with_errata(name, "TABLE").startswith(f"> **Erratum ({entry['found']}")
+            assert docs.with_errata(name, "TABLE").endswith("\n\nTABLE")
+    assert docs.with_errata("handoff.json", "TABLE") == "TABLE"
+
+
 def test_readme_is_a_front_door():
     """At most about 300 lines, and the first screenful holds usage, serving and the results summary."""
     lines = (ROOT / "README.md").read_text().splitlines()
