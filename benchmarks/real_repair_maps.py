@@ -14,13 +14,13 @@ import argparse
 import json
 from pathlib import Path
 
-from .repair_report import _fraction, _mapper_name, _num, _score, _task_label, _task_value
+from .repair_report import fraction_text, mapper_name, number_text, score_text, task_label, task_value
 
 
 def map_label(run: dict) -> str:
     """How a run's mapper reads in a table: the folder name, its objective and its calibration positions."""
     config = run.get("mapper_config") or {}
-    parts = [_mapper_name(run["mapper"])]
+    parts = [mapper_name(run["mapper"])]
     details = []
     if config.get("objective") not in (None, "mse", "ridge"):
         details.append(f"fine-tuned: {config['objective']}")
@@ -76,7 +76,7 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
         f"report seed {run['report']['seed']}). Selection set, `{strategy}` (retention, or the perplexity gap closed; "
         "'mapped': the mapped cache's retention, or its perplexity; '-': not measured):",
         "",
-        "| task | map | mapped | " + " | ".join(_fraction(f) for f in fractions) + " |",
+        "| task | map | mapped | " + " | ".join(fraction_text(f) for f in fractions) + " |",
         "|---|---|---|" + "---|" * len(fractions),
     ]
     for task in runs[0]["sets"]["selection"]:
@@ -86,20 +86,20 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
                 continue
             by_fraction = {row["fraction"]: row for row in data["repair"][strategy]}
             mapped = (
-                _score(data, data["mapped"])
+                score_text(data, data["mapped"])
                 if data.get("task_type") == "perplexity"
-                else _num(data.get("mapped_retention"))
+                else number_text(data.get("mapped_retention"))
             )
-            cells = [_num(_task_value(data, by_fraction[f])) if f in by_fraction else "-" for f in fractions]
-            head = _task_label(task, data) if i == 0 else ""
+            cells = [number_text(task_value(data, by_fraction[f])) if f in by_fraction else "-" for f in fractions]
+            head = task_label(task, data) if i == 0 else ""
             lines.append(f"| {head} | {map_label(result['run'])} | {mapped} | {' | '.join(cells)} |")
     lines += ["", "Chosen on each map's selection set (the rule of the section above):", ""]
     for result in runs:
         chosen = result["chosen_on_selection"]
         reached = "reaches" if chosen["reaches_goal"] else "does not reach"
         lines.append(
-            f"- {map_label(result['run'])}: `{chosen['strategy']}` at {_fraction(chosen['fraction'])}, worst-task "
-            f"retention {_num(chosen['selection_worst_retention'])} ({reached} {result['run']['goal']:g})."
+            f"- {map_label(result['run'])}: `{chosen['strategy']}` at {fraction_text(chosen['fraction'])}, worst-task "
+            f"retention {number_text(chosen['selection_worst_retention'])} ({reached} {result['run']['goal']:g})."
         )
     reported = [r for r in runs if r["sets"].get("report")]
     if reported:
@@ -121,12 +121,12 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
                 if data is None or row is None:
                     cells += ["-", "-"]
                     continue
-                cells.append(_score(data, data["mapped"]))
+                cells.append(score_text(data, data["mapped"]))
                 cells.append(
-                    f"{_num(_task_value(data, row))} ({_score(data, row['score'])}) at {_fraction(row['fraction'])}"
+                    f"{number_text(task_value(data, row))} ({score_text(data, row['score'])}) at {fraction_text(row['fraction'])}"
                 )
             lines.append(
-                f"| {_task_label(task, data0)} | {data0['items']} | {_score(data0, data0['target'])} | "
+                f"| {task_label(task, data0)} | {data0['items']} | {score_text(data0, data0['target'])} | "
                 f"{' | '.join(cells)} |"
             )
     return "\n".join(lines)
@@ -152,8 +152,8 @@ def plot(runs: list[dict], path: str) -> None:
             perplexity = data.get("task_type") == "perplexity"
             rows = data["repair"][strategy]
             xs = [0.0] + [row["fraction"] for row in rows]
-            ys = [0.0 if perplexity else data.get("mapped_retention")] + [_task_value(data, row) for row in rows]
-            label = _mapper_name(result["run"]["mapper"]).split("/")[-1]
+            ys = [0.0 if perplexity else data.get("mapped_retention")] + [task_value(data, row) for row in rows]
+            label = mapper_name(result["run"]["mapper"]).split("/")[-1]
             (line,) = axis.plot(
                 xs, [float("nan") if y is None else y for y in ys], marker="o", markersize=3, label=label
             )
@@ -161,7 +161,7 @@ def plot(runs: list[dict], path: str) -> None:
             if row is not None:
                 report = result["sets"]["report"][task]
                 axis.plot(
-                    [row["fraction"]], [_task_value(report, row)], marker="*", markersize=10, color=line.get_color()
+                    [row["fraction"]], [task_value(report, row)], marker="*", markersize=10, color=line.get_color()
                 )
         axis.axhline(runs[0]["run"]["goal"], color="grey", linestyle=":", linewidth=1)
         axis.set_title(f"{task} ({'perplexity gap closed' if perplexity else 'retention'})", fontsize=9)

@@ -23,12 +23,12 @@ def _pct(value, digits: int = 0) -> str:
     return "n/a" if value is None else f"{100 * value:.{digits}f} %"
 
 
-def _fraction(value: float) -> str:
+def fraction_text(value: float) -> str:
     """`0.05` -> `5 %` (as many digits as the fraction has)."""
     return f"{100 * value:.10g} %"
 
 
-def _num(value, digits: int = 2) -> str:
+def number_text(value, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -76,7 +76,7 @@ def _strategy_name(settings: dict | str) -> str:
     return ":".join([settings["name"], *options])
 
 
-def _mapper_name(path: str) -> str:
+def mapper_name(path: str) -> str:
     """`` `tiny-m-to-tiny-l` (shipped) `` for a mapper of the package, else the last two parts of its folder
     (`0.5b-to-1.5b/ridge-k8`), not where it lay on the machine that ran."""
     parts = Path(path).parts
@@ -115,7 +115,7 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
         earlier = [f"`{_command(entry['command'])}`" for entry in merged]
         command = f"{earlier[0]}, with {' then '.join([*earlier[1:], command])} merged into it"
     mapper = _option(run["command"], "--mapper")
-    mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {_mapper_name(mapper)}"
+    mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {mapper_name(mapper)}"
     lines = [
         f"Generated from `{source}`, written by {command} ({_machine(result.get('environment', {}))}): "
         f"{mappers}, {run['items_per_set']} items per task on a selection set (seed {run['selection_seed']}: "
@@ -124,12 +124,12 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
         "so the mapped cache's retention is the point at fraction 0.",
         "",
         f"The choice per direction and task: the strategy with the best selection-set retention at a fraction of at "
-        f"most {_fraction(budget)} (its fraction in bold), its report-set retention at every fraction measured, and "
+        f"most {fraction_text(budget)} (its fraction in bold), its report-set retention at every fraction measured, and "
         f"the cheapest point reaching a retention of {goal:g} on the selection set, where one does "
         "(selection -> report).",
         "",
         "| direction | task | target right | mapped right (retention) | chosen strategy | "
-        + " | ".join(_fraction(f) for f in fractions)
+        + " | ".join(fraction_text(f) for f in fractions)
         + f" | cheapest reaching {goal:g} |",
         "|---|---|---|---|---|" + "---|" * len(fractions) + "---|",
     ]
@@ -142,22 +142,22 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
             if best is not None:
                 chosen = f"`{best['strategy']}`"
                 for i, point in enumerate(report["repair"][best["strategy"]]):
-                    cells[i] = _bold(_num(point["retention"]), point["fraction"] == best["fraction"])
+                    cells[i] = _bold(number_text(point["retention"]), point["fraction"] == best["fraction"])
             cheapest = choice.get("cheapest_reaching_goal")
             reaching = (
-                f"`{cheapest['strategy']}` at {_fraction(cheapest['fraction'])}: "
-                f"{_num(cheapest['selection_retention'])} -> {_num(cheapest['report_retention'])}"
+                f"`{cheapest['strategy']}` at {fraction_text(cheapest['fraction'])}: "
+                f"{number_text(cheapest['selection_retention'])} -> {number_text(cheapest['report_retention'])}"
                 if cheapest
                 else "none measured"
             )
             lines.append(
-                f"| {direction} | {task} | {_num(report['target'])} | {_num(report['mapped'])} "
-                f"({_num(report['mapped_retention'])}) | {chosen} | {' | '.join(cells)} | {reaching} |"
+                f"| {direction} | {task} | {number_text(report['target'])} | {number_text(report['mapped'])} "
+                f"({number_text(report['mapped_retention'])}) | {chosen} | {' | '.join(cells)} | {reaching} |"
             )
     references = [f"`{name}`" for name in strategies if name in REFERENCE_ONLY]
     lines += [
         "",
-        f"Each strategy at its best fraction of at most {_fraction(budget)}, chosen on the selection set: retention "
+        f"Each strategy at its best fraction of at most {fraction_text(budget)}, chosen on the selection set: retention "
         "selection -> report (fraction)."
         + (
             f" {', '.join(references)}: a reference, never a serving choice (it reads the target's own cache)."
@@ -175,7 +175,11 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
             cells = []
             for name in strategies:
                 best = _best_within(sets["selection"], sets["report"], name, budget)
-                cells.append("-" if best is None else f"{_num(best[1])} -> {_num(best[2])} ({_fraction(best[0])})")
+                cells.append(
+                    "-"
+                    if best is None
+                    else f"{number_text(best[1])} -> {number_text(best[2])} ({fraction_text(best[0])})"
+                )
             lines.append(f"| {direction} | {task} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -191,7 +195,7 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
     strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
     lines = [
         f"Generated from `{source}`, written by `{_command(run['command'])}` ({run['source']} -> {run['target']}, "
-        f"mapper {_mapper_name(run['mapper'])}, {run['dtype']}, {run['attn_implementation']} attention, "
+        f"mapper {mapper_name(run['mapper'])}, {run['dtype']}, {run['attn_implementation']} attention, "
         f"{_machine(result.get('environment', {}))}; one random prompt per length; medians of {run['repeats']} "
         f"interleaved repeats after {run['warmup']} warm-up; the attention strategies read the last "
         f"{run['last_tokens']} prompt tokens).",
@@ -223,7 +227,7 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
                 for name in strategies
             ]
             lines.append(
-                f"| {' | '.join(head)} | {_fraction(fraction)} | {_pct(first['flop_share_bound_tail'])} / "
+                f"| {' | '.join(head)} | {fraction_text(fraction)} | {_pct(first['flop_share_bound_tail'])} / "
                 f"{_pct(first['flop_share_bound_uniform'])} | {' | '.join(cells)} |"
             )
     checks = [(row["tokens"], check) for row in rows for check in row.get("attention_check", [])]
@@ -240,9 +244,9 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
         ]
         for tokens, check in checks:
             lines.append(
-                f"| {tokens} | {_fraction(check['fraction'])} | {check['recomputed']} | "
-                f"{_pct(check['flop_share_bound'])} | {_num(check.get('recompute_ms'), 1)} | "
-                f"{_num(check['suffix_prefill_ms'], 1)} | {_num(check.get('float_mask_recompute_ms'), 1)} |"
+                f"| {tokens} | {fraction_text(check['fraction'])} | {check['recomputed']} | "
+                f"{_pct(check['flop_share_bound'])} | {number_text(check.get('recompute_ms'), 1)} | "
+                f"{number_text(check['suffix_prefill_ms'], 1)} | {number_text(check.get('float_mask_recompute_ms'), 1)} |"
             )
     return "\n".join(lines)
 
@@ -250,19 +254,19 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
 # ------------------------------------------------------------------------------------------------ the real pair
 
 
-def _task_value(data: dict, row: dict) -> float | None:
+def task_value(data: dict, row: dict) -> float | None:
     """A measured point's retention, or (a perplexity task) the share of the mapped cache's perplexity gap closed."""
     return row.get("gap_closed") if data.get("task_type") == "perplexity" else row.get("retention")
 
 
-def _score(data: dict, value) -> str:
+def score_text(data: dict, value) -> str:
     """A task's raw score: items right of items, or a perplexity."""
     if data.get("task_type") == "perplexity":
-        return _num(value, 3)
+        return number_text(value, 3)
     return "n/a" if value is None else f"{round(value * data['items'])}/{data['items']}"
 
 
-def _task_label(name: str, data: dict) -> str:
+def task_label(name: str, data: dict) -> str:
     if data.get("task_type") == "perplexity":
         return f"{name} (perplexity: gap closed)"
     if data.get("chance"):
@@ -290,7 +294,7 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
     selection, report = run["selection"], run["report"]
     lines = [
         f"Generated from `{source}`, written by `{_command(run['command'])}` (Qwen2.5-Coder {direction}, mapper "
-        f"{_mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
+        f"{mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
         f"{_machine(result.get('environment', {}))}). Selection set (seed {selection['seed']}): every strategy at "
         "every fraction, and the choice is made there. Report set (seed "
         f"{report['seed']}): the chosen strategy only. Retention is floor-normalized (exact match: chance 0, above 1 "
@@ -305,7 +309,7 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
         "Selection set (target and mapped: the raw scores, items right or the perplexity; per fraction: retention or "
         "the gap closed; the chosen point in bold):",
         "",
-        "| task | items | target | mapped | strategy | " + " | ".join(_fraction(f) for f in fractions) + " |",
+        "| task | items | target | mapped | strategy | " + " | ".join(fraction_text(f) for f in fractions) + " |",
         "|---|---|---|---|---|" + "---|" * len(fractions),
     ]
     for task, data in sets["selection"].items():
@@ -313,14 +317,14 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
             head = ["", "", "", ""]
             if i == 0:
                 head = [
-                    _task_label(task, data),
+                    task_label(task, data),
                     str(data["items"]),
-                    _score(data, data["target"]),
-                    _score(data, data["mapped"]),
+                    score_text(data, data["target"]),
+                    score_text(data, data["mapped"]),
                 ]
             cells = [
                 _bold(
-                    _num(_task_value(data, row)),
+                    number_text(task_value(data, row)),
                     strategy == chosen["strategy"]
                     and row["fraction"] == chosen["fraction"]
                     and data.get("task_type") != "perplexity",
@@ -333,7 +337,7 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
         "",
         f"Chosen on the selection set (the cheapest point whose worst-task retention reaches {run['goal']:g} on every "
         f"task with a retention, else the best worst-task retention): `{chosen['strategy']}` at "
-        f"{_fraction(chosen['fraction'])}, worst-task retention {_num(chosen['selection_worst_retention'])} "
+        f"{fraction_text(chosen['fraction'])}, worst-task retention {number_text(chosen['selection_worst_retention'])} "
         f"({reached} the goal).",
     ]
     if sets.get("report"):
@@ -342,27 +346,27 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
         ]
         lines += [
             "",
-            f"Report set: `{chosen['strategy']}` at {', '.join(_fraction(f) for f in report_fractions)} (the chosen "
+            f"Report set: `{chosen['strategy']}` at {', '.join(fraction_text(f) for f in report_fractions)} (the chosen "
             "fraction in bold); the raw score (items right, or the perplexity) after each value.",
             "",
             "| task | items | target | mapped (retention) | "
-            + " | ".join(_fraction(f) for f in report_fractions)
+            + " | ".join(fraction_text(f) for f in report_fractions)
             + " |",
             "|---|---|---|---|" + "---|" * len(report_fractions),
         ]
         for task, data in sets["report"].items():
             cells = [
                 _bold(
-                    f"{_num(_task_value(data, row))} ({_score(data, row['score'])})",
+                    f"{number_text(task_value(data, row))} ({score_text(data, row['score'])})",
                     row["fraction"] == chosen["fraction"],
                 )
                 for row in data["repair"][chosen["strategy"]]
             ]
-            mapped = _score(data, data["mapped"])
+            mapped = score_text(data, data["mapped"])
             if data.get("task_type") != "perplexity":
-                mapped += f" ({_num(data.get('mapped_retention'))})"
+                mapped += f" ({number_text(data.get('mapped_retention'))})"
             lines.append(
-                f"| {_task_label(task, data)} | {data['items']} | {_score(data, data['target'])} | {mapped} | "
+                f"| {task_label(task, data)} | {data['items']} | {score_text(data, data['target'])} | {mapped} | "
                 f"{' | '.join(cells)} |"
             )
         missing = [name for name in sets["selection"] if name not in sets["report"]]
@@ -381,7 +385,7 @@ def _rungs(ladder: dict, repairs: bool = True) -> str:
     """`risk <= 0.5: recompute 20 %; above: prefill` for a ladder's settings."""
     parts = []
     for rung in ladder["rungs"]:
-        what = f"recompute {_fraction(rung['fraction'])}" if rung["fraction"] else "mapped"
+        what = f"recompute {fraction_text(rung['fraction'])}" if rung["fraction"] else "mapped"
         if repairs and not rung["fraction"]:
             what = "recompute 0 % (mapped)"
         parts.append(f"risk <= {rung['max_risk']:.4g}: {what}")
@@ -399,14 +403,14 @@ def _rung_order(name: str) -> tuple[int, float]:
 
 def _rung_label(name: str) -> str:
     if name.startswith("repair:"):
-        return f"recompute {_fraction(float(name.split(':', 1)[1]))}"
+        return f"recompute {fraction_text(float(name.split(':', 1)[1]))}"
     return {"fallback": "prefill"}.get(name, name)
 
 
 def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     ways = {"binary guard": data["binary_guard"], "ladder": data["ladder"]}
     lines = [
-        f"**{tag}** (mapper {_mapper_name(data['mapper'])}; report prompts of {data['tokens']:.0f} tokens on "
+        f"**{tag}** (mapper {mapper_name(data['mapper'])}; report prompts of {data['tokens']:.0f} tokens on "
         f"average, the target's prefill {1000 * data['prefill_seconds']:.1f} ms on average)",
         "",
         "| calibrated on the selection set | probe | repair strategy | rungs | selection: mean cost, worst-task "
@@ -420,7 +424,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         strategy = f"`{_strategy_name(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
         lines.append(
-            f"| {name} | `{probe}` | {strategy} | {_rungs(ladder, repairs)} | {_num(outcome['mean_cost'])}, "
+            f"| {name} | `{probe}` | {strategy} | {_rungs(ladder, repairs)} | {number_text(outcome['mean_cost'])}, "
             f"{_pct(worst, 1)} |"
         )
     rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=_rung_order)
@@ -439,8 +443,10 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         report, accuracy = way["report"], way["report_accuracy"]
         cells = [_pct(report["rungs"].get(rung, 0.0)) for rung in rungs]
         cells += [_pct(report["per_group"][task]["changed_served"], 1) for task in tasks]
-        cells += [f"{_num(accuracy[task]['served'])} / {_num(accuracy[task]['target'])}" for task in tasks]
-        cells += [_num(report["mean_cost"]), _pct(report["net_saving"])]
+        cells += [
+            f"{number_text(accuracy[task]['served'])} / {number_text(accuracy[task]['target'])}" for task in tasks
+        ]
+        cells += [number_text(report["mean_cost"]), _pct(report["net_saving"])]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     sweep = data.get("budget_sweep", [])
     if sweep:
@@ -454,13 +460,13 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         ]
         for row in sweep:
             cells = [
-                f"{_pct(row[name]['worst_changed'], 1)} · {_num(row[name]['mean_cost'])}"
+                f"{_pct(row[name]['worst_changed'], 1)} · {number_text(row[name]['mean_cost'])}"
                 for name in ("ladder", "binary_guard")
             ]
             lines.append(f"| {_pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
     fixed = data["fixed_report"]
     fractions = sorted({row["fraction"] for rows in fixed.values() for row in rows})
-    columns = " | ".join(_fraction(f) + (" (mapped)" if not f else "") for f in fractions)
+    columns = " | ".join(fraction_text(f) + (" (mapped)" if not f else "") for f in fractions)
 
     def cell(rows: list[dict], fraction: float, show) -> str:
         row = next((row for row in rows if row["fraction"] == fraction), None)
@@ -468,12 +474,12 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
 
     def worst(row: dict) -> str:
         changed = max(task["changed"] for task in row["tasks"].values())
-        return f"{_num(row['mean_cost'])} · {_pct(changed, 1)}"
+        return f"{number_text(row['mean_cost'])} · {_pct(changed, 1)}"
 
     def retention(task: str):
         def show(row: dict) -> str:
             result = row["tasks"][task]
-            return _num(result["accuracy"] / result["target"]) if result["target"] else "-"
+            return number_text(result["accuracy"] / result["target"]) if result["target"] else "-"
 
         return show
 
@@ -506,7 +512,7 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
         + "; repair strategies "
         + ", ".join(f"`{strategy}`" for strategy in run["strategies"])
         + "; fractions "
-        + ", ".join(_fraction(f) for f in run["fractions"])
+        + ", ".join(fraction_text(f) for f in run["fractions"])
         + f" (0, the mapped cache, always). Calibrated on a selection set ({selection['items_per_task']} items per "
         f"task, seed {selection['seed']}) with at most {_pct(run['max_changed'])} changed answers served per task "
         f"({', '.join(tasks)}), replayed on a report set ({report['items_per_task']} items per task, seed "
