@@ -15,12 +15,24 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import handoff_report, mapper_variants, package_size, repair_report, retention_curve, variant_parameters
+from . import (
+    handoff_report,
+    mapper_variants,
+    package_size,
+    real_repair_maps,
+    repair_report,
+    retention_curve,
+    variant_parameters,
+)
 from .real import family_report, guard, scale_report
 from .sections import demo_markdown, performance_markdown, replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+#: the `benchmarks.real_repair` runs of one pair with different maps that docs/repair.md sets side by side
+REPAIR_MAPS = ("real_repair.json", "real_repair_kl.json")
 
 
 def _json(name: str) -> dict:
@@ -203,6 +215,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),
         "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
         "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
+        "real-repair-maps": lambda: real_repair_maps.maps_markdown(
+            [_json(name) for name in REPAIR_MAPS], [f"benchmarks/results/{name}" for name in REPAIR_MAPS]
+        ),
         "real-repair-cost": lambda: repair_report.cost_markdown(
             _json("repair_cost_real.json"), source="benchmarks/results/repair_cost_real.json"
         ),

@@ -146,6 +146,12 @@ def _differences(stored: dict, wanted: dict, ignore: tuple[str, ...] = ()) -> li
     ]
 
 
+def fine_tunes(config) -> list[str]:
+    """The fine-tunes a mapper went through after its fit (`kl`, `attention`: the objectives record themselves in
+    `config.calibration` as `<objective>_finetune`), in the order they are recorded."""
+    return [key.removesuffix("_finetune") for key in (config.calibration or {}) if key.endswith("_finetune")]
+
+
 def setup_of(args, mapper_hash: str | None, manifest_sha256: str) -> dict:
     """What a measured point depends on besides its key: the models, the mapper, the dtype, the documents the items
     are built from, and both item sets."""
@@ -342,6 +348,7 @@ def main(argv=None) -> None:
                     for k in ("source_model_id", "target_model_id", "kind", "top_k", "ridge_lambda", "objective")
                 },
                 "calibration_positions": (mapper.config.calibration or {}).get("positions"),
+                "fine_tunes": fine_tunes(mapper.config),
             },
             "dtype": args.dtype,
             "goal": args.goal,

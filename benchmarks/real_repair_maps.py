@@ -22,8 +22,9 @@ def map_label(run: dict) -> str:
     config = run.get("mapper_config") or {}
     parts = [mapper_name(run["mapper"])]
     details = []
-    if config.get("objective") not in (None, "mse", "ridge"):
-        details.append(f"fine-tuned: {config['objective']}")
+    tuned = config.get("fine_tunes") or [o for o in [config.get("objective")] if o not in (None, "mse", "ridge")]
+    if tuned:
+        details.append(f"fine-tuned: {', '.join(tuned)}")
     if config.get("calibration_positions"):
         details.append(f"{config['calibration_positions']:,} calibration positions")
     return " ".join(parts + ([f"({', '.join(details)})"] if details else []))
@@ -73,8 +74,9 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
     lines = [
         f"Generated from {', '.join(f'`{s}`' for s in sources)} (the same pair, Qwen2.5-Coder "
         f"{run['direction'].replace(':', ' -> ').upper()}, the same items: selection seed {run['selection']['seed']}, "
-        f"report seed {run['report']['seed']}). Selection set, `{strategy}` (retention, or the perplexity gap closed; "
-        "'mapped': the mapped cache's retention, or its perplexity; '-': not measured):",
+        f"report seed {run['report']['seed']}). Selection set, `{strategy}` (exact match and choice: retention; "
+        "perplexity tasks: the perplexity itself, since the maps start from different ones; 'mapped': the mapped "
+        "cache alone; '-': not measured):",
         "",
         "| task | map | mapped | " + " | ".join(fraction_text(f) for f in fractions) + " |",
         "|---|---|---|" + "---|" * len(fractions),
@@ -85,13 +87,18 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
             if data is None:
                 continue
             by_fraction = {row["fraction"]: row for row in data["repair"][strategy]}
-            mapped = (
-                score_text(data, data["mapped"])
-                if data.get("task_type") == "perplexity"
-                else number_text(data.get("mapped_retention"))
-            )
-            cells = [number_text(task_value(data, by_fraction[f])) if f in by_fraction else "-" for f in fractions]
-            head = task_label(task, data) if i == 0 else ""
+            perplexity = data.get("task_type") == "perplexity"
+            mapped = score_text(data, data["mapped"]) if perplexity else number_text(data.get("mapped_retention"))
+            cells = [
+                "-"
+                if f not in by_fraction
+                else score_text(data, by_fraction[f]["score"])
+                if perplexity
+                else number_text(task_value(data, by_fraction[f]))
+                for f in fractions
+            ]
+            label = f"{task} (perplexity; the target: {score_text(data, data['target'])})"
+            head = "" if i else label if perplexity else task_label(task, data)
             lines.append(f"| {head} | {map_label(result['run'])} | {mapped} | {' | '.join(cells)} |")
     lines += ["", "Chosen on each map's selection set (the rule of the section above):", ""]
     for result in runs:
@@ -134,7 +141,7 @@ def maps_markdown(runs: list[dict], sources: list[str]) -> str:
 
 def plot(runs: list[dict], path: str) -> None:
     """One panel per task: each map's selection-set frontier for the common strategy (0 % = the mapped cache) and its
-    report-set point (a star)."""
+    report-set point (a star); retention against the goal, or the perplexity itself against the target's (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,20 +158,30 @@ def plot(runs: list[dict], path: str) -> None:
                 continue
             perplexity = data.get("task_type") == "perplexity"
             rows = data["repair"][strategy]
+
+            def y(set_data: dict, row: dict | None) -> float | None:
+                if set_data.get("task_type") == "perplexity":
+                    return set_data["mapped"] if row is None else row["score"]
+                return set_data.get("mapped_retention") if row is None else task_value(set_data, row)
+
             xs = [0.0] + [row["fraction"] for row in rows]
-            ys = [0.0 if perplexity else data.get("mapped_retention")] + [task_value(data, row) for row in rows]
-            label = mapper_name(result["run"]["mapper"]).split("/")[-1]
+            ys = [y(data, None)] + [y(data, row) for row in rows]
             (line,) = axis.plot(
-                xs, [float("nan") if y is None else y for y in ys], marker="o", markersize=3, label=label
+                xs,
+                [float("nan") if v is None else v for v in ys],
+                marker="o",
+                markersize=3,
+                label=Path(result["run"]["mapper"]).name,
             )
             row = (result.get("chosen_reported") or {}).get(task)
-            if row is not None:
+            if row is not None and not perplexity:  # a perplexity of other items is on another scale
                 report = result["sets"]["report"][task]
-                axis.plot(
-                    [row["fraction"]], [task_value(report, row)], marker="*", markersize=10, color=line.get_color()
-                )
-        axis.axhline(runs[0]["run"]["goal"], color="grey", linestyle=":", linewidth=1)
-        axis.set_title(f"{task} ({'perplexity gap closed' if perplexity else 'retention'})", fontsize=9)
+                axis.plot([row["fraction"]], [y(report, row)], marker="*", markersize=10, color=line.get_color())
+            if perplexity:
+                axis.axhline(data["target"], color="grey", linestyle="--", linewidth=1)
+        if not perplexity:
+            axis.axhline(runs[0]["run"]["goal"], color="grey", linestyle=":", linewidth=1)
+        axis.set_title(f"{task} ({'perplexity, target dashed' if perplexity else 'retention'})", fontsize=9)
         axis.set_xlabel(f"fraction recomputed ({strategy})")
     axes[0][0].set_ylabel("selection set (lines), report set (stars)")
     axes[0][0].legend(fontsize=7, loc="lower right")

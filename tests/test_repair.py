@@ -617,7 +617,7 @@ def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
 
     maps = importlib.import_module("benchmarks.real_repair_maps")
 
-    def run(mapper, objective, mapped, values, chosen, report_value):
+    def run(mapper, fine_tunes, mapped, values, chosen, report_value):
         selection = {
             "retrieval": _real_task("exact_match", 0.0, 1.0, mapped, {"draft_attention": values, "tail": values}),
             "ppl": _real_task("perplexity", None, 4.0, 6.0, {"draft_attention": [(0.1, 0.5)], "tail": [(0.1, 0.4)]}),
@@ -629,7 +629,7 @@ def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
                 "dtype": "float32",
                 "goal": 0.9,
                 "mapper": f"/w/0.5b-to-1.5b/{mapper}",
-                "mapper_config": {"objective": objective, "calibration_positions": 8192},
+                "mapper_config": {"objective": "mse", "fine_tunes": fine_tunes, "calibration_positions": 8192},
                 "selection": {"seed": 1, "items": 8, "items_other": 4},
                 "report": {"seed": 2, "items": 200, "items_other": 4, "fractions": [chosen]},
             },
@@ -643,8 +643,8 @@ def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
             "chosen_reported": {"retrieval": report["retrieval"]["repair"]["draft_attention"][0]},
         }
 
-    ridge = run("ridge-k8", "mse", 0.0, [(0.1, 0.5), (0.2, 1.0)], 0.2, (0.2, 0.99))
-    tuned = run("ridge-k8-kl", "kl", 0.25, [(0.05, 0.9), (0.1, 1.0)], 0.05, (0.05, 0.97))
+    ridge = run("ridge-k8", [], 0.0, [(0.1, 0.5), (0.2, 1.0)], 0.2, (0.2, 0.99))
+    tuned = run("ridge-k8-kl", ["kl"], 0.25, [(0.05, 0.9), (0.1, 1.0)], 0.05, (0.05, 0.97))
     page = maps.maps_markdown([ridge, tuned], ["a.json", "b.json"])
     assert maps.common_strategy([ridge, tuned]) == "draft_attention"
     assert "| map | mapped | 5 % | 10 % | 20 % |" in page
@@ -659,9 +659,14 @@ def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
     assert (
         "- `0.5b-to-1.5b/ridge-k8-kl` (fine-tuned: kl, 8,192 calibration positions): `draft_attention` at 5 %" in page
     )
+    assert (
+        "| ppl (perplexity; the target: 4.000) | `0.5b-to-1.5b/ridge-k8` (8,192 calibration positions) | 6.000 | - |"
+        in page
+    )
+    assert maps.map_label({"mapper": "/w/a/b", "mapper_config": {"objective": "kl"}}) == "`a/b` (fine-tuned: kl)"
     assert "| `ridge-k8` mapped | `ridge-k8` repaired | `ridge-k8-kl` mapped | `ridge-k8-kl` repaired |" in page
     assert "| 200 | 200/200 | 0/200 | 0.99 (0/200) at 20 % | 0/200 | 0.97 (0/200) at 5 % |" in page
-    other = run("ridge-k8-kl", "kl", 0.25, [(0.05, 0.9)], 0.05, (0.05, 0.97))
+    other = run("ridge-k8-kl", ["kl"], 0.25, [(0.05, 0.9)], 0.05, (0.05, 0.97))
     other["run"]["selection"]["items"] = 16
     with pytest.raises(ValueError, match="differ .*selection"):
         maps.maps_markdown([ridge, other], ["a.json", "b.json"])
