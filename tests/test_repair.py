@@ -675,6 +675,21 @@ def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
     assert (tmp_path / "maps.png").stat().st_size > 0
 
 
+def test_real_repair_records_the_fine_tunes_a_mapper_went_through():
+    """A fine-tune leaves the mapper's `objective` as fitted and records itself in `config.calibration`
+    (`<objective>_finetune`); the run reads the fine-tunes from there, in order, and a map label shows them."""
+    import importlib
+    import types
+
+    real_repair = importlib.import_module("benchmarks.real_repair")
+    maps = importlib.import_module("benchmarks.real_repair_maps")
+    config = types.SimpleNamespace(calibration={"positions": 8192, "kl_finetune": {}, "attention_finetune": {}})
+    assert real_repair.fine_tunes(config) == ["kl", "attention"]
+    assert real_repair.fine_tunes(types.SimpleNamespace(calibration=None)) == []
+    run = {"mapper": "/w/a/b", "mapper_config": {"objective": "mse", "fine_tunes": ["kl"], "calibration_positions": 8}}
+    assert maps.map_label(run) == "`a/b` (fine-tuned: kl, 8 calibration positions)"
+
+
 def test_real_repair_points_resume_only_under_their_setup_and_share_only_the_target(tmp_path):
     """A points file resumes only under the setup it was measured with (its keys do not say how many items or
     which mapper), and another mapper's run hands over its target-alone points and nothing else."""
