@@ -772,3 +772,40 @@ def test_a_float32_mapped_cache_is_repaired_in_the_targets_dtype(tiny):
     own = tiny.prefill(target, ids[:, :-1])
     assert all(layer.keys.dtype == layer.values.dtype == torch.bfloat16 for layer in cache.layers)
     assert _max_diff(cache, own) == 0.0
+
+
+def test_repair_attention_reads_the_own_cache_when_everything_is_recomputed(one_thread):
+    """`benchmarks.repair_attention`: recomputing every position gives the target's own reading of the continuation
+    (the same NLL and the same attention on those positions), and the positions it reports repaired are the budget's;
+    its summary splits the items by whether the repair raised the NLL."""
+    import importlib
+
+    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap.zoo import corpus
+
+    bench = importlib.import_module("benchmarks.repair_attention")
+    source = zoo.load_model("tiny-m")
+    target = zoo.load_model("tiny-l", attn_implementation="eager")
+    mapper, tokenizer = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l")), zoo.load_tokenizer()
+    text = corpus.make_eval_set("text", 1, seed=4321, n_chars=120)[0].text
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    full = bench.measure_item(source, target, mapper, ids, RepairConfig("draft_attention", fraction=1.0))
+    assert full["repaired"] == full["context"] == ids.shape[1] // 2 - 1
+    assert full["nll_repaired"] == pytest.approx(full["nll_own"], abs=1e-4)
+    assert full["mass_repaired"] == pytest.approx(full["mass_own"], abs=1e-4)
+    assert 0 < full["mass_own"] < 1 and full["nll_mapped"] != pytest.approx(full["nll_own"], abs=1e-4)
+    part = bench.measure_item(source, target, mapper, ids, RepairConfig("tail", fraction=0.2))
+    assert part["repaired"] == math.floor(0.2 * part["context"]) > 0  # the budget: never more than asked
+    rows = [
+        {"fraction": 0.1, "nll_own": 1.0, "nll_mapped": 2.0, "nll_repaired": 3.0, **{f"mass_{c}": m for c, m in
+         zip(bench.CACHES, (0.1, 0.3, 0.1))}},
+        {"fraction": 0.1, "nll_own": 1.0, "nll_mapped": 2.0, "nll_repaired": 1.5, **{f"mass_{c}": 0.3 for c in
+         bench.CACHES}},
+    ]  # fmt: skip
+    summary = bench.summary(rows)["0.1"]
+    assert summary["items"] == 2 and summary["hurts"]["items"] == summary["helps"]["items"] == 1
+    assert (summary["hurts"]["mass_mapped"], summary["hurts"]["mass_repaired"]) == (0.3, 0.1)
+    run = {"command": "c", "direction": "d", "mapper": "m", "strategy": "s", "items": 2, "task": "t", "seed": 1,
+           "dtype": "float32"}  # fmt: skip
+    page = bench.markdown({"run": run, "summary": bench.summary(rows)})
+    assert "| 10 % | 1.000 / 2.000 / 2.250 | 0.10 / 0.30 / 0.10 (1 items) | 0.30 / 0.30 / 0.30 (1 items) |" in page
