@@ -213,6 +213,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/repair.md": {
         "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),
+        "repair-frontier-knee": lambda: repair_report.frontier_markdown(
+            _json("repair_frontier_knee.json"), "benchmarks/results/repair_frontier_knee.json"
+        ),
         "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
         "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
         "real-repair-maps": lambda: real_repair_maps.maps_markdown(
