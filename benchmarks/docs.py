@@ -20,6 +20,7 @@ from . import (
     mapper_variants,
     package_size,
     real_repair_maps,
+    repair_attention,
     repair_report,
     retention_curve,
     variant_parameters,
@@ -101,6 +102,10 @@ REAL_LADDERS = (
     ("guard_ladder_real.json", "The real pair, 0.5B -> 1.5B, repairing by the source's attention or the tail."),
     ("guard_ladder_real_draft.json", "The real pair, 0.5B -> 1.5B, repairing by the source's draft attention."),
     ("guard_ladder_real_reverse.json", "The real pair, 1.5B -> 0.5B."),
+    (
+        "guard_ladder_real_kl.json",
+        "The real pair, 0.5B -> 1.5B, the read-back-KL-tuned map, repairing by the source's draft attention.",
+    ),
 )
 
 
@@ -218,6 +223,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         ),
         "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
         "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
+        "repair-attention": lambda: repair_attention.markdown(_json("repair_attention.json")),
         "real-repair-maps": lambda: real_repair_maps.maps_markdown(
             [_json(name) for name in REPAIR_MAPS], [f"benchmarks/results/{name}" for name in REPAIR_MAPS]
         ),
