@@ -106,6 +106,10 @@ REAL_LADDERS = (
         "guard_ladder_real_kl.json",
         "The real pair, 0.5B -> 1.5B, the read-back-KL-tuned map, repairing by the source's draft attention.",
     ),
+    (
+        "guard_ladder_real_kl_2024.json",
+        "The same, calibrated on the same selection set, replayed on a second report set (seed 2024).",
+    ),
 )
 
 
