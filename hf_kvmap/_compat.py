@@ -123,3 +123,14 @@ def attention_implementation(model) -> str:
     one runs eager attention.
     """
     return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def mapper_load_kwargs(kwargs: dict) -> dict:
+    """`from_pretrained` keyword arguments for a mapper: hub kernels off unless the caller asks for them.
+
+    transformers 5.25 kernelizes every model it loads by default (`use_kernels=None` means on where the `kernels`
+    package is installed, and 5.25 installs it), and `kernels` refuses a device map whose first accelerator is
+    `meta` ("Unsupported device type 'meta'"). A mapper has no layer a hub kernel replaces, so kernelizing it does
+    nothing but can fail; 5.23 and 5.24 already default to `use_kernels=False`, which this keeps on every version.
+    """
+    return {"use_kernels": False, **kwargs}

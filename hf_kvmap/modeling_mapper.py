@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
+from ._compat import mapper_load_kwargs
 from .artifacts import (
     EVALUATION_FILE,
     content_hash,
@@ -426,7 +427,7 @@ class MapperModel(MapperPreTrainedModel):
             location = {k: kwargs[k] for k in location if k in kwargs}
             config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **location)
             verify_artifact(pretrained_model_name_or_path, config, **location)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **mapper_load_kwargs(kwargs))
 
     def push_to_hub(
         self,
