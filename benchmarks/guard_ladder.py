@@ -180,14 +180,26 @@ def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
 SWEEP = (0.0, 0.025, 0.05, 0.1)
 
 
-def budget_sweep(selection: list[dict], report: list[dict]) -> list[dict]:
+def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
+    """(name, view of the records, confidence) of every calibration compared: the ladder and the binary guard with the
+    budget held on the selection items, and with `confidence` also held as an upper confidence bound."""
+    ways = [("ladder", lambda r: r, None), ("binary_guard", _mapped_only, None)]
+    if confidence is not None:
+        ways += [("ladder_confident", lambda r: r, confidence), ("binary_guard_confident", _mapped_only, confidence)]
+    return ways
+
+
+def budget_sweep(selection: list[dict], report: list[dict], confidence: float | None = None) -> list[dict]:
     """The ladder and the binary guard calibrated at every budget of `SWEEP` on `selection`: what each serves on
     `report` (worst task's changed answers, mean cost). A budget met on the selection set can be exceeded on another."""
     rows = []
     for budget in SWEEP:
         row = {"max_changed": budget}
-        for name, view in (("ladder", lambda r: r), ("binary_guard", _mapped_only)):
-            outcome = replay_ladder(ladder_from_records(view(selection), max_changed=budget), view(report))
+        for name, view, sure in _ways(confidence):
+            if sure is not None and budget == 0.0:
+                continue  # no number of items vouches for a zero rate
+            ladder = ladder_from_records(view(selection), max_changed=budget, confidence=sure)
+            outcome = replay_ladder(ladder, view(report))
             row[name] = {
                 "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
                 "mean_cost": outcome["mean_cost"],
@@ -197,11 +209,12 @@ def budget_sweep(selection: list[dict], report: list[dict]) -> list[dict]:
     return rows
 
 
-def study(selection: list[dict], report: list[dict], max_changed: float) -> dict:
-    """The ladder and the binary guard calibrated on `selection`, both replayed on `report`, and the fixed points."""
+def study(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None = None) -> dict:
+    """The ladder and the binary guard calibrated on `selection` (also with the budget held at `confidence`), each
+    replayed on `report`, and the fixed points."""
     out = {}
-    for name, view in (("ladder", lambda r: r), ("binary_guard", _mapped_only)):
-        ladder = ladder_from_records(view(selection), max_changed=max_changed)
+    for name, view, sure in _ways(confidence):
+        ladder = ladder_from_records(view(selection), max_changed=max_changed, confidence=sure)
         strategy = strategy_key(ladder.strategy)
         plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in report])
         out[name] = {
@@ -210,7 +223,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float) -> dict
             "report": replay_ladder(ladder, view(report)),
             "report_accuracy": served_accuracy(plan, report, strategy),
         }
-    out["budget_sweep"] = budget_sweep(selection, report)
+    out["budget_sweep"] = budget_sweep(selection, report, confidence)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
     out["tokens"] = sum(r["tokens"] for r in report) / len(report)
@@ -231,10 +244,19 @@ def plot(results: dict, path: str) -> None:
             xs = [row["mean_cost"] for row in rows]
             ys = [max(t["changed"] for t in row["tasks"].values()) for row in rows]
             axis.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=f"always {strategy}")
-        for name, marker in (("binary_guard", "s"), ("ladder", "*")):
+        confidence = results["run"].get("confidence")
+        for name, marker in (
+            ("binary_guard", "s"),
+            ("ladder", "*"),
+            ("binary_guard_confident", "D"),
+            ("ladder_confident", "P"),
+        ):
+            if name not in data:
+                continue
             report = data[name]["report"]
+            label = name.replace("_confident", f" (bound at {confidence:g})") if name.endswith("_confident") else name
             worst = max(g["changed_served"] for g in report["per_group"].values())
-            axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=name)
+            axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=label)
         axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
         axis.axhline(results["run"]["max_changed"], color="grey", linewidth=0.8, linestyle=":")
         axis.set_title(f"{direction} (report set)", fontsize=9)
@@ -260,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--selection-seed", type=int, default=4321)
     parser.add_argument("--report-seed", type=int, default=1234)
     parser.add_argument("--max-changed", type=float, default=0.05, help="changed answers a task may be served")
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        help="also calibrate with --max-changed held as an upper confidence bound at this level (e.g. 0.9)",
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="one probe, two strategies, two fractions")
@@ -291,6 +319,7 @@ def main(argv=None) -> None:
             "strategies": args.strategies.split(","),
             "fractions": [float(f) for f in args.fractions.split(",")],
             "max_changed": args.max_changed,
+            "confidence": args.confidence,
             "dtype": args.dtype,
             "selection": {"seed": args.selection_seed, "items_per_task": args.selection_items},
             "report": {"seed": args.report_seed, "items_per_task": args.report_items},
@@ -315,7 +344,7 @@ def main(argv=None) -> None:
             sets[name] = records_for(args.work / f"{tag}.{name}.jsonl", pair, found, args)
         results["directions"][tag] = {
             "mapper": str(pair[4]),
-            **study(sets["selection"], sets["report"], args.max_changed),
+            **study(sets["selection"], sets["report"], args.max_changed, args.confidence),
         }
         write_json(args.out, results)
         report = results["directions"][tag]["ladder"]["report"]

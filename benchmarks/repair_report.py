@@ -409,6 +409,15 @@ def _rung_label(name: str) -> str:
 
 def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     ways = {"binary guard": data["binary_guard"], "ladder": data["ladder"]}
+    confident = {  # calibrated with the budget held as an upper confidence bound (`--confidence`)
+        name: data[key]
+        for name, key in (("binary guard, bound", "binary_guard_confident"), ("ladder, bound", "ladder_confident"))
+        if key in data
+    }
+    if confident:
+        level = data["ladder_confident"]["ladder"]["calibration"]["confidence"]
+        confident = {f"{name} at {level:g}": way for name, way in confident.items()}
+        ways.update(confident)
     lines = [
         f"**{tag}** (mapper {mapper_name(data['mapper'])}; report prompts of {data['tokens']:.0f} tokens on "
         f"average, the target's prefill {1000 * data['prefill_seconds']:.1f} ms on average)",
@@ -420,7 +429,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     for name, way in ways.items():
         ladder, outcome = way["ladder"], way["selection"]
         probe = f"{ladder['probe']['name']}:{ladder['probe'].get('tokens', '?')}"
-        repairs = name == "ladder"
+        repairs = name.startswith("ladder")
         strategy = f"`{_strategy_name(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
         lines.append(
@@ -455,13 +464,16 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
             "Other budgets (calibrated on the selection set at each, replayed on the report set): worst task's changed "
             "answers served · mean cost.",
             "",
-            "| budget | ladder | binary guard |",
-            "|---|---|---|",
+            "| budget | ladder | binary guard |" + (" ladder, bound | binary guard, bound |" if confident else ""),
+            "|---|---|---|" + ("---|---|" if confident else ""),
         ]
+        names = ("ladder", "binary_guard") + (("ladder_confident", "binary_guard_confident") if confident else ())
         for row in sweep:
             cells = [
                 f"{_pct(row[name]['worst_changed'], 1)} · {number_text(row[name]['mean_cost'])}"
-                for name in ("ladder", "binary_guard")
+                if name in row
+                else "-"
+                for name in names
             ]
             lines.append(f"| {_pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
     fixed = data["fixed_report"]
@@ -522,6 +534,12 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
         "saving = 1 - mean cost. The binary guard is calibrated on the same items with the mapped cache as its only "
         "rung. The last table serves every request one fixed repair, no probe: mean cost · worst-task changed share.",
     ]
+    if run.get("confidence") is not None:
+        lines[-1] += (
+            f" Rows marked *bound* are calibrated with the budget held as a one-sided Clopper-Pearson upper bound at "
+            f"{run['confidence']:g} on each task's selection items instead of on the items alone (a task with too few "
+            "items to vouch for the budget is served only the fallback)."
+        )
     for tag, data in result["directions"].items():
         lines += ["", *_direction_markdown(tag, data, tasks)]
     return "\n".join(lines)

@@ -232,7 +232,13 @@ def _ladder(config) -> tuple[dict[str, str], list[dict[str, str]]]:
         worst = max((g["changed_served"] for g in per_group.values()), default=outcome.get("changed_served"))
         summary["calibrated"] = (
             f"Calibrated on {calibration.get('items')} items ({', '.join(sorted(per_group))}): changed answers served "
-            f"at most {fmt_number(calibration.get('max_changed'), 2)} per task (there: {fmt_number(worst, 3)} on the "
+            f"at most {fmt_number(calibration.get('max_changed'), 2)} per task"
+            + (
+                f" as a one-sided {fmt_number(calibration['confidence'], 2)} upper confidence bound"
+                if calibration.get("confidence") is not None
+                else ""
+            )
+            + f" (there: {fmt_number(worst, 3)} on the "
             f"worst task), mean cost {fmt_number(outcome.get('mean_cost'), 3)} of a prefill with the probe, the mapping, "
             f"the repairs and the fallbacks counted (net saving {fmt_number(outcome.get('net_saving'), 3)})."
         )

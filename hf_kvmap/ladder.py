@@ -281,6 +281,64 @@ def ladder_outcome(
     return out
 
 
+def changed_upper_bound(changed: int, items: int, confidence: float) -> float:
+    """The one-sided Clopper-Pearson upper bound on the share of changed answers, having seen `changed` of `items`: the
+    highest rate under which seeing at most `changed` still has probability at least `1 - confidence`.
+
+    >>> round(changed_upper_bound(0, 59, 0.95), 4)  # none of 59 changed: the rate is below 5 % with 95 % confidence
+    0.0495
+    """
+    if items < 1 or not 0 <= changed <= items:
+        raise ValueError(f"changed={changed} of items={items}: need 0 <= changed <= items and items >= 1.")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1), e.g. 0.9.")
+    if changed == items:
+        return 1.0
+
+    def tail(p: float) -> float:  # P(X <= changed) for X ~ Binomial(items, p), summed in log space
+        terms = [
+            math.lgamma(items + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(items - k + 1)
+            + k * math.log(p)
+            + (items - k) * math.log1p(-p)
+            for k in range(changed + 1)
+        ]
+        top = max(terms)
+        return math.exp(top) * sum(math.exp(t - top) for t in terms)
+
+    low, high = changed / items, 1.0  # tail() falls as p grows: bisect for tail(p) = 1 - confidence
+    for _ in range(100):
+        mid = (low + high) / 2
+        if mid <= 0.0 or tail(mid) > 1.0 - confidence:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def changed_budget(items: int, max_changed: float, confidence: float | None = None) -> int:
+    """The changed answers `items` calibration items of one task may show: `floor(max_changed * items)`, or with a
+    `confidence`, the most whose [`changed_upper_bound`] stays within `max_changed` (-1 where even none would not:
+    too few items to vouch for the budget, so the task's items can only fall back)."""
+    if confidence is None:
+        return math.floor(max_changed * items + 1e-9)
+    budget = -1
+    while budget < items and changed_upper_bound(budget + 1, items, confidence) <= max_changed:
+        budget += 1
+    return budget
+
+
+def items_to_vouch(max_changed: float, confidence: float) -> int:
+    """The fewest items of a task whose upper confidence bound can hold `max_changed` (none of them changed)."""
+    if not 0.0 < max_changed < 1.0 or not 0.0 < confidence < 1.0:
+        raise ValueError(f"max_changed={max_changed} and confidence={confidence} must both be in (0, 1).")
+    n = max(1, math.ceil(math.log1p(-confidence) / math.log1p(-max_changed)))
+    while changed_budget(n, max_changed, confidence) < 0:  # the closed form can fall short by a rounding
+        n += 1
+    return n
+
+
 def calibrate_ladder(
     risks: Sequence[float],
     changed: dict[float, Sequence[bool]],
@@ -290,6 +348,7 @@ def calibrate_ladder(
     strategy: dict[str, Any] | str,
     groups: Sequence[str] | None = None,
     max_changed: float = 0.05,
+    confidence: float | None = None,
     provenance: dict[str, Any] | None = None,
 ) -> GuardLadder:
     r"""
@@ -300,6 +359,12 @@ def calibrate_ladder(
     `floor(max_changed * items)` per group), the one of least total cost is kept; its rungs become thresholds at the
     highest risk each rung took, and a risk above the last one falls back.
 
+    A budget met on the calibration items is a point estimate: on other items the same thresholds can serve more
+    changed answers. With `confidence`, a group's budget is instead the most changed answers whose one-sided
+    Clopper-Pearson upper bound on the rate stays within `max_changed` ([`changed_budget`]): at 5 % and 0.95, none of
+    59 items, 1 of 93, 2 of 124. A group with too few items to vouch for the budget at all (fewer than 59 there) is
+    served only the fallback, and so is every item of another group at or above its lowest risk.
+
     Args:
         risks (sequence of `float`): the probe's risk of every calibration item (on the mapped cache).
         changed (`dict[float, sequence of bool]`): per measured fraction (0.0 = the mapped cache), whether each item's
@@ -309,6 +374,8 @@ def calibrate_ladder(
         probe, strategy: the probe the risks come from and the repair strategy the fractions were measured with.
         groups (sequence of `str`, *optional*): each item's task; the budget holds in each.
         max_changed (`float`, *optional*, defaults to 0.05): the share of changed answers a group may be served.
+        confidence (`float`, *optional*): hold `max_changed` as an upper confidence bound at this level (e.g. 0.9)
+            instead of on the calibration items alone.
         provenance (`dict`, *optional*): what the items were, recorded in `calibration`.
 
     Returns:
@@ -334,7 +401,10 @@ def calibrate_ladder(
     if len(groups) != n:
         raise ValueError(f"{len(groups)} groups for {n} items.")
     names = sorted(set(groups))
-    budget = {g: math.floor(max_changed * groups.count(g) + 1e-9) for g in names}
+    if confidence is not None and not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1), e.g. 0.9; or None for the budget on the items.")
+    budget = {g: changed_budget(groups.count(g), max_changed, confidence) for g in names}
+    blocked = {i for i, g in enumerate(groups) if budget[g] < 0}  # items of a group that cannot vouch: fallback only
     options: list[float | None] = [*fractions, None]
     option_cost = [costs[f] for f in fractions] + [costs[FALLBACK]]
 
@@ -357,7 +427,9 @@ def calibrate_ladder(
                     for i in block:
                         if changed[f][i]:
                             add[names.index(groups[i])] += 1
-                if any(add[j] > budget[g] for j, g in enumerate(names)):
+                if f is not None and any(i in blocked for i in block):
+                    continue
+                if any(add[j] > max(budget[g], 0) for j, g in enumerate(names)):
                     continue
                 key = (k, tuple(add))
                 value = (cost + option_cost[k] * len(block), picks + (k,))
@@ -379,6 +451,7 @@ def calibrate_ladder(
     calibration = {
         "items": n,
         "max_changed": max_changed,
+        "confidence": confidence,
         "budget_per_group": budget,
         "costs": {("fallback" if k == FALLBACK else f"{k:g}"): v for k, v in costs.items()},
         "outcome": ladder_outcome(assigned, changed, costs, groups),
@@ -392,6 +465,9 @@ __all__ = [
     "GuardLadder",
     "LadderRung",
     "calibrate_ladder",
+    "changed_budget",
+    "changed_upper_bound",
+    "items_to_vouch",
     "ladder_outcome",
     "rung_name",
     "serve_rows",

@@ -285,11 +285,13 @@ def ladder_from_records(
     strategy: dict | str | None = None,
     probe: str | None = None,
     max_changed: float = 0.05,
+    confidence: float | None = None,
     provenance: dict[str, Any] | None = None,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
-    risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there. The costs,
-    changed answers and ladders of every candidate are kept in `calibration["candidates"]`."""
+    risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
+    and `confidence` as in [`calibrate_ladder`]. The costs, changed answers and ladders of every candidate are kept in
+    `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
@@ -307,6 +309,7 @@ def ladder_from_records(
                 strategy=records[0]["strategies"][name],
                 groups=[r["task"] for r in records],
                 max_changed=max_changed,
+                confidence=confidence,
                 provenance=provenance,
             )
             outcome = ladder.calibration["outcome"]

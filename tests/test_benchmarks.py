@@ -490,3 +490,52 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
     assert fixed[0.5]["mean_cost"] == pytest.approx(0.5) and fixed[0.0]["tasks"]["chat"]["changed"] == pytest.approx(
         0.7
     )
+
+
+def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch():
+    from benchmarks.guard_ladder import study
+    from benchmarks.repair_report import ladder_markdown
+
+    def records(n):  # as above, but each task's mapped answer changes for every tenth item of low risk too
+        out = []
+        for i in range(n):
+            risk = (i + 0.5) / n
+            changed = {"0": risk >= 0.3 or i % 20 in (0, 1), "0.5": risk >= 0.6}
+            out.append(_ladder_record("recall" if i % 2 else "chat", risk, changed, {"0": 0.0, "0.5": 0.4}))
+        return out
+
+    few = study(records(20), records(40), max_changed=0.05, confidence=0.9)  # 10 items a task vouch for nothing
+    assert few["ladder_confident"]["ladder"]["rungs"] == [] and few["binary_guard_confident"]["ladder"]["rungs"] == []
+    assert few["ladder_confident"]["report"]["rungs"] == {"fallback": 1.0}
+    assert few["ladder_confident"]["ladder"]["calibration"]["budget_per_group"] == {"chat": -1, "recall": -1}
+    assert few["ladder"]["ladder"]["rungs"] != []  # on the items alone the same budget serves
+    sweep = {row["max_changed"]: row for row in few["budget_sweep"]}
+    assert "ladder_confident" not in sweep[0.0] and "ladder_confident" in sweep[0.1]
+
+    many = study(records(200), records(200), max_changed=0.05, confidence=0.9)  # 100 a task: 1 changed, not 5
+    point, bound = many["ladder"], many["ladder_confident"]
+    assert bound["ladder"]["calibration"]["budget_per_group"] == {"chat": 1, "recall": 1}
+    assert point["ladder"]["calibration"]["budget_per_group"] == {"chat": 5, "recall": 5}
+    worst = {
+        name: max(g["changed_served"] for g in way["selection"]["per_group"].values())
+        for name, way in many.items()
+        if name in ("ladder", "ladder_confident")
+    }
+    assert worst["ladder_confident"] <= 0.01 < worst["ladder"] <= 0.05
+    assert bound["selection"]["mean_cost"] > point["selection"]["mean_cost"]  # the bound costs
+
+    run = {
+        "command": "python -m benchmarks.guard_ladder --confidence 0.9",
+        "family": "tiny",
+        "dtype": "float32",
+        "probes": ["draft_agreement:2"],
+        "strategies": ["tail"],
+        "fractions": [0.5],
+        "tasks": ["chat", "recall"],
+        "selection": {"seed": 1, "items_per_task": 100},
+        "report": {"seed": 2, "items_per_task": 100},
+        "max_changed": 0.05,
+        "confidence": 0.9,
+    }
+    text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **many}}})
+    assert "| ladder, bound at 0.9 |" in text and "Clopper-Pearson upper bound at 0.9" in text

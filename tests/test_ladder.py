@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,7 +20,17 @@ from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.artifacts import serving_hash
 from hf_kvmap.cli import main as cli
 from hf_kvmap.handoff import probe_context
-from hf_kvmap.ladder import FALLBACK, GuardLadder, LadderRung, calibrate_ladder, ladder_outcome, serve_rows
+from hf_kvmap.ladder import (
+    FALLBACK,
+    GuardLadder,
+    LadderRung,
+    calibrate_ladder,
+    changed_budget,
+    changed_upper_bound,
+    items_to_vouch,
+    ladder_outcome,
+    serve_rows,
+)
 from hf_kvmap.ladder_items import (
     LadderItem,
     ladder_from_records,
@@ -109,6 +121,49 @@ def test_the_budget_holds_in_every_group():
     per_group = ladder.calibration["outcome"]["per_group"]
     assert per_group["b"]["changed_served"] <= 0.1 and per_group["a"]["changed_served"] == 0.0
     assert ladder.rungs == [LadderRung(max_risk=1.0, fraction=0.0)]  # a's items, then one of b's: 1 of 10
+
+
+def _binomial_tail(changed, items, p):
+    """P(X <= changed), X ~ Binomial(items, p), in exact rational arithmetic."""
+    p = Fraction(p)
+    return sum(math.comb(items, k) * p**k * (1 - p) ** (items - k) for k in range(changed + 1))
+
+
+@pytest.mark.parametrize("changed,items,confidence", [(0, 24, 0.95), (0, 59, 0.95), (1, 93, 0.95), (3, 10, 0.9)])
+def test_the_upper_bound_leaves_exactly_the_confidence_above_it(changed, items, confidence):
+    bound = changed_upper_bound(changed, items, confidence)
+    assert float(_binomial_tail(changed, items, bound)) == pytest.approx(1 - confidence, abs=1e-9)
+    assert float(_binomial_tail(changed, items, bound * 0.999)) > 1 - confidence  # the highest such rate
+    if changed == 0:  # the closed form: 1 - (1 - confidence) ** (1 / items)
+        assert bound == pytest.approx(1 - (1 - confidence) ** (1 / items), abs=1e-12)
+
+
+def test_the_confident_budget_is_the_most_changed_answers_the_bound_allows():
+    assert [changed_budget(n, 0.05) for n in (19, 20, 100)] == [0, 1, 5]  # without confidence: floor(0.05 n)
+    for n in (24, 58, 59, 93, 124, 200):
+        budget = changed_budget(n, 0.05, 0.95)
+        assert budget == -1 or changed_upper_bound(budget, n, 0.95) <= 0.05
+        assert budget == n or changed_upper_bound(budget + 1, n, 0.95) > 0.05
+    assert [changed_budget(n, 0.05, 0.95) for n in (58, 59, 93, 124)] == [-1, 0, 1, 2]
+    assert items_to_vouch(0.05, 0.95) == 59 and items_to_vouch(0.05, 0.9) == 45
+
+
+def test_a_task_too_small_to_vouch_for_the_budget_is_served_only_the_fallback():
+    # task a: 60 items, nothing ever changes; task b: 10 items, nothing changes either, but 10 cannot vouch for 5 %
+    risks = [i / 100 for i in range(60)] + [0.3 + i / 100 for i in range(10)]
+    groups = ["a"] * 60 + ["b"] * 10
+    changed = {0.0: [False] * 70}
+    costs = {0.0: 0.1, FALLBACK: 1.1}
+    point = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", groups=groups)
+    assert point.rungs == [LadderRung(max_risk=0.59, fraction=0.0)]  # on the items alone everything is served
+    sure = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", groups=groups, confidence=0.95)
+    assert sure.calibration["budget_per_group"] == {"a": 0, "b": -1} and sure.calibration["confidence"] == 0.95
+    # a's items below b's lowest risk (0.3) are served; b's, and a's at or above 0.3, fall back
+    assert sure.rungs == [LadderRung(max_risk=0.29, fraction=0.0)]
+    plan = sure.plan(risks)
+    assert [f is None for f in plan] == [r >= 0.3 for r in risks]
+    with pytest.raises(ValueError, match="confidence=1.0 must be in"):
+        calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", groups=groups, confidence=1.0)
 
 
 @pytest.mark.parametrize(
@@ -490,6 +545,13 @@ def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     assert ("serving without a handoff is cheaper" in printed) == (stored["calibration"]["outcome"]["mean_cost"] >= 1)
     assert cli(args) == 0  # resumed: nothing measured again
     assert "resuming: " in capsys.readouterr().out
+    assert cli([*args, "--confidence", "0.9"]) == 0  # 3 items a task cannot vouch for 5 %: every item falls back
+    sure = MapperModel.from_pretrained(out).config.handoff_ladder
+    assert sure["rungs"] == [] and sure["calibration"]["confidence"] == 0.9
+    assert "at least 45 items of a task" in capsys.readouterr().out
+    assert "as a one-sided 0.90 upper confidence bound" in (out / "README.md").read_text()
+    with pytest.raises(SystemExit, match="--confidence 1.5 must be in"):
+        cli([*args, "--confidence", "1.5"])
     with pytest.raises(SystemExit, match="--max-changed 2.0"):
         cli([*args, "--max-changed", "2"])
     wrong = [*args[:2], "tiny-s", *args[3:], "--mapper", str(zoo.mapper_path("tiny-m", "tiny-l"))]
