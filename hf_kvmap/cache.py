@@ -208,7 +208,9 @@ class MappedCache(DynamicCache):
             source_position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the source model *built* the
                 cache at. Defaults to those of a plain forward, `0 .. seq - 1` in every row (padding included), which
                 is what `source(ids, attention_mask=mask)` uses; pass the prefill's `position_ids` when it had them
-                (e.g. a generate-style prefill of a padded batch).
+                (e.g. a generate-style prefill of a padded batch). The cache alone cannot tell the two apart: for a
+                left-padded batch pass them, or `source_model` and `input_ids` to have the cache checked (otherwise
+                a warning says which positions were assumed).
             position_ids (`torch.Tensor`, *optional*): explicit `(batch, seq)` positions the target will read the
                 cache at (mutually exclusive with `attention_mask`); also the source's unless `source_position_ids`
                 is given.
@@ -220,6 +222,13 @@ class MappedCache(DynamicCache):
                 prompt's `(batch, seq)` token ids, together: the target's first layer is then not mapped but computed
                 by the target from the ids (`hf_kvmap.first_layer`; its keys and values depend on nothing else), exact
                 at the cost of one embedding lookup and two projections per token.
+            source_model (`PreTrainedModel`, *optional*): the source, with `input_ids`: the source cache's first
+                layer is checked against what the source computes for those ids at the source positions (one
+                embedding lookup and two projections per token), so a cache of other tokens, or built at other
+                positions than `source_position_ids` says, raises `ValueError` instead of mapping wrong. Repair
+                strategies that read the source (its attention, its draft) use it too.
+            repair (`RepairConfig` or `dict`, *optional*): recompute a share of the positions through the target
+                (`hf_kvmap.repair`); needs `target_model` and `input_ids`.
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
@@ -270,13 +279,23 @@ class MappedCache(DynamicCache):
         if check_finite:
             check_finite_pairs(source_kv)
         device = source_kv[0][0].device
+        source_given = source_position_ids if source_position_ids is not None else position_ids
         if position_ids is None:
             mask = attention_mask.to(device) if attention_mask is not None else None
             position_ids = positions_from_attention_mask(mask, batch, seq, device)
             if source_position_ids is None:  # a plain forward: every row at 0 .. seq - 1
                 source_position_ids = positions_from_attention_mask(None, batch, seq, device)
-        if (target_model is None) != (input_ids is None):
+        if target_model is not None and input_ids is None:
             raise ValueError("Pass `target_model` and `input_ids` together (the target computes its first layer).")
+        if source_model is not None and input_ids is None:
+            raise ValueError(
+                "source_model checks the source cache against the prompt's token ids: pass `input_ids` with it."
+            )
+        if input_ids is not None and target_model is None and source_model is None:
+            raise ValueError(
+                "input_ids are read by `target_model` (it computes its first layer) or `source_model` (it checks the "
+                "source cache): pass one of them with the ids, or leave the ids out."
+            )
         if repair is not None and target_model is None:
             raise ValueError(
                 "repair= needs the target: pass `target_model` and `input_ids` (the target recomputes the selected "
@@ -284,6 +303,20 @@ class MappedCache(DynamicCache):
             )
         if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
             raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
+        if source_model is not None and input_ids is not None:
+            from .input_checks import check_source_cache
+
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            built = source_position_ids if source_position_ids is not None else position_ids
+            check_source_cache(source_model, source_kv[0], input_ids, built, mask.to(input_ids.device))
+        elif attention_mask is not None and source_given is None and not bool(attention_mask.all()):
+            logger.warning_once(
+                "MappedCache.from_source: the attention mask left-pads the batch and no `source_position_ids` were "
+                "given, so the source cache is read as a plain forward built it (every row at 0 .. seq - 1, what "
+                "`source(ids, attention_mask=mask)` does). A cache built at the mask's positions (`generate`, or a "
+                "forward given `position_ids`) maps wrong that way: pass `source_position_ids`, or `source_model` and "
+                "`input_ids` to have the cache checked."
+            )
         length = seq - hold_back
         num_target = len(config.source_layers)
         mapped = unhooked_forward(mapper)(

@@ -144,6 +144,51 @@ def test_plain_and_generate_style_prefills_of_a_left_padded_batch_both_map_exact
     assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), reference)
 
 
+def test_a_left_padded_cache_of_unstated_positions_is_checked_by_the_source_or_warned_about(tiny, caplog):
+    """The cache alone cannot say at which positions a left-padded batch was built: with `source_model` and the ids the
+    first layer is checked against the source at the positions stated (the default: a plain forward's), so a
+    generate-style cache mapped as a plain one raises instead of mapping wrong; without them a warning names the
+    assumption."""
+    from transformers.utils import logging as hf_logging
+
+    config = tiny.SUPPORTED["qwen3"]()
+    model = tiny.model(config)
+    ids, mask = tiny.left_padded_batch()
+    mapper = MapperModel.identity(config)
+    reference = tiny.greedy(model, ids, mask)
+    generate_style = tiny.prefill(model, ids, mask)  # built at the mask's positions
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    checked = {"source_model": model, "input_ids": ids}
+    cache = MappedCache.from_source(plain, mapper, attention_mask=mask, **checked)
+    assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), reference)
+    with pytest.raises(ValueError, match="not the source's cache .* pass `source_position_ids`"):
+        MappedCache.from_source(generate_style, mapper, attention_mask=mask, **checked)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = MappedCache.from_source(
+        generate_style, mapper, attention_mask=mask, source_position_ids=positions, **checked
+    )
+    assert torch.equal(tiny.greedy(model, ids, mask, cache=cache), reference)
+    with pytest.raises(ValueError, match="pass `input_ids` with it"):
+        MappedCache.from_source(plain, mapper, attention_mask=mask, source_model=model)
+    with pytest.raises(ValueError, match="input_ids are read by `target_model` .* or `source_model`"):
+        MappedCache.from_source(plain, mapper, attention_mask=mask, input_ids=ids)
+
+    def warned(cache, **kwargs) -> list[str]:
+        hf_logging.warning_once.cache_clear()  # each call may warn afresh
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_kvmap"):
+            MappedCache.from_source(cache, mapper, **kwargs)
+        return [r.getMessage() for r in caplog.records if "left-pads the batch" in r.getMessage()]
+
+    message = warned(plain, attention_mask=mask)  # unstated and unchecked
+    assert len(message) == 1 and "pass `source_position_ids`" in message[0]
+    plain_positions = torch.arange(ids.shape[1]).expand_as(ids)
+    assert warned(plain, attention_mask=mask, source_position_ids=plain_positions) == []  # stated
+    assert warned(plain, attention_mask=mask, **checked) == []  # checked
+    assert warned(plain, attention_mask=torch.ones_like(mask)) == []  # no padding: nothing to tell apart
+
+
 @pytest.mark.parametrize(
     "mask,fragment",
     [
