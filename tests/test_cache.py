@@ -12,6 +12,7 @@ from hf_kvmap import (
     MappedCache,
     MapperModel,
 )
+from hf_kvmap._compat import cache_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,7 +113,7 @@ def test_mapped_cache_from_mlp_mapper_shapes_and_devices(mlp_pair, fitted):
         assert layer.keys.shape == layer.values.shape == (2, 4, 11, 8)
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
     # the target reads it (a forward with the held-back token)
-    out = target(ids[:, -1:], past_key_values=cache)
+    out = target(ids[:, -1:], **cache_kwargs(cache))
     assert torch.isfinite(out.logits).all()
 
     placed = copy.deepcopy(mapper)  # the module-scoped fitted mapper stays on the CPU

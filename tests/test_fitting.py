@@ -15,6 +15,7 @@ from hf_kvmap import (
     fit_mapper,
     mapper_from_statistics,
 )
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.features import gather_features
 from hf_kvmap.fitting import mapper_r2
 from hf_kvmap.modeling_mlp import HeadwiseMLP
@@ -90,7 +91,7 @@ def test_self_map_selects_diagonal_and_generates_identically(tiny, self_model, t
     reference = model.generate(ids, max_new_tokens=8, do_sample=False)
     source_cache = model(ids, use_cache=True).past_key_values
     cache = MappedCache.from_source(source_cache, mapper)
-    mapped = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    mapped = model.generate(ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
     assert torch.equal(mapped, reference)
 
     # The fitted mapper round-trips through save_pretrained with its provenance.
@@ -279,7 +280,7 @@ def test_windowed_self_fit_recovers_the_identity(tiny, tmp_path):
     ids = torch.randint(0, tiny.VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
     cache = MappedCache.from_source(model(ids, use_cache=True).past_key_values, mapper)
     assert torch.equal(
-        model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False),
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False),
         model.generate(ids, max_new_tokens=8, do_sample=False),
     )
     mapper.save_pretrained(tmp_path)
@@ -305,7 +306,7 @@ def test_windowed_mlp_mapper_trains_and_maps(tiny):
     ids = torch.randint(0, tiny.VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
     cache = MappedCache.from_source(source(ids, use_cache=True).past_key_values, mapper)
     assert all(torch.isfinite(layer.keys).all() and layer.keys.shape[2] == 19 for layer in cache.layers)
-    assert torch.isfinite(target(ids[:, -1:], past_key_values=cache).logits).all()
+    assert torch.isfinite(target(ids[:, -1:], **cache_kwargs(cache)).logits).all()
 
 
 def test_mlp_fit_records_training_and_is_reproducible(mlp_pair, calibration, fitted):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_kvmap import HandoffRefusedError, MappedCache, MapperConfig, MapperModel, calibrate_probe, handoff, zoo
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.guard_calibration import auc, calibrate_threshold, roc_curve
 from hf_kvmap.zoo import corpus
 
@@ -18,7 +19,7 @@ SHIPPED = (("tiny-s", "tiny-l"), ("tiny-m", "tiny-l"), ("tiny-x", "tiny-l"), ("t
 
 def greedy(model, ids, cache=None, mask=None, new=6):
     return model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0
+        ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, do_sample=False, pad_token_id=0
     )
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_kvmap import MappedCache, MapperModel, load_cache, save_cache, zoo
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance
 from hf_kvmap.zoo import corpus
 
@@ -23,7 +24,7 @@ def pair(one_thread):
 
 
 def _generate(model, ids, cache):
-    return model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
 def test_mapped_cache_round_trip_is_exact(pair, tmp_path):
@@ -152,5 +153,5 @@ def test_left_padded_batch_round_trip(tmp_path, tiny, one_thread):
     loaded, provenance = load_cache(tmp_path / "batch.safetensors", input_ids=ids, model=model)
     assert provenance["geometry"]["batch"] == 2
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(ids, past_key_values=loaded, **kwargs), model.generate(ids, **kwargs))
+    assert torch.equal(model.generate(ids, **cache_kwargs(loaded), **kwargs), model.generate(ids, **kwargs))
     assert json.loads(json.dumps(provenance)) == provenance

@@ -14,6 +14,7 @@ from hf_kvmap import (
     MapperConfig,
     MapperModel,
 )
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.configuration_mapper import summarize_model_config
 from hf_kvmap.rope import RotaryCodec
 
@@ -55,7 +56,7 @@ def test_identity_mapper_sampling_matches_with_same_seed(tiny):
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(4))
     cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config))
     torch.manual_seed(11)
-    mapped = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
+    mapped = model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
     torch.manual_seed(11)
     plain = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
     assert torch.equal(mapped, plain)
@@ -147,7 +148,7 @@ def test_identity_mapper_beam_search_matches(tiny):
     cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config))
     cache.batch_repeat_interleave(3)  # generate() does not expand a prefilled cache for beams (DynamicCache neither)
     kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), model.generate(ids, **kwargs))
+    assert torch.equal(model.generate(ids, **cache_kwargs(cache), **kwargs), model.generate(ids, **kwargs))
 
 
 def test_bfloat16_cache_and_mapper_dtypes(tiny):

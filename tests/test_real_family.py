@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_kvmap import CalibrationStatistics, LayerSelection, MappedCache, mapper_from_statistics
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.real import corpus
 from hf_kvmap.real.tasks import TASK_META, real_family_tasks
 
@@ -176,7 +177,7 @@ def test_self_map_statistics_recover_the_identity(script, tiny):
             torch.testing.assert_close(layer.values, original.values[:, :, :19], rtol=1e-3, atol=1e-3)
         plain = source.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(
-            source.generate(ids, past_key_values=mapped, max_new_tokens=6, do_sample=False, pad_token_id=0), plain
+            source.generate(ids, **cache_kwargs(mapped), max_new_tokens=6, do_sample=False, pad_token_id=0), plain
         )
     with pytest.raises(ValueError, match="source side"):
         script.self_statistics(stats, "target")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hf_kvmap import MappedCache, MapperModel
+from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.real import converted_path, is_converted
 
 pytestmark = pytest.mark.real
@@ -63,7 +64,7 @@ def greedy(model, tokenizer, ids, mask=None, cache=None, new=24):
         return model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             max_new_tokens=new,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
