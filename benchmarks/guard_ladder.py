@@ -119,7 +119,7 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
     )
 
 
-def _mapped_only(records: list[dict]) -> list[dict]:
+def mapped_only(records: list[dict]) -> list[dict]:
     """The records as if only the mapped cache had been measured (the binary guard's choice)."""
     out = []
     for record in records:
@@ -183,9 +183,9 @@ SWEEP = (0.0, 0.025, 0.05, 0.1)
 def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
     """(name, view of the records, confidence) of every calibration compared: the ladder and the binary guard with the
     budget held on the selection items, and with `confidence` also held as an upper confidence bound."""
-    ways = [("ladder", lambda r: r, None), ("binary_guard", _mapped_only, None)]
+    ways = [("ladder", lambda r: r, None), ("binary_guard", mapped_only, None)]
     if confidence is not None:
-        ways += [("ladder_confident", lambda r: r, confidence), ("binary_guard_confident", _mapped_only, confidence)]
+        ways += [("ladder_confident", lambda r: r, confidence), ("binary_guard_confident", mapped_only, confidence)]
     return ways
 
 

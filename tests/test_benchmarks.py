@@ -539,3 +539,45 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     }
     text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **many}}})
     assert "| ladder, bound at 0.9 |" in text and "Clopper-Pearson upper bound at 0.9" in text
+
+
+def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path):
+    from benchmarks import ladder_calibration_size as size
+
+    def records(n, offset):  # the mapped answer changes above risk 0.5; half a repair never changes one
+        out = []
+        for i in range(n):
+            risk = (i + 0.5) / n
+            record = _ladder_record(
+                "recall" if i % 2 else "chat", risk, {"0": risk > 0.5, "0.5": False}, {"0": 0.0, "0.5": 0.4}
+            )
+            out.append({**record, "prompt_sha256": f"{offset}-{i}"})
+        return out
+
+    selection, report = records(160, "s"), records(80, "r")
+    result = size.study(selection, report, sizes=[10, 80], resamples=5, max_changed=0.05, confidence=0.95)
+    few, full = result["sizes"]
+    assert (few["calibrations"], full["calibrations"]) == (5, 1)  # the full set is calibrated once
+    assert few["budget_per_task_bound"] == -1 and full["budget_per_task_bound"] == 0
+    # 10 items a task cannot vouch for 5 %: every request falls back, so nothing changed is served, at the full cost
+    assert few["ladder_bound"]["fallback_mean"] == 1.0 and few["ladder_bound"]["over_budget"] == 0.0
+    assert few["ladder_bound"]["mean_cost"] == pytest.approx(0.1 + 0.1 + 1.0)
+    # 80 items vouch for none changed: the ladder serves the mapped cache below 0.5 and repairs above, never changed
+    assert full["ladder_bound"]["fallback_mean"] == 0.0 and full["ladder_bound"]["over_budget"] == 0.0
+    assert full["ladder_bound"]["mean_cost"] == pytest.approx(0.2 + 0.5 * 0.4)
+    text = size.markdown(
+        {
+            "run": {
+                **dict.fromkeys(("command", "resamples", "max_changed", "confidence"), 0.05),
+                "selection_items": {"chat": 80},
+                "report_items": 80,
+                "report_items_per_task": {"chat": 40},
+            },
+            **result,
+        }
+    )
+    assert "| 10 (5x) | 0 / none served |" in text and "| 80 (1x) | 4 / 0 |" in text
+    shared = tmp_path / "s.jsonl"
+    shared.write_text("\n".join(json.dumps(r) for r in selection))
+    with pytest.raises(SystemExit, match="also in the selection set"):
+        size.main(["--selection", str(shared), "--report", str(shared), "--out", str(tmp_path / "o.json")])
