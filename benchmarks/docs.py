@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import (
     handoff_report,
+    ladder_calibration_size,
     mapper_variants,
     package_size,
     real_repair_maps,
@@ -109,6 +110,15 @@ REAL_LADDERS = (
     (
         "guard_ladder_real_kl_2024.json",
         "The same, calibrated on the same selection set, replayed on a second report set (seed 2024).",
+    ),
+    (
+        "guard_ladder_real_kl100.json",
+        "The read-back-KL-tuned map again, calibrated on 100 items per task (the 24 above and 76 more), with the budget "
+        "also held as an upper confidence bound.",
+    ),
+    (
+        "guard_ladder_real_kl100_2024.json",
+        "The same 100-item calibration, replayed on the second report set (seed 2024).",
     ),
 )
 
@@ -238,6 +248,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
             _json("repair_cost_real_draft.json"), source="benchmarks/results/repair_cost_real_draft.json"
         ),
         "guard-ladder": _guard_ladder,
+        "ladder-calibration-size": lambda: ladder_calibration_size.markdown(_json("ladder_calibration_size.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
