@@ -542,6 +542,7 @@ def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     assert stored == summary["ladder"] and stored["calibration"]["items"] == len(records.read_text().splitlines())
     assert "## Guard ladder" in (out / "README.md").read_text()
     printed = capsys.readouterr().out
+    assert "holds on these items only" in printed and "--confidence 0.95" in printed
     assert ("serving without a handoff is cheaper" in printed) == (stored["calibration"]["outcome"]["mean_cost"] >= 1)
     assert cli(args) == 0  # resumed: nothing measured again
     assert "resuming: " in capsys.readouterr().out

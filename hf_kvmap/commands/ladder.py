@@ -163,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
     for task, row in outcome["per_group"].items():
         print(f"  {task:<16} changed served {row['changed_served']:.3f}  net saving {row['net_saving']:.3f}")
     print(f"wrote {args.out} (config.json handoff_ladder, README.md)")
+    if args.confidence is None:
+        print(
+            f"note: the {args.max_changed:g} budget holds on these items only; on other requests the same thresholds "
+            "can serve more changed answers. --confidence 0.95 holds it as an upper confidence bound instead "
+            "(docs/repair.md, 'How many calibration items does a ladder need?')."
+        )
     short = sorted(task for task, budget in ladder.calibration["budget_per_group"].items() if budget < 0)
     if short:
         print(
