@@ -363,7 +363,9 @@ def calibrate_ladder(
     changed answers. With `confidence`, a group's budget is instead the most changed answers whose one-sided
     Clopper-Pearson upper bound on the rate stays within `max_changed` ([`changed_budget`]): at 5 % and 0.95, none of
     59 items, 1 of 93, 2 of 124. A group with too few items to vouch for the budget at all (fewer than 59 there) is
-    served only the fallback, and so is every item of another group at or above its lowest risk.
+    served only the fallback, and so is every item of another group at or above its lowest risk. The bound is exact
+    for thresholds fixed in advance; thresholds (and a probe) chosen on the same items make it somewhat optimistic, so
+    replay the ladder on other items (`ladder_items.replay_ladder`) before trusting it.
 
     Args:
         risks (sequence of `float`): the probe's risk of every calibration item (on the mapped cache).
