@@ -189,6 +189,17 @@ def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
     return ways
 
 
+def calibrated_replay(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None) -> dict:
+    """The cheapest ladder of `selection` at this budget, replayed on `report`: its worst task's changed answers
+    served, mean cost and rungs' shares."""
+    outcome = replay_ladder(ladder_from_records(selection, max_changed=max_changed, confidence=confidence), report)
+    return {
+        "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
+        "mean_cost": outcome["mean_cost"],
+        "rungs": outcome["rungs"],
+    }
+
+
 def budget_sweep(selection: list[dict], report: list[dict], confidence: float | None = None) -> list[dict]:
     """The ladder and the binary guard calibrated at every budget of `SWEEP` on `selection`: what each serves on
     `report` (worst task's changed answers, mean cost). A budget met on the selection set can be exceeded on another."""
@@ -198,13 +209,7 @@ def budget_sweep(selection: list[dict], report: list[dict], confidence: float | 
         for name, view, sure in _ways(confidence):
             if sure is not None and budget == 0.0:
                 continue  # no number of items vouches for a zero rate
-            ladder = ladder_from_records(view(selection), max_changed=budget, confidence=sure)
-            outcome = replay_ladder(ladder, view(report))
-            row[name] = {
-                "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
-                "mean_cost": outcome["mean_cost"],
-                "rungs": outcome["rungs"],
-            }
+            row[name] = calibrated_replay(view(selection), view(report), budget, sure)
         rows.append(row)
     return rows
 

@@ -26,13 +26,17 @@ import sys
 from pathlib import Path
 
 from hf_kvmap.ladder import changed_budget
-from hf_kvmap.ladder_items import ladder_from_records, replay_ladder
 from hf_kvmap.reporting import environment_info, write_json
 
-from .guard_ladder import mapped_only
+from .guard_ladder import calibrated_replay, mapped_only
 
 #: the calibrations compared: (name, view of the records, whether the budget is held as a confidence bound)
-WAYS = (("ladder", False), ("binary_guard", False), ("ladder_bound", True), ("binary_guard_bound", True))
+WAYS = (
+    ("ladder", list, False),
+    ("binary_guard", mapped_only, False),
+    ("ladder_bound", list, True),
+    ("binary_guard_bound", mapped_only, True),
+)
 
 
 def read_records(paths: list[str]) -> list[dict]:
@@ -55,17 +59,9 @@ def one_calibration(selection: list[dict], report: list[dict], max_changed: floa
     """Every way of `WAYS` calibrated on `selection` and replayed on `report`: worst task's changed answers served,
     mean cost and the rungs' shares."""
     out = {}
-    for name, bound in WAYS:
-        view = mapped_only if name.startswith("binary") else list
-        ladder = ladder_from_records(
-            view(selection), max_changed=max_changed, confidence=confidence if bound else None
-        )
-        outcome = replay_ladder(ladder, view(report))
-        out[name] = {
-            "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
-            "mean_cost": outcome["mean_cost"],
-            "fallback": outcome["rungs"].get("fallback", 0.0),
-        }
+    for name, view, bound in WAYS:
+        replayed = calibrated_replay(view(selection), view(report), max_changed, confidence if bound else None)
+        out[name] = {**replayed, "fallback": replayed["rungs"].get("fallback", 0.0)}
     return out
 
 
@@ -98,7 +94,7 @@ def study(
             "budget_per_task": changed_budget(n, max_changed),
             "budget_per_task_bound": changed_budget(n, max_changed, confidence),
         }
-        for name, _ in WAYS:
+        for name, *_ in WAYS:
             worst = [run[name]["worst_changed"] for run in runs]
             costs = [run[name]["mean_cost"] for run in runs]
             row[name] = {
@@ -112,7 +108,7 @@ def study(
         print(
             f"n={n:>3}: "
             + "; ".join(
-                f"{name} over {row[name]['over_budget']:.2f} cost {row[name]['mean_cost']:.3f}" for name, _ in WAYS
+                f"{name} over {row[name]['over_budget']:.2f} cost {row[name]['mean_cost']:.3f}" for name, *_ in WAYS
             ),
             flush=True,
         )
@@ -123,7 +119,7 @@ def markdown(result: dict, source: str = "benchmarks/results/ladder_calibration_
     """The docs table: per calibration size, each way's share of calibrations over the budget on the report set's
     worst task, and its mean cost."""
     run = result["run"]
-    names = [name for name, _ in WAYS]
+    names = [name for name, *_ in WAYS]
     headers = [name.replace("_bound", ", bound").replace("_", " ") for name in names]
     lines = [
         f"Generated from `{source}` (`{run['command']}`). Selection records: "
@@ -155,7 +151,7 @@ def plot(result: dict, path: str) -> None:
     rows = result["sizes"]
     sizes = [row["items_per_task"] for row in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, _ in WAYS:
+    for name, *_ in WAYS:
         style = "--" if name.endswith("_bound") else "-"
         label = name.replace("_bound", " (upper bound)").replace("_", " ")
         left.plot(sizes, [row[name]["over_budget"] for row in rows], style, marker="o", label=label)

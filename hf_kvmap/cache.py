@@ -279,7 +279,7 @@ class MappedCache(DynamicCache):
         if check_finite:
             check_finite_pairs(source_kv)
         device = source_kv[0][0].device
-        source_given = source_position_ids if source_position_ids is not None else position_ids
+        positions_stated = source_position_ids is not None  # (position_ids never come with a mask)
         if position_ids is None:
             mask = attention_mask.to(device) if attention_mask is not None else None
             position_ids = positions_from_attention_mask(mask, batch, seq, device)
@@ -303,13 +303,13 @@ class MappedCache(DynamicCache):
             )
         if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
             raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
-        if source_model is not None and input_ids is not None:
+        if source_model is not None:  # input_ids come with it (checked above)
             from .input_checks import check_source_cache
 
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             built = source_position_ids if source_position_ids is not None else position_ids
             check_source_cache(source_model, source_kv[0], input_ids, built, mask.to(input_ids.device))
-        elif attention_mask is not None and source_given is None and not bool(attention_mask.all()):
+        elif attention_mask is not None and not positions_stated and not bool(attention_mask.all()):
             logger.warning_once(
                 "MappedCache.from_source: the attention mask left-pads the batch and no `source_position_ids` were "
                 "given, so the source cache is read as a plain forward built it (every row at 0 .. seq - 1, what "
