@@ -18,6 +18,7 @@ from pathlib import Path
 from . import (
     handoff_report,
     ladder_calibration_size,
+    ladder_headroom,
     mapper_variants,
     package_size,
     real_repair_maps,
@@ -249,6 +250,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         ),
         "guard-ladder": _guard_ladder,
         "ladder-calibration-size": lambda: ladder_calibration_size.markdown(_json("ladder_calibration_size.json")),
+        "ladder-headroom": lambda: ladder_headroom.markdown(_json("ladder_headroom.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),

@@ -581,3 +581,62 @@ def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path
     shared.write_text("\n".join(json.dumps(r) for r in selection))
     with pytest.raises(SystemExit, match="also in the selection set"):
         size.main(["--selection", str(shared), "--report", str(shared), "--out", str(tmp_path / "o.json")])
+
+
+def test_ladder_headroom_serves_each_request_its_cheapest_keeping_rung_and_measures_separation(tmp_path):
+    from benchmarks import ladder_headroom as headroom
+
+    # changed answers at the mapped cache (0) and at half a repair (0.5): kept, repaired, neither, kept
+    planted = [({"0": False, "0.5": False}, 0.1), ({"0": True, "0.5": False}, 0.9), ({"0": True, "0.5": True}, 0.8)]
+    planted.append(({"0": False, "0.5": True}, 0.2))
+    records = [
+        {**_ladder_record("chat", risk, changed, {"0": 0.0, "0.5": 0.4}), "prompt_sha256": str(i)}
+        for i, (changed, risk) in enumerate(planted)
+    ]
+    assert [headroom.cheapest_keeping(r, "tail") for r in records] == [0.0, 0.5, None, 0.0]
+    free = headroom.perfect_outcome(records, "tail")
+    # every rung pays the mapping (0.1); half a repair 0.4 more; the fallback the prefill (1.0)
+    assert free["mean_cost"] == pytest.approx((0.1 + 0.5 + 1.1 + 0.1) / 4) and free["changed_served"] == 0.0
+    assert free["rungs"] == {"mapped": 0.5, "repair:0.5": 0.25, "fallback": 0.25}
+    paid = headroom.perfect_outcome(records, "tail", "draft_agreement:2")
+    assert paid["mean_cost"] == pytest.approx(free["mean_cost"] + 0.1)  # the probe paid on every rung
+
+    assert headroom.auroc([1.0, 0.5], [0.5, 0.0]) == pytest.approx(0.875)  # a tie counts half
+    assert headroom.auroc([1.0], []) is None
+    assert headroom.separation(records)["chat"]["draft_agreement:2"] == {"auroc": 1.0, "changed": 2, "kept": 2}
+
+    def many(n, prefix):  # the mapped answer changes above risk 0.5, half a repair never changes one
+        return [
+            {
+                **_ladder_record(
+                    "chat" if i % 2 else "recall",
+                    (i + 0.5) / n,
+                    {"0": (i + 0.5) / n > 0.5, "0.5": False},
+                    {"0": 0.0, "0.5": 0.4},
+                ),
+                "prompt_sha256": f"{prefix}{i}",
+            }
+            for i in range(n)
+        ]
+
+    result = headroom.study(many(200, "s"), {"a": many(80, "r")}, max_changed=0.0, confidence=0.95)
+    ways = result["reports"]["a"]
+    assert ways["perfect tail"]["worst_changed"] == 0.0
+    assert ways["perfect tail"]["mean_cost"] == pytest.approx(0.1 + 0.5 * 0.4)
+    # a probe that separates perfectly calibrates to the perfect ladder, at the probe's cost
+    assert ways["ladder"]["mean_cost"] == pytest.approx(ways["perfect tail at draft_agreement:2"]["mean_cost"])
+    assert ways["ladder"]["worst_changed"] == 0.0
+    assert ways["ladder_bound"]["rungs"] == {"fallback": 1.0}  # no number of items vouches for a zero rate
+    selection_file, report_file = tmp_path / "s.jsonl", tmp_path / "r.jsonl"
+    selection_file.write_text("\n".join(json.dumps(r) for r in many(200, "s")))
+    report_file.write_text("\n".join(json.dumps(r) for r in many(80, "s")))
+    with pytest.raises(SystemExit, match="shares prompts with the selection set"):
+        headroom.main(
+            ["--selection", str(selection_file), "--report", f"x={report_file}", "--out", str(tmp_path / "o")]
+        )
+    report_file.write_text("\n".join(json.dumps(r) for r in many(80, "r")))
+    out = tmp_path / "o.json"
+    headroom.main(["--selection", str(selection_file), "--report", f"held={report_file}", "--out", str(out)])
+    text = headroom.markdown(json.loads(out.read_text()))
+    assert "| perfect probe, `tail` repairs, free | 0.300 · 0.0% · 0% |" in text
+    assert "| chat | held (20 / 20) | 1.00 |" in text

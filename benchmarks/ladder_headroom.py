@@ -1,0 +1,281 @@
+"""How much could a better probe save? The guard ladder with a perfect probe, one that knows for every request the
+cheapest rung that keeps the target's own answer, replayed on the same measured records as the calibrated ladders:
+once free, and once at the measured cost of each real probe. Beside it, how well each real probe separates the
+requests whose mapped cache changes the answer from the rest (AUROC per task).
+
+Nothing is measured here: the records are the JSONL files `benchmarks.guard_ladder` keeps under its `--work` folder
+(one line per item), read as they are.
+
+    python -m benchmarks.ladder_headroom --selection $WORK/ladder/0.5b-to-1.5b.selection.jsonl \
+        --report seed-1234=$WORK/ladder/0.5b-to-1.5b.report.jsonl \
+        --report seed-2024=$WORK/ladder_2024/0.5b-to-1.5b.report.jsonl --out benchmarks/results/ladder_headroom.json --plot benchmarks/results/ladder_headroom.png
+
+The perfect probe's ladder is a bound on what any probe of that cost can reach with these rungs (it serves no changed
+answer and never pays for a rung it does not need), not a serving choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Sequence
+
+from hf_kvmap.ladder import ladder_outcome
+from hf_kvmap.ladder_items import record_costs
+from hf_kvmap.reporting import environment_info, write_json
+
+from .guard_ladder import calibrated_replay
+from .ladder_calibration_size import read_records
+
+#: the risk key of the perfect probe in the records' view this module builds
+PERFECT = "perfect"
+
+
+def cheapest_keeping(record: dict, strategy: str) -> float | None:
+    """The smallest measured fraction of `strategy` whose answer is the target's own (0: the mapped cache), or `None`
+    where every measured rung changes it (only the fallback keeps it)."""
+    answers = record["answers"][strategy]
+    for fraction in sorted(float(f) for f in answers):
+        if not answers[f"{fraction:g}"]["changed"]:
+            return fraction
+    return None
+
+
+def perfect_view(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> list[dict]:
+    """The records with a perfect probe added (risk key `PERFECT`): it costs nothing, or what probe `cost_of` cost on
+    each record (with the source steps it drafted, which a drafting repair need not decode again)."""
+    out = []
+    for record in records:
+        seconds = record["seconds"]
+        probe_seconds = 0.0 if cost_of is None else seconds["probe"][cost_of]
+        steps = 0 if cost_of is None else seconds.get("probe_source_steps", {}).get(cost_of, 0)
+        out.append(
+            {
+                **record,
+                "seconds": {
+                    **seconds,
+                    "probe": {**seconds["probe"], PERFECT: probe_seconds},
+                    "probe_source_steps": {**seconds.get("probe_source_steps", {}), PERFECT: steps},
+                },
+            }
+        )
+    return out
+
+
+def perfect_outcome(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> dict:
+    """`ladder_outcome` of serving every record its cheapest rung that keeps the answer (`cheapest_keeping`), the
+    rungs costed as a calibrated ladder's are (`record_costs`: the mapping and the probe on every rung)."""
+    plan = [cheapest_keeping(r, strategy) for r in records]
+    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
+    changed = {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
+    costs = record_costs(perfect_view(records, strategy, cost_of), PERFECT, strategy)
+    return ladder_outcome(plan, changed, costs, [r["task"] for r in records])
+
+
+def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
+    """The chance that a positive scores above a negative (ties count half); `None` without both kinds."""
+    if not positives or not negatives:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    return wins / (len(positives) * len(negatives))
+
+
+def separation(records: Sequence[dict]) -> dict[str, dict[str, dict]]:
+    """Per task and probe: the AUROC of the probe's risk for "the mapped cache changes the target's answer", and how
+    many records of each kind it rests on."""
+    out: dict[str, dict[str, dict]] = {}
+    for task in sorted({r["task"] for r in records}):
+        mine = [r for r in records if r["task"] == task]
+        strategy = sorted(mine[0]["answers"])[0]
+        flip = [bool(r["answers"][strategy]["0"]["changed"]) for r in mine]
+        out[task] = {
+            probe: {
+                "auroc": auroc(
+                    [r["risks"][probe] for r, f in zip(mine, flip) if f],
+                    [r["risks"][probe] for r, f in zip(mine, flip) if not f],
+                ),
+                "changed": sum(flip),
+                "kept": len(flip) - sum(flip),
+            }
+            for probe in sorted(mine[0]["risks"])
+        }
+    return out
+
+
+def _brief(outcome: dict) -> dict:
+    return {
+        "mean_cost": outcome["mean_cost"],
+        "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
+        "rungs": outcome["rungs"],
+    }
+
+
+def study(
+    selection: list[dict], reports: dict[str, list[dict]], max_changed: float, confidence: float
+) -> dict[str, dict]:
+    """Per report set: the perfect probe's ladder (free, and at each real probe's cost) per strategy, beside the
+    ladders calibrated on `selection` (budget on the items alone, and as an upper bound at `confidence`) replayed
+    there; and each probe's separation on the selection set and on every report set."""
+    strategies = sorted(selection[0]["answers"])
+    probes = sorted(selection[0]["risks"])
+    out: dict[str, dict] = {"separation": {"selection": separation(selection)}, "reports": {}}
+    for name, report in reports.items():
+        ways: dict[str, dict] = {}
+        for strategy in strategies:
+            ways[f"perfect {strategy}"] = {**_brief(perfect_outcome(report, strategy)), "strategy": strategy}
+            for probe in probes:
+                ways[f"perfect {strategy} at {probe}"] = {
+                    **_brief(perfect_outcome(report, strategy, probe)),
+                    "strategy": strategy,
+                    "probe": probe,
+                }
+        ways["ladder"] = calibrated_replay(selection, report, max_changed, None)
+        ways["ladder_bound"] = calibrated_replay(selection, report, max_changed, confidence)
+        out["reports"][name] = ways
+        out["separation"][name] = separation(report)
+    return out
+
+
+def _label(way: str, entry: dict, quote: str = "") -> str:
+    """A row's name: a perfect probe's ladder by its strategy and whose cost it pays, or the calibrated ladder."""
+    if "strategy" not in entry:
+        return {"ladder": "calibrated, budget on the items", "ladder_bound": "calibrated, budget as a bound"}[way]
+    cost = f"at the cost of {quote}{entry['probe']}{quote}" if entry.get("probe") else "free"
+    return f"perfect probe, {quote}{entry['strategy'].split(':')[0]}{quote} repairs, {cost}"
+
+
+def markdown(result: dict, source: str = "benchmarks/results/ladder_headroom.json") -> str:
+    """The docs tables: per report set, the perfect probe's ladder beside the calibrated ones (mean cost, worst task's
+    changed answers served, share falling back), and the probes' AUROC per task."""
+    run = result["run"]
+    names = list(result["reports"])
+    lines = [
+        f"Generated from `{source}` (`{run['command']}`). The perfect probe serves each request the cheapest rung "
+        "that keeps the target's own answer (else the fallback); its rungs are costed as a calibrated ladder's (the "
+        "mapping and the probe on every rung, the repair on a repairing one, the prefill on the fallback). The "
+        f"calibrated ladders: at most {run['max_changed']:.0%} changed answers per task on the selection set "
+        f"({', '.join(f'{n} {t}' for t, n in run['selection_items'].items())}), on the items alone or as a "
+        f"one-sided upper bound at {run['confidence']:g}. Cells: mean cost (1 = the target's prefill) · worst task's "
+        "changed answers served · share falling back.",
+        "",
+        "| ladder | " + " | ".join(f"report set `{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for way, first in result["reports"][names[0]].items():
+        label = _label(way, first, "`")
+        cells = [
+            f"{w['mean_cost']:.3f} · {w['worst_changed']:.1%} · {w['rungs'].get('fallback', 0.0):.0%}"
+            for w in (result["reports"][n][way] for n in names)
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    sets = list(result["separation"])
+    probes = sorted(next(iter(result["separation"]["selection"].values())))
+    lines += [
+        "",
+        "How well each probe separates the requests whose mapped cache changes the answer (AUROC: 0.5 is chance; "
+        "changed / kept requests in brackets):",
+        "",
+        "| task | set | " + " | ".join(f"`{p}`" for p in probes) + " |",
+        "|---|---|" + "---|" * len(probes),
+    ]
+    for task in sorted(result["separation"]["selection"]):
+        for name in sets:
+            row = result["separation"][name].get(task)
+            if row is None:
+                continue
+            first = row[probes[0]]
+            cells = ["-" if row[p]["auroc"] is None else f"{row[p]['auroc']:.2f}" for p in probes]
+            lines.append(f"| {task} | {name} ({first['changed']} / {first['kept']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["reports"])
+    ways = list(result["reports"][names[0]])
+    fig, axis = plt.subplots(figsize=(8, 0.35 * len(ways) * len(names) + 1.2))
+    height = 0.8 / len(names)
+    for k, name in enumerate(names):
+        costs = [result["reports"][name][w]["mean_cost"] for w in ways]
+        axis.barh([i + k * height for i in range(len(ways))], costs, height=height, label=f"report set {name}")
+    axis.set_yticks([i + 0.4 - height / 2 for i in range(len(ways))])
+    axis.set_yticklabels([_label(w, result["reports"][names[0]][w]) for w in ways], fontsize=7)
+    for k, name in enumerate(names):  # what each ladder serves changed, beside its bar
+        for i, w in enumerate(ways):
+            entry = result["reports"][name][w]
+            axis.annotate(
+                f"{entry['worst_changed']:.0%} changed",
+                (entry["mean_cost"], i + k * height),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=6,
+            )
+    axis.set_xlim(0, 1.2)
+    axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axis.set_xlabel("mean cost per request (1 = the target's prefill); label: worst task's changed answers served")
+    axis.invert_yaxis()
+    axis.legend(fontsize=7)
+    axis.set_title("guard ladder: a perfect probe against the calibrated ones", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--selection", required=True, help="records JSONL of the selection set")
+    parser.add_argument(
+        "--report",
+        action="append",
+        required=True,
+        help="records JSONL of a report set, NAME=PATH or PATH (repeatable)",
+    )
+    parser.add_argument("--max-changed", type=float, default=0.05)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plot", default=None)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    selection = read_records([args.selection])
+    reports = {}
+    for number, given in enumerate(args.report, start=1):
+        name, _, path = given.rpartition("=") if "=" in given else (str(number), "", given)
+        if name in reports:
+            raise SystemExit(f"--report {given}: a second report set named {name!r}; give each its own NAME=")
+        reports[name] = read_records([path])
+    held = {r["prompt_sha256"] for r in selection}
+    for name, report in reports.items():
+        if held & {r["prompt_sha256"] for r in report}:
+            raise SystemExit(f"report set {name!r} shares prompts with the selection set: report on held-out items")
+    result = {
+        "run": {
+            "what": "the guard ladder with a perfect probe against the calibrated ladders, on measured records",
+            "selection": args.selection,
+            "selection_items": {
+                t: sum(r["task"] == t for r in selection) for t in sorted({r["task"] for r in selection})
+            },
+            "report": args.report,
+            "max_changed": args.max_changed,
+            "confidence": args.confidence,
+            "command": "python -m benchmarks.ladder_headroom " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": _dt.date.today().isoformat(),
+        },
+        "environment": environment_info(),
+        **study(selection, reports, args.max_changed, args.confidence),
+    }
+    write_json(args.out, result)
+    print(markdown(result, args.out))
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()
