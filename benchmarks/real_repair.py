@@ -101,9 +101,10 @@ class Points:
         tmp.replace(self.path)
 
     def get(self, key: str, measure) -> dict:
+        """The point `key`, measured by `measure(key)` (its score) unless it was already."""
         if key not in self.data:
             start = time.perf_counter()
-            score = measure()
+            score = measure(key)
             self.data[key] = {"score": score, "seconds": round(time.perf_counter() - start, 1)}
             self._write()
             print(f"{key}: {score:.3f} ({self.data[key]['seconds']} s)", flush=True)
@@ -171,10 +172,10 @@ def measure(handoff: Handoff, points: Points, name: str, task, strategies, fract
     kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
 
     def run(mode: str, repair: RepairConfig | None):
-        def go():
+        def go(key: str):
             handoff.repair = repair
             try:
-                return evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
+                return evaluate_items(handoff, task.task_type, task.items, mode, progress=key, **kwargs)
             finally:
                 handoff.repair = None
 

@@ -115,14 +115,16 @@ class Handoff:
         answers: Sequence[str],
         stop: str | Sequence[str] = "",
         batch_size: int = 16,
+        progress: str | None = None,
     ) -> list[bool]:
         """Greedy `generate` from each prompt (left-padded batches); correct iff it produces `answer + stop`
-        (`stop`: one string for every item, or one per item)."""
+        (`stop`: one string for every item, or one per item). `progress`: a bar's description (items done), or none."""
         stops = [stop] * len(prompts) if isinstance(stop, str) else list(stop)
         if len(stops) != len(prompts):
             raise ValueError(f"{len(stops)} stops for {len(prompts)} prompts: give one stop, or one per prompt.")
         pad = self.tokenizer.pad_token_id
         results = []
+        bar = tqdm(total=len(prompts), desc=progress, unit="item", disable=progress is None, leave=False)
         for start in range(0, len(prompts), batch_size):
             chunk = self._encode(prompts[start : start + batch_size])
             pairs = zip(answers[start : start + batch_size], stops[start : start + batch_size])
@@ -145,6 +147,8 @@ class Handoff:
                 eos_token_id=None,
             )[:, width:]
             results.extend(out[row, : len(exp)].tolist() == exp for row, exp in enumerate(expected))
+            bar.update(len(chunk))
+        bar.close()
         return results
 
     @torch.no_grad()
@@ -188,18 +192,25 @@ def _accuracy(flags: Sequence[bool]) -> float:
     return sum(map(bool, flags)) / max(len(flags), 1)
 
 
-def evaluate_items(handoff: Handoff, task_type: str, items: Sequence, mode: str, **kwargs) -> float:
+def evaluate_items(
+    handoff: Handoff, task_type: str, items: Sequence, mode: str, progress: str | None = None, **kwargs
+) -> float:
     """Score `items` of one task type under `mode`.
 
     `task_type`: `"exact_match"` (items with `.prompt` or `.context`, `.answer`, optional `.stop`, which takes
     precedence over a `stop=` given for the whole task),
     `"choice"` (`.context`, `.choices`, `.label`) -> accuracy; `"perplexity"` (`.text`) -> perplexity.
+    `progress`: the description of a bar over the items (none by default).
     """
     if task_type == "exact_match":
         prompts = [getattr(item, "prompt", "") or item.context for item in items]
         default = kwargs.get("stop", "")
         stops = [getattr(item, "stop", None) or default for item in items]  # an item's own stop comes first
-        return _accuracy(handoff.exact_match(mode, prompts, [item.answer for item in items], stop=stops))
+        answers = [item.answer for item in items]
+        return _accuracy(handoff.exact_match(mode, prompts, answers, stop=stops, progress=progress))
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"task_type={task_type!r}; expected one of {TASK_TYPES}.")
+    items = tqdm(items, desc=progress, unit="item", disable=progress is None, leave=False)
     if task_type == "choice":
         hits = []
         for item in items:
@@ -212,7 +223,6 @@ def evaluate_items(handoff: Handoff, task_type: str, items: Sequence, mode: str,
             nll, n = handoff.continuation_nll(mode, item.text)
             total, count = total + nll, count + n
         return math.exp(total / count)
-    raise ValueError(f"task_type={task_type!r}; expected one of {TASK_TYPES}.")
 
 
 @dataclass

@@ -705,9 +705,17 @@ def test_real_repair_points_resume_only_under_their_setup_and_share_only_the_tar
         "selection": [1, 8, 4],
     }
     first = real_repair.Points(tmp_path / "a.json", setup)
-    first.get("selection/chat/target", lambda: 0.75)
-    first.get("selection/chat/mapped", lambda: 0.25)
-    first.get("selection/chat/tail/0.1", lambda: 0.5)
+    measured = []
+
+    def score(value):
+        return lambda key: measured.append(key) or value  # a point is measured under its own key
+
+    first.get("selection/chat/target", score(0.75))
+    first.get("selection/chat/mapped", score(0.25))
+    first.get("selection/chat/tail/0.1", score(0.5))
+    first.get("selection/chat/target", score(0.0))  # kept: not measured again
+    assert measured == ["selection/chat/target", "selection/chat/mapped", "selection/chat/tail/0.1"]
+    assert first.data["selection/chat/target"]["score"] == 0.75
     assert real_repair.Points(tmp_path / "a.json", setup).data == first.data  # resumes: nothing measured again
 
     with pytest.raises(SystemExit, match=r"selection: \[1, 8, 4\] there, \[1, 16, 4\] here"):

@@ -56,7 +56,7 @@ def cmd_evaluate(args) -> int:
             return
         start = time.perf_counter()
         kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
-        value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
+        value = evaluate_items(handoff, task.task_type, task.items, mode, progress=key, **kwargs)
         seconds = time.perf_counter() - start
         scores[key] = {"score": value, "n_items": len(task.items), "seconds": seconds, "dtype": args.dtype}
         write_json(path, scores)

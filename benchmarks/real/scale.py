@@ -116,7 +116,7 @@ class Scorer:
             return
         start = time.perf_counter()
         kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
-        value = evaluate_items(handoff, task.task_type, task.items, mode, **kwargs)
+        value = evaluate_items(handoff, task.task_type, task.items, mode, progress=key, **kwargs)
         seconds = time.perf_counter() - start
         self.scores[key] = {"score": value, "n_items": len(task.items), "seconds": seconds, **extra}
         write_json(self.path, self.scores)
