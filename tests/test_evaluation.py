@@ -285,16 +285,26 @@ def test_handoff_with_the_targets_first_layer_ignores_a_broken_layer_zero_map(ha
 
 
 @pytest.mark.parametrize("task_type", ["exact_match", "choice", "perplexity"])
-def test_evaluate_items_progress_counts_every_item_and_changes_no_score(handoff, task_type, capsys):
-    from hf_kvmap.evaluation import evaluate_items
+def test_evaluate_items_progress_counts_every_item_and_changes_no_score(handoff, task_type, monkeypatch):
+    from tqdm.auto import tqdm
 
+    from hf_kvmap import evaluation
+
+    shown = []
+
+    class Recording(tqdm):  # what every bar that was shown had counted when it closed
+        def close(self):
+            if not self.disable:
+                shown.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(evaluation, "tqdm", Recording)
     kind = {"exact_match": "recall", "choice": "choice", "perplexity": "text"}[task_type]
     items = corpus.make_eval_set(kind, 5, seed=3, **({} if kind == "choice" else {"n_chars": 96}))
     kwargs = {"stop": "\n"} if task_type == "exact_match" else {}
-    quiet = evaluate_items(handoff, task_type, items, "mapped", **kwargs)
-    shown = evaluate_items(handoff, task_type, items, "mapped", progress="set/task/mapped", **kwargs)
-    assert shown == quiet
-    bar = capsys.readouterr().err
-    assert "set/task/mapped" in bar and "5/5" in bar
+    quiet = evaluation.evaluate_items(handoff, task_type, items, "mapped", **kwargs)
+    assert shown == []  # no bar unless asked
+    loud = evaluation.evaluate_items(handoff, task_type, items, "mapped", progress="set/task/mapped", **kwargs)
+    assert loud == quiet and shown == [("set/task/mapped", 5, 5)]
     with pytest.raises(ValueError, match="task_type='ranking'"):
-        evaluate_items(handoff, "ranking", items, "mapped", progress="x")
+        evaluation.evaluate_items(handoff, "ranking", items, "mapped", progress="x")
