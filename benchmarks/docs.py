@@ -248,6 +248,8 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "real-repair-cost-draft": lambda: repair_report.cost_markdown(
             _json("repair_cost_real_draft.json"), source="benchmarks/results/repair_cost_real_draft.json"
         ),
+    },
+    "docs/ladder.md": {
         "guard-ladder": _guard_ladder,
         "ladder-calibration-size": lambda: ladder_calibration_size.markdown(_json("ladder_calibration_size.json")),
         "ladder-headroom": lambda: ladder_headroom.markdown(_json("ladder_headroom.json")),

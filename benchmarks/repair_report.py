@@ -1,4 +1,4 @@
-"""The markdown of selective repair and the guard ladder, for `python -m benchmarks.docs` (`docs/repair.md`).
+"""The markdown of selective repair and the guard ladder, for `python -m benchmarks.docs` (`docs/repair.md`, `docs/ladder.md`).
 
 One renderer per section, each from the JSON one benchmark wrote (never typed by hand):
 

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"note: the {args.max_changed:g} budget holds on these items only; on other requests the same thresholds "
             "can serve more changed answers. --confidence 0.95 holds it as an upper confidence bound instead "
-            "(docs/repair.md, 'How many calibration items does a ladder need?')."
+            "(docs/ladder.md, 'How many calibration items does a ladder need?')."
         )
     short = sorted(task for task, budget in ladder.calibration["budget_per_group"].items() if budget < 0)
     if short:

@@ -226,3 +226,31 @@ def test_ci_runs_the_readme_test_command():
     lines = [line.split(" || ")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     positions = [lines.index(command) for command in commands]
     assert positions == sorted(positions)
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """Every relative markdown link of README.md, CONTRIBUTING.md and docs/*.md names a file that exists, and a
+    `#anchor` one of its headings (pages move; links must move with them)."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # code blocks hold no links
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target.read_text()):
+                broken.append(f"{page.name}: {link} (no such heading)")
+    assert not broken, broken
