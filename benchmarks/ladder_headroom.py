@@ -21,56 +21,11 @@ import datetime as _dt
 import sys
 from collections.abc import Sequence
 
-from hf_kvmap.ladder import ladder_outcome
-from hf_kvmap.ladder_items import record_costs
+from hf_kvmap.ladder_items import perfect_probe_outcome
 from hf_kvmap.reporting import environment_info, write_json
 
 from .guard_ladder import calibrated_replay
 from .ladder_calibration_size import read_records
-
-#: the risk key of the perfect probe in the records' view this module builds
-PERFECT = "perfect"
-
-
-def cheapest_keeping(record: dict, strategy: str) -> float | None:
-    """The smallest measured fraction of `strategy` whose answer is the target's own (0: the mapped cache), or `None`
-    where every measured rung changes it (only the fallback keeps it)."""
-    answers = record["answers"][strategy]
-    for fraction in sorted(float(f) for f in answers):
-        if not answers[f"{fraction:g}"]["changed"]:
-            return fraction
-    return None
-
-
-def perfect_view(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> list[dict]:
-    """The records with a perfect probe added (risk key `PERFECT`): it costs nothing, or what probe `cost_of` cost on
-    each record (with the source steps it drafted, which a drafting repair need not decode again)."""
-    out = []
-    for record in records:
-        seconds = record["seconds"]
-        probe_seconds = 0.0 if cost_of is None else seconds["probe"][cost_of]
-        steps = 0 if cost_of is None else seconds.get("probe_source_steps", {}).get(cost_of, 0)
-        out.append(
-            {
-                **record,
-                "seconds": {
-                    **seconds,
-                    "probe": {**seconds["probe"], PERFECT: probe_seconds},
-                    "probe_source_steps": {**seconds.get("probe_source_steps", {}), PERFECT: steps},
-                },
-            }
-        )
-    return out
-
-
-def perfect_outcome(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> dict:
-    """`ladder_outcome` of serving every record its cheapest rung that keeps the answer (`cheapest_keeping`), the
-    rungs costed as a calibrated ladder's are (`record_costs`: the mapping and the probe on every rung)."""
-    plan = [cheapest_keeping(r, strategy) for r in records]
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    changed = {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
-    costs = record_costs(perfect_view(records, strategy, cost_of), PERFECT, strategy)
-    return ladder_outcome(plan, changed, costs, [r["task"] for r in records])
 
 
 def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
@@ -123,10 +78,10 @@ def study(
     for name, report in reports.items():
         ways: dict[str, dict] = {}
         for strategy in strategies:
-            ways[f"perfect {strategy}"] = {**_brief(perfect_outcome(report, strategy)), "strategy": strategy}
+            ways[f"perfect {strategy}"] = {**_brief(perfect_probe_outcome(report, strategy)), "strategy": strategy}
             for probe in probes:
                 ways[f"perfect {strategy} at {probe}"] = {
-                    **_brief(perfect_outcome(report, strategy, probe)),
+                    **_brief(perfect_probe_outcome(report, strategy, probe)),
                     "strategy": strategy,
                     "probe": probe,
                 }

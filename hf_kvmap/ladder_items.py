@@ -347,13 +347,51 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
     )
 
 
+def cheapest_keeping(record: dict, strategy: str, costs: dict[float | str, float]) -> float | None:
+    """The rung of one record that keeps the target's answer at the least cost: the measured fraction of `strategy`
+    (0: the mapped cache) whose answer is unchanged and whose `costs` entry is least, or `None` (the fallback) where no
+    such rung costs less than `costs["fallback"]`."""
+    answers = record["answers"][strategy]
+    kept = [f for f in sorted(float(k) for k in answers) if not answers[f"{f:g}"]["changed"]]
+    best = min(kept, key=lambda f: costs[f], default=None)
+    return best if best is not None and costs[best] < costs[FALLBACK] else None
+
+
+def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> dict[str, Any]:
+    """What a perfect probe would serve on measured records: every request the cheapest rung that keeps the target's
+    answer ([`cheapest_keeping`]; the fallback always does), as [`ladder_outcome`] with the rungs costed as a
+    calibrated ladder's ([`record_costs`]). The probe costs nothing, or what probe `cost_of` (a key of the records'
+    risks) cost on each record. It serves no changed answer and costs no more than any ladder of these rungs that
+    serves none; the gap to a calibrated ladder's cost is what a better probe could save with these rungs."""
+    perfect = "perfect"  # a probe key no record holds
+    priced = []
+    for record in records:
+        seconds = record["seconds"]
+        steps = seconds.get("probe_source_steps", {})
+        priced.append(
+            {
+                **record,
+                "seconds": {
+                    **seconds,
+                    "probe": {**seconds["probe"], perfect: 0.0 if cost_of is None else seconds["probe"][cost_of]},
+                    "probe_source_steps": {**steps, perfect: 0 if cost_of is None else steps.get(cost_of, 0)},
+                },
+            }
+        )
+    costs = record_costs(priced, perfect, strategy)
+    plan = [cheapest_keeping(record, strategy, costs) for record in records]
+    return ladder_outcome(plan, _changed(records, strategy), costs, [r["task"] for r in records])
+
+
 __all__ = [
     "LadderItem",
+    "cheapest_keeping",
     "items_from_tasks",
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
     "parse_probe",
+    "perfect_probe_outcome",
     "probe_key",
     "record_costs",
     "replay_ladder",

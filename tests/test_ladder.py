@@ -33,8 +33,10 @@ from hf_kvmap.ladder import (
 )
 from hf_kvmap.ladder_items import (
     LadderItem,
+    cheapest_keeping,
     ladder_from_records,
     measure_ladder_items,
+    perfect_probe_outcome,
     record_costs,
     replay_ladder,
     strategy_key,
@@ -436,6 +438,40 @@ def test_a_repair_that_continues_the_probes_draft_is_charged_only_its_own_steps(
     assert record_costs([record], "drafts", "s")[0.5] == pytest.approx(0.3 + 1.0 / 2)
 
 
+def test_a_perfect_probe_serves_each_request_its_cheapest_rung_that_keeps_the_answer():
+    """`perfect_probe_outcome`: kept on the mapped cache -> mapped, changed there but kept by half a repair -> the
+    repair, changed by both -> the fallback; costed as a ladder's rungs (mapping and probe on every rung), with the
+    drafted steps a drafting probe spares the repair taken off when it pays that probe's cost."""
+
+    def record(task, mapped, half):
+        return {
+            "task": task,
+            "answers": {"s": {"0": {"changed": mapped}, "0.5": {"changed": half}}},
+            "seconds": {
+                "prefill": 1.0,
+                "map": 0.1,
+                "probe": {"drafts": 0.2},
+                "repair": {"s": {"0": 0.0, "0.5": 0.4}},
+                "probe_source_steps": {"drafts": 1},
+                "repair_draft_steps": {"s": {"0": [], "0.5": [0.05, 0.05]}},
+            },
+        }
+
+    records = [record("a", False, True), record("a", True, False), record("b", True, True), record("b", False, False)]
+    costs = {0.0: 0.1, 0.5: 0.5, "fallback": 1.1}
+    assert [cheapest_keeping(r, "s", costs) for r in records] == [0.0, 0.5, None, 0.0]
+    dear = {0.0: 0.1, 0.5: 1.2, "fallback": 1.1}  # a repair dearer than the prefill is never the cheapest safe rung
+    assert [cheapest_keeping(r, "s", dear) for r in records] == [0.0, None, None, 0.0]
+    free = perfect_probe_outcome(records, "s")
+    assert free["rungs"] == {"mapped": 0.5, "repair:0.5": 0.25, "fallback": 0.25}
+    assert free["changed_served"] == 0.0 and free["per_group"]["a"]["changed_served"] == 0.0
+    # every rung pays the mapping (0.1); half a repair 0.4 more; the fallback the prefill
+    assert free["mean_cost"] == pytest.approx((0.1 + 0.5 + 1.1 + 0.1) / 4)
+    paid = perfect_probe_outcome(records, "s", cost_of="drafts")  # 0.2 on every rung, one repair step spared
+    assert paid["mean_cost"] == pytest.approx((0.3 + (0.7 - 0.05) + 1.3 + 0.3) / 4)
+    assert records[0]["seconds"]["probe"] == {"drafts": 0.2}  # the records are not touched
+
+
 def test_replaying_records_is_what_the_handoff_serves(family):
     source, target, mapper, tokenizer, items = family
     records = measure_ladder_items(
@@ -543,6 +579,9 @@ def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     assert "## Guard ladder" in (out / "README.md").read_text()
     printed = capsys.readouterr().out
     assert "holds on these items only" in printed and "--confidence 0.95" in printed
+    headroom = summary["headroom"]  # a perfect probe never costs more than the calibrated ladder of the same rungs
+    assert headroom["perfect_probe_free"] <= headroom["perfect_probe_at_this_probes_cost"] <= headroom["ladder"] + 1e-9
+    assert f"would cost {headroom['perfect_probe_at_this_probes_cost']:.3f} of a prefill" in printed
     assert ("serving without a handoff is cheaper" in printed) == (stored["calibration"]["outcome"]["mean_cost"] >= 1)
     assert cli(args) == 0  # resumed: nothing measured again
     assert "resuming: " in capsys.readouterr().out

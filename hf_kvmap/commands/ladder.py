@@ -88,7 +88,14 @@ def _items(args):
 
 def run(args: argparse.Namespace) -> int:
     from ..ladder import items_to_vouch
-    from ..ladder_items import ladder_from_records, measure_ladder_items, parse_probe, strategy_key
+    from ..ladder_items import (
+        ladder_from_records,
+        measure_ladder_items,
+        parse_probe,
+        perfect_probe_outcome,
+        probe_key,
+        strategy_key,
+    )
     from ..repair import selector_from_dict
     from . import models as _models
     from ._output import finish
@@ -162,6 +169,21 @@ def run(args: argparse.Namespace) -> int:
     print("  above: the target's own prefill")
     for task, row in outcome["per_group"].items():
         print(f"  {task:<16} changed served {row['changed_served']:.3f}  net saving {row['net_saving']:.3f}")
+    # what a probe that knew each request's cheapest safe rung would cost with the same rungs: the room a better
+    # probe has (the ladder's own probe and strategy)
+    chosen_probe, chosen_strategy = probe_key(ladder.probe), strategy_key(ladder.strategy)
+    headroom = {
+        "perfect_probe_free": perfect_probe_outcome(records, chosen_strategy)["mean_cost"],
+        "perfect_probe_at_this_probes_cost": perfect_probe_outcome(records, chosen_strategy, chosen_probe)[
+            "mean_cost"
+        ],
+        "ladder": outcome["mean_cost"],
+    }
+    print(
+        f"  a perfect probe (each item its cheapest rung that keeps the answer) would cost "
+        f"{headroom['perfect_probe_at_this_probes_cost']:.3f} of a prefill at {chosen_probe}'s cost "
+        f"({headroom['perfect_probe_free']:.3f} free); this ladder costs {outcome['mean_cost']:.3f}"
+    )
     print(f"wrote {args.out} (config.json handoff_ladder, README.md)")
     if args.confidence is None:
         print(
@@ -186,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "ladder": ladder.to_dict(),
         "skipped_tasks": skipped,
+        "headroom": headroom,
         "run": {
             "source": args.source,
             "target": args.target,
