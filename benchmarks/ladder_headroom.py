@@ -8,10 +8,11 @@ Nothing is measured here: the records are the JSONL files `benchmarks.guard_ladd
 
     python -m benchmarks.ladder_headroom --selection $WORK/ladder/0.5b-to-1.5b.selection.jsonl \
         --report seed-1234=$WORK/ladder/0.5b-to-1.5b.report.jsonl \
-        --report seed-2024=$WORK/ladder_2024/0.5b-to-1.5b.report.jsonl --out benchmarks/results/ladder_headroom.json --plot benchmarks/results/ladder_headroom.png
+        --report seed-2024=$WORK/ladder_2024/0.5b-to-1.5b.report.jsonl \
+        --out benchmarks/results/ladder_headroom.json --plot benchmarks/results/ladder_headroom.png
 
-The perfect probe's ladder is a bound on what any probe of that cost can reach with these rungs (it serves no changed
-answer and never pays for a rung it does not need), not a serving choice.
+The perfect probe's ladder (`hf_kvmap.ladder_items.perfect_probe_outcome`) is a lower bound on the cost of any ladder
+of these rungs, with a probe of that price, that serves no changed answer; a reference, not a serving choice.
 """
 
 from __future__ import annotations
