@@ -239,6 +239,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "repair-cost": lambda: repair_report.cost_markdown(_json("repair_cost.json")),
         "real-repair": lambda: repair_report.real_repair_markdown(_json("real_repair.json")),
         "repair-attention": lambda: repair_attention.markdown(_json("repair_attention.json")),
+        "real-repair-reverse": lambda: repair_report.real_repair_markdown(
+            _json("real_repair_reverse.json"), "benchmarks/results/real_repair_reverse.json"
+        ),
         "real-repair-maps": lambda: real_repair_maps.maps_markdown(
             [_json(name) for name in REPAIR_MAPS], [f"benchmarks/results/{name}" for name in REPAIR_MAPS]
         ),
