@@ -189,15 +189,20 @@ def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
     return ways
 
 
-def calibrated_replay(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None) -> dict:
-    """The cheapest ladder of `selection` at this budget, replayed on `report`: its worst task's changed answers
-    served, mean cost and rungs' shares."""
-    outcome = replay_ladder(ladder_from_records(selection, max_changed=max_changed, confidence=confidence), report)
+def served_summary(outcome: dict) -> dict:
+    """Of a `ladder_outcome`: its worst task's changed answers served, mean cost and rungs' shares."""
     return {
         "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
         "mean_cost": outcome["mean_cost"],
         "rungs": outcome["rungs"],
     }
+
+
+def calibrated_replay(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None) -> dict:
+    """The cheapest ladder of `selection` at this budget, replayed on `report` (`served_summary`)."""
+    return served_summary(
+        replay_ladder(ladder_from_records(selection, max_changed=max_changed, confidence=confidence), report)
+    )
 
 
 def budget_sweep(selection: list[dict], report: list[dict], confidence: float | None = None) -> list[dict]:

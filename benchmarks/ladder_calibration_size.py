@@ -48,7 +48,7 @@ def read_records(paths: list[str]) -> list[dict]:
     return records
 
 
-def _by_task(records: list[dict]) -> dict[str, list[dict]]:
+def by_task(records: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for record in records:
         out.setdefault(record["task"], []).append(record)
@@ -76,7 +76,7 @@ def study(
 ) -> dict:
     """Per size `n` (items per task): `resamples` calibrations on `n` items of each task drawn without replacement
     (one where `n` is every item), each replayed on all of `report`."""
-    tasks = _by_task(selection)
+    tasks = by_task(selection)
     largest = min(len(items) for items in tasks.values())
     rng = random.Random(seed)
     rows = []
@@ -198,10 +198,10 @@ def main(argv=None) -> None:
         "run": {
             "what": "the guard ladder calibrated on subsets of one selection set, replayed on held-out report records",
             "selection": args.selection,
-            "selection_items": {task: len(items) for task, items in sorted(_by_task(selection).items())},
+            "selection_items": {task: len(items) for task, items in sorted(by_task(selection).items())},
             "report": args.report,
             "report_items": len(report),
-            "report_items_per_task": {task: len(items) for task, items in sorted(_by_task(report).items())},
+            "report_items_per_task": {task: len(items) for task, items in sorted(by_task(report).items())},
             "max_changed": args.max_changed,
             "confidence": args.confidence,
             "resamples": args.resamples,

@@ -22,11 +22,11 @@ import datetime as _dt
 import sys
 from collections.abc import Sequence
 
-from hf_kvmap.ladder_items import perfect_probe_outcome
+from hf_kvmap.ladder_items import ladder_from_records, perfect_probe_outcome, replay_ladder
 from hf_kvmap.reporting import environment_info, write_json
 
-from .guard_ladder import calibrated_replay
-from .ladder_calibration_size import read_records
+from .guard_ladder import served_summary
+from .ladder_calibration_size import by_task, read_records
 
 
 def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
@@ -59,14 +59,6 @@ def separation(records: Sequence[dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
-def _brief(outcome: dict) -> dict:
-    return {
-        "mean_cost": outcome["mean_cost"],
-        "worst_changed": max(g["changed_served"] for g in outcome["per_group"].values()),
-        "rungs": outcome["rungs"],
-    }
-
-
 def study(
     selection: list[dict], reports: dict[str, list[dict]], max_changed: float, confidence: float
 ) -> dict[str, dict]:
@@ -75,19 +67,26 @@ def study(
     there; and each probe's separation on the selection set and on every report set."""
     strategies = sorted(selection[0]["answers"])
     probes = sorted(selection[0]["risks"])
+    calibrated = {  # calibrated once, replayed on every report set
+        "ladder": ladder_from_records(selection, max_changed=max_changed),
+        "ladder_bound": ladder_from_records(selection, max_changed=max_changed, confidence=confidence),
+    }
     out: dict[str, dict] = {"separation": {"selection": separation(selection)}, "reports": {}}
     for name, report in reports.items():
         ways: dict[str, dict] = {}
         for strategy in strategies:
-            ways[f"perfect {strategy}"] = {**_brief(perfect_probe_outcome(report, strategy)), "strategy": strategy}
+            ways[f"perfect {strategy}"] = {
+                **served_summary(perfect_probe_outcome(report, strategy)),
+                "strategy": strategy,
+            }
             for probe in probes:
                 ways[f"perfect {strategy} at {probe}"] = {
-                    **_brief(perfect_probe_outcome(report, strategy, probe)),
+                    **served_summary(perfect_probe_outcome(report, strategy, probe)),
                     "strategy": strategy,
                     "probe": probe,
                 }
-        ways["ladder"] = calibrated_replay(selection, report, max_changed, None)
-        ways["ladder_bound"] = calibrated_replay(selection, report, max_changed, confidence)
+        for way, ladder in calibrated.items():
+            ways[way] = served_summary(replay_ladder(ladder, report))
         out["reports"][name] = ways
         out["separation"][name] = separation(report)
     return out
@@ -215,9 +214,7 @@ def main(argv=None) -> None:
         "run": {
             "what": "the guard ladder with a perfect probe against the calibrated ladders, on measured records",
             "selection": args.selection,
-            "selection_items": {
-                t: sum(r["task"] == t for r in selection) for t in sorted({r["task"] for r in selection})
-            },
+            "selection_items": {task: len(items) for task, items in sorted(by_task(selection).items())},
             "report": args.report,
             "max_changed": args.max_changed,
             "confidence": args.confidence,
