@@ -33,6 +33,8 @@ _LAZY_NAMES = {
     "HandoffRefusedError": "handoff",
     "HandoffReport": "handoff",
     "HandoffSession": "session",
+    "LadderItem": "ladder_items",
+    "LadderRung": "ladder",
     "LayerSelection": "selection",
     "MappedCache": "cache",
     "MappedLayer": "cache",
@@ -46,6 +48,7 @@ _LAZY_NAMES = {
     "load_cache": "delivery",
     "mapper_device_map": "placement",
     "mapper_from_statistics": "fitting",
+    "measure_ladder_items": "ladder_items",
     "register_probe": "probes",
     "RepairConfig": "repair",
     "repair_cache": "repair",
@@ -61,7 +64,8 @@ if TYPE_CHECKING:
     from .geometry import UnsupportedArchitectureError
     from .guard_calibration import calibrate_probe
     from .handoff import HandoffRefusedError, HandoffReport, handoff
-    from .ladder import GuardLadder, calibrate_ladder
+    from .ladder import GuardLadder, LadderRung, calibrate_ladder
+    from .ladder_items import LadderItem, measure_ladder_items
     from .placement import mapper_device_map, target_layer_devices
     from .probes import Probe, register_probe
     from .repair import RepairConfig, repair_cache
@@ -106,6 +110,8 @@ __all__ = [
     "HandoffRefusedError",
     "HandoffReport",
     "HandoffSession",
+    "LadderItem",
+    "LadderRung",
     "LayerSelection",
     "MappedCache",
     "MappedLayer",
@@ -123,6 +129,7 @@ __all__ = [
     "load_cache",
     "mapper_device_map",
     "mapper_from_statistics",
+    "measure_ladder_items",
     "register_probe",
     "repair_cache",
     "save_cache",
