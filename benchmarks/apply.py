@@ -1,4 +1,4 @@
-"""Latency of applying a mapper vs re-prefilling the target, next to the FLOP bound (PAPER.md latency protocol).
+"""Latency of applying a mapper vs re-prefilling the target, next to the FLOP bound (docs/method.md, "Latency protocol and published speedups").
 
 For each context length T, in one run, interleaved (the order rotates every trial), after warm-up, medians of the
 timed repeats:

@@ -194,6 +194,30 @@ def headline_real() -> str:
     return "\n".join(lines)
 
 
+def published_retention() -> str:
+    """docs/method.md: the paper's retention table, from the one copy kept as data (`family_report.PAPER_TABLE`)."""
+    return "\n".join(family_report.PAPER_TABLE)
+
+
+def published_latency() -> str:
+    """docs/method.md: the paper's latency table, from the one copy kept as data (`gpu_shapes.PAPER`)."""
+    from .gpu_shapes import DIRECTIONS, PAPER
+
+    head, rule = "| tokens |", "|---|"
+    for name in PAPER:
+        head += f" {'->'.join(DIRECTIONS[name])} mapper / re-prefill (ms) | speedup |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for tokens in sorted({count for table in PAPER.values() for count in table}):
+        label = f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+        cells = "".join(
+            f" {mapper:.1f} / {prefill:.1f} | {speedup}x |"
+            for mapper, prefill, speedup in (PAPER[n][tokens] for n in PAPER)
+        )
+        lines.append(f"| {label} |{cells}")
+    return "\n".join(lines)
+
+
 #: page (relative to the repository root) -> section name -> what renders it from the committed JSON
 SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {
@@ -256,6 +280,10 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "guard-ladder": _guard_ladder,
         "ladder-calibration-size": lambda: ladder_calibration_size.markdown(_json("ladder_calibration_size.json")),
         "ladder-headroom": lambda: ladder_headroom.markdown(_json("ladder_headroom.json")),
+    },
+    "docs/method.md": {
+        "published-retention": published_retention,
+        "published-latency": published_latency,
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),

@@ -11,7 +11,7 @@ check), RoPE tables, strip, matmul, apply and cache construction.
     python -m benchmarks.gpu_shapes --directions 14b-32b --tokens 64,8192,32768
     python -m benchmarks.gpu_shapes --dry-run                # same code on CPU with tiny shapes (seconds)
 
-Prints the table in PAPER.md's format (mapper / re-prefill ms, speedup) with the FLOP bound, the fraction of the
+Prints the table in the paper's format (docs/method.md) (mapper / re-prefill ms, speedup) with the FLOP bound, the fraction of the
 bound and the paper's numbers where it has them, and writes JSON to `--out`.
 """
 
@@ -89,7 +89,7 @@ TINY = {
 }
 DIRECTIONS = {"14b-32b": ("14B", "32B"), "32b-14b": ("32B", "14B")}
 DEFAULT_TOKENS = tuple(64 * 2**i for i in range(10))  # 64 .. 32768
-#: PAPER.md latency table (8xH100, bf16, flash_attention_2): tokens -> (mapper ms, re-prefill ms, speedup)
+#: the paper's latency table (docs/method.md renders it from here) (8xH100, bf16, flash_attention_2): tokens -> (mapper ms, re-prefill ms, speedup)
 PAPER = {
     "14b-32b": {64: (14.0, 61.7, 4), 8192: (67.8, 1154.8, 17), 32768: (277.6, 6975.3, 25)},
     "32b-14b": {64: (11.6, 39.2, 3), 8192: (101.9, 501.0, 5), 32768: (427.1, 2952.7, 7)},
@@ -227,7 +227,7 @@ def run_direction(name: str, configs: dict, args, device, dtype, attn: str) -> l
 
 
 def format_table(rows: list[dict], directions: Sequence[str]) -> str:
-    """PAPER.md's latency table: per direction `mapper / re-prefill (ms) | speedup`, plus bound and fraction."""
+    """The paper's latency table (docs/method.md): per direction `mapper / re-prefill (ms) | speedup`, plus bound and fraction."""
     by_key = {(row["direction"], row["tokens"]): row for row in rows if "error" not in row}
     tokens = sorted({row["tokens"] for row in rows})
     head = "| tokens |"

@@ -59,7 +59,7 @@ def load_member(name: str, random_models: bool, seed: int, paths: dict[str, str]
 
 
 def retention(mapped: float, target: float) -> float:
-    """Raw retention (PAPER.md): mapped / target."""
+    """Raw retention (docs/method.md, "Evaluation protocol and published retention"): mapped / target."""
     return mapped / target if target else float("nan")
 
 

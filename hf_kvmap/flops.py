@@ -1,4 +1,4 @@
-"""FLOP arithmetic for the latency bound of a handoff (PAPER.md, "Latency protocol and results").
+"""FLOP arithmetic for the latency bound of a handoff (docs/method.md, "The FLOP bound").
 
 Everything here is counted from configs (no weights, no torch): a model config (`PretrainedConfig` or its
 `to_dict()`) for the target, and a `MapperConfig` (or the two geometries and `k`) for the mapper.
@@ -14,7 +14,7 @@ Conventions (one multiply-add = 2 FLOPs):
   without a mask, i.e. `4 * T**2 * n_heads * head_dim` together, and a causal mask halves it (the exact causal count
   is `2 * T * (T + 1) * n_heads * head_dim`; the difference is below 1/T).
 - bound = body FLOPs / mapper FLOPs: the speedup a mapper could reach over re-prefilling if both ran at the same
-  FLOP rate. For Qwen3 14B->32B with k=8 at 32K tokens it is about 45x (PAPER.md; `tests/test_benchmarks.py`).
+  FLOP rate. For Qwen3 14B->32B with k=8 at 32K tokens it is about 45x (docs/method.md; `tests/test_benchmarks.py`).
 
 Example:
 
@@ -119,7 +119,7 @@ def ridge_mapper_parameters(
 
     `k` is the number of source layers per target layer (or the `source_layers` lists themselves). Per target layer
     and K or V: `(k * n_kv_src * d_src) x (n_kv_tgt * d_tgt)` weights (+ `n_kv_tgt * d_tgt` biases). Without biases
-    this is PAPER.md's `2 * L_t * n_kv_t * (k * n_kv_s * d_s) * d_t`.
+    this is the paper's (docs/method.md) `2 * L_t * n_kv_t * (k * n_kv_s * d_s) * d_t`.
     """
     _, src_kv, src_dim = source
     tgt_layers, tgt_kv, tgt_dim = target

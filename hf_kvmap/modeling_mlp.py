@@ -1,8 +1,8 @@
 """`HeadwiseMLP`: the module of the `"mlp"` mapper kind, one small MLP per target KV head, heads batched.
 
-PAPER.md ("MLP variant"): on the same inputs as the ridge (content-space keys or values of the selected source
-layers, all KV heads concatenated), each target KV head gets `Linear(d_in -> h), ReLU, Linear(h -> h), ReLU,
-Linear(h -> d_head)`. Training lives in `hf_kvmap.kinds.mlp`.
+The paper (docs/method.md, "The MLP variant"): on the same inputs as the ridge (content-space keys or values of the
+selected source layers, all KV heads concatenated), each target KV head gets `Linear(d_in -> h), ReLU, Linear(h -> h),
+ReLU, Linear(h -> d_head)`. Training lives in `hf_kvmap.kinds.mlp`.
 """
 
 from __future__ import annotations

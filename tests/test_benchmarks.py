@@ -1,4 +1,4 @@
-"""FLOP arithmetic (`hf_kvmap.flops`) against PAPER.md, and the benchmark scripts' CPU paths (fast, no GPU)."""
+"""FLOP arithmetic (`hf_kvmap.flops`) against the published numbers (docs/method.md), and the benchmark scripts' CPU paths (fast, no GPU)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_qwen3_body_parameters_match_published_non_embedding_counts():
 
 
 def test_qwen3_14b_to_32b_mapper_size_matches_paper():
-    # PAPER.md: parameters = 2 * L_t * n_kv_t * (k * n_kv_s * d_s) * d_t; Qwen3 14B->32B at k=8: 1.07 B
+    # docs/method.md ("Size, calibration and fit time"): parameters = 2 * L_t * n_kv_t * (k * n_kv_s * d_s) * d_t; Qwen3 14B->32B at k=8: 1.07 B
     params = ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8, bias=False)
     assert params == 2 * 64 * 8 * (8 * 8 * 128) * 128
     assert round(params / 1e9, 2) == 1.07
@@ -65,7 +65,7 @@ def test_qwen3_14b_to_32b_mapper_size_matches_paper():
 
 def test_qwen3_14b_to_32b_bound_is_about_45x_at_32k():
     bound = flop_bound(ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8), QWEN3_32B, 32768)
-    assert 40 < bound.ratio < 50  # PAPER.md: "about 45x"
+    assert 40 < bound.ratio < 50  # docs/method.md ("The FLOP bound"): "about 45x"
     assert bound.ratio == pytest.approx(45.06, abs=0.05)
     # and the published 25x is then about 55 % of the bound
     assert 25 / bound.ratio == pytest.approx(0.55, abs=0.01)

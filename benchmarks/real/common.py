@@ -230,7 +230,7 @@ def _fmt(value, digits=3) -> str:
     return "n/a" if value is None else fmt_number(value, digits)
 
 
-# The paper's published retention (%), the reference these results stand beside (`PAPER.md`; not measured here).
+# The paper's published retention (%), the reference these results stand beside (docs/method.md; not measured here).
 
 
 def weightless_mapper(config):

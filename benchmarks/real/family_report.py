@@ -148,8 +148,9 @@ def report_markdown(report: dict) -> str:
             "",
         ]
     lines += [
-        "The paper's published retention (%, from `PAPER.md`, lm-evaluation-harness tasks on 8xH100; not measured "
-        "here), for comparison with the retention columns above:",
+        "The paper's published retention (%, from "
+        "[docs/method.md](method.md#evaluation-protocol-and-published-retention), lm-evaluation-harness tasks on "
+        "8xH100; not measured here), for comparison with the retention columns above:",
         "",
         *PAPER_TABLE,
         "",
