@@ -1,10 +1,10 @@
 """The guard ladder, calibrated on one item set and reported on another: per request, serve the mapped cache, repair
 the fraction the probe's risk calls for, or fall back to the target's prefill; every stage's cost counted.
 
-For each direction, every item of both sets is measured once through the serving code (`hf_kvmap.ladder_items`): the
+For each direction, every item of both sets is measured once through the serving code (`hf_kvmap.calibration.ladder_items`): the
 target's own greedy answer, each candidate probe's risk on the mapped cache, and the answer and seconds of every
 candidate repair strategy at every fraction. On the selection set the cheapest (probe, strategy) ladder whose changed
-answers served stay within `--max-changed` on every task is calibrated (`hf_kvmap.ladder_items.ladder_from_records`);
+answers served stay within `--max-changed` on every task is calibrated (`hf_kvmap.calibration.ladder_items.ladder_from_records`);
 beside it, the binary guard (the mapped cache or the fallback, same budget) and every fixed (strategy, fraction).
 All of them are then replayed on the report set. Costs are relative to each item's own target prefill, measured side
 by side in this run.
@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MapperModel
-from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
-from hf_kvmap.ladder_items import (
+from hf_kvmap.calibration.ladder_items import (
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
@@ -38,6 +37,7 @@ from hf_kvmap.ladder_items import (
     replay_ladder,
     strategy_key,
 )
+from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 
 REPO = Path(__file__).resolve().parents[1]

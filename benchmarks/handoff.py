@@ -36,11 +36,11 @@ import torch
 
 from hf_kvmap import MapperModel, zoo
 from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap.calibration.probe_thresholds import auc, calibrate_probe, calibrate_threshold, roc_curve
 from hf_kvmap.delivery import load_cache, save_cache
-from hf_kvmap.guard_calibration import auc, calibrate_probe, calibrate_threshold, roc_curve
-from hf_kvmap.handoff import probe_context, target_prefill
-from hf_kvmap.probes import fit_linear_probe, probe_from_dict
 from hf_kvmap.reporting import environment_info, write_json
+from hf_kvmap.serving.pipeline import prepare_context, target_prefill
+from hf_kvmap.serving.probes import fit_linear_probe, probe_from_dict
 from hf_kvmap.zoo import corpus, mapper_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def item_row(source, target, mapper, ids: torch.Tensor, gold: list[int], probes=
     row = {"tokens": ids.shape[1], "own_correct": own == gold, "changed": {}, "mapped_correct": {}, "risk": {}}
     for hold_back in sorted({probe.hold_back for probe in probes}):
         source_cache = output_cache(source(input_ids=ids, use_cache=True))
-        context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
+        context = prepare_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
         for probe in probes:
             if probe.hold_back == hold_back:
                 row["risk"][key(probe.settings())] = float(probe.score(context)[0])
@@ -164,7 +164,7 @@ def run_augment(args) -> None:
                     assert ids.shape[1] == row["tokens"], "checkpoint and items disagree"
                     for probe, settings in zip(probes, missing):
                         source_cache = output_cache(source(input_ids=ids, use_cache=True))
-                        context = probe_context(
+                        context = prepare_context(
                             source, target, mapper, ids, source_cache=source_cache, hold_back=probe.hold_back
                         )
                         row["risk"][key(settings)] = float(probe.score(context)[0])
@@ -188,13 +188,13 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
 
     probes = [probe_from_dict(settings) for settings in CANDIDATES]
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
-    context = probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1)
+    context = prepare_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1)
     path = Path(tempfile.mkdtemp()) / "cache.safetensors"
     upcast = copy.deepcopy(mapper).float()  # the same weights in float32: a serving choice, timed for reference
     jobs = {
         "target_prefill": lambda: target_prefill(target, ids),
-        "map": lambda: probe_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1),
-        "map_float32": lambda: probe_context(source, target, upcast, ids, source_cache=source_cache, hold_back=1),
+        "map": lambda: prepare_context(source, target, mapper, ids, source_cache=source_cache, hold_back=1),
+        "map_float32": lambda: prepare_context(source, target, upcast, ids, source_cache=source_cache, hold_back=1),
         "save": lambda: save_cache(context.cache, path, input_ids=ids),
         "load": lambda: load_cache(path, input_ids=ids),
     }
@@ -202,7 +202,7 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
     jobs[key(EXACT_AUDIT)] = lambda: audit.score(context)
     for probe, settings in zip(probes, CANDIDATES):
         if probe.hold_back > 1:  # timed as the map with the longer hold-back plus the target's tail run
-            jobs[key(settings) + "+map"] = lambda h=probe.hold_back: probe_context(
+            jobs[key(settings) + "+map"] = lambda h=probe.hold_back: prepare_context(
                 source, target, mapper, ids, source_cache=source_cache, hold_back=h
             )
         else:

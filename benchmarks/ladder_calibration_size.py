@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hf_kvmap.ladder import changed_budget
+from hf_kvmap.calibration.ladder import changed_budget
 from hf_kvmap.reporting import environment_info, write_json
 
 from .guard_ladder import calibrated_replay, mapped_only

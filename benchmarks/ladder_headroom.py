@@ -11,7 +11,7 @@ Nothing is measured here: the records are the JSONL files `benchmarks.guard_ladd
         --report seed-2024=$WORK/ladder_2024/0.5b-to-1.5b.report.jsonl \
         --out benchmarks/results/ladder_headroom.json --plot benchmarks/results/ladder_headroom.png
 
-The perfect probe's ladder (`hf_kvmap.ladder_items.perfect_probe_outcome`) is a lower bound on the cost of any ladder
+The perfect probe's ladder (`hf_kvmap.calibration.ladder_items.perfect_probe_outcome`) is a lower bound on the cost of any ladder
 of these rungs, with a probe of that price, that serves no changed answer; a reference, not a serving choice.
 """
 
@@ -22,7 +22,7 @@ import datetime as _dt
 import sys
 from collections.abc import Sequence
 
-from hf_kvmap.ladder_items import ladder_from_records, perfect_probe_outcome, replay_ladder
+from hf_kvmap.calibration.ladder_items import ladder_from_records, perfect_probe_outcome, replay_ladder
 from hf_kvmap.reporting import environment_info, write_json
 
 from .guard_ladder import served_summary

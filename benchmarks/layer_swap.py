@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
 
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap.diagnostics import layer_swap
-    from hf_kvmap.evaluation import Handoff
+    from hf_kvmap.evaluation import HandoffEvaluation
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     folder = args.mapper or zoo.mapper_path(args.source, args.target)
     mapper = MapperModel.from_pretrained(folder)
     source, target = zoo.load_model(args.source), zoo.load_model(args.target)
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=zoo.load_tokenizer())
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=zoo.load_tokenizer())
     result = json.loads(args.json.read_text()) if args.json.is_file() else {"swaps": {}}
     direction = f"{args.source}-to-{args.target}"
     for name in wanted:

@@ -75,14 +75,14 @@ def measure(variants: dict[str, dict[str, dict]], folders: dict[str, Path], dire
     import torch
 
     from hf_kvmap import MapperModel, flops, zoo
-    from hf_kvmap.evaluation import Handoff, measure_latency
+    from hf_kvmap.evaluation import HandoffEvaluation, measure_latency
 
     source_name, target_name = direction.split("-to-")
     source, target = zoo.load_model(source_name), zoo.load_model(target_name)
     rows = {}
     for name in variants:
         mapper = MapperModel.from_pretrained(folders[name] / direction)
-        handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=None)
+        handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=None)
         with torch.no_grad():
             rows[name] = (measure_latency(handoff, tokens, repeats=repeats), flops.mapper_parameters(mapper.config))
     return rows

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_kvmap import MapperModel
-from hf_kvmap.evaluation import Handoff, evaluate_items
+from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
 from hf_kvmap.real import converted_path, is_converted
 from hf_kvmap.real.corpus import load_manifest, manifest_sha256
 from hf_kvmap.real.tasks import TASK_NAMES, real_family_tasks
@@ -166,7 +166,7 @@ def setup_of(args, mapper_hash: str | None, manifest_sha256: str) -> dict:
     }
 
 
-def measure(handoff: Handoff, points: Points, name: str, task, strategies, fractions) -> dict:
+def measure(handoff: HandoffEvaluation, points: Points, name: str, task, strategies, fractions) -> dict:
     """The target, the mapped cache, and every (strategy, fraction) on one task: its score (accuracy, or perplexity
     for a perplexity task), and the retention (or the perplexity gap closed) of each."""
     kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}
@@ -324,7 +324,7 @@ def main(argv=None) -> None:
     source = AutoModelForCausalLM.from_pretrained(_folder(source_name, args.cache_dir), dtype=dtype).eval()
     target = AutoModelForCausalLM.from_pretrained(_folder(target_name, args.cache_dir), dtype=dtype).eval()
     mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     documents = load_manifest(args.manifest)
     names = args.tasks.split(",")
     strategies = args.strategies.split(",")

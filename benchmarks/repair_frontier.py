@@ -25,7 +25,7 @@ import torch
 
 from hf_kvmap import MapperModel
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
-from hf_kvmap.evaluation import Handoff, evaluate_items
+from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
 from hf_kvmap.repair import SELECTORS, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.zoo import corpus
@@ -46,7 +46,7 @@ def retention(accuracy: float, target: float, chance: float = 0.0) -> float | No
     return (accuracy - chance) / (target - chance) if target > chance else None
 
 
-def measure_set(handoff: Handoff, items, stop: str, strategies, fractions) -> dict:
+def measure_set(handoff: HandoffEvaluation, items, stop: str, strategies, fractions) -> dict:
     handoff.repair = None
     target = evaluate_items(handoff, "exact_match", items, "target", stop=stop)
     mapped = evaluate_items(handoff, "exact_match", items, "mapped", stop=stop)
@@ -184,7 +184,9 @@ def main(argv=None) -> None:
     for source_name, target_name in directions:
         source, target = load_causal_lm(source_name), load_causal_lm(target_name)
         mapper_path = resolve_mapper(args.mapper, source_name, target_name)
-        handoff = Handoff(source, target, MapperModel.from_pretrained(mapper_path), load_tokenizer(target_name))
+        handoff = HandoffEvaluation(
+            source, target, MapperModel.from_pretrained(mapper_path), load_tokenizer(target_name)
+        )
         per_task = {}
         for task, stop in tasks.items():
             sets = {

@@ -69,7 +69,7 @@ def _machine(environment: dict) -> str:
 
 
 def _strategy_name(settings: dict | str) -> str:
-    """`source_attention:last_tokens=16` for a strategy's settings (how `hf_kvmap.ladder_items` records name it)."""
+    """`source_attention:last_tokens=16` for a strategy's settings (how `hf_kvmap.calibration.ladder_items` records name it)."""
     if isinstance(settings, str):
         return settings
     options = [f"{key}={value}" for key, value in sorted(settings.items()) if key != "name"]

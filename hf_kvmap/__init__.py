@@ -7,8 +7,6 @@ the model load at once: they are registered with `AutoConfig` and `AutoModel`.
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, AutoModel
@@ -29,27 +27,27 @@ _LAZY_NAMES = {
     "CalibrationStatistics": "statistics",
     "FitOptions": "fit_options",
     "FittedMapper": "fitting",
-    "GuardLadder": "ladder",
-    "HandoffRefusedError": "handoff",
-    "HandoffReport": "handoff",
-    "HandoffSession": "session",
-    "LadderItem": "ladder_items",
-    "LadderRung": "ladder",
+    "GuardLadder": "serving.ladder",
+    "HandoffRefusedError": "serving.report",
+    "HandoffReport": "serving.report",
+    "HandoffSession": "serving.session",
+    "LadderItem": "calibration.ladder_items",
+    "LadderRung": "serving.ladder",
     "LayerSelection": "selection",
     "MappedCache": "cache",
     "MappedLayer": "cache",
-    "Probe": "probes",
+    "Probe": "serving.probes.base",
     "UnsupportedArchitectureError": "geometry",
-    "calibrate_probe": "guard_calibration",
+    "calibrate_probe": "calibration.probe_thresholds",
     "fit_mapper": "fitting",
     "fitted_config": "fitting",
-    "handoff": "handoff",
-    "calibrate_ladder": "ladder",
+    "handoff": "serving.handoff",
+    "calibrate_ladder": "calibration.ladder",
     "load_cache": "delivery",
     "mapper_device_map": "placement",
     "mapper_from_statistics": "fitting",
-    "measure_ladder_items": "ladder_items",
-    "register_probe": "probes",
+    "measure_ladder_items": "calibration.ladder_items",
+    "register_probe": "serving.probes.base",
     "RepairConfig": "repair",
     "repair_cache": "repair",
     "save_cache": "delivery",
@@ -58,33 +56,22 @@ _LAZY_NAMES = {
 
 if TYPE_CHECKING:
     from .cache import MappedCache, MappedLayer
+    from .calibration.ladder import calibrate_ladder
+    from .calibration.ladder_items import LadderItem, measure_ladder_items
+    from .calibration.probe_thresholds import calibrate_probe
     from .delivery import load_cache, save_cache
     from .fit_options import FitOptions
     from .fitting import FittedMapper, fit_mapper, fitted_config, mapper_from_statistics
     from .geometry import UnsupportedArchitectureError
-    from .guard_calibration import calibrate_probe
-    from .handoff import HandoffRefusedError, HandoffReport, handoff
-    from .ladder import GuardLadder, LadderRung, calibrate_ladder
-    from .ladder_items import LadderItem, measure_ladder_items
     from .placement import mapper_device_map, target_layer_devices
-    from .probes import Probe, register_probe
     from .repair import RepairConfig, repair_cache
     from .selection import LayerSelection
-    from .session import HandoffSession
+    from .serving.handoff import handoff
+    from .serving.ladder import GuardLadder, LadderRung
+    from .serving.probes.base import Probe, register_probe
+    from .serving.report import HandoffRefusedError, HandoffReport
+    from .serving.session import HandoffSession
     from .statistics import CalibrationStatistics
-
-
-class _Package(types.ModuleType):
-    """The package module: importing a submodule binds it as an attribute of the package, which must not hide the
-    public function of the same name (`hf_kvmap.handoff` is the function, as an eager `__init__` made it)."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _LAZY_NAMES.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

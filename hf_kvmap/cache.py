@@ -17,14 +17,13 @@ from transformers.utils import logging
 
 from ._compat import cache_argument, init_cache_with_layers, model_id, model_revision, unhooked_forward
 from .first_layer import target_first_layer
+from .input_checks import CACHE_DTYPES, check_mapping_request, check_source_cache
 from .modeling_mapper import MapperModel, check_finite_pairs, check_source_tensors
 from .rope import positions_from_attention_mask
 
 logger = logging.get_logger(__name__)
 
 SourceCache = Cache | Sequence[tuple[torch.Tensor, torch.Tensor]]
-#: The dtypes a mapped cache may be built in (what attention layers compute in).
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def source_pairs(source_cache: SourceCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,33 +69,6 @@ def _warn_beyond_positions(config, seq: int) -> None:
         logger.warning_once(
             f"The source cache holds {seq} tokens, more than the models' max_position_embeddings ({min(limits)}): "
             "positions beyond it were not trained and the mapping (and the target) may degrade there."
-        )
-
-
-def _check_left_padding(attention_mask: torch.Tensor, hold_back: int) -> None:
-    """Refuse masks `from_source` cannot map exactly: values other than 0/1, right (or inner) padding, rows with no
-    token to map."""
-    if attention_mask.is_floating_point() or attention_mask.is_complex():
-        values = attention_mask
-    else:
-        values = attention_mask.long()
-    if not bool(((values == 0) | (values == 1)).all()):
-        raise ValueError(
-            "attention_mask may hold only 0 and 1 (padding and tokens); got other values. Pass the tokenizer's mask."
-        )
-    tokens = values.long()
-    if bool((tokens[:, 1:] < tokens[:, :-1]).any()):
-        row = int((tokens[:, 1:] < tokens[:, :-1]).any(-1).nonzero()[0])
-        raise ValueError(
-            f"attention_mask row {row} has padding after a token (right padding): only left-padded batches map "
-            "exactly. Tokenize with `padding_side='left'`."
-        )
-    counts = tokens.sum(-1)
-    if bool((counts <= hold_back).any()):
-        row = int((counts <= hold_back).nonzero()[0])
-        raise ValueError(
-            f"attention_mask row {row} has {int(counts[row])} token(s), none left to map after holding back "
-            f"{hold_back}."
         )
 
 
@@ -234,122 +206,23 @@ class MappedCache(DynamicCache):
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
             expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
-        if not isinstance(mapper, MapperModel):
-            raise TypeError(
-                f"mapper is {'None' if mapper is None else 'a ' + type(mapper).__name__}; pass the `MapperModel` fitted "
-                "for this source and target (`MapperModel.from_pretrained(...)`)."
-            )
-        config = mapper.config
-        source_kv = check_source_tensors(source_pairs(source_cache), config)
-        batch, _, seq, _ = source_kv[0][0].shape
-        _warn_beyond_positions(config, seq)
-        if isinstance(hold_back, bool) or not isinstance(hold_back, int) or hold_back < 1:
-            raise ValueError(
-                f"hold_back={hold_back!r}: at least the final prompt token must be held back for the target to run "
-                "(a cache covering the whole prompt makes `generate` re-process it and return wrong tokens)."
-            )
-        if hold_back >= seq:
-            raise ValueError(
-                f"hold_back={hold_back} leaves nothing to map: the source cache holds only {seq} tokens. "
-                "Use a smaller hold_back or prefill more context."
-            )
-        if dtype is not None and dtype not in CACHE_DTYPES:
-            raise ValueError(
-                f"dtype={dtype!r}: a mapped cache holds the float dtypes a model computes in, one of "
-                f"{[str(d).removeprefix('torch.') for d in CACHE_DTYPES]}."
-            )
-        if attention_mask is not None and position_ids is not None:
-            raise ValueError("Pass either `attention_mask` or `position_ids`, not both.")
-        if position_ids is not None and source_position_ids is not None:
-            raise ValueError(
-                "Pass either `position_ids` (the cache is read where it was built) or `source_position_ids` with "
-                "an `attention_mask` (built at one set of positions, read at another), not both."
-            )
-        for name, tensor in (
-            ("attention_mask", attention_mask),
-            ("source_position_ids", source_position_ids),
-            ("position_ids", position_ids),
-        ):
-            if tensor is not None and tuple(tensor.shape) != (batch, seq):
-                raise ValueError(
-                    f"{name} has shape {tuple(tensor.shape)} but the source cache covers (batch, seq) = {(batch, seq)}."
-                )
-        if attention_mask is not None:
-            _check_left_padding(attention_mask, hold_back)
-        if check_finite:
-            check_finite_pairs(source_kv)
-        device = source_kv[0][0].device
-        positions_stated = source_position_ids is not None  # (position_ids never come with a mask)
-        if position_ids is None:
-            mask = attention_mask.to(device) if attention_mask is not None else None
-            position_ids = positions_from_attention_mask(mask, batch, seq, device)
-            if source_position_ids is None:  # a plain forward: every row at 0 .. seq - 1
-                source_position_ids = positions_from_attention_mask(None, batch, seq, device)
-        if target_model is not None and input_ids is None:
-            raise ValueError("Pass `target_model` and `input_ids` together (the target computes its first layer).")
-        if source_model is not None and input_ids is None:
-            raise ValueError(
-                "source_model checks the source cache against the prompt's token ids: pass `input_ids` with it."
-            )
-        if input_ids is not None and target_model is None and source_model is None:
-            raise ValueError(
-                "input_ids are read by `target_model` (it computes its first layer) or `source_model` (it checks the "
-                "source cache): pass one of them with the ids, or leave the ids out."
-            )
-        if repair is not None and target_model is None:
-            raise ValueError(
-                "repair= needs the target: pass `target_model` and `input_ids` (the target recomputes the selected "
-                "positions from the token ids)."
-            )
-        if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
-            raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
-        if source_model is not None:  # input_ids come with it (checked above)
-            from .input_checks import check_source_cache
-
-            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            built = source_position_ids if source_position_ids is not None else position_ids
-            check_source_cache(source_model, source_kv[0], input_ids, built, mask.to(input_ids.device))
-        elif attention_mask is not None and not positions_stated and not bool(attention_mask.all()):
-            logger.warning_once(
-                "MappedCache.from_source: the attention mask left-pads the batch and no `source_position_ids` were "
-                "given, so the source cache is read as a plain forward built it (every row at 0 .. seq - 1, what "
-                "`source(ids, attention_mask=mask)` does). A cache built at the mask's positions (`generate`, or a "
-                "forward given `position_ids`) maps wrong that way: pass `source_position_ids`, or `source_model` and "
-                "`input_ids` to have the cache checked."
-            )
-        length = seq - hold_back
-        num_target = len(config.source_layers)
-        mapped = unhooked_forward(mapper)(
-            [keys[:, :, :length] for keys, _ in source_kv],
-            [values[:, :, :length] for _, values in source_kv],
-            position_ids[:, :length],
-            source_position_ids=None if source_position_ids is None else source_position_ids[:, :length],
-            dtype=dtype,
-            devices=devices,
-            layers=None if target_model is None else range(1, num_target),
+        source_kv, position_ids, source_position_ids, repair = _checked_request(
+            source_cache,
+            mapper,
+            dict(hold_back=hold_back, dtype=dtype, attention_mask=attention_mask, position_ids=position_ids),
+            dict(source_position_ids=source_position_ids, target_model=target_model, input_ids=input_ids),
+            dict(source_model=source_model, repair=repair, check_finite=check_finite),
         )
-        if target_model is not None:
-            keys, values = target_first_layer(target_model, input_ids[:, :length], position_ids[:, :length])
-            device = torch.device(devices[0]) if devices is not None else next(mapper.layers[0].parameters()).device
-            device = keys.device if device.type == "meta" else device  # weights offloaded by accelerate
-            out_dtype = dtype or source_kv[0][0].dtype
-            mapped.insert(0, (keys.to(device, out_dtype), values.to(device, out_dtype)))
-        info = {
-            "mapper": model_id(config),
-            "mapper_revision": model_revision(config),
-            "kind": config.kind,
-            "source_model_id": config.source_model_id,
-            "target_model_id": config.target_model_id,
-            "mapped_tokens": length,
-            "hold_back": hold_back,
-            "first_layer": "mapped" if target_model is None else "target",
-            "approximate": True,
-        }
+        length = source_kv[0][0].shape[2] - hold_back
+        mapped = _map(
+            mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, target_model, input_ids
+        )
+        info = _provenance(mapper.config, length, hold_back, target_model)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
-        if repair is not None:
-            from .repair import repair_cache
+        if repair is not None:  # serving's repair step: the cache stores, the target recomputes
+            from .serving.repairing import apply_repair
 
-            repair_cache(
+            apply_repair(
                 target_model,
                 cache,
                 input_ids,
@@ -358,9 +231,103 @@ class MappedCache(DynamicCache):
                 position_ids=position_ids,
                 source=source_model,
                 source_cache=source_cache,
-                source_position_ids=position_ids if source_position_ids is None else source_position_ids,
+                source_position_ids=source_position_ids,
             )
         return cache
 
 
-__all__ = ["MappedCache", "MappedLayer", "source_pairs"]
+def _checked_request(source_cache, mapper, *settings: dict):
+    """`from_source`'s arguments checked (`input_checks.check_mapping_request`): the source's per-layer `(keys,
+    values)`, the positions the target reads at and the source built at, and the repair as a `RepairConfig`."""
+    args = {key: value for part in settings for key, value in part.items()}
+    if not isinstance(mapper, MapperModel):
+        raise TypeError(
+            f"mapper is {'None' if mapper is None else 'a ' + type(mapper).__name__}; pass the `MapperModel` fitted "
+            "for this source and target (`MapperModel.from_pretrained(...)`)."
+        )
+    repair = args.pop("repair")
+    if repair is not None:
+        from .repair import RepairConfig
+
+        repair = RepairConfig.from_dict(repair)  # bad settings raise before any work
+    check_finite = args.pop("check_finite")
+    source_kv = check_source_tensors(source_pairs(source_cache), mapper.config)
+    batch, _, seq, _ = source_kv[0][0].shape
+    _warn_beyond_positions(mapper.config, seq)
+    check_mapping_request(batch, seq, repair=repair, **args)
+    if check_finite:
+        check_finite_pairs(source_kv)
+    positions = _positions(
+        source_kv,
+        args["attention_mask"],
+        args["position_ids"],
+        args["source_position_ids"],
+        args["source_model"],
+        args["input_ids"],
+    )
+    return source_kv, *positions, repair
+
+
+def _provenance(config, length: int, hold_back: int, target_model) -> dict[str, Any]:
+    """The `mapping_info` of a mapped cache: the mapper, the models, what was mapped."""
+    return {
+        "mapper": model_id(config),
+        "mapper_revision": model_revision(config),
+        "kind": config.kind,
+        "source_model_id": config.source_model_id,
+        "target_model_id": config.target_model_id,
+        "mapped_tokens": length,
+        "hold_back": hold_back,
+        "first_layer": "mapped" if target_model is None else "target",
+        "approximate": True,
+    }
+
+
+def _positions(source_kv, attention_mask, position_ids, source_position_ids, source_model, input_ids):
+    """`(position_ids, source_position_ids)`: where the target reads the cache and where the source built it (a
+    plain forward's `0 .. seq - 1` unless stated); a given `source_model` checks the cache against the ids there."""
+    batch, _, seq, _ = source_kv[0][0].shape
+    device = source_kv[0][0].device
+    positions_stated = source_position_ids is not None  # (position_ids never come with a mask)
+    if position_ids is None:
+        mask = attention_mask.to(device) if attention_mask is not None else None
+        position_ids = positions_from_attention_mask(mask, batch, seq, device)
+        if source_position_ids is None:  # a plain forward: every row at 0 .. seq - 1
+            source_position_ids = positions_from_attention_mask(None, batch, seq, device)
+    if source_model is not None:  # input_ids come with it (checked before)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        built = source_position_ids if source_position_ids is not None else position_ids
+        check_source_cache(source_model, source_kv[0], input_ids, built, mask.to(input_ids.device))
+    elif attention_mask is not None and not positions_stated and not bool(attention_mask.all()):
+        logger.warning_once(
+            "MappedCache.from_source: the attention mask left-pads the batch and no `source_position_ids` were "
+            "given, so the source cache is read as a plain forward built it (every row at 0 .. seq - 1, what "
+            "`source(ids, attention_mask=mask)` does). A cache built at the mask's positions (`generate`, or a "
+            "forward given `position_ids`) maps wrong that way: pass `source_position_ids`, or `source_model` and "
+            "`input_ids` to have the cache checked."
+        )
+    return position_ids, source_position_ids
+
+
+def _map(mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, target_model, input_ids):
+    """The mapper's forward on the first `length` source positions: one `(keys, values)` per target layer (the first
+    computed by `target_model` from the ids when it is given)."""
+    mapped = unhooked_forward(mapper)(
+        [keys[:, :, :length] for keys, _ in source_kv],
+        [values[:, :, :length] for _, values in source_kv],
+        position_ids[:, :length],
+        source_position_ids=None if source_position_ids is None else source_position_ids[:, :length],
+        dtype=dtype,
+        devices=devices,
+        layers=None if target_model is None else range(1, len(mapper.config.source_layers)),
+    )
+    if target_model is not None:
+        keys, values = target_first_layer(target_model, input_ids[:, :length], position_ids[:, :length])
+        device = torch.device(devices[0]) if devices is not None else next(mapper.layers[0].parameters()).device
+        device = keys.device if device.type == "meta" else device  # weights offloaded by accelerate
+        out_dtype = dtype or source_kv[0][0].dtype
+        mapped.insert(0, (keys.to(device, out_dtype), values.to(device, out_dtype)))
+    return mapped
+
+
+__all__ = ["CACHE_DTYPES", "MappedCache", "MappedLayer", "source_pairs"]

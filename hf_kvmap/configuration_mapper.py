@@ -142,10 +142,10 @@ class MapperConfig(PretrainedConfig):
         serving_hash (`str`, *optional*): sha256 of the content hash and the fields that decide what is served
             (`hf_kvmap.artifacts.SERVING_FIELDS`: `handoff_probe`, `handoff_ladder`, `tokenizer_fingerprint`, model
             ids and revisions), written by `save_pretrained` and checked by `from_pretrained`.
-        handoff_probe (`dict`, *optional*): the calibrated guard of `hf_kvmap.handoff`: `{"probe": {"name": ...,
+        handoff_probe (`dict`, *optional*): the calibrated guard of `hf_kvmap.serving.handoff`: `{"probe": {"name": ...,
             "tokens": ...}, "threshold": ..., "max_false_alarm": ..., "calibration": {...}}`, written by
             `hf_kvmap.calibrate_probe`. `None` (older configs) means not calibrated.
-        handoff_ladder (`dict`, *optional*): the calibrated guard ladder of `hf_kvmap.ladder` (`GuardLadder.to_dict()`:
+        handoff_ladder (`dict`, *optional*): the calibrated guard ladder of `hf_kvmap.serving.ladder` (`GuardLadder.to_dict()`:
             probe, repair strategy, rungs of `max_risk` and repair `fraction`, calibration), written by
             `hf-kvmap calibrate-ladder`; when set, `handoff` serves each row the rung its risk calls for (the mapped
             cache, a repair, or the target's prefill). `None` means no ladder: the handoff serves or falls back.

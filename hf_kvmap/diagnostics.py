@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from ._compat import cache_kwargs, output_cache
 from .cache import MappedCache
-from .evaluation import Handoff, evaluate_items
+from .evaluation import HandoffEvaluation, evaluate_items
 from .regression import r2_score
 from .rope import RotaryCodec, positions_from_attention_mask
 
@@ -117,13 +117,13 @@ def diagnose(source, target, mapper, batches: Iterable[torch.Tensor], query_toke
 
 
 @dataclass
-class _SwapHandoff(Handoff):
+class _SwapHandoff(HandoffEvaluation):
     """A handoff whose `mapped` mode reads the target's own cache except for the mapped `layers` / `parts`, and
     its own cache at the first `own_tokens` positions of every prompt in every layer.
 
-    Caches come from `base` (any [`Handoff`], so one that keeps its prefills on disk keeps them here too)."""
+    Caches come from `base` (any [`HandoffEvaluation`], so one that keeps its prefills on disk keeps them here too)."""
 
-    base: Handoff | None = None
+    base: HandoffEvaluation | None = None
     layers: tuple = ()
     parts: tuple = ("keys", "values")
     own_tokens: int = 0
@@ -149,7 +149,7 @@ class _SwapHandoff(Handoff):
 
 
 def layer_swap(
-    handoff: Handoff,
+    handoff: HandoffEvaluation,
     task,
     layers: Iterable[int] | None = None,
     own_layers: Iterable[int] = (),
@@ -169,7 +169,7 @@ def layer_swap(
     layer (the cache a target gets by prefilling those `n` tokens itself).
 
     Args:
-        handoff ([`~hf_kvmap.evaluation.Handoff`]): source, target, mapper and tokenizer; the caches come from its
+        handoff ([`~hf_kvmap.evaluation.HandoffEvaluation`]): source, target, mapper and tokenizer; the caches come from its
             `context_cache` (a subclass that keeps prefills on disk serves every swap from them).
         task ([`~hf_kvmap.evaluation.TaskSpec`]): the task to score (accuracy, or perplexity for `perplexity` tasks).
         layers (iterable of `int`, *optional*): target layers to swap one at a time (default: all).

@@ -16,18 +16,18 @@ import torch
 from tqdm.auto import tqdm
 
 from ._compat import cache_kwargs, output_cache
-from .cache import MappedCache
-from .repair import RepairConfig, repair_cache
+from .repair import RepairConfig
 from .reporting import jsonl_objects
 from .rope import positions_from_attention_mask
+from .serving.pipeline import map_and_repair
 
 MODES = ("source", "target", "mapped")
 TASK_TYPES = ("exact_match", "choice", "perplexity")
 
 
 @dataclass
-class Handoff:
-    """A (source, target, mapper) triple and the tokenizer they share.
+class HandoffEvaluation:
+    """The three-way evaluation harness of a (source, target, mapper) triple and the tokenizer they share.
 
     Args:
         source, target (`PreTrainedModel`): causal LMs of one family.
@@ -48,24 +48,25 @@ class Handoff:
     target_first_layer: bool = False
     repair: RepairConfig | None = None
 
+    def __post_init__(self):
+        if self.repair is not None:
+            self.repair = RepairConfig.from_dict(self.repair)  # converted once; bad settings raise here
+
     def mapped_cache(self, cache, ids: torch.Tensor, mask: torch.Tensor | None = None, **kwargs):
         """`MappedCache.from_source` of the source's `cache` of `ids`, as this handoff maps (hold-back, first layer,
         repair)."""
-        exact = {"target_model": self.target, "input_ids": ids} if self.target_first_layer else {}
-        mapped = MappedCache.from_source(
-            cache, self.mapper, hold_back=self.hold_back, attention_mask=mask, **exact, **kwargs
+        mapped, _ = map_and_repair(
+            self.source,
+            self.target,
+            self.mapper,
+            ids,
+            cache,
+            attention_mask=mask,
+            hold_back=self.hold_back,
+            target_first_layer=self.target_first_layer,
+            repair=self.repair,
+            **kwargs,
         )
-        if self.repair is not None:
-            repair_cache(
-                self.target,
-                mapped,
-                ids,
-                self.repair,
-                attention_mask=mask,
-                source=self.source,
-                source_cache=cache,
-                source_position_ids=kwargs.get("source_position_ids", kwargs.get("position_ids")),
-            )
         return mapped
 
     def _models(self, mode: str):
@@ -193,7 +194,7 @@ def _accuracy(flags: Sequence[bool]) -> float:
 
 
 def evaluate_items(
-    handoff: Handoff, task_type: str, items: Sequence, mode: str, progress: str | None = None, **kwargs
+    handoff: HandoffEvaluation, task_type: str, items: Sequence, mode: str, progress: str | None = None, **kwargs
 ) -> float:
     """Score `items` of one task type under `mode`.
 
@@ -336,7 +337,7 @@ def load_jsonl_tasks(path) -> list[TaskSpec]:
     return list(tasks.values())
 
 
-def evaluate_tasks(handoff: Handoff, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:
+def evaluate_tasks(handoff: HandoffEvaluation, tasks: Sequence[TaskSpec], progress: bool = True) -> dict:
     """Run every task three ways; return `{"tasks": ..., "summary": ..., "perplexity": ...}`.
 
     Retention comes from the package's `evaluate` module (`hf_kvmap.metrics`): per task raw and floor-normalized,
@@ -405,9 +406,9 @@ def _timed(fn, *args, **kwargs) -> float:
 
 @torch.no_grad()
 def measure_latency(
-    handoff: Handoff, lengths: Sequence[int], repeats: int = 5, warmup: int = 1, first_token: bool = False
+    handoff: HandoffEvaluation, lengths: Sequence[int], repeats: int = 5, warmup: int = 1, first_token: bool = False
 ) -> list[dict]:
-    """Median wall time of the handoff's mapping (`Handoff.mapped_cache`: `MappedCache.from_source`) vs the target's
+    """Median wall time of the handoff's mapping (`HandoffEvaluation.mapped_cache`: `MappedCache.from_source`) vs the target's
     body re-prefilling the same tokens.
 
     The two are timed interleaved in one run (same machine state); the body excludes the LM head. With

@@ -136,23 +136,113 @@ def derive_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     return mask
 
 
-def check_left_padding_mask(attention_mask: torch.Tensor) -> None:
+def check_left_padding_mask(attention_mask: torch.Tensor, hold_back: int | None = None) -> None:
     """Refuse an attention mask of values other than 0/1, or with padding after a token (right or inner padding):
-    a handoff maps left-padded batches only, and a fallback would otherwise serve what no mapping can match."""
+    only left-padded batches map exactly, and a fallback would otherwise serve what no mapping can match. With
+    `hold_back`, also refuse a row with no token left to map after holding back that many."""
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask is a {type(attention_mask).__name__}; pass the tokenizer's mask tensor.")
-    values = attention_mask if attention_mask.is_floating_point() else attention_mask.long()
+    values = (
+        attention_mask if attention_mask.is_floating_point() or attention_mask.is_complex() else attention_mask.long()
+    )
     if not bool(((values == 0) | (values == 1)).all()):
         raise ValueError(
-            "attention_mask may hold only 0 and 1 (padding and tokens); got other values. Pass the tokenizer's mask."
+            "attention_mask may hold only 0 and 1 (padding and tokens); got other values. Pass the tokenizer's "
+            "left-padded 0/1 mask."
         )
-    inner = values[:, 1:] < values[:, :-1]
+    tokens = values.real.long() if values.is_complex() else values.long()
+    inner = tokens[:, 1:] < tokens[:, :-1]
     if bool(inner.any()):
         row = int(inner.any(-1).nonzero()[0])
         raise ValueError(
             f"attention_mask row {row} has padding after a token (right padding): only left-padded batches map "
-            "exactly. Tokenize with `padding_side='left'`."
+            "exactly. Pass a left-padded 0/1 mask: tokenize with `padding_side='left'`."
         )
+    if hold_back is not None:
+        counts = tokens.sum(-1)
+        if bool((counts <= hold_back).any()):
+            row = int((counts <= hold_back).nonzero()[0])
+            raise ValueError(
+                f"attention_mask row {row} has {int(counts[row])} token(s), none left to map after holding back "
+                f"{hold_back}."
+            )
+
+
+#: The dtypes a mapped cache may be built in (what attention layers compute in).
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_mapping_request(
+    batch: int,
+    seq: int,
+    *,
+    hold_back,
+    dtype,
+    attention_mask,
+    source_position_ids,
+    position_ids,
+    target_model,
+    input_ids,
+    source_model,
+    repair,
+) -> None:
+    """The arguments of `MappedCache.from_source` against each other and the source cache's `(batch, seq)`; each
+    refusal names the argument and what to pass instead."""
+    from .validation import check_int
+
+    check_int(
+        "hold_back",
+        hold_back,
+        1,
+        meaning=": at least the final prompt token must be held back for the target to run (a cache covering the "
+        "whole prompt makes `generate` re-process it and return wrong tokens)",
+    )
+    if hold_back >= seq:
+        raise ValueError(
+            f"hold_back={hold_back} leaves nothing to map: the source cache holds only {seq} tokens. "
+            "Use a smaller hold_back or prefill more context."
+        )
+    if dtype is not None and dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r}: a mapped cache holds the float dtypes a model computes in, one of "
+            f"{[str(d).removeprefix('torch.') for d in CACHE_DTYPES]}."
+        )
+    if attention_mask is not None and position_ids is not None:
+        raise ValueError("Pass either `attention_mask` or `position_ids`, not both.")
+    if position_ids is not None and source_position_ids is not None:
+        raise ValueError(
+            "Pass either `position_ids` (the cache is read where it was built) or `source_position_ids` with "
+            "an `attention_mask` (built at one set of positions, read at another), not both."
+        )
+    for name, tensor in (
+        ("attention_mask", attention_mask),
+        ("source_position_ids", source_position_ids),
+        ("position_ids", position_ids),
+    ):
+        if tensor is not None and tuple(tensor.shape) != (batch, seq):
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but the source cache covers (batch, seq) = {(batch, seq)}."
+            )
+    if attention_mask is not None:
+        check_left_padding_mask(attention_mask, hold_back)
+    if target_model is not None and input_ids is None:
+        raise ValueError("Pass `target_model` and `input_ids` together (the target computes its first layer).")
+    if source_model is not None and input_ids is None:
+        raise ValueError(
+            "source_model checks the source cache against the prompt's token ids: pass `input_ids` with it."
+        )
+    if input_ids is not None and target_model is None and source_model is None:
+        raise ValueError(
+            "input_ids are read by `target_model` (it computes its first layer) or `source_model` (it checks the "
+            "source cache): pass one of them with the ids, or leave the ids out."
+        )
+    if repair is not None and target_model is None:
+        raise ValueError(
+            "repair= needs the target: pass `target_model` and `input_ids` (the target recomputes the selected "
+            "positions from the token ids)."
+        )
+    if input_ids is not None and tuple(input_ids.shape) != (batch, seq):
+        raise ValueError(f"input_ids have shape {tuple(input_ids.shape)}; the source cache covers {(batch, seq)}.")
 
 
 def check_threshold(threshold, where: str) -> float:

@@ -15,7 +15,7 @@ def check_int(name: str, value, minimum: int, *, allow_none: bool = False, meani
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        what = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
         raise ValueError(f"{name}={value!r} must be {what}{meaning}.")
 
 

@@ -293,7 +293,7 @@ def random_pair_stats(tiny, random_pair):
 def identity_handoff(tiny):
     """A 2-layer model handing off to itself through the identity mapper."""
     from hf_kvmap import MapperModel
-    from hf_kvmap.evaluation import Handoff
+    from hf_kvmap.evaluation import HandoffEvaluation
     from hf_kvmap.zoo import load_tokenizer
 
     tokenizer = load_tokenizer()
@@ -308,7 +308,7 @@ def identity_handoff(tiny):
         pad_token_id=tokenizer.pad_token_id,
     )
     model = tiny.model(config, seed=2)
-    return Handoff(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
+    return HandoffEvaluation(source=model, target=model, mapper=MapperModel.identity(config), tokenizer=tokenizer)
 
 
 @pytest.fixture

@@ -150,6 +150,7 @@ MAPPING_MODULES = {
     "hf_kvmap.early_stopping",  # the MLP kind's training loop (a kind is one file: its map and its fit)
     "hf_kvmap.first_layer",
     "hf_kvmap.geometry",
+    "hf_kvmap.input_checks",  # every check of caller input, `from_source`'s included (torch and the stdlib only)
     "hf_kvmap.key_norm",
     "hf_kvmap.kinds",
     "hf_kvmap.kinds.base",
@@ -186,6 +187,8 @@ def test_every_public_name_resolves_lazily():
     assert set(hf_kvmap.__all__) <= set(dir(hf_kvmap))
     assert hf_kvmap.zoo.__name__ == "hf_kvmap.zoo"  # submodules resolve too
     # a submodule of the same name as a public function does not hide it once imported
-    assert _loaded_by("import hf_kvmap.handoff; assert hf_kvmap.handoff.__name__ == 'handoff'") >= {"hf_kvmap.handoff"}
+    assert _loaded_by("import hf_kvmap.serving.handoff; assert hf_kvmap.handoff.__name__ == 'handoff'") >= {
+        "hf_kvmap.serving.handoff"
+    }
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         hf_kvmap.not_a_name  # noqa: B018

@@ -62,7 +62,7 @@ def test_the_exact_certificate_reads_every_position(pair, tiny):
     own = tiny.prefill(model, ids)
     for layer in own.layers:
         layer.keys[:, :, 12:] = layer.keys[:, :, 12:].flip(-1)
-    from hf_kvmap.handoff import exactness_error
+    from hf_kvmap.serving.pipeline import exactness_error
 
     cache = MappedCache.from_source(own, identity)
     error = exactness_error(model, ids, torch.ones_like(ids), cache, audit_tokens=8)

@@ -444,7 +444,7 @@ def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
 
 
 def _ladder_record(task, risk, changed, seconds):
-    """A synthetic record of `hf_kvmap.ladder_items` with one strategy (`tail`) at fractions 0 and 0.5."""
+    """A synthetic record of `hf_kvmap.calibration.ladder_items` with one strategy (`tail`) at fractions 0 and 0.5."""
     return {
         "task": task,
         "tokens": 100,

@@ -8,7 +8,7 @@ import torch
 from hf_kvmap import (
     MapperModel,
 )
-from hf_kvmap.evaluation import Handoff, TaskSpec
+from hf_kvmap.evaluation import HandoffEvaluation, TaskSpec
 from hf_kvmap.zoo import corpus
 
 
@@ -52,7 +52,7 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
     damaged = MapperModel.identity(handoff.target.config)
     with torch.no_grad():
         damaged.layers[1].value_proj.weight.mul_(-1.0)
-    probe = Handoff(handoff.source, handoff.target, damaged, handoff.tokenizer)
+    probe = HandoffEvaluation(handoff.source, handoff.target, damaged, handoff.tokenizer)
     result = layer_swap(probe, task)
     assert result["layers"][0] == pytest.approx(result["target"], rel=1e-5)
     assert result["keys_only"] == pytest.approx(result["target"], rel=1e-5)
@@ -82,13 +82,13 @@ def test_layer_swap_points_at_the_damaged_layer(handoff):
 
 
 def test_layer_swap_takes_its_caches_from_the_handoff_it_is_given(handoff):
-    """A Handoff subclass that serves caches its own way (e.g. prefills kept on disk) serves every swap."""
+    """A HandoffEvaluation subclass that serves caches its own way (e.g. prefills kept on disk) serves every swap."""
     from dataclasses import dataclass
 
     from hf_kvmap.diagnostics import layer_swap
 
     @dataclass
-    class Counting(Handoff):
+    class Counting(HandoffEvaluation):
         calls: int = 0
 
         def context_cache(self, mode, ids, mask=None):
@@ -111,7 +111,7 @@ def test_own_tokens_are_the_first_real_tokens_of_each_left_padded_row(handoff):
     with torch.no_grad():
         damaged.layers[0].key_proj.weight.mul_(-1.0)
         damaged.layers[1].value_proj.weight.mul_(-1.0)
-    base = Handoff(handoff.source, handoff.target, damaged, handoff.tokenizer)
+    base = HandoffEvaluation(handoff.source, handoff.target, damaged, handoff.tokenizer)
     layers = tuple(range(damaged.config.target_geometry.num_layers))
     probe = _SwapHandoff(base.source, base.target, damaged, base.tokenizer, base.hold_back, base=base, layers=layers,
                          own_tokens=3)  # fmt: skip

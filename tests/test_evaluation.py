@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_kvmap.cli import main as cli_main
-from hf_kvmap.evaluation import Handoff, TaskSpec, evaluate_tasks
+from hf_kvmap.evaluation import HandoffEvaluation, TaskSpec, evaluate_tasks
 from hf_kvmap.metrics import RETENTION_PATH, load_retention
 from hf_kvmap.zoo import corpus
 
@@ -73,7 +73,9 @@ def test_identity_handoff_scores_what_the_target_scores_and_a_zeroed_mapper_does
     with torch.no_grad():
         for param in zeroed.parameters():
             param.zero_()
-    broken = Handoff(source=handoff.source, target=handoff.target, mapper=zeroed, tokenizer=handoff.tokenizer)
+    broken = HandoffEvaluation(
+        source=handoff.source, target=handoff.target, mapper=zeroed, tokenizer=handoff.tokenizer
+    )
     assert max(abs(a - b) for a, b in zip(broken.choice_logprobs("mapped", item.context, item.choices), target)) > 1e-2
 
 
@@ -278,8 +280,8 @@ def test_handoff_with_the_targets_first_layer_ignores_a_broken_layer_zero_map(ha
         wrecked.layers[0].value_proj.weight.mul_(-3.0)
     items = corpus.make_eval_set("text", 3, seed=4, n_chars=96)
     alone = evaluate_items(handoff, "perplexity", items, "target")
-    fixed = Handoff(handoff.source, handoff.target, wrecked, handoff.tokenizer, target_first_layer=True)
-    broken = Handoff(handoff.source, handoff.target, wrecked, handoff.tokenizer)
+    fixed = HandoffEvaluation(handoff.source, handoff.target, wrecked, handoff.tokenizer, target_first_layer=True)
+    broken = HandoffEvaluation(handoff.source, handoff.target, wrecked, handoff.tokenizer)
     assert evaluate_items(fixed, "perplexity", items, "mapped") == pytest.approx(alone, rel=1e-5)
     assert evaluate_items(broken, "perplexity", items, "mapped") != pytest.approx(alone, rel=1e-2)
 

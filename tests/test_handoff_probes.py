@@ -10,10 +10,10 @@ import torch
 
 from hf_kvmap import MapperModel, Probe, register_probe
 from hf_kvmap._compat import output_cache
-from hf_kvmap.handoff import probe_context
-from hf_kvmap.probes import PROBES, fit_linear_probe, probe_from_dict
 from hf_kvmap.repair import greedy_draft
 from hf_kvmap.rope import positions_from_attention_mask
+from hf_kvmap.serving.pipeline import prepare_context
+from hf_kvmap.serving.probes import PROBES, fit_linear_probe, probe_from_dict
 
 # settings for probes that take more than a size
 EXAMPLES = {
@@ -47,7 +47,7 @@ def test_probe_leaves_caches_as_found(name, models, tiny):
     source, target, config = models
     probe = probe_from_dict(EXAMPLES.get(name, {"name": name, "tokens": 3}))
     ids, mask = tiny.left_padded_batch(lengths=(12, 16))
-    context = probe_context(source, target, MapperModel.identity(config), ids, mask, hold_back=probe.hold_back)
+    context = prepare_context(source, target, MapperModel.identity(config), ids, mask, hold_back=probe.hold_back)
     target_before, source_before = _snapshot(context.cache), _snapshot(context.source_cache)
     risks = probe.score(context)
     assert risks.shape == (2,) and torch.isfinite(risks).all()
@@ -65,7 +65,7 @@ def test_exact_mapping_scores_zero(name, models):
     _, target, config = models
     ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(2))
     probe = probe_from_dict({"name": name, "tokens": 4})
-    context = probe_context(target, target, MapperModel.identity(config), ids)
+    context = prepare_context(target, target, MapperModel.identity(config), ids)
     torch.testing.assert_close(probe.score(context), torch.zeros(3), rtol=0, atol=1e-5)
 
 
@@ -74,7 +74,7 @@ def test_lookahead_margin_reads_the_targets_greedy_steps_on_the_mapped_cache(mod
     the mapped cache, as `generate` scores them."""
     source, target, config = models
     ids, mask = tiny.left_padded_batch(lengths=(12, 16))
-    context = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    context = prepare_context(source, target, MapperModel.identity(config), ids, mask)
     risks = probe_from_dict({"name": "lookahead_margin", "tokens": 3}).score(context)
     top = tiny.greedy_probabilities(target, ids, mask, copy.deepcopy(context.cache), new=3).topk(2, dim=-1).values
     torch.testing.assert_close(risks, 1.0 - (top[..., 0] - top[..., 1]).amin(-1), rtol=0, atol=1e-5)
@@ -84,7 +84,7 @@ def test_the_draft_probes_share_one_source_draft(models, tiny):
     """`draft_agreement` and `confident_draft` on one context decode the source's draft once; the second reads it."""
     source, target, config = models
     ids, mask = tiny.left_padded_batch(lengths=(12, 16))
-    context = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    context = prepare_context(source, target, MapperModel.identity(config), ids, mask)
     calls = []
     handle = source.register_forward_hook(lambda *args: calls.append(1))
     try:
@@ -94,7 +94,7 @@ def test_the_draft_probes_share_one_source_draft(models, tiny):
     finally:
         handle.remove()
     assert first == 3 and len(calls) == first
-    fresh = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    fresh = prepare_context(source, target, MapperModel.identity(config), ids, mask)
     assert torch.equal(probe_from_dict({"name": "confident_draft", "tokens": 3}).score(fresh), confident)
     assert (confident <= agreement + 1e-6).all()
 
@@ -105,11 +105,11 @@ def test_the_source_draft_reads_the_positions_its_cache_was_built_at(models, tin
     source, target, config = models
     ids, mask = tiny.left_padded_batch(lengths=(12, 16))
     plain = output_cache(source(input_ids=ids, attention_mask=mask, use_cache=True))
-    given = probe_context(source, target, MapperModel.identity(config), ids, mask, plain)
+    given = prepare_context(source, target, MapperModel.identity(config), ids, mask, plain)
     arange = positions_from_attention_mask(None, *ids.shape, ids.device)
     assert torch.equal(given.source_position_ids, arange)
     assert torch.equal(given.draft("source").tokens(3), greedy_draft(source, plain, ids, mask, arange, 3))
-    prefilled = probe_context(source, target, MapperModel.identity(config), ids, mask)
+    prefilled = prepare_context(source, target, MapperModel.identity(config), ids, mask)
     positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
     assert torch.equal(prefilled.source_position_ids, positions)
     expected = greedy_draft(source, prefilled.source_cache, ids, mask, positions, 3)
@@ -123,7 +123,7 @@ def test_prefix_audit_sees_a_zeroed_mapping(models):
         for parameter in mapper.parameters():
             parameter.zero_()
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
-    context = probe_context(target, target, mapper, ids)
+    context = prepare_context(target, target, mapper, ids)
     assert probe_from_dict("prefix_audit").score(context).item() == pytest.approx(1.0)
 
 
@@ -139,7 +139,7 @@ def test_registry_takes_a_new_probe_in_one_line(models):
     try:
         register_probe(Constant)
         assert PROBES["test_constant"] is Constant
-        context = probe_context(source, target, MapperModel.identity(config), torch.randint(3, 128, (2, 9)))
+        context = prepare_context(source, target, MapperModel.identity(config), torch.randint(3, 128, (2, 9)))
         assert probe_from_dict("test_constant").score(context).tolist() == [0.5, 0.5]
         with pytest.raises(ValueError, match="already registered"):
             register_probe(type("Other", (Probe,), {"name": "test_constant"}))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_kvmap import HandoffSession, MappedCache, MapperModel, zoo
-from hf_kvmap.ladder import GuardLadder, LadderRung
 from hf_kvmap.repair import RepairConfig
+from hf_kvmap.serving.ladder import GuardLadder, LadderRung
 from hf_kvmap.zoo import corpus
 
 

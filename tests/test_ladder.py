@@ -18,20 +18,14 @@ from transformers import AutoModelForCausalLM
 from hf_kvmap import MappedCache, MapperModel, handoff, zoo
 from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.artifacts import serving_hash
-from hf_kvmap.cli import main as cli
-from hf_kvmap.handoff import probe_context
-from hf_kvmap.ladder import (
-    FALLBACK,
-    GuardLadder,
-    LadderRung,
+from hf_kvmap.calibration.ladder import (
     calibrate_ladder,
     changed_budget,
     changed_upper_bound,
     items_to_vouch,
     ladder_outcome,
-    serve_rows,
 )
-from hf_kvmap.ladder_items import (
+from hf_kvmap.calibration.ladder_items import (
     LadderItem,
     cheapest_keeping,
     ladder_from_records,
@@ -41,8 +35,11 @@ from hf_kvmap.ladder_items import (
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.probes import probe_from_dict
+from hf_kvmap.cli import main as cli
 from hf_kvmap.rope import positions_from_attention_mask
+from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
+from hf_kvmap.serving.pipeline import prepare_context, serve_rows
+from hf_kvmap.serving.probes import probe_from_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -237,7 +234,7 @@ def _batch(tiny, lengths=(20, 26, 23)):
 
 def _context(pair, ids, mask, hold_back=1):
     source, target, mapper = pair
-    return probe_context(source, target, mapper, ids, mask, None, hold_back)
+    return prepare_context(source, target, mapper, ids, mask, None, hold_back)
 
 
 def _diff(a, b):

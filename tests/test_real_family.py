@@ -431,12 +431,12 @@ def test_key_geometry_of_exact_and_scaled_keys(scale_script):
 
 def test_stored_prefills_map_as_the_handoff_maps_a_left_padded_batch(tmp_path, one_thread):
     """The benchmarks' `CachedHandoff` takes the builder's prefill from a `PrefillStore` and must map it exactly as
-    `Handoff` does, padded rows included (a store that built at mask positions while the mapping stripped at
+    `HandoffEvaluation` does, padded rows included (a store that built at mask positions while the mapping stripped at
     0..T-1 once scored every left-padded row of a batch wrong, silently). Checked twice: computing the prefills and
     loading them back."""
     from benchmarks.real.common import PrefillStore, cached_handoff_class
     from hf_kvmap import MapperModel, zoo
-    from hf_kvmap.evaluation import Handoff
+    from hf_kvmap.evaluation import HandoffEvaluation
 
     source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
     mapper, tokenizer = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l")), zoo.load_tokenizer()
@@ -444,7 +444,7 @@ def test_stored_prefills_map_as_the_handoff_maps_a_left_padded_batch(tmp_path, o
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = batch["input_ids"], batch["attention_mask"]
     assert int((mask == 0).sum()) > 0  # a padded row is what the check is about
-    plain = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    plain = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     store = PrefillStore(tmp_path)
     cached = cached_handoff_class()(
         source, target, mapper, tokenizer, store=store, names={id(source): "s", id(target): "t"}

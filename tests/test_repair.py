@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from hf_kvmap import MappedCache, MapperModel, handoff
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
+from hf_kvmap.drafting import Draft, greedy_draft
 from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
-from hf_kvmap.repair.draft import Draft, greedy_draft
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
 from hf_kvmap.rope import positions_from_attention_mask
 

@@ -19,7 +19,7 @@ from hf_kvmap import (
     zoo,
 )
 from hf_kvmap._compat import output_cache
-from hf_kvmap.evaluation import Handoff, evaluate_items
+from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
 from hf_kvmap.zoo import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_shipped_mapper_carries_the_context_to_the_target():
     tokenizer = zoo.load_tokenizer(padding_side="left")
     source, target = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
     mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l"))
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     items = corpus.make_eval_set("text", 12, seed=99, n_chars=384)
     ppl = {mode: evaluate_items(handoff, "perplexity", items, mode) for mode in ("source", "target", "mapped")}
     assert ppl["mapped"] <= 1.02 * ppl["target"], ppl
@@ -205,7 +205,7 @@ def test_shipped_mapper_recalls_facts_the_source_cannot():
     tokenizer = zoo.load_tokenizer(padding_side="left")
     source, target = zoo.load_model("tiny-s"), zoo.load_model("tiny-l")
     mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-s", "tiny-l"))
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     items = corpus.make_eval_set("recall", 40, seed=99)
     recall = {mode: evaluate_items(handoff, "exact_match", items, mode, stop="\n") for mode in ("source", "mapped")}
     assert recall["mapped"] >= recall["source"] + 0.25, recall

@@ -143,7 +143,9 @@ class PrefillStore:
             layers = len(tensors) // 2
             return DynamicCache(ddp_cache_data=[(tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(layers)])
         if mask is not None and position_ids is None:
-            raise ValueError("A masked prefill needs the position_ids it is built at (`Handoff.position_ids`).")
+            raise ValueError(
+                "A masked prefill needs the position_ids it is built at (`HandoffEvaluation.position_ids`)."
+            )
         kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": position_ids}
         cache = output_cache(model.get_decoder()(input_ids=ids, use_cache=True, **kwargs))
         tensors = {}
@@ -159,12 +161,12 @@ class PrefillStore:
 def cached_handoff_class():
     from dataclasses import dataclass
 
-    from hf_kvmap.evaluation import Handoff
+    from hf_kvmap.evaluation import HandoffEvaluation
 
     @dataclass
-    class CachedHandoff(Handoff):
-        """`Handoff` whose builder prefills come from a `PrefillStore`. It overrides `prefill` alone: the positions a
-        stored cache was built at are the ones `Handoff` strips when it maps it (a store that built at other positions
+    class CachedHandoff(HandoffEvaluation):
+        """`HandoffEvaluation` whose builder prefills come from a `PrefillStore`. It overrides `prefill` alone: the positions a
+        stored cache was built at are the ones `HandoffEvaluation` strips when it maps it (a store that built at other positions
         than the mapping assumed once scored every left-padded row of a batch wrong)."""
 
         store: PrefillStore | None = None

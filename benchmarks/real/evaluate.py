@@ -192,7 +192,7 @@ def cmd_latency(args) -> int:
     """`MappedCache.from_source` (mapper in the target's dtype) vs the target body re-prefilling the same tokens,
     interleaved in one run (`hf_kvmap.evaluation.measure_latency`), beside `hf_kvmap.flops.flop_bound`."""
     from hf_kvmap import MapperModel
-    from hf_kvmap.evaluation import Handoff, measure_latency
+    from hf_kvmap.evaluation import HandoffEvaluation, measure_latency
     from hf_kvmap.flops import flop_bound
     from hf_kvmap.reporting import environment_info
 
@@ -213,7 +213,7 @@ def cmd_latency(args) -> int:
             if key in results["rows"] or not (folder / "config.json").is_file():
                 continue
             mapper = MapperModel.from_pretrained(folder, dtype=models[target].dtype)
-            handoff = Handoff(source=models[source], target=models[target], mapper=mapper, tokenizer=None)
+            handoff = HandoffEvaluation(source=models[source], target=models[target], mapper=mapper, tokenizer=None)
             with torch.no_grad():
                 rows = measure_latency(handoff, lengths, repeats=args.repeats, warmup=args.warmup, first_token=True)
             for row in rows:

@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..evaluation import Handoff, measure_latency
+    from ..evaluation import HandoffEvaluation, measure_latency
     from ..flops import flop_bound
     from ..reporting import environment_info
     from ._output import finish
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         )
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
     mapper = load_mapper(mapper_name, "benchmark")
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=None)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=None)
     with torch.no_grad():
         rows = measure_latency(handoff, tokens, repeats=args.repeats)
     for row in rows:

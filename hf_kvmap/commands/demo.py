@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import zoo
-    from ..evaluation import Handoff, evaluate_tasks, measure_latency
+    from ..evaluation import HandoffEvaluation, evaluate_tasks, measure_latency
     from ..plotting import plot_demo
     from ..reporting import environment_info
     from ._output import finish
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"hf-kvmap demo: {flag} {name!r} is not a tiny-family member ({', '.join(zoo.FAMILY)}).")
     source, target = zoo.load_model(args.source), zoo.load_model(args.target)
     mapper = load_mapper(args.mapper or str(zoo.mapper_path(args.source, args.target)), "demo")
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
     results = drop_unmeasurable_tasks(evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed)))
     lengths = [int(n) for n in str(args.lengths).split(",") if n]

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import zoo
     from ..artifacts import content_hash
-    from ..evaluation import Handoff, evaluate_tasks, load_jsonl_tasks
+    from ..evaluation import HandoffEvaluation, evaluate_tasks, load_jsonl_tasks
     from ..reporting import environment_info, retention_cells
     from . import models as _models
     from ._output import finish
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)
-    handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+    handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
     results = evaluate_tasks(handoff, tasks)
     if args.diagnostics:
         from ..diagnostics import diagnose

@@ -67,8 +67,8 @@ def add_parser(subparsers) -> None:
 
 def _items(args):
     from .. import zoo
+    from ..calibration.ladder_items import items_from_tasks
     from ..evaluation import load_jsonl_tasks
-    from ..ladder_items import items_from_tasks
 
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)
@@ -87,8 +87,8 @@ def _items(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..ladder import items_to_vouch
-    from ..ladder_items import (
+    from ..calibration.ladder import items_to_vouch
+    from ..calibration.ladder_items import (
         ladder_from_records,
         measure_ladder_items,
         parse_probe,

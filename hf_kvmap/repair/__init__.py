@@ -11,8 +11,8 @@ repair_cache(target, cache, input_ids, RepairConfig(strategy="tail", fraction=0.
 One file per strategy, each one class registered in `SELECTORS` (`base.register_selector`).
 """
 
+from ..drafting import Draft, greedy_draft
 from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
-from .draft import Draft, greedy_draft
 from .draft_attention import DraftAttentionSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector

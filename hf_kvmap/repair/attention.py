@@ -12,26 +12,15 @@ is not reproduced: it sharpens or flattens each row's softmax without reordering
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from .._compat import cache_kwargs
+from ..cache_views import as_layer
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
-
-
-def as_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
-    layer = DynamicLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return layer
-
-
-def prefix_view(cache, length: int) -> Cache:
-    """A cache of views of `cache`'s first `length` positions: a forward appends to it, `cache` stays as it is."""
-    return Cache(layers=[as_layer(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers])
 
 
 def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int, query_mask) -> torch.Tensor:

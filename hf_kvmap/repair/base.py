@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import Cache
 
-from .draft import Draft
+from ..drafting import Draft
 
 #: name -> selector class; filled by `register_selector`.
 SELECTORS: dict[str, type[Selector]] = {}

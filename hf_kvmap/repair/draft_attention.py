@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from ..drafting import Draft
 from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
 from .attention import last_tokens_attention
 from .base import RepairContext, Selector, register_selector
-from .draft import Draft
 
 
 @register_selector

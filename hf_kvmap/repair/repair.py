@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from ..cache_views import as_layer
+from ..drafting import Draft
+from ..input_checks import check_left_padding_mask
 from ..rope import positions_from_attention_mask
-from .attention import as_layer
 from .base import RepairContext, Selector, budget_counts, selector_from_dict
-from .draft import Draft
 from .recompute import recompute_positions
 
 
@@ -106,9 +107,7 @@ def _check(target, cache, input_ids, attention_mask, position_ids) -> int:
         if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} but input_ids has {tuple(input_ids.shape)}.")
     if attention_mask is not None:
-        values = attention_mask.long()
-        if not bool(((values == 0) | (values == 1)).all()) or bool((values[:, 1:] < values[:, :-1]).any()):
-            raise ValueError("attention_mask must be a left-padded 0/1 mask (tokenize with `padding_side='left'`).")
+        check_left_padding_mask(attention_mask)
     return length
 
 

@@ -1,12 +1,12 @@
 """Calibrating the guarded handoff's probe: ROC of a probe's risks against changed answers, and the threshold stored
-in `MapperConfig.handoff_probe` (the ladder's calibration, with repair rungs between, is `hf_kvmap.ladder`)."""
+in `MapperConfig.handoff_probe` (the ladder's calibration, with repair rungs between, is `hf_kvmap.calibration.ladder`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from .probes import Probe, probe_from_dict
+from ..serving.probes import Probe, probe_from_dict
 
 
 def roc_curve(risks: Sequence[float], positives: Sequence[bool]) -> list[dict[str, float]]:

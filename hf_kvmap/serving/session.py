@@ -25,12 +25,13 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from ._compat import cache_kwargs, output_cache
-from .input_checks import as_token_row
+from .._compat import cache_kwargs, output_cache
+from ..input_checks import as_token_row
+from ..repair import RepairConfig
 from .ladder import GuardLadder, rung_name
+from .pipeline import run_tokens
 from .probes import ProbeContext, probe_from_dict
-from .repair import RepairConfig, repair_cache
-from .repair.base import budget_counts
+from .repairing import apply_repair
 
 logger = logging.get_logger(__name__)
 
@@ -93,7 +94,7 @@ class HandoffSession:
             for, loaded from another location (`MapperModel.check_compatible(..., same_weights=True)`).
         repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): after mapping the tokens a model has not seen, it
             recomputes the share of them the config's strategy selects, attending to its cache of the rest.
-        ladder ([`~hf_kvmap.ladder.GuardLadder`] or `dict`, *optional*): instead of one fixed repair, a rung per
+        ladder ([`~hf_kvmap.serving.ladder.GuardLadder`] or `dict`, *optional*): instead of one fixed repair, a rung per
             switch: once the model's cache covers the transcript, the ladder's probe (one of `SESSION_PROBES`) scores
             it, and the model keeps the mapped tokens, recomputes the share of them the rung calls for, or prefills
             them itself (then the tokens after them run again on what is kept). Recorded in `SessionTurn.rung`.
@@ -113,7 +114,7 @@ class HandoffSession:
         repair=None,
         ladder=None,
     ):
-        from .modeling_mapper import MapperModel
+        from ..modeling_mapper import MapperModel
 
         if not models:
             raise ValueError("HandoffSession needs at least one model.")
@@ -233,17 +234,17 @@ class HandoffSession:
             cache = self.caches[name]
             if cache is None:
                 cache = self.caches[name] = DynamicCache()
-            self.models[name](input_ids=self.input_ids[:, have:end], use_cache=True, **cache_kwargs(cache))
+            run_tokens(self.models[name], cache, self.input_ids, have, end)
             record.timings["prefill"] = time.perf_counter() - start_time
             record.prefilled_tokens = end - have
         if mapped is not None and self.ladder is not None:
-            self._climb(name, record, *mapped, end)
+            self._take_rung(name, record, *mapped, end)
         return record
 
     def _repair(self, name: str, donor: str, start: int, upto: int, config: RepairConfig) -> int:
         """`name` recomputes the share of the tokens `[start, upto)` mapped from `donor` that `config` selects;
         returns how many it recomputed."""
-        repair_cache(
+        counts = apply_repair(
             self.models[name],
             self.caches[name],
             self.input_ids[:, :upto],
@@ -252,10 +253,9 @@ class HandoffSession:
             source_cache=self.caches[donor],
             start=start,
         )
-        candidates = torch.ones(1, upto - start, dtype=torch.bool)
-        return budget_counts(candidates, config.fraction, config.tokens)[0]
+        return counts[0]
 
-    def _climb(self, name: str, record: SessionTurn, donor: str, start: int, upto: int, end: int) -> None:
+    def _take_rung(self, name: str, record: SessionTurn, donor: str, start: int, upto: int, end: int) -> None:
         """The ladder's rung for the tokens `[start, upto)` just mapped from `donor` into `name`'s cache (which now
         covers `end` tokens): keep them, recompute a share, or prefill them; then re-run `[upto, end)` on the result."""
         model, cache = self.models[name], self.caches[name]
@@ -290,7 +290,7 @@ class HandoffSession:
             config = RepairConfig(self.ladder.strategy, fraction=fraction)
             record.repaired_tokens = self._repair(name, donor, start, upto, config)
         if end > keep:
-            model(input_ids=self.input_ids[:, keep:end], use_cache=True, **cache_kwargs(cache))
+            run_tokens(model, cache, self.input_ids, keep, end)
         record.timings["repair" if fraction is not None else "fallback"] = time.perf_counter() - start_time
 
     # ------------------------------------------------------------------------------------------------ respond

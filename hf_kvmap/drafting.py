@@ -17,8 +17,8 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from .._compat import cache_kwargs
-from .attention import as_layer, prefix_view
+from ._compat import cache_kwargs
+from .cache_views import as_layer, prefix_view
 
 
 class Draft:

@@ -8,7 +8,7 @@ ladder = ladder_from_records(records, max_changed=0.05)      # the cheapest (pro
 mapper.config.handoff_ladder = ladder.to_dict()
 ```
 
-Every record is measured through the code the handoff serves with (`probe_context`, the probes, `serve_rows`), one
+Every record is measured through the code the handoff serves with (`hf_kvmap.serving.pipeline`: `prepare_context`, the probes, `serve_rows`), one
 prompt at a time, so replaying a ladder on records gives what `handoff(..., ladder=)` serves on those prompts.
 """
 
@@ -26,11 +26,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ._compat import cache_kwargs, output_cache
-from .handoff import probe_context, target_prefill
-from .ladder import FALLBACK, GuardLadder, calibrate_ladder, ladder_outcome, serve_rows
-from .probes import Probe, probe_from_dict
-from .repair import Draft, selector_from_dict
+from .._compat import cache_kwargs, output_cache
+from ..drafting import Draft
+from ..repair import selector_from_dict
+from ..serving.ladder import FALLBACK, GuardLadder
+from ..serving.pipeline import prepare_context, serve_rows, target_prefill
+from ..serving.probes import Probe, probe_from_dict
+from .ladder import calibrate_ladder, ladder_outcome
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def measure_item(
     reference = _greedy(target, ids, own, len(expected), pad)
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
     start = time.perf_counter()
-    context = probe_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
+    context = prepare_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
     mapping = time.perf_counter() - start
     risks, probe_seconds, probe_steps = {}, {}, {}
     for probe in probes:

@@ -1,0 +1,20 @@
+"""Calibrating the guard on measured items: a probe's threshold (`probe_thresholds`), the guard ladder with its
+confidence bound (`ladder`), and measuring every rung of the ladder on items through the serving pipeline
+(`ladder_items`)."""
+
+from .ladder import calibrate_ladder, changed_budget, changed_upper_bound, items_to_vouch, ladder_outcome
+from .ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder
+from .probe_thresholds import calibrate_probe
+
+__all__ = [
+    "LadderItem",
+    "calibrate_ladder",
+    "calibrate_probe",
+    "changed_budget",
+    "changed_upper_bound",
+    "items_to_vouch",
+    "ladder_from_records",
+    "ladder_outcome",
+    "measure_ladder_items",
+    "replay_ladder",
+]

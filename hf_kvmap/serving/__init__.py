@@ -1,0 +1,25 @@
+"""Serving: a request through the one pipeline (`pipeline`: map, repair, held-back tokens, probe, a rung per row, the
+report), its front doors (`handoff`, `HandoffSession`), the guard ladder as data (`ladder`), the probes (`probes/`, one
+file each) and the one place a served cache is repaired (`repairing`)."""
+
+from .handoff import HandoffRefusedError, HandoffReport, handoff
+from .ladder import FALLBACK, GuardLadder, LadderRung, rung_name
+from .probes import PROBES, Probe, ProbeContext, probe_from_dict, register_probe
+from .session import HandoffSession, SessionTurn
+
+__all__ = [
+    "FALLBACK",
+    "PROBES",
+    "GuardLadder",
+    "HandoffRefusedError",
+    "HandoffReport",
+    "HandoffSession",
+    "LadderRung",
+    "Probe",
+    "ProbeContext",
+    "SessionTurn",
+    "handoff",
+    "probe_from_dict",
+    "register_probe",
+    "rung_name",
+]

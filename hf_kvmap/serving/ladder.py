@@ -1,0 +1,143 @@
+"""The guard ladder: per request (per row of a batch), serve the mapped cache, repair it with the fraction the probe's
+risk calls for, or fall back to the target's full prefill.
+
+```python
+ladder = GuardLadder(
+    probe={"name": "draft_agreement", "tokens": 2},
+    strategy={"name": "source_attention", "last_tokens": 16},
+    rungs=[LadderRung(max_risk=0.0, fraction=0.0), LadderRung(max_risk=0.5, fraction=0.3)],
+)
+cache, report = handoff(source, target, mapper, input_ids, ladder=ladder)   # or stored: mapper.config.handoff_ladder
+```
+
+A row whose risk is at most the first rung's `max_risk` gets that rung's repair fraction (0: the mapped cache as it
+is), and so on up the rungs; a risk above the last rung's `max_risk` falls back. The serving pipeline
+(`hf_kvmap.serving.pipeline.serve_rows`) gives each row its rung; `hf_kvmap.calibration.ladder.calibrate_ladder`
+chooses the rungs on measured items (`hf-kvmap calibrate-ladder` measures them, `hf_kvmap.calibration.ladder_items`):
+the cheapest ladder whose changed answers stay within a budget on every task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..repair import selector_from_dict
+from .probes import probe_from_dict
+
+#: the rung name of a row that falls back to the target's own prefill
+FALLBACK = "fallback"
+
+
+@dataclass
+class LadderRung:
+    r"""
+    One rung of a [`GuardLadder`].
+
+    Args:
+        max_risk (`float`): the highest probe risk this rung takes (rows above it go up the ladder).
+        fraction (`float`): share of the row's mapped tokens the target recomputes, in `[0, 1)` (0: serve the mapped
+            cache as it is).
+    """
+
+    max_risk: float
+    fraction: float
+
+    def __post_init__(self):
+        for name in ("max_risk", "fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"LadderRung {name}={value!r} must be a finite number.")
+        if not 0.0 <= self.fraction < 1.0:
+            raise ValueError(
+                f"LadderRung fraction={self.fraction!r} must be in [0, 1): 0 serves the mapped cache, and a row that "
+                "needs everything recomputed is the fallback above the last rung."
+            )
+        self.max_risk, self.fraction = float(self.max_risk), float(self.fraction)
+
+
+@dataclass
+class GuardLadder:
+    r"""
+    The rungs between the mapped cache and the target's full prefill, chosen per row by one probe's risk.
+
+    Args:
+        probe (`dict`): the probe's settings (`{"name": ..., "tokens": ...}`, `hf_kvmap.serving.probes.PROBES`).
+        strategy (`dict` or `str`): the repair strategy of the repairing rungs (`hf_kvmap.repair.SELECTORS`).
+        rungs (`list[LadderRung]`): by increasing `max_risk` and increasing `fraction`; may be empty (every row falls
+            back).
+        calibration (`dict`, *optional*): what [`calibrate_ladder`] measured (items, costs, changed answers per task).
+
+    Example:
+
+    ```python
+    >>> from hf_kvmap.serving.ladder import GuardLadder, LadderRung
+    >>> ladder = GuardLadder({"name": "tail_nll", "tokens": 8}, "tail", [LadderRung(0.5, 0.0), LadderRung(2.0, 0.2)])
+    >>> [ladder.fraction_for(risk) for risk in (0.1, 1.0, 3.0)]
+    [0.0, 0.2, None]
+    ```
+    """
+
+    probe: dict[str, Any]
+    strategy: dict[str, Any] | str
+    rungs: list[LadderRung] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        self.probe = probe_from_dict(self.probe).settings()  # unknown probes and options raise here
+        self.strategy = selector_from_dict(self.strategy).settings()
+        self.rungs = [rung if isinstance(rung, LadderRung) else LadderRung(**rung) for rung in self.rungs]
+        for low, high in zip(self.rungs, self.rungs[1:]):
+            if not (high.max_risk > low.max_risk and high.fraction > low.fraction):
+                raise ValueError(
+                    f"Ladder rungs must rise in both max_risk and fraction; got {low} then {high}. Drop the rung "
+                    "that does not."
+                )
+
+    def fraction_for(self, risk: float) -> float | None:
+        """The repair fraction of a row with this risk, or `None` for the fallback (a NaN risk falls back)."""
+        for rung in self.rungs:
+            if risk <= rung.max_risk:
+                return rung.fraction
+        return None
+
+    def plan(self, risks: Sequence[float] | torch.Tensor) -> list[float | None]:
+        """`fraction_for` of every row."""
+        return [self.fraction_for(float(risk)) for risk in risks]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "probe": dict(self.probe),
+            "strategy": dict(self.strategy),
+            "rungs": [{"max_risk": rung.max_risk, "fraction": rung.fraction} for rung in self.rungs],
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_dict(cls, settings: GuardLadder | dict[str, Any]) -> GuardLadder:
+        """A ladder from `to_dict()`'s output (a `GuardLadder` is returned as is)."""
+        if isinstance(settings, GuardLadder):
+            return settings
+        if not isinstance(settings, dict):
+            raise TypeError(f"A ladder is a GuardLadder or a dict of its fields; got {type(settings).__name__}.")
+        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration"}
+        if unknown:
+            raise ValueError(f"Unknown ladder settings {sorted(unknown)}; a ladder has probe, strategy, rungs.")
+        missing = {"probe", "strategy", "rungs"} - set(settings)
+        if missing:
+            raise ValueError(f"The ladder settings lack {sorted(missing)}.")
+        return cls(**settings)
+
+
+def rung_name(fraction: float | None) -> str:
+    """`"mapped"`, `"repair:<fraction>"` or `"fallback"`."""
+    if fraction is None:
+        return FALLBACK
+    return "mapped" if fraction == 0.0 else f"repair:{fraction:g}"
+
+
+__all__ = ["FALLBACK", "GuardLadder", "LadderRung", "rung_name"]

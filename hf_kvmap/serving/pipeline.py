@@ -1,0 +1,506 @@
+"""Serving a batch of requests, the one way every front door takes: `handoff`, `HandoffSession`, the ladder's item
+measurement (`hf_kvmap.calibration.ladder_items`) and the evaluation harness all call these functions.
+
+Stages, in order, each timed in the [`HandoffReport`]:
+
+1. `gate`: `MapperModel.check_compatible` (model types, KV geometry, rope, revisions, ids, tokenizer fingerprint);
+2. `source_prefill`: the source prefills the prompt, unless its cache is given ([`prepare_context`]);
+3. `map`: `MappedCache.from_source`, holding back the probe's final tokens ([`map_and_repair`]);
+4. `repair`: a fixed [`~hf_kvmap.repair.RepairConfig`] has the target recompute what it selects
+   (`hf_kvmap.serving.repairing.apply_repair`, the one call of the recompute);
+5. `held_back`: the target runs the held-back tokens but the last on the served cache ([`run_tokens`]);
+6. `audit`: the target's own keys/values of the first tokens and its own first layer against the mapped ones; an
+   exact mapping is served as it is, a gross one refused;
+7. `probe`: one risk per row;
+8. the decision: with a ladder, a rung per row ([`serve_rows`]: mapped, repaired, or the target's own prefill of
+   the row); without one, the whole batch is served if every risk is within the threshold;
+9. `fallback_prefill`: a refused batch gets the target's own prefill (`policy="fallback"`) or raises
+   [`HandoffRefusedError`] (`policy="fail"`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.utils import logging
+
+from .._compat import cache_kwargs, output_cache
+from ..cache import MappedCache, source_pairs
+from ..cache_views import row_cache, write_rows
+from ..drafting import Draft
+from ..input_checks import check_source_cache, first_layer_error
+from ..repair import RepairConfig, selector_from_dict
+from ..rope import positions_from_attention_mask
+from .ladder import GuardLadder, rung_name
+from .probes import Probe, ProbeContext
+from .probes.prefix_audit import PrefixAuditProbe
+from .repairing import apply_repair
+from .report import Clock, HandoffRefusedError, HandoffReport
+
+logger = logging.get_logger(__name__)
+
+#: relative key/value error below which the audit certifies a mapping as the target's own cache
+EXACT_TOLERANCE = 1e-3
+#: relative key/value error at which the audit refuses a mapping outright: all-zero keys and values score exactly 1
+GROSS_ERROR = 1.0
+
+
+class _Refused(Exception):
+    """A stage refused the mapped cache; `serve` hands the batch to the policy."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def uncalibrated_error(missing: str, extra: str = "") -> ValueError:
+    return ValueError(
+        f"The mapper has no calibrated handoff probe (`config.handoff_probe` is empty) and no {missing} was passed"
+        f"{extra}. Calibrate one with `hf_kvmap.calibrate_probe(...)` (benchmarks/handoff.py does it for the shipped "
+        "mappers), or pass `probe=` and `threshold=` explicitly."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the stages
+
+
+@torch.no_grad()
+def target_prefill(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Cache:
+    """The target's own cache of every prompt token but the last (what `generate` expects next to the full prompt)."""
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs = {
+            "attention_mask": attention_mask[:, :-1],
+            "position_ids": positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)[:, :-1],
+        }
+    return output_cache(target(input_ids=input_ids[:, :-1], use_cache=True, **kwargs))
+
+
+@torch.no_grad()
+def run_tokens(
+    model,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    start: int,
+    end: int,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`model` runs tokens `[start, end)` of `input_ids` on `cache` (its cache of the tokens before them, which grows
+    by them): the held-back tokens after a mapping, a session's unseen tokens. `attention_mask` `(batch, >= end)` and
+    `position_ids` `(batch, >= end)` are the whole prompt's, when it has them. Returns the logits `(batch, n, vocab)`.
+    """
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask[:, :end]
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids[:, start:end]
+    return model(input_ids=input_ids[:, start:end], use_cache=True, **kwargs, **cache_kwargs(cache)).logits
+
+
+@torch.no_grad()
+def map_and_repair(
+    source,
+    target,
+    mapper,
+    input_ids: torch.Tensor,
+    source_cache,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    hold_back: int = 1,
+    source_position_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    target_first_layer: bool = False,
+    repair: RepairConfig | None = None,
+    clock: Clock | None = None,
+) -> tuple[MappedCache, dict[str, Draft]]:
+    """Stages 3 and 4: the mapped cache of all prompt tokens but the last `hold_back`, then, with `repair` (a
+    `RepairConfig`), the positions it selects recomputed by the target. Returns the cache and the drafts decoded on
+    the way (the source's, when the strategy reads the source: a probe that verifies it shares it)."""
+    clock = clock or Clock()
+    with clock.stage("map"):
+        cache = MappedCache.from_source(
+            source_cache,
+            mapper,
+            hold_back=hold_back,
+            attention_mask=attention_mask,
+            source_position_ids=source_position_ids,
+            position_ids=position_ids,
+            **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
+        )
+    drafts = {}
+    if repair is not None:
+        batch, length = input_ids.shape
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        built = source_position_ids if source_position_ids is not None else position_ids
+        if built is None:  # a plain forward's
+            built = positions_from_attention_mask(None, batch, length, input_ids.device)
+        with clock.stage("repair"):
+            if repair.selector.needs_source and source is not None:
+                drafts["source"] = Draft(source, source_cache, input_ids, mask, built)
+            apply_repair(
+                target,
+                cache,
+                input_ids,
+                repair,
+                attention_mask=mask,
+                position_ids=position_ids,
+                source=source,
+                source_cache=source_cache,
+                source_position_ids=built,
+                source_draft=drafts.get("source"),
+            )
+    return cache, drafts
+
+
+@torch.no_grad()
+def prepare_context(
+    source,
+    target,
+    mapper,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    source_cache: Cache | None = None,
+    hold_back: int = 1,
+    *,
+    source_position_ids: torch.Tensor | None = None,
+    clock: Clock | None = None,
+    target_first_layer: bool = False,
+    repair: RepairConfig | None = None,
+) -> ProbeContext:
+    """Stages 2 to 5: the source prefill (unless `source_cache` is given), the mapping of all prompt tokens but the
+    last `hold_back`, the fixed `repair`, and the target's run of the held-back tokens but the last. Returns the
+    [`ProbeContext`] whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source
+    cache.
+
+    The positions the source cache was built at: the mask-derived ones when this function prefills it, else
+    `source_position_ids` (default, as `MappedCache.from_source`: a plain forward's `0 .. T-1`)."""
+    clock = clock or Clock()
+    batch, length = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    positions = positions_from_attention_mask(mask, batch, length, input_ids.device)
+    if source_cache is None:
+        with clock.stage("source_prefill"):
+            source_cache = output_cache(
+                source(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            )
+        source_position_ids = positions
+    elif source_position_ids is None:  # a plain forward's
+        source_position_ids = positions_from_attention_mask(None, batch, length, input_ids.device)
+    cache, drafts = map_and_repair(
+        source,
+        target,
+        mapper,
+        input_ids,
+        source_cache,
+        attention_mask=attention_mask,
+        hold_back=hold_back,
+        source_position_ids=source_position_ids,
+        target_first_layer=target_first_layer,
+        repair=repair,
+        clock=clock,
+    )
+    tail_logits = None
+    if hold_back > 1:
+        with clock.stage("held_back"):
+            tail_logits = run_tokens(target, cache, input_ids, length - hold_back, length - 1, mask, positions).float()
+    return ProbeContext(
+        source=source,
+        target=target,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        source_cache=source_cache,
+        hold_back=hold_back,
+        tail_logits=tail_logits,
+        drafts=drafts,
+        source_position_ids=source_position_ids,
+    )
+
+
+@torch.no_grad()
+def serve_rows(
+    context: ProbeContext,
+    fractions: Sequence[float | None],
+    strategy: dict[str, Any] | str,
+) -> list[dict[str, Any]]:
+    r"""
+    Give every row of `context.cache` its rung, in place: rows with fraction 0 keep the mapped cache, rows with a
+    fraction have the target recompute that share of their mapped tokens (rows of one fraction in one batch), and
+    `None` rows get the target's own prefill. Then, when the probe held back more than the last token, the target
+    re-runs the held-back tokens on the result, so they attend to what is served.
+
+    Args:
+        context ([`~hf_kvmap.serving.probes.ProbeContext`]): what [`prepare_context`] built (`T - 1` tokens).
+        fractions (sequence of `float` or `None`): one per row.
+        strategy (`dict` or `str`): the repair strategy.
+
+    Returns:
+        One dict per row: `rung` (`"mapped"`, `"repair:<f>"`, `"fallback"`), `fraction`, and `recomputed` tokens.
+    """
+    ids, mask, positions, cache = context.input_ids, context.attention_mask, context.position_ids, context.cache
+    source_position_ids = context.source_position_ids
+    batch, length = ids.shape
+    if len(fractions) != batch:
+        raise ValueError(f"{len(fractions)} rung fractions for a batch of {batch} rows.")
+    mapped = length - context.hold_back
+    rows = [{"rung": rung_name(f), "fraction": f, "recomputed": 0} for f in fractions]
+    if all(f == 0.0 for f in fractions):
+        return rows
+    held = cache.get_seq_length() - mapped
+    if held:
+        cache.crop(-held)
+    selector = selector_from_dict(strategy)
+    for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
+        index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
+        part = row_cache(cache, index)
+        source_part = source_draft = None
+        if selector.needs_source:
+            source_part = row_cache(context.source_cache, index)
+            if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
+                source_draft = context.drafts["source"].rows(index)
+        counts = apply_repair(
+            context.target,
+            part,
+            ids[index],
+            RepairConfig(selector, fraction=fraction),
+            attention_mask=mask[index],
+            position_ids=positions[index],
+            source=context.source,
+            source_cache=source_part,
+            source_position_ids=None if source_position_ids is None else source_position_ids[index],
+            source_draft=source_draft,
+        )
+        write_rows(cache, index, part)
+        for i, n in zip(index.tolist(), counts):
+            rows[i]["recomputed"] = n
+    fallback = [i for i, f in enumerate(fractions) if f is None]
+    if fallback:
+        index = torch.tensor(fallback, device=ids.device)
+        own = output_cache(
+            context.target(
+                input_ids=ids[index, :mapped],
+                attention_mask=mask[index, :mapped],
+                position_ids=positions[index, :mapped],
+                use_cache=True,
+            )
+        )
+        write_rows(cache, index, own)
+        for i, n in zip(fallback, mask[index, :mapped].sum(-1).tolist()):
+            rows[i]["recomputed"] = n
+    if held:
+        run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
+    info = getattr(cache, "mapping_info", None)
+    if isinstance(info, dict):
+        info["ladder"] = {"rows": rows, "strategy": selector.settings()}
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the audit
+
+
+def first_layer_audit(target, context: ProbeContext) -> float:
+    """The worst relative error of the cache's first layer against the one `target` computes from the prompt's ids,
+    over every cached position (real tokens only)."""
+    layer = context.cache.layers[0]
+    seq = layer.keys.shape[2]
+    ids, positions, mask = context.input_ids[:, :seq], context.position_ids[:, :seq], context.attention_mask[:, :seq]
+    return float(first_layer_error(target, ids, positions, mask, layer.keys, layer.values).max())
+
+
+def exactness_error(target, input_ids, attention_mask, cache: Cache, *, audit_tokens: int = 8) -> float:
+    """The audit `handoff` certifies exactness with, for a cache of the first `T - 1` tokens of `input_ids`: every
+    layer on the first `audit_tokens` tokens, and the first layer at every position (relative error, worst)."""
+    positions = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    context = ProbeContext(None, target, input_ids, attention_mask, positions, cache, None)
+    return max(PrefixAuditProbe(audit_tokens).score(context).max().item(), first_layer_audit(target, context))
+
+
+def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffReport, clock: Clock) -> bool:
+    """Stage 6: whether the mapping is exact (then it is served as it is); raises `_Refused` for a gross one."""
+    with clock.stage("audit"):
+        error = PrefixAuditProbe(audit_tokens).score(context).max().item()
+        report.audit_error = error
+        if error <= EXACT_TOLERANCE:  # the prefix is exact: the first layer at every position too?
+            report.audit_error = max(error, first_layer_audit(target, context))
+    if not error < GROSS_ERROR:  # NaN included
+        raise _Refused(
+            f"gross mapping error: the mapped keys/values of the first {audit_tokens} tokens are {error:.3g} "
+            "(relative) from the target's own, no closer than zeros"
+        )
+    return report.audit_error <= EXACT_TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+
+
+def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: Clock) -> Cache:
+    """Stage 8 under a ladder: each row's rung from its risk (`report.scores`), then [`serve_rows`]."""
+    plan = ladder.plan(report.scores)  # a NaN risk takes no rung: it falls back
+    settings = {"probe": ladder.probe, "strategy": ladder.strategy, "rungs": ladder.to_dict()["rungs"]}
+    report.threshold = None
+    if all(fraction is None for fraction in plan):
+        report.ladder = {
+            **settings,
+            "rows": [{"rung": rung_name(None), "fraction": None, "risk": r} for r in report.scores],
+        }
+        raise _Refused(
+            f"ladder: every row's risk is above the last rung (risks {[f'{r:.4g}' for r in report.scores]})"
+        )
+    if report.policy == "fail" and any(fraction is None for fraction in plan):
+        raise _Refused(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
+    with clock.stage("repair"):
+        rows = serve_rows(context, plan, ladder.strategy)
+    for row, risk in zip(rows, report.scores):
+        row["risk"] = risk
+    report.ladder = {**settings, "rows": rows}
+    report.accepted = True
+    report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))
+    return context.cache
+
+
+def _threshold(probe: Probe, scores: torch.Tensor, threshold: float, report: HandoffReport) -> None:
+    """Stage 8 without a ladder: the whole batch is served if every row's risk is within the threshold."""
+    if not torch.isfinite(scores).all():
+        raise _Refused(f"probe {probe.name} returned a non-finite risk")
+    if report.score > threshold:
+        raise _Refused(f"probe refused: {probe.name} risk {report.score:.4g} > threshold {threshold:.4g}")
+    report.accepted, report.reason = True, f"probe passed: {probe.name} risk {report.score:.4g} <= {threshold:.4g}"
+
+
+def _serve_mapped(
+    request: dict[str, Any],
+    report: HandoffReport,
+    clock: Clock,
+    *,
+    probe,
+    threshold,
+    ladder,
+    repair,
+    audit_tokens: int,
+) -> Cache:
+    """Stages 1 to 8; raises `_Refused` where a stage refuses the mapped cache."""
+    source, target, mapper, input_ids = request["source"], request["target"], request["mapper"], request["input_ids"]
+    attention_mask, source_cache = request["attention_mask"], request["source_cache"]
+    with clock.stage("gate"):
+        try:
+            mapper.check_compatible(source, target, request["tokenizer"], same_weights=report.same_weights)
+        except ValueError as err:
+            report.probe = None
+            logger.warning_once(f"handoff falls back to the target's own prefill on every such request: {err}")
+            raise _Refused(f"incompatible: {err}") from None
+    batch, length = input_ids.shape
+    if source_cache is not None:
+        positions = request["source_position_ids"]
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        check_source_cache(source, source_pairs(source_cache)[0], input_ids, positions, mask)
+    try:
+        context = prepare_context(
+            source,
+            target,
+            mapper,
+            input_ids,
+            attention_mask,
+            source_cache,
+            report.hold_back,
+            source_position_ids=request["source_position_ids"],
+            clock=clock,
+            target_first_layer=request["target_first_layer"],
+            repair=repair,
+        )
+    except ValueError as err:
+        raise _Refused(f"mapping failed: {err}") from None
+    report.mapped_tokens = length - report.hold_back
+    report.repair = context.cache.mapping_info.get("repair")
+    if audit_tokens and _audit(target, context, audit_tokens, report, clock):
+        report.accepted, report.reason = True, f"exact mapping: audit error {report.audit_error:.2g}"
+        return context.cache
+    if probe is None:
+        raise uncalibrated_error(
+            "probe", f", and the exactness audit finds the mapping inexact (error {report.audit_error:.3g})"
+        )
+    with clock.stage("probe"):
+        scores = probe.score(context).float()
+    report.scores = [float(s) for s in scores]
+    report.score = max(report.scores)
+    if ladder is not None:
+        return climb(ladder, context, report, clock)
+    _threshold(probe, scores, threshold, report)
+    return context.cache
+
+
+@torch.no_grad()
+def serve(
+    request: dict[str, Any],
+    *,
+    policy: str,
+    probe: Probe | None,
+    threshold: float | None,
+    ladder: GuardLadder | None,
+    repair: RepairConfig | None,
+    audit_tokens: int,
+    notes: list[str],
+) -> tuple[Cache, HandoffReport]:
+    """Serve one batch of requests (checked and resolved by `handoff`): `request` holds `source`, `target`, `mapper`,
+    `input_ids`, `attention_mask`, `source_cache`, `source_position_ids`, `tokenizer`, `target_first_layer` and
+    `same_weights`. Returns the served cache and the [`HandoffReport`]; a refused batch goes to `policy`."""
+    clock = Clock()
+    input_ids, target = request["input_ids"], request["target"]
+    hold_back = min(probe.hold_back, input_ids.shape[1] - 1) if probe is not None else 1
+    report = HandoffReport(
+        False,
+        "",
+        probe=probe.settings() if probe is not None else None,
+        threshold=threshold,
+        policy=policy,
+        hold_back=hold_back,
+        notes=notes,
+        same_weights=bool(request["same_weights"]),
+    )
+    try:
+        cache = _serve_mapped(
+            request,
+            report,
+            clock,
+            probe=probe,
+            threshold=threshold,
+            ladder=ladder,
+            repair=repair,
+            audit_tokens=audit_tokens,
+        )
+    except _Refused as refusal:
+        report.accepted, report.reason = False, refusal.reason
+        if policy == "fail":
+            report.timings = clock.done()
+            raise HandoffRefusedError(
+                f"Handoff refused ({refusal.reason}). Use policy='fallback' to serve the target's own prefill "
+                "instead.",
+                report,
+            ) from None
+        logger.info("handoff falls back to the target's own prefill: %s", refusal.reason)
+        with clock.stage("fallback_prefill"):
+            cache = target_prefill(target, input_ids, request["attention_mask"])
+    report.timings = clock.done()
+    return cache, report
+
+
+__all__ = [
+    "EXACT_TOLERANCE",
+    "GROSS_ERROR",
+    "climb",
+    "exactness_error",
+    "first_layer_audit",
+    "map_and_repair",
+    "prepare_context",
+    "run_tokens",
+    "serve",
+    "serve_rows",
+    "target_prefill",
+    "uncalibrated_error",
+]
