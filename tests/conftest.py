@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -193,6 +195,7 @@ class Helpers:
     prefill = staticmethod(run_prefill)
     greedy = staticmethod(run_greedy)
     greedy_probabilities = staticmethod(run_greedy_probabilities)
+    fake_machine = staticmethod(lambda root, files=12: make_fake_machine(root, files))
 
     @staticmethod
     def arch_config(name: str = "qwen3"):
@@ -327,3 +330,58 @@ def provenance_mapper(tiny):
         tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer()),
         calibration={"tokens": 1234, "stride": 4, "fingerprint": "sha256:feed"},
     )
+
+
+# The real-corpus pipeline on a stand-in machine: a fake standard library and /usr/share, a byte-level tokenizer
+WORDS = "the keeper of the light wrote every evening about wind and waves and ships that passed".split()
+
+
+def make_fake_machine(root: Path, files: int = 12) -> tuple[Path, Path]:
+    """A stand-in standard library (Python files with docstrings) and a /usr/share with licenses and docs."""
+    stdlib, share = root / "lib", root / "share"
+    (stdlib / "pkg").mkdir(parents=True)
+    (stdlib / "test").mkdir()
+    (share / "common-licenses").mkdir(parents=True)
+    for i in range(files):
+        prose = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(60)) + "."
+        code = f'"""Module {i}. {prose}"""\n'
+        for k in range(8):
+            code += f'\n\ndef function_{WORDS[k]}_{i}(value):\n    """{prose}"""\n    return value + {i * k}\n'
+        (stdlib / "pkg" / f"mod{i}.py").write_text(code)
+        (share / "common-licenses" / f"LICENSE-{i}").write_text(f"License {i}.\n\n" + (prose + "\n\n") * 6)
+    (stdlib / "test" / "test_skipped.py").write_text("x = 1\n" * 1000)
+    return stdlib, share
+
+
+@pytest.fixture
+def split_by_relative_path(monkeypatch, tmp_path):
+    """Split the fake machine's files by their path under `tmp_path`, as the library splits absolute paths.
+
+    The library hashes the absolute path; pytest's `tmp_path` changes from run to run, so without this the
+    held-out share of a dozen fake files would be drawn anew each run (some runs hold out no code at all).
+    """
+    from hf_kvmap.real import corpus
+
+    split_of = corpus._split_of
+
+    def relative_split(path: str) -> str:
+        relative = Path(path)
+        return split_of(relative.relative_to(tmp_path).as_posix() if relative.is_relative_to(tmp_path) else path)
+
+    monkeypatch.setattr(corpus, "_split_of", relative_split)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE tokenizer trained here (every character round-trips), with a chat template."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([" ".join(WORDS) + " def return value"] * 10, vocab_size=300, special_tokens=["<eos>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tokenizer

@@ -37,60 +37,13 @@ def _namespace(*modules) -> types.SimpleNamespace:
     return types.SimpleNamespace(**names)
 
 
-WORDS = "the keeper of the light wrote every evening about wind and waves and ships that passed".split()
-
-
-def fake_machine(root: Path, files: int = 12) -> tuple[Path, Path]:
-    """A stand-in standard library (Python files with docstrings) and a /usr/share with licenses and docs."""
-    stdlib, share = root / "lib", root / "share"
-    (stdlib / "pkg").mkdir(parents=True)
-    (stdlib / "test").mkdir()
-    (share / "common-licenses").mkdir(parents=True)
-    for i in range(files):
-        prose = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(60)) + "."
-        code = f'"""Module {i}. {prose}"""\n'
-        for k in range(8):
-            code += f'\n\ndef function_{WORDS[k]}_{i}(value):\n    """{prose}"""\n    return value + {i * k}\n'
-        (stdlib / "pkg" / f"mod{i}.py").write_text(code)
-        (share / "common-licenses" / f"LICENSE-{i}").write_text(f"License {i}.\n\n" + (prose + "\n\n") * 6)
-    (stdlib / "test" / "test_skipped.py").write_text("x = 1\n" * 1000)
-    return stdlib, share
-
-
 @pytest.fixture(autouse=True)
-def split_by_relative_path(monkeypatch, tmp_path):
-    """Split the fake machine's files by their path under `tmp_path`, as the library splits absolute paths.
-
-    The library hashes the absolute path; pytest's `tmp_path` changes from run to run, so without this the
-    held-out share of a dozen fake files would be drawn anew each run (some runs hold out no code at all).
-    """
-    split_of = corpus._split_of
-
-    def relative_split(path: str) -> str:
-        relative = Path(path)
-        return split_of(relative.relative_to(tmp_path).as_posix() if relative.is_relative_to(tmp_path) else path)
-
-    monkeypatch.setattr(corpus, "_split_of", relative_split)
+def _split_by_relative_path(split_by_relative_path):
+    """Every test here splits the fake machine's files by their relative path (`split_by_relative_path`)."""
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer():
-    """A byte-level BPE tokenizer trained here (every character round-trips), with a chat template."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([" ".join(WORDS) + " def return value"] * 10, vocab_size=300, special_tokens=["<eos>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    return tokenizer
-
-
-def test_manifest_pins_the_files_and_refuses_changes(tmp_path):
-    stdlib, share = fake_machine(tmp_path)
+def test_manifest_pins_the_files_and_refuses_changes(tmp_path, tiny):
+    stdlib, share = tiny.fake_machine(tmp_path)
     documents = corpus.discover(stdlib, share)
     assert {d.kind for d in documents} == {"code", "prose"}
     assert not any("test_skipped" in d.path for d in documents)
@@ -108,9 +61,9 @@ def test_manifest_pins_the_files_and_refuses_changes(tmp_path):
         corpus.load_manifest(tmp_path / "m.json", verify=False)
 
 
-def test_calibration_sequences_are_fixed_and_extend(tmp_path, byte_tokenizer):
+def test_calibration_sequences_are_fixed_and_extend(tmp_path, byte_tokenizer, tiny):
     tokenizer = byte_tokenizer
-    documents = corpus.discover(*fake_machine(tmp_path))
+    documents = corpus.discover(*tiny.fake_machine(tmp_path))
     short = corpus.calibration_sequences(tokenizer, documents, 3, length=64)
     longer = corpus.calibration_sequences(tokenizer, documents, 6, length=64)
     assert longer[:3] == short and all(len(seq) == 64 for seq in longer)
@@ -121,9 +74,9 @@ def test_calibration_sequences_are_fixed_and_extend(tmp_path, byte_tokenizer):
         corpus.calibration_sequences(tokenizer, documents, 10_000, length=64)
 
 
-def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer):
+def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer, tiny):
     tokenizer = byte_tokenizer
-    documents = corpus.discover(*fake_machine(tmp_path, files=30))
+    documents = corpus.discover(*tiny.fake_machine(tmp_path, files=30))
     held_out = {d.path for d in documents if d.split == "heldout"}
     tasks = {t.name: t for t in real_family_tasks(tokenizer, documents, items=3)}
     assert set(tasks) == set(TASK_META)
@@ -400,10 +353,10 @@ def test_feature_variants_are_valid_fit_options_that_need_features(scale_script)
         assert options.fits_on_features == (name != "ridge-k8-feat"), name
 
 
-def test_readback_rows_keep_the_fact_and_read_calibration_files_only(tmp_path, byte_tokenizer, scale_script):
+def test_readback_rows_keep_the_fact_and_read_calibration_files_only(tmp_path, byte_tokenizer, scale_script, tiny):
     """The KL fine-tune's read-back rows: one length, each ends with its answer and the end of turn, still states
     the answer before it after the crop, and every passage comes from a calibration file (the tasks read the rest)."""
-    documents = corpus.discover(*fake_machine(tmp_path, files=30))
+    documents = corpus.discover(*tiny.fake_machine(tmp_path, files=30))
     opening = {"mod": "Module", "LICENSE-": "License"}  # each fake file opens with "Module N." or "License N."
     split = {(opening[m[1]], m[2]): d.split for d in documents if (m := re.search(r"(mod|LICENSE-)(\d+)", d.path))}
     rows = scale_script.readback_rows(byte_tokenizer, documents, 6, seed=5)

@@ -18,6 +18,7 @@ from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, re
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
+from hf_kvmap.repair.draft_coverage import DraftCoverageSelector
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,7 +65,7 @@ def _max_diff(first, second, length=None):
 
 def _settings(name):
     """Every registered strategy with small options (the attention strategies read 4 final tokens, the draft is 3)."""
-    if name == "draft_attention":
+    if name in ("draft_attention", "draft_coverage"):
         return {"name": name, "draft_tokens": 3, "last_tokens": 4}
     return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
 
@@ -308,6 +309,56 @@ def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny,
     read = 23 if eos_at is None else 20 + eos_at + 1  # queries up to and including the first end token
     expected = sum(weights[:, :, 20 - last_tokens : read].sum((1, 2)) for weights in out.attentions)[:, :19]
     assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("eos_at", [None, 1])
+def test_draft_coverage_is_the_largest_read_of_one_drafted_token(tiny, eos_at):
+    """`draft_coverage` scores each position by the eager forward's softmax weights of one drafted token's query,
+    summed over heads and layers, at the drafted token that reads it most (none after a drafted end token); its
+    per-query masses add up to `draft_attention`'s sum."""
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    full = _greedy(model, ids, None, None)[:, :24]
+    model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
+    mask = torch.ones_like(ids)
+    cache = tiny.prefill(model, ids)
+    context = RepairContext(
+        target=model,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_attention_mask(None, 1, 20, "cpu"),
+        candidates=mask[:, :19].bool(),
+        source=model,
+        source_cache=cache,
+    )
+    scores = DraftCoverageSelector(draft_tokens=4).score(context)
+    with torch.no_grad():
+        out = model(full, output_attentions=True)
+    read = 24 if eos_at is None else 20 + eos_at + 1
+    per_query = sum(weights[:, :, 20:read].sum(1) for weights in out.attentions)  # (batch, queries, T)
+    expected = per_query.amax(1)[:, :19]
+    assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
+    assert not torch.allclose(scores, per_query.sum(1)[:, :19], atol=1e-3)  # a max, not the sum
+    summed = DraftAttentionSelector(draft_tokens=4).score(context)
+    assert torch.allclose(summed, per_query.sum(1)[:, :19], atol=1e-4)
+
+
+def test_per_query_attention_adds_up_to_the_summed_attention(tiny):
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    cache = tiny.prefill(model, ids)
+    mask, positions = torch.ones_like(ids), positions_from_attention_mask(None, 1, 20, "cpu")
+    summed = last_tokens_attention(model, cache, ids, mask, positions, 5)
+    apart = last_tokens_attention(model, cache, ids, mask, positions, 5, per_query=True)
+    assert apart.shape == (1, 5, 20) and torch.allclose(apart.sum(1), summed, atol=1e-5)
+    padded = torch.ones(2, 20, dtype=torch.long)
+    padded[1, :17] = 0  # a row of 3 tokens reads 2 final tokens, not 5
+    with pytest.raises(ValueError, match="per_query=True needs every row to read the same 5 final tokens"):
+        last_tokens_attention(
+            model, tiny.prefill(model, ids.repeat(2, 1)), ids.repeat(2, 1), padded, positions.repeat(2, 1), 5,
+            per_query=True,
+        )
 
 
 def test_a_query_mask_counts_only_the_queries_it_marks(tiny):

@@ -23,7 +23,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def _window_attention(model, pairs, input_ids, attention_mask, position_ids, last: int, query_mask) -> torch.Tensor:
+def _window_attention(
+    model, pairs, input_ids, attention_mask, position_ids, last: int, query_mask, per_query: bool = False
+) -> torch.Tensor:
     """`last_tokens_attention` of rows that all read `last` final tokens; `pairs` are the cache's `(keys, values)`."""
     batch, length = input_ids.shape
     start = length - last
@@ -55,7 +57,7 @@ def _window_attention(model, pairs, input_ids, attention_mask, position_ids, las
         for hook in hooks:
             hook.remove()
     slots = torch.arange(length)
-    total = torch.zeros(batch, length, dtype=torch.float32)
+    total = torch.zeros(batch, last, length, dtype=torch.float32) if per_query else torch.zeros(batch, length)
     for query, layer in zip(queries, work.layers):
         keys = layer.keys.float()
         grouped = query.view(batch, keys.shape[1], -1, last, query.shape[-1])
@@ -66,8 +68,8 @@ def _window_attention(model, pairs, input_ids, attention_mask, position_ids, las
         weights = logits.softmax(-1).nan_to_num(0.0)
         if counted is not None:
             weights = weights * counted.to(weights.device)
-        total += weights.sum((1, 2, 3)).cpu()
-    return total * attention_mask.cpu()
+        total += weights.sum((1, 2) if per_query else (1, 2, 3)).cpu()
+    return total * (attention_mask.cpu()[:, None] if per_query else attention_mask.cpu())
 
 
 @torch.no_grad()
@@ -79,9 +81,11 @@ def last_tokens_attention(
     position_ids: torch.Tensor,
     last: int,
     query_mask: torch.Tensor | None = None,
+    per_query: bool = False,
 ) -> torch.Tensor:
     r"""
-    Attention mass of the last `last` prompt tokens on every prompt position, summed over heads, queries and layers.
+    Attention mass of the last `last` prompt tokens on every prompt position, summed over heads, queries and layers
+    (with `per_query`, over heads and layers only).
 
     Each row reads at most its tokens but the first (rows shorter than that run apart, so a left-padded row scores
     as it does alone).
@@ -110,7 +114,13 @@ def last_tokens_attention(
     windows = own.unique().tolist()
     if len(windows) == 1:  # every row reads the same window: no copy of the cache
         pairs = [(layer.keys, layer.values) for layer in cache.layers]
-        return _window_attention(model, pairs, input_ids, attention_mask, position_ids, int(windows[0]), query_mask)
+        window = int(windows[0])
+        return _window_attention(model, pairs, input_ids, attention_mask, position_ids, window, query_mask, per_query)
+    if per_query:
+        raise ValueError(
+            f"per_query=True needs every row to read the same {last} final tokens; rows of this batch read "
+            f"{sorted(windows)} (rows with fewer tokens): repair such rows one at a time."
+        )
     for window in windows:
         rows = (own == window).nonzero().squeeze(-1)
         index = rows.to(input_ids.device)

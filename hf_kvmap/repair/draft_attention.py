@@ -90,8 +90,16 @@ class DraftAttentionSelector(Selector):
             extended_positions,
             steps + self.last_tokens,
             query_mask=counted,
+            per_query=self.per_query,
         )
-        return mass[:, : context.length]
+        return self.reduce(mass)[:, : context.length]
+
+    #: whether `reduce` reads each query's attention apart (`(batch, queries, T)`) or their sum (`(batch, T)`)
+    per_query = False
+
+    def reduce(self, mass: torch.Tensor) -> torch.Tensor:
+        """The score of every position from the attention mass the draft's queries pay it (here: their sum)."""
+        return mass
 
 
 def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:

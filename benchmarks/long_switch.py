@@ -1,0 +1,309 @@
+"""Where a switch pays: the real pair (Qwen2.5-Coder 0.5B <-> 1.5B) on tasks at serving lengths where the larger
+model should answer better (`hf_kvmap.real.long_tasks`), each item served every way in one run.
+
+Per item the source's prefill is taken as paid (a switch happens after the source has read the conversation), and
+the target's own prefill is computed once, timed, and serves the target-alone arm; every other arm maps the source's
+cache (`MappedCache.from_source`), optionally repairs it (`repair=`, one rung per strategy and fraction), runs the
+held-back token and decodes greedily. Each arm records its answer, its score, the seconds it took to prepare the
+cache and its time to first token (preparing + the first forward), so ratios to the re-prefill are measured side by
+side. Every item is appended to `--records` (JSON lines) as soon as it is measured, and a rerun skips what is there:
+a stopped run resumes, and a rung added later is measured without the target's prefill again (the target arm's
+record is kept).
+
+    python -m benchmarks.long_switch --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 --tasks long_chat,long_doc \
+        --tokens 2048 --items 16 --seed 4321 --rungs draft_attention@0.1,draft_attention@0.2 \
+        --records $WORK/long/records.jsonl
+    python -m benchmarks.long_switch_report --records $WORK/long/records.jsonl
+
+Scores: exact match of the reply (long_chat, long_doc), pass@1 of the problem's tests (humaneval), and for a
+continuation the share of its greedy tokens that agree with the target's own (position by position) and the NLL of
+the real text. The report gives each arm's mean, its floor-normalized retention (chance 0) and the share of the
+source-to-target gap it recovers, with the time to first token beside the re-prefill's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_kvmap.reporting import environment_info
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
+MAX_NEW = {"long_chat": 12, "long_doc": 12, "humaneval": 320, "continuation": 128}
+
+
+def parse_rung(text: str) -> tuple[str, dict, float]:
+    """`name[:option=value,...]@fraction` -> (label, strategy settings, fraction); e.g. `draft_attention@0.2`,
+    `draft_attention:draft_tokens=64@0.2`."""
+    if "@" not in text:
+        raise argparse.ArgumentTypeError(f"--rungs entry {text!r} needs a fraction: name[:option=value]@fraction")
+    spec, fraction = text.rsplit("@", 1)
+    try:
+        share = float(fraction)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: fraction {fraction!r} is not a number") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: the fraction must be in (0, 1]")
+    name, _, options = spec.partition(":")
+    settings = {"name": name}
+    for option in filter(None, options.split(",")):
+        key, _, raw = option.partition("=")
+        try:
+            settings[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            settings[key] = raw
+    return text, settings, share
+
+
+# ---------------------------------------------------------------------------------------------------------- decoding
+def _forward(model, ids: torch.Tensor, cache):
+    from hf_kvmap._compat import cache_kwargs
+
+    return model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
+
+
+@torch.no_grad()
+def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int]) -> tuple[list[int], float]:
+    """Greedy tokens after `cache` + `last` (`(1, n)` held-back ids) until an end token, `stop(tokens)` or
+    `max_new`; returns them and the seconds to the first token. The cache is cropped back to its length after."""
+    length = cache.get_seq_length()
+    start = time.perf_counter()
+    logits = _forward(model, last, cache).logits[:, -1]
+    token = int(logits.argmax(-1))
+    first = time.perf_counter() - start
+    tokens = [token]
+    while token not in eos and len(tokens) < max_new and not stop(tokens):
+        token = int(_forward(model, torch.tensor([[token]]), cache).logits[:, -1].argmax(-1))
+        tokens.append(token)
+    cache.crop(length - cache.get_seq_length())  # negative: drop what decoding appended
+    return tokens, first
+
+
+@torch.no_grad()
+def text_nll(model, cache, last: torch.Tensor, continuation: list[int]) -> float:
+    """Mean NLL (nats per token) of `continuation` read after `cache` + `last`; the cache is cropped back after."""
+    length = cache.get_seq_length()
+    ids = torch.cat([last, torch.tensor([continuation[:-1]])], dim=1)
+    logits = _forward(model, ids, cache).logits[0, last.shape[1] - 1 :].float()
+    cache.crop(length - cache.get_seq_length())
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(continuation)))
+
+
+# ----------------------------------------------------------------------------------------------------------- scoring
+def score(item: dict, text: str, tokens: list[int], reference: list[int] | None) -> dict:
+    """An arm's score on one item (see the module docstring)."""
+    if item["task"] in ("long_chat", "long_doc"):
+        return {"score": float(text.strip() == item["answer"])}
+    if item["task"] == "humaneval":
+        from hf_kvmap.real.humaneval import passes, truncate_completion
+
+        return {"score": float(passes(item["problem"], truncate_completion(text)))}
+    agree = sum(a == b for a, b in zip(tokens, reference or tokens)) / len(reference or tokens)
+    return {"score": agree}
+
+
+class Runner:
+    """The models, the mapper and the settings one run serves every arm with."""
+
+    def __init__(self, args):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from hf_kvmap import MapperModel
+        from hf_kvmap.real import converted_path
+
+        dtype = getattr(torch, args.dtype)
+        source_name, target_name = (MODELS[side] for side in args.direction.split(":"))
+        self.tokenizer = AutoTokenizer.from_pretrained(converted_path(target_name, args.cache_dir))
+        self.source = AutoModelForCausalLM.from_pretrained(converted_path(source_name, args.cache_dir), dtype=dtype)
+        self.target = AutoModelForCausalLM.from_pretrained(converted_path(target_name, args.cache_dir), dtype=dtype)
+        self.source.eval(), self.target.eval()
+        self.mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
+        self.eos = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
+        self.eos |= set(_as_list(self.target.generation_config.eos_token_id))
+
+    def _stop(self, task: str):
+        if task != "humaneval":
+            return lambda tokens: False
+        from hf_kvmap.real.humaneval import STOP_SEQUENCES
+
+        return lambda tokens: any(s in self.tokenizer.decode(tokens) for s in STOP_SEQUENCES)
+
+    @torch.no_grad()
+    def measure(self, item: dict, arms: list[str], rungs: dict, done: dict) -> dict:
+        """Every arm of `arms` not in `done` on one item; returns `{arm: record}`."""
+        from hf_kvmap import MappedCache
+        from hf_kvmap._compat import output_cache
+        from hf_kvmap.repair import RepairConfig
+
+        ids = torch.tensor([item["ids"]])
+        last = ids[:, -1:]
+        max_new, stop = MAX_NEW[item["task"]], self._stop(item["task"])
+        reference = done.get("target", {}).get("tokens")
+        out = {}
+
+        def finish(arm: str, model, cache, prepare: float) -> None:
+            tokens, first = greedy(model, cache, last, max_new, stop, self.eos)
+            text = self.tokenizer.decode([t for t in tokens if t not in self.eos])
+            record = {"tokens": tokens, "text": text, "prepare_s": prepare, "ttft_s": prepare + first}
+            if item["task"] == "continuation":
+                record["nll"] = text_nll(model, cache, last, item["continuation_ids"])
+            record.update(score(item, text, tokens, reference if arm != "target" else None))
+            out[arm] = record
+
+        if "target" in arms and "target" not in done:
+            start = time.perf_counter()
+            cache = output_cache(self.target(input_ids=ids[:, :-1], use_cache=True))
+            finish("target", self.target, cache, time.perf_counter() - start)
+            reference = out["target"]["tokens"]
+            del cache
+        mapped_arms = [a for a in arms if a not in done and a not in ("source", "target")]
+        if mapped_arms or ("source" in arms and "source" not in done):
+            source_cache = output_cache(self.source(input_ids=ids, use_cache=True))  # paid before a switch
+            for arm in mapped_arms:
+                kwargs = {}
+                if arm != "mapped":
+                    _, settings, fraction = rungs[arm]
+                    kwargs = {
+                        "repair": RepairConfig(settings, fraction=fraction),
+                        "target_model": self.target,
+                        "source_model": self.source,
+                        "input_ids": ids,
+                    }
+                start = time.perf_counter()
+                cache = MappedCache.from_source(source_cache, self.mapper, **kwargs)
+                finish(arm, self.target, cache, time.perf_counter() - start)
+                del cache
+            if "source" in arms and "source" not in done:
+                source_cache.crop(-1)
+                finish("source", self.source, source_cache, 0.0)
+        return out
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def build_items(runner: Runner, args) -> list[dict]:
+    """The run's items as plain dicts (`task`, `index`, `ids`, `answer`, metadata), in measuring order."""
+    from hf_kvmap.real import long_tasks
+    from hf_kvmap.real.corpus import load_manifest
+
+    documents = load_manifest(args.manifest)
+    tok = runner.tokenizer
+    items = []
+    for task in args.tasks.split(","):
+        if task == "long_chat":
+            built = long_tasks.long_chat(tok, documents, args.items, args.tokens, args.seed)
+        elif task == "long_doc":
+            built = long_tasks.long_doc(tok, documents, args.items, args.tokens, args.seed)
+        elif task == "humaneval":
+            from hf_kvmap.real.humaneval import humaneval_problems
+
+            problems = humaneval_problems(args.cache_dir)[args.offset : args.offset + args.items]
+            built = long_tasks.humaneval(tok, documents, problems, args.tokens, args.seed)
+            for item, problem in zip(built, problems):
+                item.meta["problem"] = problem
+        elif task == "continuation":
+            built = long_tasks.continuation(tok, documents, args.items, args.tokens, seed=args.seed)
+        else:
+            raise SystemExit(f"--tasks: unknown task {task!r}; known: {', '.join(long_tasks.LONG_TASK_NAMES)}")
+        for index, item in enumerate(built):
+            ids = item.meta.get("context_ids") or tok(item.prompt, add_special_tokens=False)["input_ids"]
+            extra = {k: v for k, v in item.meta.items() if k != "context_ids"}
+            items.append(
+                {
+                    "task": task,
+                    "index": index + (args.offset if task == "humaneval" else 0),
+                    "ids": ids,
+                    "answer": item.answer,
+                    **extra,
+                }
+            )
+    return items
+
+
+def key_of(args, item: dict) -> str:
+    return f"{args.direction}/{item['task']}/{args.tokens}/{args.seed}/{item['index']}"
+
+
+def load_records(path: Path) -> dict:
+    """`{key: {"key", "setup", "arms": {arm: record}}}` from a records file (later lines add arms to earlier)."""
+    records = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "key" in row:
+                records.setdefault(row["key"], {**row, "arms": {}})["arms"].update(row["arms"])
+    return records
+
+
+def cmd_run(args) -> None:
+    rungs = {label: parse_rung(label) for label in filter(None, args.rungs.split(","))}
+    from hf_kvmap.repair import RepairConfig
+
+    for _, settings, fraction in rungs.values():
+        RepairConfig(settings, fraction=fraction)  # a typo fails here, before the models load
+    torch.set_num_threads(args.threads)
+    runner = Runner(args)
+    path = Path(args.records)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load_records(path)
+    setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
+    arms = ["target", "mapped", *rungs, "source"]
+    items = build_items(runner, args)
+    run = {"command": "python -m benchmarks.long_switch " + " ".join(sys.argv[1:]), "environment": environment_info()}
+    with path.open("a") as handle:  # what ran the rows after it: a line without a key
+        handle.write(json.dumps({"run": run}) + "\n")
+    bar = tqdm(items, desc=f"{args.tasks} at {args.tokens}", unit="item")
+    for item in bar:
+        key = key_of(args, item)
+        stored = records.get(key, {"arms": {}})
+        if stored.get("setup", setup) != setup:
+            raise SystemExit(
+                f"{path} holds {key} measured under {stored['setup']}, not {setup}: pass another --records"
+            )
+        if all(arm in stored["arms"] for arm in arms):
+            continue
+        measured = runner.measure(item, arms, rungs, stored["arms"])
+        row = {
+            "key": key,
+            "setup": setup,
+            "task": item["task"],
+            "tokens": len(item["ids"]),
+            "length": args.tokens,
+            "meta": {k: item[k] for k in ("depth", "task_id", "kind") if k in item},
+            "arms": measured,
+        }
+        with path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        records.setdefault(key, {**row, "arms": {}})["arms"].update(measured)
+        bar.set_postfix({a: round(measured[a]["score"], 2) for a in measured})
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mapper", required=True)
+    parser.add_argument("--direction", default="0.5b:1.5b", choices=["0.5b:1.5b", "1.5b:0.5b"])
+    parser.add_argument("--tasks", default="long_chat,long_doc")
+    parser.add_argument("--tokens", type=int, default=2048, help="context length (humaneval: code before the prompt)")
+    parser.add_argument("--items", type=int, default=16)
+    parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
+    parser.add_argument("--seed", type=int, default=4321)
+    parser.add_argument("--rungs", default="draft_attention@0.2")
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
+    cmd_run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,195 @@
+"""The report of `benchmarks.long_switch`: its records assembled into one JSON per run, a docs table and a plot.
+
+    python -m benchmarks.long_switch_report --records $WORK/long/records.jsonl \
+        --out benchmarks/results/long_switch.json --plot benchmarks/results/long_switch.png
+
+Per direction, task and length: each arm's mean score over the items every arm was measured on, its retention
+(`score / target`, chance 0 on every task here), the share of the source-to-target gap it recovers
+(`(score - source) / (target - source)`, only where the target beats the source), its mean time to first token and
+the re-prefill's over it (measured side by side on the same items), and for continuations the NLL of the real text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import re
+import sys
+from pathlib import Path
+from statistics import mean
+
+RUNG = re.compile(r"^(?P<strategy>[^@]+)@(?P<fraction>[0-9.]+)$")
+FIXED_ARMS = ("target", "source", "mapped")
+
+
+def load(path: str | Path) -> dict:
+    """`{key: row}` with every arm a key was measured on (later lines add arms to earlier ones)."""
+    rows: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "key" in row:  # a line without a key says what ran the rows after it
+            rows.setdefault(row["key"], {**row, "arms": {}})["arms"].update(row["arms"])
+    return rows
+
+
+def _group(rows: dict) -> dict:
+    groups: dict[tuple, list[dict]] = {}
+    for key, row in rows.items():
+        direction = key.split("/")[0]
+        groups.setdefault((direction, row["task"], row["length"]), []).append(row)
+    return groups
+
+
+def summarize(items: list[dict]) -> dict:
+    """One (direction, task, length) group: every arm measured on all of `items` that hold the three fixed arms."""
+    complete = [row for row in items if all(arm in row["arms"] for arm in FIXED_ARMS)]
+    if not complete:
+        return {"items": 0}
+    arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
+    scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
+    target, source = scores["target"], scores["source"]
+    target_ttft = mean(row["arms"]["target"]["ttft_s"] for row in complete)
+    out = {
+        "items": len(complete),
+        "tokens": round(mean(row["tokens"] for row in complete)),
+        "target_beats_source": target > source,
+        "arms": {},
+    }
+    for arm in arms:
+        record = {
+            "score": scores[arm],
+            "retention": scores[arm] / target if target > 0 else None,
+            "gap_recovered": (scores[arm] - source) / (target - source) if target > source else None,
+            "ttft_s": mean(row["arms"][arm]["ttft_s"] for row in complete),
+        }
+        if arm != "source":  # the source's prefill is paid before a switch: its first token is not a switch's
+            record["speedup"] = target_ttft / record["ttft_s"] if record["ttft_s"] > 0 else None
+        if "nll" in complete[0]["arms"][arm]:
+            record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
+        match = RUNG.match(arm)
+        if match:
+            record["strategy"], record["fraction"] = match["strategy"], float(match["fraction"])
+        out["arms"][arm] = record
+    depths = sorted({row["meta"]["depth"] for row in complete if "depth" in row.get("meta", {})})
+    if depths:
+        out["by_depth"] = {
+            str(depth): {
+                arm: mean(r["arms"][arm]["score"] for r in complete if r["meta"].get("depth") == depth) for arm in arms
+            }
+            for depth in depths
+        }
+    return out
+
+
+def assemble(rows: dict, records: str, command: str) -> dict:
+    results: dict = {}
+    for (direction, task, length), items in sorted(_group(rows).items()):
+        results.setdefault(direction, {})[f"{task}@{length}"] = summarize(items)
+    return {
+        "run": {
+            "what": "switching a conversation from one model of the pair to the other at serving lengths: each way "
+            "of serving the larger model's continuation, against the target and the source alone",
+            "records": records,
+            "command": command,
+            "date": _dt.date.today().isoformat(),
+        },
+        "results": results,
+    }
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: dict, source: str = "benchmarks/results/long_switch.json") -> str:
+    """One table per direction: a row per (task, length, arm)."""
+    lines = [f"Generated from `{source}` by `benchmarks/long_switch_report.py`."]
+    for direction, groups in results["results"].items():
+        lines += [
+            "",
+            f"**{direction.replace(':', ' -> ')}**",
+            "",
+            "| task @ tokens | items | arm | score | retention | gap recovered | first token (s) | vs re-prefill |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, group in groups.items():
+            if not group["items"]:
+                continue
+            task = f"{name.split('@')[0]} @ {group['tokens']}"
+            ordered = [a for a in FIXED_ARMS if a in group["arms"]]
+            ordered += sorted((a for a in group["arms"] if a not in FIXED_ARMS), key=lambda a: (a.split("@")[0], a))
+            for arm in ordered:
+                row = group["arms"][arm]
+                gap = _fmt(row["gap_recovered"]) if group["target_beats_source"] else "target <= source"
+                speed = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
+                lines.append(
+                    f"| {task} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | {_fmt(row['retention'])} | "
+                    f"{gap} | {row['ttft_s']:.1f} | {speed} |"
+                )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Per direction and task: score against the fraction recomputed per strategy (lengths as line styles), with the
+    target, the source and the mapped cache as references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(d, t) for d, groups in results["results"].items() for t in sorted({n.split("@")[0] for n in groups})]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for axis, (direction, task) in zip(axes[0], panels):
+        groups = {n: g for n, g in results["results"][direction].items() if n.startswith(task + "@") and g["items"]}
+        for style, (name, group) in zip(styles, sorted(groups.items(), key=lambda kv: int(kv[0].split("@")[1]))):
+            length = name.split("@")[1]
+            strategies = sorted({r["strategy"] for r in group["arms"].values() if "strategy" in r})
+            for strategy in strategies:
+                points = sorted(
+                    (r["fraction"], r["score"]) for r in group["arms"].values() if r.get("strategy") == strategy
+                )
+                xs = [0.0] + [p[0] for p in points]
+                ys = [group["arms"]["mapped"]["score"]] + [p[1] for p in points]
+                axis.plot(xs, ys, style, marker="o", markersize=3, label=f"{strategy} @ {length}")
+            axis.axhline(group["arms"]["target"]["score"], color="black", linestyle=style, linewidth=0.8)
+            axis.axhline(group["arms"]["source"]["score"], color="grey", linestyle=style, linewidth=0.8)
+        axis.set_title(
+            f"{task}, {direction.replace(':', ' -> ')}\n(black: target alone, grey: source alone)", fontsize=9
+        )
+        axis.set_xlabel("fraction recomputed")
+        axis.set_ylabel("score")
+        axis.set_ylim(-0.05, 1.05)
+        axis.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", required=True, nargs="+", help="records files of `benchmarks.long_switch`")
+    parser.add_argument("--out", default="benchmarks/results/long_switch.json")
+    parser.add_argument("--plot", default="benchmarks/results/long_switch.png")
+    args = parser.parse_args(argv)
+    rows = {}
+    for path in args.records:
+        for key, row in load(path).items():
+            rows.setdefault(key, {**row, "arms": {}})["arms"].update(row["arms"])
+    command = "python -m benchmarks.long_switch_report " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = assemble(rows, ", ".join(args.records), command)
+    results["runs"] = [
+        json.loads(line)["run"]
+        for path in args.records
+        for line in Path(path).read_text().splitlines()
+        if line.strip() and "run" in json.loads(line)
+    ]
+    from hf_kvmap.reporting import write_json
+
+    write_json(args.out, results)
+    plot(results, args.plot)
+    print(markdown(results, args.out))
+
+
+if __name__ == "__main__":
+    main()

