@@ -164,43 +164,28 @@ class MappedCache(DynamicCache):
         r"""
         Map a prefilled source cache into the cache the target model expects.
 
-        The last `hold_back` source tokens are not mapped: the target must run at least the final prompt token
-        itself to produce its first logits, and `target.generate(full_input_ids, cache=cache)` then runs
-        exactly those tokens. (A cache that covers every prompt token makes `generate` silently re-process the
-        prompt, so `hold_back` must be at least 1.)
+        The last `hold_back` source tokens are not mapped: the target runs at least the final prompt token itself
+        (a cache that covers every prompt token makes `generate` silently re-process the prompt).
 
         Args:
-            source_cache (`Cache` or sequence of `(keys, values)`):
-                The source model's cache after prefilling the prompt; tensors `(batch, n_kv_src, seq, head_dim_src)`.
-            mapper ([`MapperModel`]): the fitted mapper for this (source, target) pair.
-            hold_back (`int`, *optional*, defaults to 1): number of final tokens left for the target to run.
+            source_cache (`Cache` or sequence of `(keys, values)`): the source's cache of the prompt, tensors
+                `(batch, n_kv_src, seq, head_dim_src)`; mapper ([`MapperModel`]): fitted for this (source, target).
+            hold_back (`int`, *optional*, defaults to 1): final tokens left for the target to run.
             attention_mask (`torch.Tensor`, *optional*): `(batch, seq)` 0/1 mask of a left-padded batch; the target
-                reads the cache at the positions `generate` derives from it (`cumsum - 1`). Right padding and other
-                values are refused.
-            source_position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the source model *built* the
-                cache at. Defaults to those of a plain forward, `0 .. seq - 1` in every row (padding included), which
-                is what `source(ids, attention_mask=mask)` uses; pass the prefill's `position_ids` when it had them
-                (e.g. a generate-style prefill of a padded batch). The cache alone cannot tell the two apart: for a
-                left-padded batch pass them, or `source_model` and `input_ids` to have the cache checked (otherwise
-                a warning says which positions were assumed).
-            position_ids (`torch.Tensor`, *optional*): explicit `(batch, seq)` positions the target will read the
-                cache at (mutually exclusive with `attention_mask`); also the source's unless `source_position_ids`
-                is given.
-            dtype (`torch.dtype`, *optional*): dtype of the mapped cache; defaults to the source cache's.
-            devices (sequence of devices, *optional*): the device of each target layer. Defaults to the device of the
-                mapper layer that produces it (place the mapper with `mapper_device_map(target)` to match).
+                reads the cache at the positions `generate` derives from it.
+            source_position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the source *built* the cache at;
+                defaults to a plain forward's `0 .. seq - 1` in every row (pass a generate-style prefill's positions).
+            position_ids (`torch.Tensor`, *optional*): `(batch, seq)` positions the target reads at (instead of a
+                mask); also the source's unless `source_position_ids` is given.
+            dtype (`torch.dtype`, *optional*), devices (sequence, *optional*): of the cache and of each target layer;
+                default the source cache's dtype and the device of the mapper layer that produces it.
             check_finite (`bool`, *optional*, defaults to `True`): refuse a source cache holding NaN or inf.
-            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): the target and the
-                prompt's `(batch, seq)` token ids, together: the target's first layer is then not mapped but computed
-                by the target from the ids (`hf_kvmap.first_layer`; its keys and values depend on nothing else), exact
-                at the cost of one embedding lookup and two projections per token.
-            source_model (`PreTrainedModel`, *optional*): the source, with `input_ids`: the source cache's first
-                layer is checked against what the source computes for those ids at the source positions (one
-                embedding lookup and two projections per token), so a cache of other tokens, or built at other
-                positions than `source_position_ids` says, raises `ValueError` instead of mapping wrong. Repair
-                strategies that read the source (its attention, its draft) use it too.
-            repair (`RepairConfig` or `dict`, *optional*): recompute a share of the positions through the target
-                (`hf_kvmap.repair`); needs `target_model` and `input_ids`.
+            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): together, the target
+                computes its first layer from the `(batch, seq)` ids instead of reading it mapped (exact).
+            source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
+                the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
+            repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
+                (serving's repair step, `hf_kvmap.serving.repairing`); needs `target_model` and `input_ids`.
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not

@@ -295,11 +295,14 @@ class MapperConfig(PretrainedConfig):
                 raise ValueError(f"{side} has no `model_type`; build it with `summarize_model_config(config)`.")
             for name in _POSITIVE_KEYS:
                 value = summary.get(name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(
-                        f"{side}.{name}={value!r} must be a positive integer: the config was edited or built by hand; "
-                        "record the model's own config with `summarize_model_config(model.config)`."
-                    )
+                check_int(
+                    f"{side}.{name}",
+                    value,
+                    1,
+                    allow_none=True,
+                    meaning=": the config was edited or built by hand; record the model's own config with "
+                    "`summarize_model_config(model.config)`",
+                )
         source, target = self.source_geometry, self.target_geometry
         if self.source_layers is None or len(self.source_layers) != target.num_layers:
             got = None if self.source_layers is None else len(self.source_layers)

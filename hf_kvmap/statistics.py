@@ -30,6 +30,7 @@ from .configuration_mapper import summarize_model_config
 from .features import PARTS, batch_features, feature_matrix, input_device
 from .geometry import KVGeometry
 from .moments import DTYPES, NUM_LIMBS, PER_PART, PartStatistics, dtype_name, fingerprint_hex, limbs, sequence_digest
+from .validation import check_int
 
 logger = logging.get_logger(__name__)
 
@@ -121,8 +122,7 @@ class CalibrationStatistics:
             raise ValueError(f"parts={parts!r}: expected a non-empty subset of {PARTS} without repeats.")
         self.parts = tuple(part for part in PARTS if part in parts)
         self.target_layers = _normalize_target_layers(target_layers, self.target_geometry.num_layers)
-        if not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"stride={stride!r} must be a positive integer.")
+        check_int("stride", stride, 1)
         self.stride = stride
         dtype_name(dtype)
         self.dtype = dtype

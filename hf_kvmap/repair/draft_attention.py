@@ -24,6 +24,7 @@ import torch
 from ..drafting import Draft
 from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
+from ..validation import check_int
 from .attention import last_tokens_attention
 from .base import RepairContext, Selector, register_selector
 
@@ -47,8 +48,7 @@ class DraftAttentionSelector(Selector):
 
     def __init__(self, draft_tokens: int = 8, last_tokens: int = 0, stop_at_eos: bool = True):
         for option, value, least in (("draft_tokens", draft_tokens, 1), ("last_tokens", last_tokens, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{option}={value!r} must be an integer >= {least}.")
+            check_int(option, value, least)
         if not isinstance(stop_at_eos, bool):
             raise ValueError(f"stop_at_eos={stop_at_eos!r} must be True or False.")
         self.draft_tokens = draft_tokens

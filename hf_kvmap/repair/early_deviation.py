@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .._compat import cache_kwargs
 from ..first_layer import target_first_layer
+from ..validation import check_int
 from .base import RepairContext, Selector, register_selector
 
 
@@ -62,8 +63,7 @@ class EarlyDeviationSelector(Selector):
     name = "early_deviation"
 
     def __init__(self, layer: int = 1):
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ValueError(f"layer={layer!r} must be a non-negative integer.")
+        check_int("layer", layer, 0)
         self.layer = layer
 
     def settings(self) -> dict:

@@ -14,6 +14,7 @@ from ..cache_views import as_layer
 from ..drafting import Draft
 from ..input_checks import check_left_padding_mask
 from ..rope import positions_from_attention_mask
+from ..validation import check_int
 from .base import RepairContext, Selector, budget_counts, selector_from_dict
 from .recompute import recompute_positions
 
@@ -57,10 +58,7 @@ class RepairConfig:
             if not math.isfinite(self.fraction) or not 0.0 <= self.fraction <= 1.0:
                 raise ValueError(f"fraction={self.fraction!r} must be in [0, 1] (0 recomputes nothing, 1 everything).")
             self.fraction = float(self.fraction)
-        if self.tokens is not None and (
-            isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0
-        ):
-            raise ValueError(f"tokens={self.tokens!r} must be a non-negative integer.")
+        check_int("tokens", self.tokens, 0, allow_none=True)
         self.selector = selector_from_dict(self.strategy)
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_int
 from .attention import last_tokens_attention
 from .base import RepairContext, Selector, register_selector
 
@@ -27,8 +28,7 @@ class TargetAttentionSelector(Selector):
     name = "target_attention"
 
     def __init__(self, last_tokens: int = 16):
-        if isinstance(last_tokens, bool) or not isinstance(last_tokens, int) or last_tokens < 1:
-            raise ValueError(f"last_tokens={last_tokens!r} must be a positive integer.")
+        check_int("last_tokens", last_tokens, 1)
         self.last_tokens = last_tokens
 
     def settings(self) -> dict:

@@ -55,45 +55,30 @@ def handoff(
     r"""
     Hand a prompt from the source model to the target: check, map, probe, then serve the mapped cache or fall back.
 
-    The stages are `hf_kvmap.serving.pipeline`'s: the gate (`mapper.check_compatible`), the source prefill (a given
-    `source_cache` is checked against `input_ids` at every position, from its first layer), the mapping holding back
-    the probe's final tokens, a fixed `repair`, the held-back tokens, the exactness audit (an exact mapping is served
-    without the probe, a gross one refused), the probe, and the decision: every row within the threshold, or a ladder's
-    rung per row. A refused batch (the probe, the gate, a mapping failure such as NaN in the source cache) gets the
-    target's own prefill under `policy="fallback"` (then `target.generate(input_ids, cache=cache)` is token-identical
-    to `target.generate(input_ids)`), and raises [`HandoffRefusedError`] under `policy="fail"`.
+    The stages are `hf_kvmap.serving.pipeline`'s (gate, source prefill, map, repair, held-back tokens, exactness audit,
+    probe, a decision for the batch or a ladder rung per row). A refused batch gets the target's own prefill under
+    `policy="fallback"` (then `generate` is token-identical to the target alone) and raises [`HandoffRefusedError`]
+    under `policy="fail"`; a gate or mapping failure (e.g. NaN in the source cache) goes to the same policy.
 
     Args:
-        source, target (`PreTrainedModel`): the two causal LMs.
-        mapper ([`MapperModel`]): the mapper fitted for `source -> target`.
+        source, target (`PreTrainedModel`): the two causal LMs; mapper ([`MapperModel`]): fitted for `source -> target`.
         input_ids (`torch.Tensor`): `(batch, T)` integer prompt, `T >= 2`; left padding with `attention_mask`.
-        attention_mask (`torch.Tensor`, *optional*): `(batch, T)`. Without it, the mask `target.generate(input_ids)`
-            infers (where the target's `generation_config.pad_token_id` occurs and is no eos token) is used, and
-            recorded in `report.notes`; a pad token id after a token is refused (pass the mask).
-        source_cache (`Cache`, *optional*): the source's cache of exactly these `T` tokens; without it the source
-            prefills them (a probe that drafts with the source crops and regrows it, leaving its length unchanged).
+        attention_mask (`torch.Tensor`, *optional*): `(batch, T)`; without it, the mask `generate` would infer from
+            the pad token (recorded in `report.notes`).
+        source_cache (`Cache`, *optional*): the source's cache of these `T` tokens (checked against them at every
+            position from its first layer); without it the source prefills them.
         policy (`str`, *optional*, defaults to `"fallback"`): `"fallback"` or `"fail"`.
-        probe (`Probe`, `str` or `dict`, *optional*): overrides the mapper's calibrated probe (name or settings).
-        threshold (`float`, *optional*): overrides the calibrated threshold.
+        probe (`Probe`, `str` or `dict`, *optional*), threshold (`float`, *optional*): override the calibrated ones.
         tokenizer (*optional*): checked against the mapper's tokenizer fingerprint when given.
-        audit_tokens (`int`, *optional*, defaults to 8): size of the audit (0 turns it off).
-        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions a given left-padded `source_cache` was
-            prefilled at, when they were not a plain forward's `0 .. T-1` (e.g. `generate`-style, from the mask).
-        target_first_layer (`bool`, *optional*, defaults to `False`): the target computes its first layer from the
-            token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`; its
-            keys and values depend on nothing else). The probe's calibration was made without it.
-        same_weights (`bool`, *optional*, defaults to `False`): the models are the weights the mapper was fitted for,
-            loaded from another location (a local copy: their model id is its path), so the gate does not compare
-            model ids; every other check stays. Recorded in the report.
-        repair ([`~hf_kvmap.repair.RepairConfig`] or `dict`, *optional*): the target recomputes the positions its
-            strategy selects of the mapped cache, attending to the mapped rest, before the audit and the probe read it
-            ([`~hf_kvmap.repair.repair_cache`]); recorded in `report.repair`. A probe calibrated without repair is
-            conservative on a repaired cache.
-        ladder ([`~hf_kvmap.serving.ladder.GuardLadder`], `dict` or `bool`, *optional*): per row, serve the mapped cache,
-            repair it with the fraction the ladder's probe's risk calls for, or prefill the row with the target
-            ([`~hf_kvmap.serving.pipeline.serve_rows`]); recorded in `report.ladder`. Defaults to the mapper's calibrated
-            `config.handoff_ladder` when it has one and neither `probe=`, `threshold=` nor `repair=` is given;
-            `False` turns it off. With `policy="fail"`, a row that would fall back raises.
+        audit_tokens (`int`, *optional*, defaults to 8): size of the exactness audit (0 turns it off).
+        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions a given `source_cache` was built at,
+            when not a plain forward's `0 .. T-1`.
+        target_first_layer (`bool`, *optional*, defaults to `False`): the target computes its first layer from the ids.
+        same_weights (`bool`, *optional*, defaults to `False`): the models are the mapper's weights loaded from another
+            location: the gate does not compare model ids.
+        repair ([`~hf_kvmap.repair.RepairConfig`] or `dict`, *optional*): a fixed repair before the audit and probe.
+        ladder ([`~hf_kvmap.serving.ladder.GuardLadder`], `dict` or `bool`, *optional*): a rung per row; defaults to
+            `config.handoff_ladder` unless `probe=`, `threshold=` or `repair=` is given; `False` turns it off.
 
     Returns:
         `(cache, report)`: a cache of the first `T - 1` tokens for the target (a `MappedCache` when accepted, a

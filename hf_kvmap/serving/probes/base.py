@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from ..._compat import cache_kwargs
 from ...drafting import Draft
+from ...validation import check_int
 
 #: name -> probe class; filled by `register_probe`.
 PROBES: dict[str, type[Probe]] = {}
@@ -121,8 +122,7 @@ class Probe:
 
     def __init__(self, tokens: int | None = None):
         tokens = self.default_tokens if tokens is None else tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"{type(self).__name__}: tokens={tokens!r} must be a positive integer.")
+        check_int(f"{type(self).__name__}: tokens", tokens, 1)
         self.tokens = tokens
 
     @property
