@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from .._compat import cache_kwargs, output_cache
-from ..cache import MappedCache, source_pairs
+from ..cache import CACHE_DTYPES, MappedCache, source_pairs
 from ..cache_views import row_cache, write_rows
 from ..drafting import Draft
 from ..input_checks import check_source_cache, first_layer_error
@@ -65,6 +65,13 @@ def uncalibrated_error(missing: str, extra: str = "") -> ValueError:
 
 
 # ------------------------------------------------------------------------------------------------ the stages
+
+
+def serving_dtype(model) -> torch.dtype | None:
+    """The dtype `model` computes its attention in (its parameters'), that a cache it reads must hold: a source,
+    mapper and target may each be float32, bfloat16 or float16."""
+    dtype = getattr(model, "dtype", None)
+    return dtype if dtype in CACHE_DTYPES else None
 
 
 @torch.no_grad()
@@ -125,6 +132,7 @@ def map_and_repair(
         cache = MappedCache.from_source(
             source_cache,
             mapper,
+            dtype=serving_dtype(target),  # the probes and the rungs read it with the target, in its dtype
             hold_back=hold_back,
             attention_mask=attention_mask,
             source_position_ids=source_position_ids,
