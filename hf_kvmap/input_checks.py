@@ -282,10 +282,13 @@ def first_layer_error(model, input_ids, position_ids, mask, keys, values) -> tor
 def check_source_cache(source, first_layer, input_ids, position_ids, mask) -> None:
     """Refuse a source cache that is not the source's cache of `input_ids`: its layer 0 (`first_layer`, the
     `(keys, values)` pair) must be what the source computes from each token at its position, at every real
-    position."""
+    position. A layer 0 holding NaN or inf is left to the mapping's finiteness check (a corrupted cache, which
+    `handoff`'s policy handles like any other layer's)."""
     keys, values = first_layer
     if keys is None or keys.dim() != 4 or tuple(keys.shape[::2]) != tuple(input_ids.shape):
         return  # from_source names the layout problem
+    if not bool(torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        return  # a corrupted cache, not another prompt's: the mapping's finiteness check names it, the policy handles it
     error = first_layer_error(source, input_ids, position_ids, mask, keys, values)
     tolerance = SOURCE_CACHE_TOLERANCE.get(keys.dtype, 5e-2)
     bad = error > tolerance

@@ -104,7 +104,14 @@ def check_source_tensors(
 
 def _check_finite(tensor: torch.Tensor, what: str) -> None:
     if tensor.device.type != "meta" and not torch.isfinite(tensor).all():
-        raise ValueError(f"{what} contains NaN or inf values; refusing to map a corrupted cache.")
+        bad = ~torch.isfinite(tensor)
+        where = bad.nonzero()[0].tolist()
+        value = tensor[tuple(where)].item()
+        at = f" at row {where[0]}, head {where[1]}, position {where[2]}" if tensor.dim() == 4 else ""
+        raise ValueError(
+            f"{what} contains NaN or inf values ({value}{at}; {int(bad.sum())} in all); refusing to map a corrupted "
+            "cache. Check the source model's weights and dtype (float16 overflows show as inf)."
+        )
 
 
 def check_finite_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -297,3 +297,22 @@ def test_shipped_guard_refuses_a_broken_mapper(direction, how, family):
         cache, report = handoff(source, target, mapper, ids)
         assert not report.accepted, report.reason
         assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_given_source_cache_goes_to_the_policy_at_any_layer(models, layer, bad):
+    """NaN or inf in a given source cache is a corrupted cache, at layer 0 as at any other: the policy handles it, and
+    the reason names the value and where it is (not the prompt)."""
+    source, target, config = models
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    source_cache = source(input_ids=ids, use_cache=True).past_key_values
+    source_cache.layers[layer].values[0, 1, 5, 2] = bad
+    mapper = MapperModel.identity(config)
+    cache, report = handoff(source, target, mapper, ids, source_cache=source_cache, probe="tail_nll", threshold=9.0)
+    assert not report.accepted and report.reason.startswith("mapping failed")
+    assert f"layer {layer} values contains NaN or inf values ({bad}" in report.reason
+    assert "position 5" in report.reason and "input_ids" not in report.reason
+    assert torch.equal(greedy(target, ids, cache), greedy(target, ids))
+    with pytest.raises(HandoffRefusedError, match=f"layer {layer} values contains NaN or inf"):
+        handoff(source, target, mapper, ids, source_cache=source_cache, policy="fail", probe="tail_nll", threshold=9.0)
