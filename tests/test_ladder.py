@@ -192,6 +192,15 @@ def test_a_task_too_small_to_vouch_for_the_budget_is_served_only_the_fallback():
         ({"probe": PROBE, "strategy": "tail", "rungs": [], "extra": 1}, ValueError, "Unknown ladder settings"),
         ({"probe": PROBE, "rungs": []}, ValueError, "lack \\['strategy'\\]"),
         ("tail", TypeError, "GuardLadder or a dict"),
+        ({"probe": [PROBE], "strategy": "tail", "rungs": []}, TypeError, "A probe is a name, a settings dict"),
+        (
+            {"probe": {**PROBE, "window": 3}, "strategy": "tail", "rungs": []},
+            TypeError,
+            "Probe 'draft_agreement' does not take these options .*'window'.*its options are \\['tokens'\\]",
+        ),
+        ({"probe": PROBE, "strategy": "tail", "rungs": [[0.5, 0.2]]}, TypeError, "Write \\[0.5, 0.2\\] as"),
+        ({"probe": PROBE, "strategy": "tail", "rungs": {"max_risk": 1.0}}, TypeError, "rungs are a list of rungs"),
+        ({"probe": PROBE, "strategy": "tail", "rungs": [{"max_risk": 1.0}]}, ValueError, "missing \\['fraction'\\]"),
     ],
 )
 def test_bad_ladders_are_refused_by_name(settings, error, fragment):

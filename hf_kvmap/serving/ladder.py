@@ -90,7 +90,7 @@ class GuardLadder:
     def __post_init__(self):
         self.probe = probe_from_dict(self.probe).settings()  # unknown probes and options raise here
         self.strategy = selector_from_dict(self.strategy).settings()
-        self.rungs = [rung if isinstance(rung, LadderRung) else LadderRung(**rung) for rung in self.rungs]
+        self.rungs = [_rung(rung) for rung in _rung_list(self.rungs)]
         for low, high in zip(self.rungs, self.rungs[1:]):
             if not (high.max_risk > low.max_risk and high.fraction > low.fraction):
                 raise ValueError(
@@ -131,6 +131,32 @@ class GuardLadder:
         if missing:
             raise ValueError(f"The ladder settings lack {sorted(missing)}.")
         return cls(**settings)
+
+
+def _rung_list(rungs) -> list:
+    if isinstance(rungs, (str, bytes, dict)) or not isinstance(rungs, (list, tuple)):
+        raise TypeError(
+            f"Ladder rungs are a list of rungs; got a {type(rungs).__name__} ({rungs!r}). Pass e.g. "
+            '[{"max_risk": 0.1, "fraction": 0.0}, {"max_risk": 0.5, "fraction": 0.3}] (or [] for a ladder that always '
+            "falls back)."
+        )
+    return list(rungs)
+
+
+def _rung(rung) -> LadderRung:
+    """A `LadderRung` from itself or from `{"max_risk": ..., "fraction": ...}`."""
+    if isinstance(rung, LadderRung):
+        return rung
+    if not isinstance(rung, dict):
+        raise TypeError(
+            f"A ladder rung is a LadderRung or a dict {{'max_risk': ..., 'fraction': ...}}; got a "
+            f"{type(rung).__name__} ({rung!r}). Write [0.5, 0.2] as {{'max_risk': 0.5, 'fraction': 0.2}}."
+        )
+    unknown, missing = set(rung) - {"max_risk", "fraction"}, {"max_risk", "fraction"} - set(rung)
+    if unknown or missing:
+        what = f"unknown {sorted(unknown)}" if unknown else f"missing {sorted(missing)}"
+        raise ValueError(f"A ladder rung has max_risk and fraction; got {sorted(rung)} ({what}).")
+    return LadderRung(**rung)
 
 
 def rung_name(fraction: float | None) -> str:

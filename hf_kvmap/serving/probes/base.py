@@ -22,6 +22,7 @@ A new probe is one class and one line:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -146,15 +147,26 @@ class Probe:
         return f"{type(self).__name__}(tokens={self.tokens})"
 
 
-def probe_from_dict(settings: dict[str, Any] | str) -> Probe:
-    """Build a registered probe from `{"name": ..., "tokens": ...}` (or just its name)."""
+def probe_from_dict(settings: Probe | dict[str, Any] | str) -> Probe:
+    """Build a registered probe from `{"name": ..., "tokens": ...}` (or just its name); a `Probe` is returned as is."""
+    if isinstance(settings, Probe):
+        return settings
     if isinstance(settings, str):
         settings = {"name": settings}
+    if not isinstance(settings, dict):
+        raise TypeError(
+            f"A probe is a name, a settings dict or a Probe; got a {type(settings).__name__} ({settings!r}). Pass "
+            'e.g. {"name": "confident_draft", "tokens": 4} or "confident_draft".'
+        )
     settings = dict(settings)
     name = settings.pop("name", None)
     if name not in PROBES:
         raise ValueError(f"Unknown probe {name!r}; registered probes: {', '.join(sorted(PROBES))}.")
-    return PROBES[name](**settings)
+    try:
+        return PROBES[name](**settings)
+    except TypeError as err:
+        options = [key for key in inspect.signature(PROBES[name].__init__).parameters if key != "self"]
+        raise TypeError(f"Probe {name!r} does not take these options ({err}); its options are {options}.") from None
 
 
 def extend_mask(mask: torch.Tensor, extra: int) -> torch.Tensor:
