@@ -46,8 +46,12 @@ def record_hash(tensors, record: dict[str, Any]) -> str:
 
 
 def is_approximate(cache: Cache) -> bool:
-    """Whether a cache holds mapped positions (a `MappedCache`, or a session's cache with `mapping_info`)."""
-    return bool(getattr(cache, "approximate", False) or getattr(cache, "mapping_info", None))
+    """Whether `cache` is not the model's own prefill: its `approximate` flag, or its `mapping_info`'s (a cache with a
+    `mapping_info` and no flag is approximate). Either saying so makes it approximate."""
+    info = getattr(cache, "mapping_info", None) or {}
+    flag = getattr(cache, "approximate", None)
+    recorded = info.get("approximate", True) if info else False
+    return bool(recorded or (flag if flag is not None else bool(info)))
 
 
 def tokens_hash(input_ids: torch.Tensor) -> str:

@@ -155,3 +155,61 @@ def test_left_padded_batch_round_trip(tmp_path, tiny, one_thread):
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **cache_kwargs(loaded), **kwargs), model.generate(ids, **kwargs))
     assert json.loads(json.dumps(provenance)) == provenance
+
+
+def test_a_session_switch_sent_to_the_prefill_saves_as_the_models_own_cache(tmp_path, one_thread):
+    """The ladder sent the switch to the model's own prefill: the object, its mapping_info and the file all say the
+    cache is exact, and an exact-prefix lookup loads it; a switch that kept the mapping stays approximate everywhere."""
+    from hf_kvmap import GuardLadder, HandoffSession, LadderRung
+
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    tokenizer = zoo.load_tokenizer()
+    first = tokenizer(corpus.make_eval_set("recall", 1, seed=3)[0].context)["input_ids"]
+    lookahead = {"name": "lookahead_margin", "tokens": 2}
+    for rungs, approximate in (([], False), ([LadderRung(2.0, 0.0)], True)):
+        session = HandoffSession(
+            {"m": source, "l": target}, {("m", "l"): mapper}, first[:-4], ladder=GuardLadder(lookahead, "tail", rungs)
+        )
+        session.respond("m", 3, pad_token_id=0)
+        session.append(first[-4:])
+        turn = session.sync("l")
+        assert turn.rung == ("fallback" if not rungs else "mapped")
+        cache = session.caches["l"]
+        assert cache.approximate is approximate and cache.mapping_info["approximate"] is approximate
+        path = tmp_path / f"switch-{approximate}.safetensors"
+        record = save_cache(cache, path, input_ids=session.input_ids, model=target)
+        assert record["approximate"] is approximate
+        assert record["cache_class"] == ("MappedCache" if approximate else "DynamicCache")
+        assert record["mapping_info"]["approximate"] is approximate
+        if approximate:
+            with pytest.raises(ValueError, match="approximate"):
+                load_cache(path, input_ids=session.input_ids, model=target, exact=True)
+        else:
+            loaded, _ = load_cache(path, input_ids=session.input_ids, model=target, exact=True)
+            assert loaded.approximate is False
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_cache_repaired_at_every_position_is_exact_in_the_object_the_record_and_the_file(pair, tmp_path, fraction):
+    """Repair at fraction 1.0 recomputes every position: the target's own prefill (up to float rounding), so the cache
+    is exact in the object, its mapping_info and its file; any smaller fraction leaves it approximate in all three."""
+    from hf_kvmap import RepairConfig
+
+    source, target, mapper, ids, _ = pair
+    source_cache = source(input_ids=ids, use_cache=True).past_key_values
+    cache = MappedCache.from_source(
+        source_cache, mapper, target_model=target, input_ids=ids, repair=RepairConfig("tail", fraction=fraction)
+    )
+    exact = fraction == 1.0
+    assert cache.mapping_info["repair"]["exact"] is exact
+    assert cache.approximate is not exact and cache.mapping_info["approximate"] is not exact
+    record = save_cache(cache, tmp_path / "repaired.safetensors", input_ids=ids, model=target)
+    assert record["approximate"] is not exact and record["mapping_info"]["approximate"] is not exact
+    if exact:
+        loaded, _ = load_cache(tmp_path / "repaired.safetensors", input_ids=ids, model=target, exact=True)
+        assert loaded.approximate is False
+        assert torch.equal(_generate(target, ids, loaded), _generate(target, ids, None))
+    else:
+        with pytest.raises(ValueError, match="approximate"):
+            load_cache(tmp_path / "repaired.safetensors", input_ids=ids, model=target, exact=True)

@@ -150,8 +150,8 @@ def repair_cache(
     Returns:
         `cache`. Where it has a `mapping_info` (a `MappedCache`), `mapping_info["repair"]` records the strategy, the
         budget, how many positions were recomputed per row (`recomputed`, of `candidates`) and whether that was all
-        of them (`exact`: the cache is then the target's own up to float rounding); `mapping_info["approximate"]` is
-        `False` only then.
+        of them (`exact`: every position from 0 recomputed, so the cache is the target's own prefill up to float
+        rounding); the cache's `approximate` and `mapping_info["approximate"]` are `False` only then.
     """
     repair = RepairConfig.from_dict(repair)
     length = _check(target, cache, input_ids, attention_mask, position_ids)
@@ -207,7 +207,7 @@ def repair_cache(
     info = getattr(cache, "mapping_info", None)
     if isinstance(info, dict):
         info["repair"] = record
-        info["approximate"] = not exact
+        info["approximate"] = cache.approximate = not exact  # the object and its record say the same
     return cache
 
 
