@@ -356,7 +356,12 @@ def test_per_query_attention_adds_up_to_the_summed_attention(tiny):
     padded[1, :17] = 0  # a row of 3 tokens reads 2 final tokens, not 5
     with pytest.raises(ValueError, match="per_query=True needs every row to read the same 5 final tokens"):
         last_tokens_attention(
-            model, tiny.prefill(model, ids.repeat(2, 1)), ids.repeat(2, 1), padded, positions.repeat(2, 1), 5,
+            model,
+            tiny.prefill(model, ids.repeat(2, 1)),
+            ids.repeat(2, 1),
+            padded,
+            positions.repeat(2, 1),
+            5,
             per_query=True,
         )
 
