@@ -15,8 +15,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -284,22 +282,21 @@ def results_belong_to(results: dict | None, config: MapperConfig, tensors) -> bo
 
 
 def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite: bool = False) -> Path:
-    """Call `write(folder)` on a new temporary folder beside `destination`, then swap it in: a crash (or an error in
-    `write`) leaves whatever was at `destination` as it was.
+    """Call `write(folder)` on a new temporary folder beside `destination`, then swap it in
+    (`hf_kvmap.atomic.write_folder_atomically`): a kill at any instant leaves the previous mapper or the complete new
+    one at `destination`, and an error in `write` leaves whatever was there as it was.
 
     A `destination` holding files that are not a mapper's (`foreign_files`) is refused with `ValueError` unless
-    `overwrite=True`, which replaces the whole folder.
-
-    What a killed save left beside `destination` is cleaned first: hidden `.<name>.*.saving` folders (incomplete new
-    folders) of processes no longer running are removed, and a previous folder moved aside (`.<name>.*.old/folder`)
-    while `destination` is missing is put back before anything else happens.
+    `overwrite=True`, which replaces the whole folder. What a killed save left beside `destination` is cleaned
+    first (a previous folder it moved aside is put back).
     """
-    from .input_checks import staging_prefix
+    from .atomic import clean_stale_saves
+    from .atomic import write_folder_atomically as swap_in
 
     destination = Path(destination).resolve()  # "." or a link: swap the folder itself, beside it
-    _clean_stale_saves(destination)
+    clean_stale_saves(destination)
     if destination.exists() and not destination.is_dir():
-        raise ValueError(f"{destination} exists and is not a folder.")
+        raise ValueError(f"{destination} exists and is not a folder: save the mapper into a folder.")
     foreign = foreign_files(destination)
     if foreign and not overwrite:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -307,37 +304,7 @@ def write_folder_atomically(destination: str | os.PathLike, write, *, overwrite:
             f"{destination} holds files that are not part of a mapper ({shown}): refusing to replace them. Save "
             "into a new or empty folder (or a mapper's own), or pass overwrite=True to replace the whole folder."
         )
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    prefix = staging_prefix(destination.name)
-    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".saving", dir=destination.parent))
-    try:
-        write(staging)
-        if destination.exists():
-            cwd = Path.cwd()
-            previous = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=destination.parent))
-            os.replace(destination, previous / "folder")
-            os.replace(staging, destination)
-            if cwd == destination or destination in cwd.parents:  # the process stood in the replaced folder
-                os.chdir(cwd if cwd.is_dir() else destination)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            os.replace(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return destination
-
-
-def _clean_stale_saves(destination: Path) -> None:
-    """Undo what a killed `write_folder_atomically` left beside `destination` (see there)."""
-    from .input_checks import remove, stale_leftovers
-
-    stale = stale_leftovers(destination.parent, destination.name, (".saving", ".old"))
-    for entry in stale:
-        if entry.name.endswith(".old") and (entry / "folder").is_dir() and not destination.exists():
-            os.replace(entry / "folder", destination)  # the previous artifact, moved aside by the killed save
-    for entry in stale:
-        remove(entry)
+    return swap_in(destination, write)
 
 
 def _verify_serving(where, config: MapperConfig) -> None:

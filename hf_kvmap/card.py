@@ -11,6 +11,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .artifacts import EVALUATION_FILE, results_belong_to, results_hash
+from .atomic import write_file_atomically
 from .flops import mapper_parameters
 from .reporting import fmt_number, retention_cells, retention_measurable, write_json
 
@@ -370,5 +371,6 @@ def write_card(
         if results_belong_to(previous, mapper.config, mapper.state_dict()):
             evaluation = previous
     model_name = repo_id.split("/")[-1] if repo_id else (name or folder.resolve().name)
-    render_card(mapper, evaluation, model_name=model_name, repo_id=repo_id).save(folder / "README.md")
+    card = render_card(mapper, evaluation, model_name=model_name, repo_id=repo_id)
+    write_file_atomically(folder / "README.md", card.save)
     return folder / "README.md"

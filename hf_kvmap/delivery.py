@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +24,8 @@ from transformers.cache_utils import Cache
 
 from ._compat import model_id, model_revision
 from .artifacts import weights_hash
+from .atomic import write_file_atomically
 from .cache import MappedCache, MappedLayer
-from .input_checks import remove, staging_prefix, stale_leftovers
 
 FORMAT = "hf-kvmap-cache"
 #: 2: the content hash covers the record, and the record says whether the cache is approximate
@@ -146,18 +144,8 @@ def save_cache(
         record["provenance"] = json.loads(json.dumps(provenance))
     record = json.loads(json.dumps(record))  # what the file will hold (tuples as lists)
     record["content_sha256"] = record_hash(tensors, record)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_leftovers(path.parent, path.name, (".tmp",)):
-        remove(stale)
-    handle, tmp = tempfile.mkstemp(prefix=staging_prefix(path.name), suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt", _METADATA_KEY: json.dumps(record, sort_keys=True)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    metadata = {"format": "pt", _METADATA_KEY: json.dumps(record, sort_keys=True)}
+    write_file_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return record
 
 

@@ -1,15 +1,13 @@
 """Checks of what a caller hands to `handoff`, `HandoffSession` and the savers, each raising an error that names the
 problem and the fix: token ids (shape, dtype, range), the mask `generate` would infer from the pad token, a given
-source cache against the prompt (at every position, from the first layer), thresholds, and the stale temporary
-files a killed save leaves behind.
+source cache against the prompt (at every position, from the first layer), thresholds, and where a mapper is
+(the stale files a killed save leaves behind are `hf_kvmap.atomic`'s).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -314,7 +312,10 @@ def looks_local(name) -> bool:
 def check_mapper_location(name, subfolder: str | None = None) -> None:
     """Refuse a local mapper path that does not exist, and a folder without `config.json`, by name (not as a bad
     Hub id)."""
+    from .atomic import recover_folder
+
     path = Path(os.path.expanduser(str(name)))
+    recover_folder(path)  # a save killed between its two renames (where folders cannot be exchanged)
     if path.is_dir():
         folder = path / (subfolder or "")
         if not (folder / "config.json").is_file():
@@ -329,45 +330,3 @@ def check_mapper_location(name, subfolder: str | None = None) -> None:
             f"{name}: no such folder. It is read as a local path (a Hub id looks like 'owner/name'); check the path, "
             "or save a mapper there with `mapper.save_pretrained`."
         )
-
-
-# ---------------------------------------------------------------------------------------- stale temporary files
-
-_PID = re.compile(r"\.pid(\d+)\.")
-
-
-def staging_prefix(name: str) -> str:
-    """The prefix of this process's temporary files and folders beside `name` (its pid tells a stale one)."""
-    return f".{name}.pid{os.getpid()}."
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stale_leftovers(parent: Path, name: str, suffixes: Sequence[str]) -> list[Path]:
-    """Hidden `.{name}.*{suffix}` entries in `parent` left by a save that died: those whose pid is not running (or
-    that record none, written before the pid was)."""
-    if not parent.is_dir():
-        return []
-    found = []
-    for entry in parent.iterdir():
-        if not entry.name.startswith(f".{name}.") or not entry.name.endswith(tuple(suffixes)):
-            continue
-        match = _PID.search(entry.name[len(name) + 1 :])
-        if match is None or not _alive(int(match.group(1))):
-            found.append(entry)
-    return sorted(found)
-
-
-def remove(entry: Path) -> None:
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry, ignore_errors=True)
-    else:
-        entry.unlink(missing_ok=True)

@@ -12,6 +12,15 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 
+def save_figure(fig, path, dpi: int) -> None:
+    """`fig.savefig` written atomically (a kill leaves the previous image or the complete new one), in the format
+    that `path`'s suffix names (PNG without one)."""
+    from .atomic import write_file_atomically
+
+    form = Path(path).suffix.lstrip(".").lower() or "png"
+    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=form))
+
+
 def pyplot(what: str):
     """`matplotlib.pyplot` on the non-interactive backend, or `None` (logged) when matplotlib is not installed."""
     try:
@@ -44,7 +53,7 @@ def plot_selection(selection, path) -> bool:
     ax.set_title(f"probe R$^2$ (K/V mean, {selection.probe}), top_k={selection.top_k}")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 
@@ -88,7 +97,7 @@ def plot_training_curves(config, path) -> bool:
     axes[1].legend(fontsize="small", ncol=2)
     fig.suptitle(f"MLP mapper training (hidden {training.get('hidden_size')}, dot = weights kept)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
 
@@ -108,7 +117,7 @@ def plot_diagnostics(diagnostics: dict, path) -> bool:
         ax.set_ylabel("target layer")
         fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return True
 
 
@@ -143,7 +152,7 @@ def plot_demo(results: dict, path: Path) -> bool:
         ax_lat.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return True
 
 

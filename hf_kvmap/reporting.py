@@ -91,8 +91,10 @@ def jsonl_objects(path: str | Path, errors: list[str], expected: str = "an objec
 
 
 def write_json(path: str | Path, data: dict) -> None:
+    """`data` as strict JSON (non-finite floats as null), written atomically: a kill leaves the previous file or the
+    complete new one."""
     import json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+    from .atomic import write_text_atomically
+
+    write_text_atomically(path, json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")

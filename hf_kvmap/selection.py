@@ -176,7 +176,7 @@ class LayerSelection:
         }
 
     def save_selection_json(self, path: str | os.PathLike) -> None:
-        """Write `to_dict()` as JSON (`NaN` rows of uncovered target layers become `null`)."""
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(self.to_dict(), handle, indent=2)
-            handle.write("\n")
+        """Write `to_dict()` as JSON (`NaN` rows of uncovered target layers become `null`), atomically."""
+        from .atomic import write_text_atomically
+
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")

@@ -504,18 +504,24 @@ class CalibrationStatistics:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write `statistics.safetensors` and `statistics.json` (with the tensors' sha256) into folder `path`."""
+        """Write `statistics.safetensors` and `statistics.json` (with the tensors' sha256) into folder `path`, swapped
+        in whole (`hf_kvmap.atomic`: a kill leaves the previous statistics or the new ones); a folder holding other
+        files is refused (statistics get a folder of their own)."""
         from safetensors.torch import save_file
 
-        os.makedirs(path, exist_ok=True)
-        tensors_path = os.path.join(path, STATISTICS_FILE)
+        from .atomic import write_folder_atomically
+
+        if others := sorted(set(os.listdir(path) if os.path.isdir(path) else ()) - {STATISTICS_FILE, METADATA_FILE}):
+            raise ValueError(f"{path} holds other files ({', '.join(others[:3])}): give statistics their own folder.")
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(state, tensors_path, metadata={"format": "pt"})
-        metadata = self.metadata()
-        metadata["sha256"] = file_sha256(tensors_path)
-        with open(os.path.join(path, METADATA_FILE), "w", encoding="utf-8") as handle:
-            json.dump(metadata, handle, indent=2, sort_keys=True)
-            handle.write("\n")
+
+        def write(folder) -> None:
+            save_file(state, os.path.join(folder, STATISTICS_FILE), metadata={"format": "pt"})
+            metadata = {**self.metadata(), "sha256": file_sha256(os.path.join(folder, STATISTICS_FILE))}
+            with open(os.path.join(folder, METADATA_FILE), "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+
+        write_folder_atomically(path, write)
 
     @classmethod
     def load(
@@ -524,6 +530,9 @@ class CalibrationStatistics:
         """Load statistics written by `save`. With `verify`, refuse a tensors file whose sha256 does not match."""
         from safetensors.torch import load_file
 
+        from .atomic import recover_folder
+
+        recover_folder(path)  # a save killed between its two renames (where folders cannot be exchanged)
         with open(os.path.join(path, METADATA_FILE), encoding="utf-8") as handle:
             meta = json.load(handle)
         if meta.get("format_version") != FORMAT_VERSION:
