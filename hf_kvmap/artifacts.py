@@ -145,6 +145,7 @@ def side_mismatches(config: MapperConfig, side: str, model_config, *, same_weigh
             f"model has {found.get('rope_parameters')}"
         )
     text = text_config(model_config)
+    different = bool(problems)  # the type, geometry or rope already show another model
     for what, expected, actual in (
         ("revision", getattr(config, f"{side}_revision"), model_revision(text) or model_revision(model_config)),
         ("id", getattr(config, f"{side}_model_id"), model_id(model_config)),
@@ -153,7 +154,7 @@ def side_mismatches(config: MapperConfig, side: str, model_config, *, same_weigh
             continue
         if expected and actual and expected != actual:
             hint = ""
-            if what == "id":
+            if what == "id" and not different:  # a model of the same type, geometry and rope may be a copy
                 hint = " (a local copy of the same weights: pass same_weights=True)"
             problems.append(f"{side} {what}: mapper expects {expected}, model has {actual}{hint}")
     return problems

@@ -309,9 +309,40 @@ def looks_local(name) -> bool:
     return text.startswith((".", "/", "~")) or os.path.isabs(text) or text.count("/") > 1 or "\\" in text
 
 
+#: what every saved mapper config records (with the names configs were saved with before); without them a mapper
+#: cannot be applied as it was fitted
+SAVED_CONFIG_FIELDS = {
+    "source_summary": ("source_summary", "source_config"),
+    "target_summary": ("target_summary", "target_config"),
+    "source_layers": ("source_layers",),
+}
+
+
+def check_saved_config(path: Path) -> None:
+    """Refuse a mapper `config.json` that is not valid JSON, not a JSON object, or lacks a field every saved config
+    records (`SAVED_CONFIG_FIELDS`), naming the file and the field."""
+    import json
+
+    fix = "the file was damaged or edited: re-save the mapper with `save_pretrained`, or download it again."
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}, not a mapper config (an object of fields): {fix}"
+        )
+    missing = [field for field, names in SAVED_CONFIG_FIELDS.items() if all(data.get(name) is None for name in names)]
+    if missing:
+        raise ValueError(
+            f"{path} records no {', '.join(f'`{field}`' for field in missing)}, which every saved mapper config "
+            f"records (what the mapper reads and maps): {fix}"
+        )
+
+
 def check_mapper_location(name, subfolder: str | None = None) -> None:
-    """Refuse a local mapper path that does not exist, and a folder without `config.json`, by name (not as a bad
-    Hub id)."""
+    """Refuse a local mapper path that does not exist, a folder without `config.json` and a `config.json` that is no
+    saved mapper config (`check_saved_config`), by name (not as a bad Hub id)."""
     from .atomic import recover_folder
 
     path = Path(os.path.expanduser(str(name)))
@@ -323,6 +354,7 @@ def check_mapper_location(name, subfolder: str | None = None) -> None:
                 f"{folder} has no config.json: not a saved mapper folder (write one with `mapper.save_pretrained("
                 "folder)`, or name the folder that holds it)."
             )
+        check_saved_config(folder / "config.json")
     elif path.exists():
         raise ValueError(f"{name} is a file, not a mapper folder: pass the folder `save_pretrained` wrote.")
     elif looks_local(name):

@@ -556,3 +556,53 @@ def test_load_cache_refuses_what_is_not_a_cache_file(tmp_path):
         load_cache(tmp_path / "x.safetensors")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         load_cache(tmp_path / "missing.safetensors")
+
+
+# ------------------------------------------------------------------- 13. a saved config that is not a mapper's
+
+
+CONFIG_EDITS = {
+    "a list": (lambda stored: [stored], r"config.json holds a JSON list, not a mapper config"),
+    "no source_layers": (
+        lambda stored: stored.pop("source_layers") and stored,
+        r"config.json records no `source_layers`",
+    ),
+    "no target_summary": (lambda stored: stored.pop("target_summary") and stored, r"records no `target_summary`"),
+    "not JSON": (lambda stored: "{broken", r"config.json is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_EDITS))
+def test_a_damaged_config_json_is_named(tiny, tmp_path, case):
+    """Before: a list gave a raw TypeError, a lost `source_layers` a message about a layer of the target (or, for an
+    identity, a silent load). After: the file and the missing field, and how to get a good one."""
+    config = tiny.config(layers=4)
+    mapper = MapperModel.identity(config)
+    mapper.save_pretrained(tmp_path / "m")
+    MapperModel.from_pretrained(tmp_path / "m")  # the control: the saved folder loads
+    path = tmp_path / "m" / "config.json"
+    edited = CONFIG_EDITS[case][0](json.loads(path.read_text()))
+    path.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(ValueError, match=CONFIG_EDITS[case][1] + ".*re-save the mapper"):
+        MapperModel.from_pretrained(tmp_path / "m")
+
+
+def test_same_weights_is_suggested_only_for_a_model_that_could_be_a_copy(pair, tiny, tmp_path):
+    """Before: every id mismatch ended in "pass same_weights=True", also below a geometry line showing another model.
+    After: only where type, geometry and rope match."""
+    from transformers import AutoModelForCausalLM
+
+    model, _, _, config = pair
+    mapper = MapperModel.identity(config, source_model_id="org/model", target_model_id="org/model")
+
+    def loaded(model, name):  # a model loaded from a folder: its id is the folder
+        model.save_pretrained(tmp_path / name)
+        return AutoModelForCausalLM.from_pretrained(tmp_path / name)
+
+    copy = loaded(model, "copy")
+    same = mapper.check_compatible(copy, copy, allow_mismatch=True)
+    assert any("same_weights=True" in problem for problem in same)  # the control: a possible copy
+    other = loaded(tiny.model(tiny.config(kv_heads=1)), "other")
+    problems = mapper.check_compatible(other, other, allow_mismatch=True)
+    assert any("geometry" in problem for problem in problems) and any(" id:" in problem for problem in problems)
+    assert not any("same_weights=True" in problem for problem in problems)

