@@ -606,3 +606,220 @@ def test_same_weights_is_suggested_only_for_a_model_that_could_be_a_copy(pair, t
     problems = mapper.check_compatible(other, other, allow_mismatch=True)
     assert any("geometry" in problem for problem in problems) and any(" id:" in problem for problem in problems)
     assert not any("same_weights=True" in problem for problem in problems)
+
+
+# ---------------------------------------------------------------- 14. command-line arguments and output paths
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Loading a model fails the test: a bad argument must be refused before any model loads."""
+    from hf_kvmap.commands import models
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_causal_lm", refuse)
+
+
+LADDER = ["calibrate-ladder", "--source", "tiny-s", "--target", "tiny-l"]
+EVAL = ["eval", "--source", "tiny-s", "--target", "tiny-l"]
+BENCH = ["benchmark", "--source", "tiny-s", "--target", "tiny-l"]
+FIT = ["fit", "--source", "tiny-s", "--target", "tiny-l", "--data", "d.txt", "--out", "m"]
+# case: (the bad command line, what its error says, the control command line, the attribute it sets and to what)
+CLI_WALK = {
+    "calibrate-ladder --out a file": (
+        [*LADDER, "--out", "{tmp}/file.txt"],
+        r"argument --out: .*file.txt is a file",
+        [*LADDER, "--out", "{tmp}/new"],
+        ("out", "{tmp}/new"),
+    ),
+    "calibrate-ladder --out a folder of other files": (
+        [*LADDER, "--out", "{tmp}/notes"],
+        r"argument --out: .*notes holds files that are not part of a mapper \(notes.txt\)",
+        [*LADDER, "--out", "{tmp}/mapper"],
+        ("out", "{tmp}/mapper"),
+    ),
+    "calibrate-ladder --json a folder": (
+        [*LADDER, "--out", "{tmp}/new", "--json", "{tmp}"],
+        r"argument --json: .* is a folder; name the file",
+        [*LADDER, "--out", "{tmp}/new", "--json", "{tmp}/summary.json"],
+        ("json", "{tmp}/summary.json"),
+    ),
+    "calibrate-ladder --records a folder": (
+        [*LADDER, "--out", "{tmp}/new", "--records", "{tmp}"],
+        r"argument --records: .* is a folder",
+        [*LADDER, "--out", "{tmp}/new", "--records", "{tmp}/records.jsonl"],
+        ("records", "{tmp}/records.jsonl"),
+    ),
+    "calibrate-ladder --items 0": (
+        [*LADDER, "--out", "{tmp}/new", "--items", "0"],
+        r"argument --items: 0 must be a positive integer",
+        [*LADDER, "--out", "{tmp}/new", "--items", "3"],
+        ("items", 3),
+    ),
+    "calibrate-ladder --items -3": (
+        [*LADDER, "--out", "{tmp}/new", "--items", "-3"],
+        r"argument --items: -3 must be a positive integer",
+        [*LADDER, "--out", "{tmp}/new", "--items", "1"],
+        ("items", 1),
+    ),
+    "calibrate-ladder --strategies bad JSON": (
+        [*LADDER, "--out", "{tmp}/new", "--strategies", "[{bad json"],
+        r"argument --strategies: '\[\{bad json' starts a JSON list but is not valid JSON",
+        [*LADDER, "--out", "{tmp}/new", "--strategies", '[{"name": "tail"}]'],
+        ("strategies", [{"name": "tail"}]),
+    ),
+    "calibrate-ladder --fractions abc": (
+        [*LADDER, "--out", "{tmp}/new", "--fractions", "abc"],
+        r"argument --fractions: 'abc' is not a number",
+        [*LADDER, "--out", "{tmp}/new", "--fractions", "0.1,0.3"],
+        ("fractions", [0.1, 0.3]),
+    ),
+    "calibrate-ladder --fractions 1.5": (
+        [*LADDER, "--out", "{tmp}/new", "--fractions", "0.1,1.5"],
+        r"argument --fractions: 1.5 in '0.1,1.5' is not in \[0, 1\)",
+        [*LADDER, "--out", "{tmp}/new", "--fractions", "0.5"],
+        ("fractions", [0.5]),
+    ),
+    "calibrate-ladder --probes lookahead_margin:x": (
+        [*LADDER, "--out", "{tmp}/new", "--probes", "lookahead_margin:x"],
+        r"argument --probes: 'lookahead_margin:x': the tokens after ':' must be a positive integer",
+        [*LADDER, "--out", "{tmp}/new", "--probes", "lookahead_margin:1"],
+        ("probes", "lookahead_margin:1"),
+    ),
+    "eval --json a folder": (
+        [*EVAL, "--json", "{tmp}"],
+        r"argument --json: .* is a folder",
+        [*EVAL, "--json", "{tmp}/r.json"],
+        ("json", "{tmp}/r.json"),
+    ),
+    "eval --plot a folder": (
+        [*EVAL, "--plot", "{tmp}"],
+        r"argument --plot: .* is a folder",
+        [*EVAL, "--plot", "{tmp}/r.png"],
+        ("plot", "{tmp}/r.png"),
+    ),
+    "eval --json below a file": (
+        [*EVAL, "--json", "{tmp}/file.txt/r.json"],
+        r"argument --json: .*file.txt is a file, not a folder",
+        [*EVAL, "--json", "{tmp}/sub/r.json"],
+        ("json", "{tmp}/sub/r.json"),
+    ),
+    "eval --items 0": ([*EVAL, "--items", "0"], r"argument --items: 0 must be", [*EVAL, "--items", "2"], ("items", 2)),
+    "benchmark --threads -1": (
+        [*BENCH, "--threads", "-1"],
+        r"argument --threads: -1 must be a positive integer",
+        [*BENCH, "--threads", "1"],
+        ("threads", 1),
+    ),
+    "benchmark --repeats abc": (
+        [*BENCH, "--repeats", "abc"],
+        r"argument --repeats: 'abc' is not an integer",
+        [*BENCH, "--repeats", "2"],
+        ("repeats", 2),
+    ),
+    "benchmark --json a folder": (
+        [*BENCH, "--json", "{tmp}"],
+        r"argument --json: .* is a folder",
+        [*BENCH, "--json", "{tmp}/b.json"],
+        ("json", "{tmp}/b.json"),
+    ),
+    "fit --stats a folder of other files": (
+        [*FIT, "--stats", "{tmp}/notes"],
+        r"argument --stats: .*notes holds files that are not calibration statistics \(notes.txt\)",
+        [*FIT, "--stats", "{tmp}/stats"],
+        ("stats", "{tmp}/stats"),
+    ),
+    "card --results missing": (
+        ["card", "{tmp}/mapper", "--results", "{tmp}/missing.json"],
+        r"argument --results: .*missing.json: no such file",
+        ["card", "{tmp}/mapper", "--results", "{tmp}/results.json"],
+        ("results", "{tmp}/results.json"),
+    ),
+}
+
+
+def _walk_folder(tmp_path, pair) -> dict:
+    (tmp_path / "file.txt").write_text("a file")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    (tmp_path / "results.json").write_text("{}")
+    MapperModel.identity(pair[3]).save_pretrained(tmp_path / "mapper")
+    return {"{tmp}": str(tmp_path)}
+
+
+def _fill(value, names: dict):
+    if isinstance(value, str):
+        for name, replacement in names.items():
+            value = value.replace(name, replacement)
+    return value
+
+
+@pytest.mark.parametrize("case", sorted(CLI_WALK))
+def test_cli_refuses_bad_arguments_before_any_work(case, pair, tmp_path, capsys, no_models):
+    """Before: these were accepted and failed late (after minutes of measuring, or after the mapper was written) or
+    with a traceback, or named the value and not the flag. After: refused while parsing, by flag and value."""
+    import re
+
+    from hf_kvmap.cli import build_parser
+
+    names = _walk_folder(tmp_path, pair)
+    bad, message, control, (attribute, expected) = CLI_WALK[case]
+    text = _cli_error([_fill(arg, names) for arg in bad], capsys)
+    assert re.search(message, text), text
+    assert not (tmp_path / "new").exists() and (tmp_path / "notes" / "notes.txt").read_text() == "mine"
+    parsed = getattr(build_parser().parse_args([_fill(arg, names) for arg in control]), attribute)
+    if attribute == "strategies":
+        parsed = [{"name": strategy["name"]} for strategy in parsed]
+    elif attribute == "probes":
+        parsed = ",".join(f"{probe.name}:{probe.tokens}" for probe in parsed)
+    elif isinstance(parsed, os.PathLike):
+        parsed = str(parsed)
+    assert parsed == _fill(expected, names)
+
+
+CARD_RESULTS = {
+    "invalid JSON": ("{not json", r"--results .*results.json is not valid JSON"),
+    "a list": ("[1, 2]", r"--results .*results.json holds a JSON list, not an object of results"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CARD_RESULTS))
+def test_cli_card_names_a_bad_results_file(case, pair, tmp_path, capsys):
+    names = _walk_folder(tmp_path, pair)
+    mapper = tmp_path / "mapper"
+    text, message = CARD_RESULTS[case]
+    (tmp_path / "results.json").write_text(text)
+    import re
+
+    assert re.search(message, _cli_error(["card", str(mapper), "--results", str(tmp_path / "results.json")], capsys))
+    # the control: results that record this mapper's content hash are rendered and stored beside it
+    recorded = json.loads((mapper / "config.json").read_text())["content_hash"]
+    (tmp_path / "results.json").write_text(json.dumps({"run": {"mapper_content_hash": recorded}, "tasks": {}}))
+    assert cli_main(["card", _fill("{tmp}/mapper", names), "--results", str(tmp_path / "results.json")]) == 0
+    assert json.loads((mapper / "evaluation.json").read_text())["run"]["mapper_content_hash"] == recorded
+
+
+def test_cli_calibrate_ladder_refuses_a_garbage_records_file_before_loading_models(tmp_path, capsys, no_models):
+    (tmp_path / "records.jsonl").write_text('{"task": "a"}\nnot json at all\n')
+    text = _cli_error([*LADDER, "--out", str(tmp_path / "new"), "--records", str(tmp_path / "records.jsonl")], capsys)
+    assert "records.jsonl:2: not valid JSON" in text and "Pass a new file" in text
+    assert (tmp_path / "records.jsonl").read_text() == '{"task": "a"}\nnot json at all\n'  # left as it was
+
+
+def test_a_records_file_cut_off_by_a_stopped_run_resumes(tmp_path, capsys):
+    """The control of the garbage case: a record cut off mid-line by a stopped run is dropped (and measured again);
+    the complete ones are kept, and a complete last record without its newline gets one."""
+    from hf_kvmap.commands.ladder import _records
+
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"task": "a"}\n{"task": "b"}\n{"task": "c", "answ')
+    assert _records(path) == [{"task": "a"}, {"task": "b"}]
+    assert path.read_text() == '{"task": "a"}\n{"task": "b"}\n' and "incomplete record" in capsys.readouterr().out
+    path.write_text('{"task": "a"}')
+    assert _records(path) == [{"task": "a"}] and path.read_text() == '{"task": "a"}\n'
+    path.write_text("garbage without a newline")  # not a stopped run of this command: refused, not cut
+    with pytest.raises(SystemExit, match="not a records file"):
+        _records(path)
+    assert path.read_text() == "garbage without a newline"

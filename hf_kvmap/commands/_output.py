@@ -9,6 +9,9 @@ def finish(json_path, results: dict) -> int:
 
     results.setdefault("environment", environment_info())
     if json_path:
-        write_json(json_path, results)
+        try:
+            write_json(json_path, results)
+        except OSError as err:  # the path is checked when the command starts (`_args.output_file`); this is the rest
+            raise SystemExit(f"hf-kvmap: could not write --json {json_path}: {err}") from None
         print(f"wrote {json_path}")
     return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+
+from . import _args
 
 
 def add_parser(subparsers) -> None:
@@ -22,9 +23,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", required=True, help="tiny-family member, folder or Hub id")
     parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
     parser.add_argument("--tokens", default="256,1024", help="comma-separated context lengths (default: 256,1024)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per length (default: 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--repeats", type=_args.positive_int, default=5, help="timed repeats per length (default: 5)")
+    parser.add_argument(
+        "--threads", type=_args.positive_int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    parser.add_argument("--json", type=_args.output_file, default=None, help="write results here")
     parser.set_defaults(func=run)
 
 

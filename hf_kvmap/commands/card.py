@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from . import _args
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("card", help="(Re)render the model card (README.md) of a saved mapper folder.")
     parser.add_argument("directory", type=Path, help="folder written by MapperModel.save_pretrained")
-    parser.add_argument("--results", type=Path, default=None, help="evaluation JSON to render (and store beside it)")
+    parser.add_argument(
+        "--results",
+        type=_args.input_file,
+        default=None,
+        help="evaluation JSON to render (and store beside it)",
+    )
     parser.add_argument("--name", default=None, help="model name / Hub id shown on the card (default: folder name)")
     parser.set_defaults(func=run)
 
@@ -19,8 +25,11 @@ def run(args: argparse.Namespace) -> int:
     from ..artifacts import results_hash
     from .models import load_mapper
 
+    try:
+        results = None if args.results is None else _args.read_json_object(args.results, "--results")
+    except ValueError as err:
+        raise SystemExit(f"hf-kvmap card: {err}") from None
     mapper = load_mapper(args.directory, "card")
-    results = json.loads(args.results.read_text()) if args.results is not None else None
     if results is not None and results_hash(results) is None:
         raise SystemExit(
             f"hf-kvmap card: {args.results} records no mapper content hash (run.mapper_content_hash), so nothing "

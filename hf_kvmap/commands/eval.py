@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from . import _args
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -20,11 +22,13 @@ def add_parser(subparsers) -> None:
         default="tiny-family",
         help="'tiny-family' or a JSONL file (see hf_kvmap.evaluation.load_jsonl_tasks)",
     )
-    parser.add_argument("--items", type=int, default=200, help="items per task for the tiny-family task set")
+    parser.add_argument(
+        "--items", type=_args.positive_int, default=200, help="items per task for the tiny-family task set"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--diagnostics",
-        type=int,
+        type=_args.non_negative_int,
         default=0,
         metavar="N",
         help="also compute K/V R^2 and attention cosine on N held-out calibration-style sequences",
@@ -34,8 +38,8 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="evaluate even if the models differ from the mapper's recorded approval tuple (for experiments)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a diagnostics heat map PNG here")
+    parser.add_argument("--json", type=_args.output_file, default=None, help="write results here")
+    parser.add_argument("--plot", type=_args.output_file, default=None, help="write a diagnostics heat map PNG here")
     parser.set_defaults(func=run)
 
 

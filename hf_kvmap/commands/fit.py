@@ -13,6 +13,7 @@ from transformers.utils import logging
 
 from ..configuration_mapper import INPUT_KINDS, LAMBDA_CONVENTIONS, MAPPER_KINDS, OBJECTIVES
 from ..fit_options import ATTENTION_LOSSES, ATTENTION_SPACES, MLP_INITS, FitOptions
+from . import _args
 
 logger = logging.get_logger(__name__)
 
@@ -154,7 +155,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=int, default=4, help="Keep every stride-th position (default: 4).")
     parser.add_argument("--max-sequences", type=int, default=500, help="Calibration sequences (default: 500).")
     parser.add_argument("--batch-size", type=int, default=1, help="Sequences per forward pass (default: 1).")
-    parser.add_argument("--stats", default=None, help="Also save the calibration statistics to this folder.")
+    parser.add_argument(
+        "--stats",
+        type=_args.statistics_folder,
+        default=None,
+        help="Also save the calibration statistics to this folder.",
+    )
     parser.add_argument(
         "--from-stats",
         default=None,

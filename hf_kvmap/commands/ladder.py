@@ -18,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from . import _args
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -30,20 +32,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", required=True, help="tiny-family member, folder or Hub id")
     parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
     parser.add_argument("--tasks", default="tiny-family", help="'tiny-family' or a JSONL file of exact-match items")
-    parser.add_argument("--items", type=int, default=50, help="items per task for the tiny-family task set")
+    parser.add_argument(
+        "--items", type=_args.positive_int, default=50, help="items per task for the tiny-family task set"
+    )
     parser.add_argument("--seed", type=int, default=4321, help="seed of the tiny-family items (not the report's)")
     parser.add_argument(
         "--probes",
+        type=_args.probes,
         default="draft_agreement:2,lookahead_margin:1,confident_draft:2",
         help="candidate probes (name:tokens, one hold-back); the cheapest ladder's is kept",
     )
     parser.add_argument(
         "--strategies",
+        type=_args.strategies,
         default="tail,source_attention,draft_attention",
         help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings; "
         "the cheapest ladder's is kept",
     )
-    parser.add_argument("--fractions", default="0.1,0.2,0.3,0.5", help="repair fractions measured (0 is always)")
+    parser.add_argument(
+        "--fractions", type=_args.fractions, default="0.1,0.2,0.3,0.5", help="repair fractions measured (0 is always)"
+    )
     parser.add_argument("--max-changed", type=float, default=0.05, help="changed answers a task may be served")
     parser.add_argument(
         "--confidence",
@@ -51,11 +59,14 @@ def add_parser(subparsers) -> None:
         default=None,
         help="hold --max-changed as an upper confidence bound at this level (e.g. 0.9), not on the items alone",
     )
-    parser.add_argument("--records", type=Path, default=None, help="JSONL of the measurements (resumes)")
+    parser.add_argument("--records", type=_args.output_file, default=None, help="JSONL of the measurements (resumes)")
     parser.add_argument(
-        "--out", type=Path, required=True, help="folder for the mapper with its ladder (may be --mapper)"
+        "--out",
+        type=_args.mapper_folder,
+        required=True,
+        help="folder for the mapper with its ladder (may be --mapper)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the calibration summary here")
+    parser.add_argument("--json", type=_args.output_file, default=None, help="write the calibration summary here")
     parser.add_argument(
         "--same-weights",
         action="store_true",
@@ -86,17 +97,47 @@ def _items(args):
     return items, skipped
 
 
+def _records(path: Path | None) -> list[dict]:
+    """The records a stopped run wrote to `path` (JSONL), read before any model loads: a malformed line is refused by
+    number; an incomplete last line after complete records (the run was stopped while writing it) is cut off and
+    that item measured again."""
+    from ..reporting import jsonl_objects
+
+    if path is None or not path.is_file():
+        return []
+    errors: list[str] = []
+    records = [record for _, record in jsonl_objects(path, errors, "a measured item (a JSON object)")]
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if data[cut:].strip():  # the last line lacks its newline: a stopped run, or a file this command did not write
+        number = data.count(b"\n") + 1
+        last = f"{path}:{number}:"
+        if records and len(errors) == 1 and errors[0].startswith(last):
+            print(f"note: {path} ends in an incomplete record (a stopped run); that item is measured again.")
+            errors = []
+            with path.open("r+b") as handle:
+                handle.truncate(cut)
+        elif not errors:
+            with path.open("ab") as handle:  # the next record starts on a line of its own
+                handle.write(b"\n")
+    if errors:
+        shown = "\n  ".join(errors[:5]) + ("\n  ..." if len(errors) > 5 else "")
+        raise SystemExit(
+            f"hf-kvmap calibrate-ladder: --records {path} is not a records file of this command:\n  {shown}\n"
+            "Pass a new file (or the one a stopped run of these items wrote)."
+        )
+    return records
+
+
 def run(args: argparse.Namespace) -> int:
     from ..calibration.ladder import items_to_vouch
     from ..calibration.ladder_items import (
         ladder_from_records,
         measure_ladder_items,
-        parse_probe,
         perfect_probe_outcome,
         probe_key,
         strategy_key,
     )
-    from ..repair import selector_from_dict
     from . import models as _models
     from ._output import finish
 
@@ -105,13 +146,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --max-changed {args.max_changed} must be in [0, 1].")
     if args.confidence is not None and not 0.0 < args.confidence < 1.0:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --confidence {args.confidence} must be in (0, 1), e.g. 0.9.")
-    try:
-        probes = [parse_probe(text) for text in args.probes.split(",") if text]
-        strategies = json.loads(args.strategies) if args.strategies.startswith("[") else args.strategies.split(",")
-        strategies = [selector_from_dict(strategy).settings() for strategy in strategies if strategy]
-        fractions = [float(f) for f in args.fractions.split(",") if f]
-    except (ValueError, TypeError) as err:
-        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+    probes, strategies, fractions = args.probes, args.strategies, args.fractions  # parsed by their types (_args)
+    done = _records(args.records)
     items, skipped = _items(args)
     source, target = _models.load_causal_lm(args.source), _models.load_causal_lm(args.target)
     tokenizer = _models.load_tokenizer(args.source)
@@ -121,9 +157,7 @@ def run(args: argparse.Namespace) -> int:
         mapper.check_compatible(source, target, tokenizer, same_weights=args.same_weights)
     except ValueError as err:
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
-    done = []
-    if args.records is not None and args.records.is_file():
-        done = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+    if done:
         print(f"resuming: {len(done)} of {len(items)} items measured in {args.records}")
 
     def keep(record):
@@ -158,7 +192,10 @@ def run(args: argparse.Namespace) -> int:
         records, max_changed=args.max_changed, confidence=args.confidence, provenance=provenance
     )
     mapper.config.handoff_ladder = ladder.to_dict()
-    mapper.save_pretrained(args.out)
+    try:
+        mapper.save_pretrained(args.out)
+    except (OSError, ValueError) as err:  # the folder changed while measuring (checked when the command started)
+        raise SystemExit(f"hf-kvmap calibrate-ladder: --out {args.out}: {err}") from None
     outcome = ladder.calibration["outcome"]
     print(
         f"ladder on {len(records)} items, probe {ladder.probe['name']}:{ladder.probe['tokens']}, "
