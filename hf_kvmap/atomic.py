@@ -19,9 +19,10 @@ import ctypes
 import errno
 import os
 import re
+import secrets
 import shutil
+import stat
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,6 +68,22 @@ def stale_leftovers(parent: Path, name: str, suffixes: Sequence[str]) -> list[Pa
     return leftovers(parent, name, suffixes)
 
 
+def fresh(parent: Path, prefix: str, suffix: str, *, folder: bool) -> Path:
+    """Create a new hidden file or folder `parent/{prefix}{random}{suffix}` with the permissions the process's umask
+    gives (`tempfile`'s are private, and a saved artifact should read like any file the user writes)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            if folder:
+                os.mkdir(path, 0o777)
+            else:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"no free temporary name in {parent}", str(parent / prefix))
+
+
 def remove(entry: Path) -> None:
     if entry.is_dir() and not entry.is_symlink():
         shutil.rmtree(entry, ignore_errors=True)
@@ -91,10 +108,11 @@ def write_file_atomically(path: str | os.PathLike, write: Callable[[Path], None]
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in stale_leftovers(path.parent, path.name, (".tmp",)):
         remove(stale)
-    handle, tmp = tempfile.mkstemp(prefix=staging_prefix(path.name), suffix=".tmp", dir=path.parent)
-    os.close(handle)
+    tmp = fresh(path.parent, staging_prefix(path.name), ".tmp", folder=False)
     try:
-        write(Path(tmp))
+        if path.exists():  # the new file keeps the permissions of the one it replaces
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -180,7 +198,7 @@ def write_folder_atomically(destination: str | os.PathLike, write: Callable[[Pat
         raise NotADirectoryError(errno.ENOTDIR, f"{destination} exists and is not a folder", str(destination))
     destination.parent.mkdir(parents=True, exist_ok=True)
     prefix = staging_prefix(destination.name)
-    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".saving", dir=destination.parent))
+    staging = fresh(destination.parent, prefix, ".saving", folder=True)
     try:
         write(staging)
         cwd = Path.cwd()
@@ -189,7 +207,7 @@ def write_folder_atomically(destination: str | os.PathLike, write: Callable[[Pat
         elif exchange(staging, destination):  # `staging` now holds the previous folder
             _stay(cwd, destination)
         else:
-            previous = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=destination.parent))
+            previous = fresh(destination.parent, prefix, ".old", folder=True)
             os.replace(destination, previous / "folder")
             try:
                 os.replace(staging, destination)

@@ -8,6 +8,7 @@ cache files, JSON results, statistics folders and plots."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -252,3 +253,24 @@ def test_statistics_are_saved_into_a_folder_of_their_own(random_pair_stats, tmp_
     random_pair_stats.save(tmp_path / "stats")  # the control: a new folder
     random_pair_stats.save(tmp_path / "stats")  # and the one a previous save wrote
     assert CalibrationStatistics.load(tmp_path / "stats").fingerprint == random_pair_stats.fingerprint
+
+
+def test_saved_artifacts_have_the_permissions_the_umask_gives(tiny, tmp_path):
+    """A saved folder and its files read like anything else the user writes (a private temporary folder made the
+    swapped-in mapper unreadable to others), and a replaced file keeps the permissions it had."""
+    import stat
+
+    from hf_kvmap.reporting import write_json
+
+    previous = os.umask(0o022)
+    try:
+        MapperModel.identity(tiny.config()).save_pretrained(tmp_path / "m")
+        write_json(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(previous)
+    mode = lambda path: stat.S_IMODE(path.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "m") == 0o755 and mode(tmp_path / "r.json") == 0o644
+    assert mode(tmp_path / "m" / "config.json") == mode(tmp_path / "m" / "README.md") == 0o644  # (safetensors: 0600)
+    os.chmod(tmp_path / "r.json", 0o640)
+    write_json(tmp_path / "r.json", {"a": 2})
+    assert mode(tmp_path / "r.json") == 0o640 and json.loads((tmp_path / "r.json").read_text()) == {"a": 2}
