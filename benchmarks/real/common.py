@@ -4,7 +4,6 @@ prefill store, the result paths and how scores become one handoff's results."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -96,14 +95,9 @@ VARIANTS = {"ridge-k8": 8, "ridge-all": None}
 
 
 def save_atomically(mapper, folder: Path) -> None:
-    """Save to `<folder>.tmp` and rename, so a reader (a running evaluate) never sees half a mapper."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    mapper.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    """Replace `folder` whole (`save_pretrained` writes beside it and swaps it in), so a reader (a running evaluate)
+    never sees half a mapper and a kill leaves the previous one or the new one."""
+    mapper.save_pretrained(folder, overwrite=True)
 
 
 class PrefillStore:
