@@ -808,6 +808,16 @@ def test_cli_calibrate_ladder_refuses_a_garbage_records_file_before_loading_mode
     assert (tmp_path / "records.jsonl").read_text() == '{"task": "a"}\nnot json at all\n'  # left as it was
 
 
+@pytest.mark.parametrize("flag", ["--records", "--json"])
+def test_cli_calibrate_ladder_keeps_its_files_out_of_the_folder_it_replaces(flag, tmp_path, capsys, no_models):
+    argv = [*LADDER, "--out", str(tmp_path / "m"), flag, str(tmp_path / "m" / "f.json")]
+    text = _cli_error(argv, capsys)
+    assert f"{flag} " in text and "lies inside --out" in text and "keep it beside the folder" in text
+    # the control: beside the folder, the same command goes on to load the models
+    with pytest.raises(RuntimeError, match="a model was loaded"):
+        cli_main([*LADDER, "--out", str(tmp_path / "m"), flag, str(tmp_path / "f.json")])
+
+
 def test_a_records_file_cut_off_by_a_stopped_run_resumes(tmp_path, capsys):
     """The control of the garbage case: a record cut off mid-line by a stopped run is dropped (and measured again);
     the complete ones are kept, and a complete last record without its newline gets one."""

@@ -147,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if args.confidence is not None and not 0.0 < args.confidence < 1.0:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --confidence {args.confidence} must be in (0, 1), e.g. 0.9.")
     probes, strategies, fractions = args.probes, args.strategies, args.fractions  # parsed by their types (_args)
+    for flag, path in (("--records", args.records), ("--json", args.json)):
+        if path is not None and args.out.resolve() in path.resolve().parents:
+            raise SystemExit(
+                f"hf-kvmap calibrate-ladder: {flag} {path} lies inside --out {args.out}, which the save replaces "
+                "whole (and a mapper folder holds only the mapper's files): keep it beside the folder."
+            )
     done = _records(args.records)
     items, skipped = _items(args)
     source, target = _models.load_causal_lm(args.source), _models.load_causal_lm(args.target)
