@@ -10,8 +10,18 @@ import sys
 COMMANDS = ("benchmark", "card", "demo", "eval", "fit", "ladder", "obtain")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its sub-command parsers are of this class too), ending on a bad argument as every other
+    error of the command line does: the usage line, then `SystemExit` with the message (`hf-kvmap <command>: error:
+    argument --flag: ...`), which Python prints before exiting with code 1."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"{self.prog}: error: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kvmap", description="Map KV caches between models of one family.")
+    parser = Parser(prog="hf-kvmap", description="Map KV caches between models of one family.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"hf_kvmap.commands.{name}").add_parser(subparsers)

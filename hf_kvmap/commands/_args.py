@@ -1,6 +1,6 @@
 """Argument types the commands share. Each refuses a bad value while the command line is parsed (before any model
-loads or any measuring starts) with `argparse.ArgumentTypeError`, which argparse reports as `argument --flag: ...`
-(the flag, the value and what to pass instead) and exit code 2, never a traceback."""
+loads or any measuring starts) with `argparse.ArgumentTypeError`, which the parser (`hf_kvmap.cli.Parser`) reports as
+`hf-kvmap <command>: error: argument --flag: ...` (the flag, the value and what to pass instead), never a traceback."""
 
 from __future__ import annotations
 
