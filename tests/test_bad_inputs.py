@@ -731,6 +731,18 @@ CLI_WALK = {
         [*FIT, "--stats", "{tmp}/stats"],
         ("stats", "{tmp}/stats"),
     ),
+    "obtain --cache-dir a file": (
+        ["obtain", "--list", "--cache-dir", "{tmp}/file.txt"],
+        r"argument --cache-dir: .*file.txt is a file; name a folder",
+        ["obtain", "--list", "--cache-dir", "{tmp}/cache"],
+        ("cache_dir", "{tmp}/cache"),
+    ),
+    "obtain --download-dir below a file": (
+        ["obtain", "--list", "--download-dir", "{tmp}/file.txt/wheels"],
+        r"argument --download-dir: .*file.txt is a file, not a folder",
+        ["obtain", "--list", "--download-dir", "{tmp}/wheels"],
+        ("download_dir", "{tmp}/wheels"),
+    ),
     "card --results missing": (
         ["card", "{tmp}/mapper", "--results", "{tmp}/missing.json"],
         r"argument --results: .*missing.json: no such file",

@@ -51,6 +51,15 @@ def output_file(text: str) -> Path:
     return path
 
 
+def folder(text: str) -> Path:
+    """A folder to read from or write into (made when missing): not an existing file, not below one."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file; name a folder.")
+    _parent_is_usable(path)
+    return path
+
+
 def mapper_folder(text: str) -> Path:
     """A folder to save a mapper into: new, empty or a mapper's own (files of a mapper only), not a file."""
     from ..artifacts import foreign_files

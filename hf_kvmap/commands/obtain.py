@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from . import _args
 
 
 def add_parser(subparsers) -> None:
@@ -21,10 +22,12 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("name", nargs="?", help="registered model name (see --list)")
     parser.add_argument("--list", action="store_true", help="list the registered models and whether they are here")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $HF_KVMAP_CACHE or ~/.cache/hf-kvmap")
+    parser.add_argument(
+        "--cache-dir", type=_args.folder, default=None, help="default: $HF_KVMAP_CACHE or ~/.cache/hf-kvmap"
+    )
     parser.add_argument(
         "--download-dir",
-        type=Path,
+        type=_args.folder,
         default=None,
         help="folder holding (or receiving) the wheels; default: in the cache",
     )
