@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hf_kvmap.commands.demo import WAY_LABELS
 from hf_kvmap.reporting import fmt_number, retention_cells
 
 
@@ -28,6 +29,42 @@ def _mapper_summary(config: dict | None) -> str:
     if stages:
         parts.append(" then ".join({"kl": "KL", "attention": "attention"}[stage] for stage in stages) + " fine-tuned")
     return " (" + ", ".join(parts) + ")"
+
+
+def _repair_summary(repair: dict) -> str:
+    strategy = repair["strategy"]
+    name = strategy["name"] if isinstance(strategy, dict) else strategy
+    budget = (
+        f"{100 * repair['fraction']:.0f} %" if repair.get("fraction") is not None else f"{repair['tokens']} tokens"
+    )
+    return f"`{name}`, {budget} of the positions"
+
+
+def _guard_summary(guard: dict) -> str:
+    if guard.get("ladder"):
+        ladder = guard["ladder"]
+        return f"the mapper's calibrated ladder ({len(ladder['rungs'])} rungs, probe `{ladder['probe']['name']}`)"
+    probe = guard.get("probe") or {}
+    return f"the mapper's calibrated probe (`{probe.get('name', '?')}`, threshold {fmt_number(guard.get('threshold'), 3)})"
+
+
+def serving_markdown(results: dict) -> str:
+    """The demo's four ways per task: accuracy and median time to first token, and what the guard served."""
+    run = results["run"]
+    ways = list(WAY_LABELS)
+    lines = [
+        "Each request served four ways from the source's prefill (accuracy / median time to first token, ms; the "
+        f"repair: {_repair_summary(run['repair'])}; the guard: {_guard_summary(run['guard'])}, served per request "
+        "with `hf_kvmap.handoff`):",
+        "",
+        "| task | " + " | ".join(WAY_LABELS[way] for way in ways) + " | guarded served |",
+        "|---|" + "---|" * (len(ways) + 1),
+    ]
+    for name, served in results["serving"].items():
+        cells = [f"{fmt_number(served[way]['accuracy'])} / {fmt_number(served[way]['ttft_ms'], 1)}" for way in ways]
+        rungs = ", ".join(f"{rung} {100 * share:.0f} %" for rung, share in served["guarded"]["rungs"].items())
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {rungs} |")
+    return "\n".join(lines)
 
 
 def demo_markdown(results: dict, source_file: str) -> str:
@@ -63,19 +100,24 @@ def demo_markdown(results: dict, source_file: str) -> str:
             "Not reported, because the target alone does not do them better than chance over the items (one-sided "
             "exact binomial test at the 5 % level), so a handoff has nothing to retain: " + "; ".join(cells) + ".",
         ]
+    env = results.get("environment", {})
+    if results.get("serving"):
+        lines += ["", serving_markdown(results)]
     if results.get("latency"):
-        env = results.get("environment", {})
         lines += [
             "",
-            f"Latency (median, {env.get('device', 'cpu')}, {env.get('threads', '?')} threads, measured side by side):",
+            f"Latency per context length (random tokens; median of {run.get('repeats', '?')} interleaved repeats after "
+            f"a warm-up run of every length, {env.get('device', 'cpu')}, {env.get('threads', '?')} threads):",
             "",
-            "| context tokens | mapper `from_source` (ms) | target re-prefill (ms) | speedup |",
-            "|---|---|---|---|",
+            "| context tokens | mapper `from_source` (ms) | target re-prefill (ms) | speedup | first token: target alone "
+            "(ms) | mapped (ms) | repaired (ms) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in results["latency"]:
             lines.append(
                 f"| {row['tokens']} | {fmt_number(row['mapper_ms'], 2)} | {fmt_number(row['prefill_ms'], 2)} | "
-                f"{fmt_number(row['speedup'], 2)}x |"
+                f"{fmt_number(row['speedup'], 2)}x | {fmt_number(row.get('ttft_target_ms'), 2)} | "
+                f"{fmt_number(row.get('ttft_mapped_ms'), 2)} | {fmt_number(row.get('ttft_repaired_ms'), 2)} |"
             )
     return "\n".join(lines)
 

@@ -122,34 +122,66 @@ def plot_diagnostics(diagnostics: dict, path) -> bool:
 
 
 def plot_demo(results: dict, path: Path) -> bool:
-    """Accuracy per task and mode (chance dotted) and the latency curves of an `hf-kvmap demo` results dict."""
+    """An `hf-kvmap demo` results dict: accuracy per task and way (chance dotted), time to first token per task and
+    way, and the latency curves per context length."""
     plt = pyplot("the demo plot")
     if plt is None:
         return False
+    serving = results.get("serving") or {}
     tasks = list(results["tasks"])
-    fig, (ax_acc, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.27
-    for offset, mode in zip((-width, 0, width), ("source", "target", "mapped")):
-        values = [results["tasks"][t][mode] for t in tasks]
-        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=mode)
+    fig, (ax_acc, ax_ttft, ax_lat) = plt.subplots(1, 3, figsize=(16, 4.2))
+    ways = ("source", "target", "mapped", "repaired", "guarded")
+    width = 0.8 / len(ways)
+    for k, way in enumerate(ways):
+        values = [
+            results["tasks"][t][way]
+            if way in ("source", "target", "mapped")
+            else serving.get(t, {}).get(way, {}).get("accuracy", 0.0)
+            for t in tasks
+        ]
+        offset = (k - (len(ways) - 1) / 2) * width
+        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=way)
     for i, task in enumerate(tasks):
-        ax_acc.hlines(results["tasks"][task]["chance"], i - 1.5 * width, i + 1.5 * width, colors="k", linestyles=":")
+        ax_acc.hlines(results["tasks"][task]["chance"], i - 0.4, i + 0.4, colors="k", linestyles=":")
     ax_acc.set_xticks(range(len(tasks)), tasks)
     ax_acc.set_ylabel("accuracy")
     ax_acc.set_ylim(0, 1)
     run = results["run"]
     ax_acc.set_title(f"{run['source']} -> {run['target']}: accuracy (dotted: chance)")
-    ax_acc.legend()
+    ax_acc.legend(fontsize="small")
+    served = list(serving)
+    if served:
+        names = ("target", "mapped", "repaired", "guarded")
+        width = 0.8 / len(names)
+        for k, way in enumerate(names):
+            offset = (k - (len(names) - 1) / 2) * width
+            ax_ttft.bar(
+                [i + offset for i in range(len(served))],
+                [serving[t][way]["ttft_ms"] for t in served],
+                width,
+                label=way,
+            )
+        ax_ttft.set_xticks(range(len(served)), served)
+        ax_ttft.set_ylabel("ms (median over requests)")
+        ax_ttft.set_title("time to first token (source prefill done)")
+        ax_ttft.legend(fontsize="small")
     if results.get("latency"):
         tokens = [row["tokens"] for row in results["latency"]]
-        ax_lat.plot(tokens, [row["mapper_ms"] for row in results["latency"]], "o-", label="mapper (from_source)")
-        ax_lat.plot(tokens, [row["prefill_ms"] for row in results["latency"]], "s-", label="target re-prefill")
+        for key, label, style in (
+            ("mapper_ms", "mapper (from_source)", "o-"),
+            ("prefill_ms", "target re-prefill (body)", "s-"),
+            ("ttft_mapped_ms", "first token: mapped", "^--"),
+            ("ttft_repaired_ms", "first token: repaired", "v--"),
+            ("ttft_target_ms", "first token: target alone", "d--"),
+        ):
+            if key in results["latency"][0]:
+                ax_lat.plot(tokens, [row[key] for row in results["latency"]], style, label=label)
         ax_lat.set_xscale("log")
         ax_lat.set_yscale("log")
         ax_lat.set_xlabel("context tokens")
-        ax_lat.set_ylabel("ms (median)")
+        ax_lat.set_ylabel("ms (median, warmed up)")
         ax_lat.set_title("latency")
-        ax_lat.legend()
+        ax_lat.legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, dpi=110)

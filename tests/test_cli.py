@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -190,6 +191,18 @@ def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_p
     assert math.isfinite(results["perplexity"]["text"]["mapped"])
     assert [row["tokens"] for row in results["latency"]] == [32, 64]
     assert all(row["mapper_ms"] > 0 and row["prefill_ms"] > 0 for row in results["latency"])
+    assert all(row[f"ttft_{way}_ms"] > 0 for row in results["latency"] for way in ("target", "mapped", "repaired"))
+    # every kept exact-match task served four ways, each with its accuracy and time to first token
+    assert set(results["serving"]) == {n for n, row in results["tasks"].items() if row["task_type"] == "exact_match"}
+    for name, ways in results["serving"].items():
+        assert list(ways) == ["target", "mapped", "repaired", "guarded"]
+        for row in ways.values():
+            assert 0 <= row["accuracy"] <= 1 and row["ttft_ms"] > 0
+            assert math.isclose(sum(row["rungs"].values()), 1.0)
+        assert set(ways["guarded"]["rungs"]) <= {"mapped", "fallback"} or "ladder" in results["run"]["guard"]
+        for way in ("target alone", "mapped", "repaired", "guarded"):
+            assert re.search(rf"^{name} +{way} +[0-9.]+ +[0-9.]+", printed, re.MULTILINE), (name, way)
+    assert results["run"]["repair"]["fraction"] == 0.2 and results["run"]["guard"]["probe"]["name"]
     assert plot.stat().st_size > 10_000
 
 

@@ -7,21 +7,31 @@ import time
 from pathlib import Path
 
 DEFAULT_LENGTHS = (64, 256, 512, 1000)
+#: the repair of the `repaired` way: the positions the source reads while it drafts the answer, a fifth of them
+DEFAULT_REPAIR = "draft_attention:0.2"
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="Hand conversations from a small to a large tiny-family model and report retention and latency.",
-        description="Loads the shipped tiny family and mapper, evaluates every task three ways (source alone, "
-        "target alone, source prefill -> mapped cache -> target), reports the tasks the target does better than "
-        "chance (and names the others, with why), and times the mapper against target re-prefill.",
+        help="Hand conversations from a small to a large tiny-family model: the target alone, the mapped, the repaired "
+        "and the guarded handoff, with accuracy and time to first token.",
+        description="Loads the shipped tiny family and mapper, evaluates every task (source alone, target alone, "
+        "source prefill -> mapped cache -> target), reports the tasks the target does better than chance (and names "
+        "the others, with why), serves each of their requests four ways (the target alone, the mapped cache, the "
+        "repaired cache, the guarded handoff) with the time to the first token, and times the mapper against the "
+        "target's re-prefill per context length.",
     )
     parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
     parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
     parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
     parser.add_argument("--items", type=int, default=200, help="evaluation items per task (default: 200)")
     parser.add_argument("--seed", type=int, default=1234, help="evaluation seed (default: 1234)")
+    parser.add_argument(
+        "--repair",
+        default=DEFAULT_REPAIR,
+        help=f"strategy:fraction of the repaired way (default: {DEFAULT_REPAIR}; strategies: hf_kvmap.repair)",
+    )
     parser.add_argument(
         "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths timed for latency"
     )
@@ -55,6 +65,70 @@ def dropped_lines(results: dict) -> list[str]:
     return [f"dropped {name}: {row['reason']}" for name, row in results.get("dropped_tasks", {}).items()]
 
 
+def _fail(message: str):
+    raise SystemExit(f"hf-kvmap demo: {message}")
+
+
+def shipped_pairs() -> list[str]:
+    """`source -> target` of every mapper the package ships."""
+    from .. import zoo
+
+    return [p.name.replace("-to-", " -> ") for p in sorted(zoo.MAPPERS_DIR.iterdir()) if (p / "config.json").exists()]
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
+    """`(lengths, RepairConfig, mapper name)` from the command line, every argument checked before any model loads
+    (a clear exit naming the flag and what to give instead)."""
+    from .. import RepairConfig, zoo
+
+    for flag, value in (("--items", args.items), ("--repeats", args.repeats)):
+        if value < 1:
+            _fail(f"{flag} {value}: give a positive number.")
+    if args.threads is not None and args.threads < 1:
+        _fail(f"--threads {args.threads}: give a positive number of torch CPU threads (or leave it out).")
+    lengths = []
+    for part in str(args.lengths).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 2:
+            _fail(
+                f"--lengths {args.lengths!r}: {part!r} is not a token count of at least 2; give comma-separated counts "
+                "(e.g. 64,256,1000), or an empty string for no latency table."
+            )
+        lengths.append(int(part))
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and path.is_dir():
+            _fail(
+                f"{flag} {path} is a folder; give a file path (e.g. {path / ('demo' + ('.json' if flag == '--json' else '.png'))})."
+            )
+    strategy, _, fraction = str(args.repair).rpartition(":")
+    try:
+        repair = RepairConfig(strategy, fraction=float(fraction))
+    except ValueError as err:
+        _fail(f"--repair {args.repair!r}: {err} Give strategy:fraction, e.g. {DEFAULT_REPAIR}.")
+    for flag, name in (("--source", args.source), ("--target", args.target)):
+        if name not in zoo.FAMILY:
+            _fail(f"{flag} {name!r} is not a tiny-family member ({', '.join(zoo.FAMILY)}).")
+    if args.mapper:
+        return lengths, repair, args.mapper
+    try:
+        return lengths, repair, str(zoo.mapper_path(args.source, args.target))
+    except (FileNotFoundError, KeyError):
+        _fail(
+            f"no shipped mapper from {args.source} to {args.target}. The shipped pairs are "
+            f"{', '.join(shipped_pairs())}: pick one with --source and --target, or pass --mapper FOLDER."
+        )
+
+
+def _rungs(rungs: dict) -> str:
+    return ", ".join(f"{name} {100 * share:.0f} %" for name, share in rungs.items())
+
+
+#: how each way is named in the printout, the docs and the plot
+WAY_LABELS = {"target": "target alone", "mapped": "mapped", "repaired": "repaired", "guarded": "guarded"}
+
+
 def format_table(results: dict) -> str:
     from ..reporting import retention_cells
 
@@ -70,41 +144,73 @@ def format_table(results: dict) -> str:
     for name, row in results.get("perplexity", {}).items():
         lines.append(f"{name + ' (ppl)':<12}{row['source']:>9.3f}{row['target']:>9.3f}{row['mapped']:>9.3f}")
     lines += dropped_lines(results)
+    if results.get("serving"):
+        lines += ["", f"{'task':<12}{'served by':<15}{'accuracy':>9}{'first token ms':>16}  rungs served"]
+        for name, ways in results["serving"].items():
+            for way, row in ways.items():
+                rungs = _rungs(row["rungs"]) if way == "guarded" else ""
+                lines.append(f"{name:<12}{WAY_LABELS[way]:<15}{row['accuracy']:>9.3f}{row['ttft_ms']:>16.2f}  {rungs}")
     if results.get("latency"):
         lines.append("")
-        lines.append(f"{'tokens':>8}{'mapper ms':>12}{'prefill ms':>12}{'speedup':>9}")
+        lines.append(
+            f"{'tokens':>8}{'mapper ms':>12}{'prefill ms':>12}{'speedup':>9}"
+            f"{'first token ms: target':>24}{'mapped':>9}{'repaired':>10}"
+        )
         for row in results["latency"]:
             lines.append(
                 f"{row['tokens']:>8}{row['mapper_ms']:>12.2f}{row['prefill_ms']:>12.2f}{row['speedup']:>9.2f}"
+                f"{row['ttft_target_ms']:>24.2f}{row['ttft_mapped_ms']:>9.2f}{row['ttft_repaired_ms']:>10.2f}"
             )
     return "\n".join(lines)
+
+
+def guard_settings(mapper) -> dict:
+    """What the guarded way climbs: the mapper's calibrated ladder, or its calibrated probe and threshold."""
+    ladder = getattr(mapper.config, "handoff_ladder", None)
+    if ladder:
+        return {"ladder": {key: ladder[key] for key in ("probe", "strategy", "rungs") if key in ladder}}
+    probe = mapper.config.handoff_probe or {}
+    return {"probe": probe.get("probe"), "threshold": probe.get("threshold")}
+
+
+def serve_tasks(ways, tasks, kept) -> dict:
+    """Each kept exact-match task's requests served the four ways (`demo_ways.DemoWays.task`)."""
+    from tqdm.auto import tqdm
+
+    served = [task for task in tasks if task.name in kept and task.task_type == "exact_match"]
+    out = {}
+    with tqdm(total=sum(len(task.items) for task in served), desc="serving four ways", unit="item") as bar:
+        for task in served:
+            ways.warm_up(task.items, task.stop)
+            out[task.name] = ways.task(task.items, task.stop, progress=lambda: bar.update(1))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import zoo
-    from ..evaluation import HandoffEvaluation, evaluate_tasks, measure_latency
+    from ..evaluation import HandoffEvaluation, evaluate_tasks
     from ..plotting import plot_demo
     from ..reporting import environment_info
     from ._output import finish
+    from .demo_ways import DemoWays
+    from .models import load_mapper
 
+    lengths, repair, mapper_name = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     tokenizer = zoo.load_tokenizer(padding_side="left")
-    from .models import load_mapper
-
-    for flag, name in (("--source", args.source), ("--target", args.target)):
-        if name not in zoo.FAMILY:
-            raise SystemExit(f"hf-kvmap demo: {flag} {name!r} is not a tiny-family member ({', '.join(zoo.FAMILY)}).")
     source, target = zoo.load_model(args.source), zoo.load_model(args.target)
-    mapper = load_mapper(args.mapper or str(zoo.mapper_path(args.source, args.target)), "demo")
+    mapper = load_mapper(mapper_name, "demo")
     handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
 
-    results = drop_unmeasurable_tasks(evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed)))
-    lengths = [int(n) for n in str(args.lengths).split(",") if n]
-    results["latency"] = measure_latency(handoff, lengths, repeats=args.repeats) if lengths else []
+    tasks = zoo.tiny_family_tasks(args.items, args.seed)
+    results = drop_unmeasurable_tasks(evaluate_tasks(handoff, tasks))
+    ways = DemoWays(source, target, mapper, zoo.load_tokenizer(), repair)
+    results["serving"] = serve_tasks(ways, tasks, results["tasks"])
+    results["latency"] = ways.latency(lengths, args.repeats) if lengths else []
     results["run"] = {
         "source": args.source,
         "target": args.target,
@@ -121,8 +227,11 @@ def run(args: argparse.Namespace) -> int:
             "objective": mapper.config.objective or ("kl" if mapper.config.calibration.get("kl_finetune") else "mse"),
             "parameters": sum(p.numel() for p in mapper.parameters()),
         },
+        "repair": repair.to_dict(),
+        "guard": guard_settings(mapper),
         "items_per_task": args.items,
         "seed": args.seed,
+        "repeats": args.repeats,
         "seconds": time.perf_counter() - started,
     }
     results["environment"] = environment_info()
