@@ -58,6 +58,13 @@ def test_readme_is_a_front_door():
     first = "\n".join(lines[:60])
     assert "handoff(source, target, mapper, ids" in first and "target.generate(ids, cache=cache" in first
     assert "**Where it stands.**" in first and "<!-- headline-tiny:start -->" in first
+    # the first screen: the install (the main job's command) and the opening of a runnable snippet
+    screen = lines[:30]
+    assert any(line.startswith("pip install") and "hf-kvmap demo" in line for line in screen)
+    assert "```python" in screen and screen.index("```python") > screen.index("```bash")
+    # where it stands: tables, not a paragraph of numbers (every number of the README is in a generated section)
+    stands = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("**Where it stands.**"))) :][:6])
+    assert not re.search(r"\d", stands.split("<!--")[0]), stands
 
 
 def _run_snippet(code: str) -> dict:
