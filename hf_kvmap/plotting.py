@@ -131,6 +131,7 @@ def plot_demo(results: dict, path: Path) -> bool:
     tasks = list(results["tasks"])
     fig, (ax_acc, ax_ttft, ax_lat) = plt.subplots(1, 3, figsize=(16, 4.2))
     ways = ("source", "target", "mapped", "repaired", "guarded")
+    colors = {way: f"C{k}" for k, way in enumerate(ways)}  # one colour per way in every panel
     width = 0.8 / len(ways)
     for k, way in enumerate(ways):
         values = [
@@ -140,7 +141,7 @@ def plot_demo(results: dict, path: Path) -> bool:
             for t in tasks
         ]
         offset = (k - (len(ways) - 1) / 2) * width
-        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=way)
+        ax_acc.bar([i + offset for i in range(len(tasks))], values, width, label=way, color=colors[way])
     for i, task in enumerate(tasks):
         ax_acc.hlines(results["tasks"][task]["chance"], i - 0.4, i + 0.4, colors="k", linestyles=":")
     ax_acc.set_xticks(range(len(tasks)), tasks)
@@ -160,6 +161,7 @@ def plot_demo(results: dict, path: Path) -> bool:
                 [serving[t][way]["ttft_ms"] for t in served],
                 width,
                 label=way,
+                color=colors[way],
             )
         ax_ttft.set_xticks(range(len(served)), served)
         ax_ttft.set_ylabel("ms (median over requests)")
@@ -167,15 +169,15 @@ def plot_demo(results: dict, path: Path) -> bool:
         ax_ttft.legend(fontsize="small")
     if results.get("latency"):
         tokens = [row["tokens"] for row in results["latency"]]
-        for key, label, style in (
-            ("mapper_ms", "mapper (from_source)", "o-"),
-            ("prefill_ms", "target re-prefill (body)", "s-"),
-            ("ttft_mapped_ms", "first token: mapped", "^--"),
-            ("ttft_repaired_ms", "first token: repaired", "v--"),
-            ("ttft_target_ms", "first token: target alone", "d--"),
+        for key, label, style, color in (
+            ("mapper_ms", "mapper (from_source)", "o-", "C7"),
+            ("prefill_ms", "target re-prefill (body)", "s-", "C8"),
+            ("ttft_target_ms", "first token: target alone", "d--", colors["target"]),
+            ("ttft_mapped_ms", "first token: mapped", "^--", colors["mapped"]),
+            ("ttft_repaired_ms", "first token: repaired", "v--", colors["repaired"]),
         ):
             if key in results["latency"][0]:
-                ax_lat.plot(tokens, [row[key] for row in results["latency"]], style, label=label)
+                ax_lat.plot(tokens, [row[key] for row in results["latency"]], style, label=label, color=color)
         ax_lat.set_xscale("log")
         ax_lat.set_yscale("log")
         ax_lat.set_xlabel("context tokens")

@@ -176,7 +176,9 @@ def test_cli_refuses_different_tokenizers(tiny, tmp_path):
 def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_path, capsys):
     out, plot = tmp_path / "demo.json", tmp_path / "demo.png"
     args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--json", str(out), "--plot", str(plot)]
+    threads = torch.get_num_threads()
     assert cli_main(args) == 0
+    assert torch.get_num_threads() == threads  # the demo ran on 1 thread (its default) and gave the count back
     results = json.loads(out.read_text())
     assert set(results["tasks"]) | set(results["dropped_tasks"]) == {"recall", "arithmetic", "choice", "chat"}
     assert not set(results["tasks"]) & set(results["dropped_tasks"])
@@ -202,6 +204,7 @@ def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_p
         assert set(ways["guarded"]["rungs"]) <= {"mapped", "fallback"} or "ladder" in results["run"]["guard"]
         for way in ("target alone", "mapped", "repaired", "guarded"):
             assert re.search(rf"^{name} +{way} +[0-9.]+ +[0-9.]+", printed, re.MULTILINE), (name, way)
+    assert results["environment"]["threads"] == 1
     assert results["run"]["repair"]["fraction"] == 0.2 and results["run"]["guard"]["probe"]["name"]
     assert plot.stat().st_size > 10_000
 

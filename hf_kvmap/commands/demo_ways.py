@@ -149,13 +149,14 @@ class DemoWays:
                 progress()
         out = {}
         for way, served in rows.items():
-            rungs: dict[str, float] = {}
+            counts: dict[str, int] = {}
             for row in served:
-                rungs[row["rung"]] = rungs.get(row["rung"], 0.0) + 1 / len(served)
+                counts[row["rung"]] = counts.get(row["rung"], 0) + 1
             out[way] = {
                 "accuracy": sum(row["correct"] for row in served) / len(served),
                 "ttft_ms": statistics.median(row["ttft_ms"] for row in served),
-                "rungs": dict(sorted(rungs.items())),
+                "rungs": {rung: count / len(served) for rung, count in sorted(counts.items())},
+                "n_items": len(served),
             }
         return out
 
