@@ -26,6 +26,7 @@ from transformers.utils import logging
 from .configuration_mapper import check_int, check_number
 from .early_stopping import StoppingResult, train_with_early_stopping
 from .features import unpack_batch
+from .registry import registrar
 
 logger = logging.get_logger(__name__)
 
@@ -241,12 +242,8 @@ class Objective:
 OBJECTIVE_REGISTRY: dict[str, type[Objective]] = {}
 
 
-def register_objective(cls: type[Objective]) -> type[Objective]:
-    """Class decorator: make `cls` the objective of stage `cls.name` (refusing a second one of the same name)."""
-    if cls.name in OBJECTIVE_REGISTRY and OBJECTIVE_REGISTRY[cls.name] is not cls:
-        raise ValueError(f"An objective named {cls.name!r} is already registered ({OBJECTIVE_REGISTRY[cls.name]}).")
-    OBJECTIVE_REGISTRY[cls.name] = cls
-    return cls
+#: Class decorator: make `cls` the objective of stage `cls.name` (refusing a second one of the same name).
+register_objective = registrar(OBJECTIVE_REGISTRY, "an objective")
 
 
 def run_finetune(

@@ -162,6 +162,7 @@ MAPPING_MODULES = {
     "hf_kvmap.modeling_mlp",
     "hf_kvmap.placement",
     "hf_kvmap.regression",  # the ridge kind's solver
+    "hf_kvmap.registry",  # the kinds' registration (the one helper every registry uses)
     "hf_kvmap.rope",
     "hf_kvmap.validation",
 }

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..layout import part_inputs
+from ..registry import registrar
 
 
 class MapperKind:
@@ -52,12 +53,8 @@ class MapperKind:
 KIND_REGISTRY: dict[str, type[MapperKind]] = {}
 
 
-def register_mapper_kind(cls: type[MapperKind]) -> type[MapperKind]:
-    """Class decorator: make `cls` the mapper kind `cls.name` (refusing a second one of the same name)."""
-    if cls.name in KIND_REGISTRY and KIND_REGISTRY[cls.name] is not cls:
-        raise ValueError(f"A mapper kind named {cls.name!r} is already registered ({KIND_REGISTRY[cls.name]}).")
-    KIND_REGISTRY[cls.name] = cls
-    return cls
+#: Class decorator: make `cls` the mapper kind `cls.name` (refusing a second one of the same name).
+register_mapper_kind = registrar(KIND_REGISTRY, "a mapper kind")
 
 
 def map_inputs(options, layer: int, part: str) -> tuple[int, str]:

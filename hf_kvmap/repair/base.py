@@ -25,21 +25,14 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..drafting import Draft
+from ..registry import registrar
 
 #: name -> selector class; filled by `register_selector`.
 SELECTORS: dict[str, type[Selector]] = {}
 
 
-def register_selector(cls: type[Selector]) -> type[Selector]:
-    """Class decorator adding a [`Selector`] subclass to `SELECTORS` under its `name`."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty `name` to be registered.")
-    if cls.name in SELECTORS and SELECTORS[cls.name] is not cls:
-        raise ValueError(
-            f"A repair strategy named {cls.name!r} is already registered ({SELECTORS[cls.name].__name__})."
-        )
-    SELECTORS[cls.name] = cls
-    return cls
+#: Class decorator adding a [`Selector`] subclass to `SELECTORS` under its `name`.
+register_selector = registrar(SELECTORS, "a repair strategy")
 
 
 @dataclass

@@ -31,20 +31,15 @@ from transformers.cache_utils import Cache
 
 from ..._compat import cache_kwargs
 from ...drafting import Draft
+from ...registry import registrar
 from ...validation import check_int
 
 #: name -> probe class; filled by `register_probe`.
 PROBES: dict[str, type[Probe]] = {}
 
 
-def register_probe(cls: type[Probe]) -> type[Probe]:
-    """Class decorator adding a [`Probe`] subclass to `PROBES` under its `name`."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty `name` to be registered.")
-    if cls.name in PROBES and PROBES[cls.name] is not cls:
-        raise ValueError(f"A probe named {cls.name!r} is already registered ({PROBES[cls.name].__name__}).")
-    PROBES[cls.name] = cls
-    return cls
+#: Class decorator adding a [`Probe`] subclass to `PROBES` under its `name`.
+register_probe = registrar(PROBES, "a probe")
 
 
 @dataclass
