@@ -28,7 +28,7 @@ import torch
 from hf_kvmap import fit_mapper, mapper_from_statistics, zoo
 from hf_kvmap.artifacts import tokenizer_fingerprint
 from hf_kvmap.diagnostics import diagnose
-from hf_kvmap.evaluation import Handoff, evaluate_items, evaluate_tasks
+from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items, evaluate_tasks
 from hf_kvmap.features import gather_features
 from hf_kvmap.fitting import content_space_metrics
 from hf_kvmap.reporting import environment_info, write_json
@@ -71,8 +71,8 @@ def floor_normalized_retention(mapped: float, target: float, chance: float) -> f
 def task_retention(source, target, ridge, mlp, tokenizer, items: int, seed: int) -> dict:
     """Every task three ways with the ridge (source/target once), then the MLP's mapped mode on the same items."""
     tasks = zoo.tiny_family_tasks(items, seed)
-    results = evaluate_tasks(Handoff(source=source, target=target, mapper=ridge, tokenizer=tokenizer), tasks)
-    mlp_handoff = Handoff(source=source, target=target, mapper=mlp, tokenizer=tokenizer)
+    results = evaluate_tasks(HandoffEvaluation(source=source, target=target, mapper=ridge, tokenizer=tokenizer), tasks)
+    mlp_handoff = HandoffEvaluation(source=source, target=target, mapper=mlp, tokenizer=tokenizer)
     table = {}
     for task in tasks:
         kwargs = {"stop": task.stop} if task.task_type == "exact_match" else {}

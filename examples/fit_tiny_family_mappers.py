@@ -24,7 +24,7 @@ from hf_kvmap.artifacts import content_hash
 from hf_kvmap.commands.fit import parse_layer_window
 from hf_kvmap.configuration_mapper import OBJECTIVES
 from hf_kvmap.diagnostics import diagnose
-from hf_kvmap.evaluation import Handoff, evaluate_tasks
+from hf_kvmap.evaluation import HandoffEvaluation, evaluate_tasks
 from hf_kvmap.fit_options import ATTENTION_LOSSES, ATTENTION_SPACES
 from hf_kvmap.reporting import environment_info
 from hf_kvmap.zoo import corpus
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         )
         fit_seconds = time.perf_counter() - started
         mapper = mapper.to(getattr(torch, args.save_dtype))  # evaluate exactly what is saved
-        handoff = Handoff(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
+        handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
         results = evaluate_tasks(handoff, zoo.tiny_family_tasks(args.items, args.seed))
         held_out = corpus.make_eval_set("text", 16, seed=args.seed + 1, n_chars=256)
         diagnostics = diagnose(
