@@ -25,7 +25,7 @@ from ..input_checks import check_left_padding_mask, check_threshold, check_token
 from ..repair import RepairConfig
 from ..validation import check_choice, check_int
 from .ladder import GuardLadder
-from .pipeline import serve, uncalibrated_error
+from .pipeline import Request, serve, uncalibrated_error
 from .probes import Probe, probe_from_dict
 from .report import HandoffRefusedError, HandoffReport
 
@@ -104,9 +104,8 @@ def handoff(
     else:
         probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
     repair = None if repair is None else RepairConfig.from_dict(repair)  # bad settings raise, never fall back
-    request = dict(source=source, target=target, mapper=mapper, input_ids=input_ids, attention_mask=attention_mask)
-    request.update(source_cache=source_cache, source_position_ids=source_position_ids, tokenizer=tokenizer)
-    request.update(target_first_layer=target_first_layer, same_weights=same_weights)
+    request = Request(source, target, mapper, input_ids, attention_mask, source_cache, source_position_ids)
+    request.tokenizer, request.target_first_layer, request.same_weights = tokenizer, target_first_layer, same_weights
     guard = dict(probe=probe, threshold=threshold, ladder=ladder, repair=repair, audit_tokens=audit_tokens)
     return serve(request, policy=policy, notes=notes, **guard)
 

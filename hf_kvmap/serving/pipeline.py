@@ -21,6 +21,7 @@ Stages, in order, each timed in the [`HandoffReport`]:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,33 @@ logger = logging.get_logger(__name__)
 EXACT_TOLERANCE = 1e-3
 #: relative key/value error at which the audit refuses a mapping outright: all-zero keys and values score exactly 1
 GROSS_ERROR = 1.0
+
+
+@dataclass
+class Request:
+    r"""
+    One batch of requests, as `handoff` checked it.
+
+    Args:
+        source, target (`PreTrainedModel`): the two causal LMs; mapper ([`MapperModel`]): fitted for them.
+        input_ids (`torch.Tensor`): `(batch, T)` prompt; attention_mask (`torch.Tensor`, *optional*): its mask.
+        source_cache (`Cache`, *optional*): the source's cache of the prompt; source_position_ids
+            (`torch.Tensor`, *optional*): the positions it was built at.
+        tokenizer (*optional*): checked against the mapper's fingerprint by the gate.
+        target_first_layer (`bool`): the target computes its first layer from the ids.
+        same_weights (`bool`): the gate does not compare model ids.
+    """
+
+    source: Any
+    target: Any
+    mapper: Any
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    source_cache: Any = None
+    source_position_ids: torch.Tensor | None = None
+    tokenizer: Any = None
+    target_first_layer: bool = False
+    same_weights: bool = False
 
 
 class _Refused(Exception):
@@ -381,7 +409,7 @@ def _threshold(probe: Probe, scores: torch.Tensor, threshold: float, report: Han
 
 
 def _serve_mapped(
-    request: dict[str, Any],
+    request: Request,
     report: HandoffReport,
     clock: Clock,
     *,
@@ -392,18 +420,18 @@ def _serve_mapped(
     audit_tokens: int,
 ) -> Cache:
     """Stages 1 to 8; raises `_Refused` where a stage refuses the mapped cache."""
-    source, target, mapper, input_ids = request["source"], request["target"], request["mapper"], request["input_ids"]
-    attention_mask, source_cache = request["attention_mask"], request["source_cache"]
+    source, target, mapper, input_ids = request.source, request.target, request.mapper, request.input_ids
+    attention_mask, source_cache = request.attention_mask, request.source_cache
     with clock.stage("gate"):
         try:
-            mapper.check_compatible(source, target, request["tokenizer"], same_weights=report.same_weights)
+            mapper.check_compatible(source, target, request.tokenizer, same_weights=report.same_weights)
         except ValueError as err:
             report.probe = None
             logger.warning_once(f"handoff falls back to the target's own prefill on every such request: {err}")
             raise _Refused(f"incompatible: {err}") from None
     batch, length = input_ids.shape
     if source_cache is not None:
-        positions = request["source_position_ids"]
+        positions = request.source_position_ids
         if positions is None:
             positions = torch.arange(length, device=input_ids.device).expand(batch, length)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -417,9 +445,9 @@ def _serve_mapped(
             attention_mask,
             source_cache,
             report.hold_back,
-            source_position_ids=request["source_position_ids"],
+            source_position_ids=request.source_position_ids,
             clock=clock,
-            target_first_layer=request["target_first_layer"],
+            target_first_layer=request.target_first_layer,
             repair=repair,
         )
     except ValueError as err:
@@ -445,7 +473,7 @@ def _serve_mapped(
 
 @torch.no_grad()
 def serve(
-    request: dict[str, Any],
+    request: Request,
     *,
     policy: str,
     probe: Probe | None,
@@ -455,11 +483,10 @@ def serve(
     audit_tokens: int,
     notes: list[str],
 ) -> tuple[Cache, HandoffReport]:
-    """Serve one batch of requests (checked and resolved by `handoff`): `request` holds `source`, `target`, `mapper`,
-    `input_ids`, `attention_mask`, `source_cache`, `source_position_ids`, `tokenizer`, `target_first_layer` and
-    `same_weights`. Returns the served cache and the [`HandoffReport`]; a refused batch goes to `policy`."""
+    """Serve one batch of requests ([`Request`], checked and resolved by `handoff`) with the guard resolved there.
+    Returns the served cache and the [`HandoffReport`]; a refused batch goes to `policy`."""
     clock = Clock()
-    input_ids, target = request["input_ids"], request["target"]
+    input_ids, target = request.input_ids, request.target
     hold_back = min(probe.hold_back, input_ids.shape[1] - 1) if probe is not None else 1
     report = HandoffReport(
         False,
@@ -469,7 +496,7 @@ def serve(
         policy=policy,
         hold_back=hold_back,
         notes=notes,
-        same_weights=bool(request["same_weights"]),
+        same_weights=bool(request.same_weights),
     )
     try:
         cache = _serve_mapped(
@@ -493,7 +520,7 @@ def serve(
             ) from None
         logger.info("handoff falls back to the target's own prefill: %s", refusal.reason)
         with clock.stage("fallback_prefill"):
-            cache = target_prefill(target, input_ids, request["attention_mask"])
+            cache = target_prefill(target, input_ids, request.attention_mask)
     report.timings = clock.done()
     return cache, report
 
@@ -501,6 +528,7 @@ def serve(
 __all__ = [
     "EXACT_TOLERANCE",
     "GROSS_ERROR",
+    "Request",
     "climb",
     "exactness_error",
     "first_layer_audit",
