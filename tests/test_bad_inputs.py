@@ -731,6 +731,12 @@ CLI_WALK = {
         [*FIT, "--stats", "{tmp}/stats"],
         ("stats", "{tmp}/stats"),
     ),
+    "fit --from-stats a file": (
+        [*FIT, "--from-stats", "{tmp}/file.txt"],
+        r"argument --from-stats: .*file.txt: not a folder; name the folder `--stats` wrote",
+        [*FIT, "--from-stats", "{tmp}/saved-stats"],
+        ("from_stats", "{tmp}/saved-stats"),
+    ),
     "obtain --cache-dir a file": (
         ["obtain", "--list", "--cache-dir", "{tmp}/file.txt"],
         r"argument --cache-dir: .*file.txt is a file; name a folder",
@@ -757,6 +763,8 @@ def _walk_folder(tmp_path, pair) -> dict:
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "notes.txt").write_text("mine")
     (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "saved-stats").mkdir()
+    (tmp_path / "saved-stats" / "statistics.json").write_text("{}")
     MapperModel.identity(pair[3]).save_pretrained(tmp_path / "mapper")
     return {"{tmp}": str(tmp_path)}
 
@@ -845,3 +853,20 @@ def test_a_records_file_cut_off_by_a_stopped_run_resumes(tmp_path, capsys):
     with pytest.raises(SystemExit, match="not a records file"):
         _records(path)
     assert path.read_text() == "garbage without a newline"
+
+
+def test_cli_card_names_its_folder_not_a_flag_it_does_not_have(pair, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("a file")
+    text = _cli_error(["card", str(tmp_path / "file.txt")], capsys)
+    assert "file.txt is a file, not a mapper folder" in text and "--mapper" not in text
+    MapperModel.identity(pair[3]).save_pretrained(tmp_path / "m")
+    assert cli_main(["card", str(tmp_path / "m")]) == 0  # the control: a mapper folder's card is rendered
+
+
+def test_cli_fit_from_damaged_statistics_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "stats").mkdir()
+    text = _cli_error(["fit", "--out", str(tmp_path / "m"), "--from-stats", str(tmp_path / "stats")], capsys)
+    assert "--from-stats" in text and "holds no statistics.json" in text
+    (tmp_path / "stats" / "statistics.json").write_text("{}")
+    text = _cli_error(["fit", "--out", str(tmp_path / "m"), "--from-stats", str(tmp_path / "stats")], capsys)
+    assert "--from-stats" in text and "format_version" in text

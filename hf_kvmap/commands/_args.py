@@ -186,3 +186,14 @@ def statistics_folder(text: str) -> Path:
         )
     _parent_is_usable(path)
     return path
+
+
+def saved_statistics(text: str) -> Path:
+    """An existing folder, of calibration statistics written by `hf-kvmap fit --stats` (what it holds is checked when
+    they are loaded)."""
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{path}: {'not a folder' if path.exists() else 'no such folder'}; name the folder `--stats` wrote."
+        )
+    return path

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         results = None if args.results is None else _args.read_json_object(args.results, "--results")
     except ValueError as err:
         raise SystemExit(f"hf-kvmap card: {err}") from None
-    mapper = load_mapper(args.directory, "card")
+    mapper = load_mapper(args.directory, "card", flag=None)
     if results is not None and results_hash(results) is None:
         raise SystemExit(
             f"hf-kvmap card: {args.results} records no mapper content hash (run.mapper_content_hash), so nothing "

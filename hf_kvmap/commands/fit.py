@@ -163,6 +163,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--from-stats",
+        type=_args.saved_statistics,
         default=None,
         help="Solve from statistics saved with --stats instead of running the models (sweep --top-k/--ridge-lambda "
         "for free); --source/--target/--data are then not needed.",
@@ -354,7 +355,17 @@ def run(args: argparse.Namespace) -> int:
         )
     source = target = batches = tokenizer = None
     if args.from_stats:
-        stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
+        from ..statistics import METADATA_FILE
+
+        if not (args.from_stats / METADATA_FILE).is_file():
+            raise SystemExit(
+                f"hf-kvmap fit: --from-stats {args.from_stats} holds no {METADATA_FILE}: not a folder of statistics "
+                "saved with --stats."
+            )
+        try:
+            stats = CalibrationStatistics.load(args.from_stats, device=args.statistics_device or "cpu")
+        except (OSError, ValueError, KeyError) as err:
+            raise SystemExit(f"hf-kvmap fit: --from-stats {args.from_stats}: {err}") from None
         sequences = int(stats.sequences)
         _check_out(args.out, stats.source_model_id, stats.target_model_id, args.overwrite)
     else:

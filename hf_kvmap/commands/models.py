@@ -43,14 +43,15 @@ def load_causal_lm(name: str, dtype=None):
         ) from None
 
 
-def load_mapper(name: str, command: str):
-    """`MapperModel.from_pretrained(name)`, its refusal (missing folder, failed verification) as a clean exit."""
+def load_mapper(name: str, command: str, flag: str | None = "--mapper"):
+    """`MapperModel.from_pretrained(name)`, its refusal (missing folder, failed verification) as a clean exit that
+    names the argument (`flag`, none for a positional one: the message names the folder) it came from."""
     from ..modeling_mapper import MapperModel
 
     try:
         return MapperModel.from_pretrained(name)
     except (OSError, ValueError) as err:
-        raise SystemExit(f"hf-kvmap {command}: --mapper {name}: {err}") from None
+        raise SystemExit(f"hf-kvmap {command}: {f'{flag} {name}: ' if flag else ''}{err}") from None
 
 
 def load_tokenizer(name: str, padding_side: str = "left"):
