@@ -870,3 +870,11 @@ def test_cli_fit_from_damaged_statistics_is_refused_by_name(tmp_path, capsys):
     (tmp_path / "stats" / "statistics.json").write_text("{}")
     text = _cli_error(["fit", "--out", str(tmp_path / "m"), "--from-stats", str(tmp_path / "stats")], capsys)
     assert "--from-stats" in text and "format_version" in text
+
+
+def test_cli_eval_plot_without_diagnostics_is_refused_before_any_model_loads(tmp_path, capsys, no_models):
+    """Before: the evaluation ran and no plot was written, silently."""
+    text = _cli_error([*EVAL, "--plot", str(tmp_path / "d.png")], capsys)
+    assert "--plot draws the diagnostics" in text and "--diagnostics N" in text
+    with pytest.raises(RuntimeError, match="a model was loaded"):  # the control: with --diagnostics it goes on
+        cli_main([*EVAL, "--plot", str(tmp_path / "d.png"), "--diagnostics", "2"])

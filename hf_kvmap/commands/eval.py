@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from .models import load_tokenizer, resolve_mapper
 
     started = time.perf_counter()
+    if args.plot is not None and not args.diagnostics:
+        raise SystemExit("hf-kvmap eval: --plot draws the diagnostics heat maps: pass --diagnostics N with it.")
     if args.tasks != "tiny-family":  # every malformed line is reported before any model runs
         try:
             tasks = load_jsonl_tasks(args.tasks)
