@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+
+from . import _args
 
 DEFAULT_LENGTHS = (64, 256, 512, 1000)
 #: the repair of the `repaired` way: the positions the source reads while it drafts the answer, a fifth of them
@@ -25,7 +26,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
     parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
     parser.add_argument("--mapper", default=None, help="mapper folder or Hub id (default: the shipped one)")
-    parser.add_argument("--items", type=int, default=200, help="evaluation items per task (default: 200)")
+    parser.add_argument(
+        "--items", type=_args.positive_int, default=200, help="evaluation items per task (default: 200)"
+    )
     parser.add_argument("--seed", type=int, default=1234, help="evaluation seed (default: 1234)")
     parser.add_argument(
         "--repair",
@@ -35,12 +38,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths timed for latency"
     )
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per length (median reported)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results JSON here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--repeats", type=_args.positive_int, default=7, help="timed repeats per length (median reported)"
+    )
+    parser.add_argument("--json", type=_args.output_file, default=None, help="write the results JSON here")
+    parser.add_argument(
+        "--plot", type=_args.output_file, default=None, help="write a PNG plot here (needs matplotlib)"
+    )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_args.positive_int,
         default=1,
         help="torch CPU threads (default: 1; the tiny models' products are too small to gain from more, and on a busy "
         "machine more threads wait on each other)",
@@ -87,11 +94,6 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
     (a clear exit naming the flag and what to give instead)."""
     from .. import RepairConfig, zoo
 
-    for flag, value in (("--items", args.items), ("--repeats", args.repeats)):
-        if value < 1:
-            _fail(f"{flag} {value}: give a positive number.")
-    if args.threads < 1:
-        _fail(f"--threads {args.threads}: give a positive number of torch CPU threads.")
     lengths = []
     for part in str(args.lengths).split(","):
         part = part.strip()
@@ -103,11 +105,6 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
                 "(e.g. 64,256,1000), or an empty string for no latency table."
             )
         lengths.append(int(part))
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and path.is_dir():
-            _fail(
-                f"{flag} {path} is a folder; give a file path (e.g. {path / ('demo' + ('.json' if flag == '--json' else '.png'))})."
-            )
     strategy, _, fraction = str(args.repair).rpartition(":")
     try:
         repair = RepairConfig(strategy, fraction=float(fraction))
