@@ -1,6 +1,6 @@
 """Mixed dtypes are served: a float32, bfloat16 or float16 source, mapper and target, in every combination, through
-every probe, every rung (mapped, repaired, the target's own prefill) and the calibrated default handoff of the
-shipped tiny family."""
+every probe, every rung (mapped, repaired, the target's own prefill), the calibrated default handoff and a session's
+switch of the shipped tiny family."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from hf_kvmap import MapperModel, handoff, zoo
+from hf_kvmap import GuardLadder, HandoffSession, LadderRung, MapperModel, handoff, zoo
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.serving.pipeline import prepare_context, serve_rows
 from hf_kvmap.serving.probes import probe_from_dict
@@ -61,3 +61,13 @@ def test_every_probe_and_rung_serves_any_dtype_mix(prompts, source_dtype, mapper
         assert report.reason and cache.get_seq_length() == ids.shape[1] - 1
         if threshold is not None:
             assert not report.accepted and type(cache).__name__ == "DynamicCache"
+    # a session's switch on each rung
+    row = ids[0][mask[0].bool()].tolist()
+    lookahead = {"name": "lookahead_margin", "tokens": 2}
+    for rungs, rung in (([LadderRung(2.0, 0.0)], "mapped"), ([LadderRung(2.0, 0.3)], "repair:0.3"), ([], "fallback")):
+        session = HandoffSession(
+            {"m": source, "l": target}, {("m", "l"): mapper}, row[:-5], ladder=GuardLadder(lookahead, "tail", rungs)
+        )
+        session.respond("m", 2, pad_token_id=0)
+        session.append(row[-5:])
+        assert session.respond("l", 2, pad_token_id=0).rung == rung
