@@ -68,7 +68,7 @@ def serving_markdown(results: dict) -> str:
 
 
 def demo_markdown(results: dict, source_file: str) -> str:
-    """The README block for one `hf-kvmap demo` JSON: per-task table, perplexity and latency."""
+    """The docs block for one `hf-kvmap demo` JSON: per-task table, perplexity, the four ways and latency."""
     run = results["run"]
     lines = [
         f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`"

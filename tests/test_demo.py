@@ -128,3 +128,46 @@ def test_latency_rows_are_warmed_up_at_every_length_before_any_is_timed(monkeypa
     for row in rows:
         assert all(row[key] < 100 for key in plans[row["tokens"]]), row
     assert all(call.calls == 3 for plan in plans.values() for call in plan.values())
+
+
+LADDER = {
+    "probe": {"name": "lookahead_margin", "tokens": 1},
+    "strategy": {"name": "tail"},
+    "rungs": [{"max_risk": 0.03, "fraction": 0.0}, {"max_risk": 0.13, "fraction": 0.2}],
+}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{oops", "Expecting"),
+        ("[1, 2]", "got list"),
+        ('{"probe": {"name": "no-such-probe"}, "strategy": "tail", "rungs": []}', "no-such-probe"),
+        ('{"probe": {"name": "lookahead_margin"}, "strategy": "tail"}', "lack ['rungs']"),
+    ],
+)
+def test_demo_refuses_a_bad_ladder_file_before_any_work(tmp_path, no_models, capsys, content, message):
+    path = tmp_path / "ladder.json"
+    path.write_text(content)
+    refusal = _refused(["--ladder", str(path)], capsys)
+    assert f"--ladder {path}: " in refusal and message in refusal and "GuardLadder" in refusal
+    assert "no such file" in _refused(["--ladder", str(tmp_path / "none.json")], capsys)
+
+
+def test_demo_serves_the_guarded_way_with_a_given_ladder(tmp_path, capsys):
+    """Control and use: a ladder file is read into a `GuardLadder`, and the guarded way climbs it per request."""
+    import json
+
+    from hf_kvmap import GuardLadder
+
+    path, out = tmp_path / "ladder.json", tmp_path / "demo.json"
+    path.write_text(json.dumps(LADDER))
+    args = build_parser().parse_args(["demo", "--ladder", str(path)])
+    demo.check_arguments(args)
+    assert isinstance(args.ladder, GuardLadder) and args.ladder.to_dict()["rungs"] == LADDER["rungs"]
+    assert cli_main(["demo", "--items", "4", "--lengths", "", "--ladder", str(path), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["run"]["guard"]["ladder"]["rungs"] == LADDER["rungs"]
+    for ways in results["serving"].values():
+        assert set(ways["guarded"]["rungs"]) <= {"mapped", "repair:0.2", "fallback"}
+        assert ways["guarded"]["n_items"] == 4

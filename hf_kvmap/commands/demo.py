@@ -36,6 +36,13 @@ def add_parser(subparsers) -> None:
         help=f"strategy:fraction of the repaired way (default: {DEFAULT_REPAIR}; strategies: hf_kvmap.repair)",
     )
     parser.add_argument(
+        "--ladder",
+        type=_args.input_file,
+        default=None,
+        help="a JSON file of guard-ladder settings (probe, strategy, rungs: hf_kvmap.GuardLadder) for the guarded way "
+        "(default: the mapper's calibrated ladder, or its calibrated probe)",
+    )
+    parser.add_argument(
         "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="context lengths timed for latency"
     )
     parser.add_argument(
@@ -89,10 +96,27 @@ def shipped_pairs() -> list[str]:
     return [p.name.replace("-to-", " -> ") for p in sorted(zoo.MAPPERS_DIR.iterdir()) if (p / "config.json").exists()]
 
 
+def read_ladder(path) -> object:
+    """The `GuardLadder` in the JSON file `path` (`--ladder`), or a clear exit naming the flag and the file."""
+    import json
+
+    from .. import GuardLadder
+
+    try:
+        return GuardLadder.from_dict(json.loads(path.read_text()))
+    except (TypeError, ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        _fail(
+            f"--ladder {path}: {err} Give the settings of one ladder: probe, strategy, rungs (hf_kvmap.GuardLadder)."
+        )
+
+
 def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
     """`(lengths, RepairConfig, mapper name)` from the command line, every argument checked before any model loads
-    (a clear exit naming the flag and what to give instead)."""
+    (a clear exit naming the flag and what to give instead); `args.ladder` becomes the `GuardLadder` it names."""
     from .. import RepairConfig, zoo
+
+    if args.ladder is not None:
+        args.ladder = read_ladder(args.ladder)
 
     lengths = []
     for part in str(args.lengths).split(","):
@@ -167,9 +191,10 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def guard_settings(mapper) -> dict:
-    """What the guarded way climbs: the mapper's calibrated ladder, or its calibrated probe and threshold."""
-    ladder = getattr(mapper.config, "handoff_ladder", None)
+def guard_settings(mapper, given=None) -> dict:
+    """What the guarded way climbs: the ladder given to the demo, the mapper's calibrated ladder, or its calibrated
+    probe and threshold."""
+    ladder = given.to_dict() if given is not None else getattr(mapper.config, "handoff_ladder", None)
     if ladder:
         return {"ladder": {key: ladder[key] for key in ("probe", "strategy", "rungs") if key in ladder}}
     probe = mapper.config.handoff_probe or {}
@@ -226,7 +251,7 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
 
     tasks = zoo.tiny_family_tasks(args.items, args.seed)
     results = drop_unmeasurable_tasks(evaluate_tasks(handoff, tasks))
-    ways = DemoWays(source, target, mapper, zoo.load_tokenizer(), repair)
+    ways = DemoWays(source, target, mapper, zoo.load_tokenizer(), repair, ladder=args.ladder)
     results["serving"] = serve_tasks(ways, tasks, results["tasks"])
     results["latency"] = ways.latency(lengths, args.repeats) if lengths else []
     results["run"] = {
@@ -246,7 +271,7 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
             "parameters": sum(p.numel() for p in mapper.parameters()),
         },
         "repair": repair.to_dict(),
-        "guard": guard_settings(mapper),
+        "guard": guard_settings(mapper, args.ladder),
         "items_per_task": args.items,
         "seed": args.seed,
         "repeats": args.repeats,

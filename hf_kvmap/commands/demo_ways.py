@@ -7,8 +7,8 @@ first token. The answer is decoded greedily from there.
 - `target`: the target prefills the whole prompt itself.
 - `mapped`: `MappedCache.from_source` of the source's cache; the target runs the held-back final token.
 - `repaired`: the same with `repair=` (the target recomputes the positions the strategy selects).
-- `guarded`: `hf_kvmap.handoff` with the mapper's calibrated guard (its ladder when it has one): the mapped cache,
-  a repair, or the target's own prefill, per request.
+- `guarded`: `hf_kvmap.handoff` with the mapper's calibrated guard (its ladder when it has one, or a ladder given to
+  the demo): the mapped cache, a repair, or the target's own prefill, per request.
 
 Only public names are used (`hf_kvmap.handoff`, `MappedCache.from_source(..., repair=)`), so the demo shows what a
 user's server would run.
@@ -50,10 +50,13 @@ class DemoWays:
         mapper ([`MapperModel`]): the mapper fitted for them.
         tokenizer: their shared tokenizer.
         repair ([`RepairConfig`]): the repair of the `repaired` way.
+        ladder ([`GuardLadder`], *optional*): the ladder the `guarded` way climbs; by default `handoff`'s own choice
+            (the mapper's calibrated ladder, or its calibrated probe).
     """
 
-    def __init__(self, source, target, mapper, tokenizer, repair):
+    def __init__(self, source, target, mapper, tokenizer, repair, ladder=None):
         self.source, self.target, self.mapper, self.tokenizer, self.repair = source, target, mapper, tokenizer, repair
+        self.ladder = ladder
 
     # ------------------------------------------------------------------ caches
     def source_cache(self, ids: torch.Tensor):
@@ -80,8 +83,15 @@ class DemoWays:
             )
             return cache, "repaired"
         if way == "guarded":
+            ladder = {} if self.ladder is None else {"ladder": self.ladder}
             cache, report = handoff(
-                self.source, self.target, self.mapper, ids, source_cache=source_cache, tokenizer=self.tokenizer
+                self.source,
+                self.target,
+                self.mapper,
+                ids,
+                source_cache=source_cache,
+                tokenizer=self.tokenizer,
+                **ladder,
             )
             if report.ladder:
                 return cache, report.ladder["rows"][0]["rung"]
