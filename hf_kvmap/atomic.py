@@ -216,6 +216,7 @@ def write_folder_atomically(destination: str | os.PathLike, write: Callable[[Pat
                 remove(previous)
                 raise
             _stay(cwd, destination)
+            os.rename(previous / "folder", staging)  # never put back once the new one is in (removed below)
             remove(previous)
     finally:
         remove(staging)  # the incomplete new folder, or the previous one after an exchange

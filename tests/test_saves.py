@@ -38,28 +38,28 @@ if kind == "mapper":
     from hf_kvmap import MapperModel
     new = MapperModel.from_pretrained(new_source)
     save = lambda: new.save_pretrained(destination)
-    state = lambda: MapperModel.from_pretrained(destination).config.content_hash
+    state = lambda path=destination: MapperModel.from_pretrained(path).config.content_hash
 elif kind == "cache":
     from hf_kvmap.delivery import load_cache, read_provenance, save_cache
     new = load_cache(new_source)[0]
     save = lambda: save_cache(new, destination)
-    state = lambda: (load_cache(destination), read_provenance(destination)["content_sha256"])[1]
+    state = lambda path=destination: (load_cache(path), read_provenance(path)["content_sha256"])[1]
 elif kind == "json":
     from hf_kvmap.reporting import write_json
     new = json.loads(new_source.read_text())
     save = lambda: write_json(destination, new)
-    state = lambda: json.loads(destination.read_text())["which"]
+    state = lambda path=destination: json.loads(path.read_text())["which"]
 elif kind == "statistics":
     from hf_kvmap import CalibrationStatistics
     new = CalibrationStatistics.load(new_source)
     save = lambda: new.save(destination)
-    state = lambda: CalibrationStatistics.load(destination).fingerprint
+    state = lambda path=destination: CalibrationStatistics.load(path).fingerprint
 elif kind == "plot":
     from hf_kvmap.plotting import plot_diagnostics
     destination, pristine = work / "dest.png", work / "pristine.png"
     diagnostics = json.loads(new_source.read_text())
     save = lambda: plot_diagnostics(diagnostics, destination)
-    state = lambda: __import__("hashlib").sha256(destination.read_bytes()).hexdigest()
+    state = lambda path=destination: __import__("hashlib").sha256(path.read_bytes()).hexdigest()
 if mode == "two-renames":
     import hf_kvmap.atomic
     hf_kvmap.atomic.exchange = lambda first, second: False  # a system that cannot exchange two folders
@@ -119,6 +119,12 @@ while True:
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     direct_changes = (work / "direct.log").read_text().splitlines()
     left = sorted(entry.name for entry in work.iterdir() if entry.name.startswith(".dest"))
+    # a folder moved aside that loading would put back (were the destination gone) must be the whole previous one
+    aside = [entry / "folder" for entry in work.iterdir() if entry.name.endswith(".old") and (entry / "folder").is_dir()]
+    try:
+        aside = [state(folder) for folder in aside]
+    except Exception as error:
+        aside = [f"unloadable: {type(error).__name__}: {error}"]
     try:
         found = state()  # the destination as the library loads it, with no save in between
     except Exception as error:
@@ -127,7 +133,7 @@ while True:
     again = state()
     clean = sorted(entry.name for entry in work.iterdir() if entry.name.startswith(".dest"))
     rows.append({"point": point, "code": code, "found": found, "left": left, "again": again, "clean": clean,
-                 "direct": direct_changes})
+                 "direct": direct_changes, "aside": aside})
     if code != KILLED or point > 400:
         break
     point += 1
@@ -222,6 +228,7 @@ def test_a_kill_at_every_step_of_a_save_leaves_the_old_or_the_new_artifact(artif
     for row in rows:
         assert row["found"] in (old, new), row  # loadable, as one of the two, at every kill point
         assert row["again"] == new and row["clean"] == [], row  # the next save succeeds and cleans up
+        assert all(state == old for state in row["aside"]), row  # what loading could put back is the old whole
     found = [row["found"] for row in killed]
     # the old artifact until the one step that swaps the new one in, the new one from there on
     assert found[0] == old and found == sorted(found, key=lambda state: state == new), found
