@@ -197,8 +197,9 @@ def build_items(runner: Runner, args) -> list[dict]:
 
     documents = load_manifest(args.manifest)
     tok = runner.tokenizer
-    items = []
+    per_task = []
     for task in args.tasks.split(","):
+        items = []
         if task == "long_chat":
             built = long_tasks.long_chat(tok, documents, args.items, args.tokens, args.seed)
         elif task == "long_doc":
@@ -226,7 +227,12 @@ def build_items(runner: Runner, args) -> list[dict]:
                     **extra,
                 }
             )
-    return items
+        per_task.append(items)
+    # round-robin over the tasks, so that a run cut short has measured each of them
+    shortest = min(map(len, per_task))
+    return [item for group in zip(*per_task) for item in group] + [
+        item for items in per_task for item in items[shortest:]
+    ]
 
 
 def key_of(args, item: dict) -> str:

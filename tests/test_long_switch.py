@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import types
 import zipfile
 
 import pytest
@@ -224,3 +225,29 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
     assert "| long_doc @ 2000 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 10.0 | 5.0x |" in table
+
+
+def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
+    """Source = target with an identity mapper: the mapped cache and every repair rung are the target's own cache,
+    so every arm decodes the target's tokens (the source arm too), and each arm is timed."""
+    from hf_kvmap import MapperModel
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 12)
+    model = tiny.model(seed=5)
+    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner.source = runner.target = model
+    runner.mapper = MapperModel.identity(model.config)
+    runner.eos = set()
+    runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:8], "answer": ""}
+    rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "draft_coverage:draft_tokens=4@0.5")}
+    arms = ["target", "mapped", *rungs, "source"]
+    measured = runner.measure(item, arms, rungs, {})
+    assert list(measured) == ["target", "mapped", *rungs, "source"]
+    for arm, record in measured.items():
+        assert record["tokens"] == measured["target"]["tokens"] and len(record["tokens"]) == 12, arm
+        assert record["score"] == 1.0 and record["nll"] == pytest.approx(measured["target"]["nll"], abs=1e-4)
+        assert record["ttft_s"] >= record["prepare_s"] >= 0.0
+    again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
+    assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
