@@ -264,7 +264,11 @@ def cmd_run(args) -> None:
     setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
     arms = ["target", "mapped", *rungs, "source"]
     items = build_items(runner, args)
-    run = {"command": "python -m benchmarks.long_switch " + " ".join(sys.argv[1:]), "environment": environment_info()}
+    run = {
+        "id": time.strftime("%Y%m%dT%H%M%S"),
+        "command": "python -m benchmarks.long_switch " + " ".join(sys.argv[1:]),
+        "environment": environment_info(),
+    }
     with path.open("a") as handle:  # what ran the rows after it: a line without a key
         handle.write(json.dumps({"run": run}) + "\n")
     if items:  # first-call costs (allocations, kernel selection) are paid here, not in the first item's times
@@ -281,6 +285,8 @@ def cmd_run(args) -> None:
         if all(arm in stored["arms"] for arm in arms):
             continue
         measured = runner.measure(item, arms, rungs, stored["arms"])
+        for record in measured.values():  # times compare only within one run (the machine's load changes)
+            record["run"] = run["id"]
         row = {
             "key": key,
             "setup": setup,

@@ -26,9 +26,14 @@ FIXED_ARMS = ("target", "source", "mapped")
 def load(path: str | Path) -> dict:
     """`{key: row}` with every arm a key was measured on (later lines add arms to earlier ones)."""
     rows: dict[str, dict] = {}
-    for line in Path(path).read_text().splitlines():
+    current = f"{path}#0"
+    for number, line in enumerate(Path(path).read_text().splitlines()):
         row = json.loads(line) if line.strip() else {}
-        if "key" in row:  # a line without a key says what ran the rows after it
+        if "run" in row:  # a line without a key says what ran the rows after it
+            current = row["run"].get("id") or f"{path}#{number}"
+        if "key" in row:
+            for record in row["arms"].values():
+                record.setdefault("run", current)  # rows written before runs had ids: the run line above them
             rows.setdefault(row["key"], {**row, "arms": {}})["arms"].update(row["arms"])
     return rows
 
@@ -36,8 +41,8 @@ def load(path: str | Path) -> dict:
 def _group(rows: dict) -> dict:
     groups: dict[tuple, list[dict]] = {}
     for key, row in rows.items():
-        direction = key.split("/")[0]
-        groups.setdefault((direction, row["task"], row["length"]), []).append(row)
+        direction, seed = key.split("/")[0], key.split("/")[3]
+        groups.setdefault((direction, row["task"], row["length"], seed), []).append(row)
     return groups
 
 
@@ -49,7 +54,6 @@ def summarize(items: list[dict]) -> dict:
     arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
     target, source = scores["target"], scores["source"]
-    target_ttft = mean(row["arms"]["target"]["ttft_s"] for row in complete)
     out = {
         "items": len(complete),
         "tokens": round(mean(row["tokens"] for row in complete)),
@@ -64,7 +68,7 @@ def summarize(items: list[dict]) -> dict:
             "ttft_s": mean(row["arms"][arm]["ttft_s"] for row in complete),
         }
         if arm != "source":  # the source's prefill is paid before a switch: its first token is not a switch's
-            record["speedup"] = target_ttft / record["ttft_s"] if record["ttft_s"] > 0 else None
+            record["speedup"] = _speedup(complete, arm)
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
         match = RUNG.match(arm)
@@ -82,10 +86,20 @@ def summarize(items: list[dict]) -> dict:
     return out
 
 
+def _speedup(items: list[dict], arm: str) -> float | None:
+    """The target's mean time to first token over `arm`'s, on the items where both were timed in one run (a row's
+    arms measured by different invocations of the benchmark ran under different loads); None where none was."""
+    paired = [r for r in items if r["arms"][arm].get("run", "") == r["arms"]["target"].get("run", "")]
+    if not paired:
+        return None
+    arm_time = mean(r["arms"][arm]["ttft_s"] for r in paired)
+    return mean(r["arms"]["target"]["ttft_s"] for r in paired) / arm_time if arm_time > 0 else None
+
+
 def assemble(rows: dict, records: str, command: str) -> dict:
     results: dict = {}
-    for (direction, task, length), items in sorted(_group(rows).items()):
-        results.setdefault(direction, {})[f"{task}@{length}"] = summarize(items)
+    for (direction, task, length, seed), items in sorted(_group(rows).items()):
+        results.setdefault(direction, {})[f"{task}@{length}#{seed}"] = {"seed": int(seed), **summarize(items)}
     return {
         "run": {
             "what": "switching a conversation from one model of the pair to the other at serving lengths: each way "
@@ -110,8 +124,9 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             "",
             f"**{direction.replace(':', ' -> ')}**",
             "",
-            "| task @ tokens | items | arm | score | retention | gap recovered | first token (s) | vs re-prefill |",
-            "|---|---|---|---|---|---|---|---|",
+            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | first token (s) "
+            "| vs re-prefill |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, group in groups.items():
             if not group["items"]:
@@ -124,7 +139,7 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                 gap = _fmt(row["gap_recovered"]) if group["target_beats_source"] else "target <= source"
                 speed = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
                 lines.append(
-                    f"| {task} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | {_fmt(row['retention'])} | "
+                    f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | {_fmt(row['retention'])} | "
                     f"{gap} | {row['ttft_s']:.1f} | {speed} |"
                 )
     return "\n".join(lines)
@@ -138,13 +153,21 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(d, t) for d, groups in results["results"].items() for t in sorted({n.split("@")[0] for n in groups})]
+    panels = [
+        (d, t, seed)
+        for d, groups in results["results"].items()
+        for t, seed in sorted({(n.split("@")[0], n.split("#")[1]) for n in groups})
+    ]
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
     styles = ["-", "--", ":", "-."]
-    for axis, (direction, task) in zip(axes[0], panels):
-        groups = {n: g for n, g in results["results"][direction].items() if n.startswith(task + "@") and g["items"]}
-        for style, (name, group) in zip(styles, sorted(groups.items(), key=lambda kv: int(kv[0].split("@")[1]))):
-            length = name.split("@")[1]
+    for axis, (direction, task, seed) in zip(axes[0], panels):
+        groups = {
+            n: g
+            for n, g in results["results"][direction].items()
+            if n.startswith(task + "@") and n.endswith(f"#{seed}") and g["items"]
+        }
+        for style, (name, group) in zip(styles, sorted(groups.items(), key=lambda kv: int(kv[1]["tokens"]))):
+            length = name.split("@")[1].split("#")[0]
             strategies = sorted({r["strategy"] for r in group["arms"].values() if "strategy" in r})
             for strategy in strategies:
                 points = sorted(
@@ -156,7 +179,8 @@ def plot(results: dict, path: str) -> None:
             axis.axhline(group["arms"]["target"]["score"], color="black", linestyle=style, linewidth=0.8)
             axis.axhline(group["arms"]["source"]["score"], color="grey", linestyle=style, linewidth=0.8)
         axis.set_title(
-            f"{task}, {direction.replace(':', ' -> ')}\n(black: target alone, grey: source alone)", fontsize=9
+            f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n(black: target alone, grey: source alone)",
+            fontsize=9,
         )
         axis.set_xlabel("fraction recomputed")
         axis.set_ylabel("score")

@@ -213,7 +213,7 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     group = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
-    doc = group["long_doc@2048"]
+    doc = group["long_doc@2048#1"]
     assert doc["items"] == 3 and doc["target_beats_source"]
     rung = doc["arms"]["draft_attention@0.2"]
     assert rung["score"] == pytest.approx(2 / 3) and rung["retention"] == pytest.approx(1.0)
@@ -224,7 +224,7 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert "speedup" not in doc["arms"]["source"]
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
-    assert "| long_doc @ 2000 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 10.0 | 5.0x |" in table
+    assert "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 10.0 | 5.0x |" in table
 
 
 def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
@@ -251,3 +251,17 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
         assert record["ttft_s"] >= record["prepare_s"] >= 0.0
     again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
     assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
+
+
+def test_first_tokens_compare_only_within_one_run(tmp_path):
+    """A rung added by a later invocation was timed under another load: no speedup against the earlier target."""
+    row = _row("0.5b:1.5b/long_chat/2048/1/0", "long_chat", {"target": (1, 40), "source": (0, 0), "mapped": (0, 4)})
+    for arm in ("target", "source", "mapped"):
+        row["arms"][arm]["run"] = "first"
+    later = {"key": row["key"], "arms": {"tail@0.2": {"score": 1, "ttft_s": 8, "run": "second"}}}
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"run": {"id": "first"}}) + "\n" + json.dumps(row) + "\n" + json.dumps(later) + "\n")
+    arms = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
+    arms = arms["long_chat@2048#1"]["arms"]
+    assert arms["mapped"]["speedup"] == 10 and arms["tail@0.2"]["speedup"] is None
+    assert arms["tail@0.2"]["gap_recovered"] == 1 and arms["tail@0.2"]["ttft_s"] == 8
