@@ -281,6 +281,21 @@ def test_a_draft_read_in_steps_is_the_draft_read_at_once(pair, tiny):
         Draft(source, cache, ids, mask, positions)
 
 
+def _self_context(model, cache, ids):
+    """A repair context where `model` is both the source and the target of its own cache of `ids` (one row)."""
+    mask = torch.ones_like(ids)
+    return RepairContext(
+        target=model,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_attention_mask(None, *ids.shape, "cpu"),
+        candidates=mask[:, : ids.shape[1] - 1].bool(),
+        source=model,
+        source_cache=cache,
+    )
+
+
 @pytest.mark.parametrize("last_tokens", [0, 4])
 @pytest.mark.parametrize("eos_at", [None, 1])
 def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny, last_tokens, eos_at):
@@ -291,18 +306,7 @@ def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny,
     ids = _prompt(tokens=20)
     full = _greedy(model, ids, None, None)[:, :23]
     model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
-    mask = torch.ones_like(ids)
-    cache = tiny.prefill(model, ids)
-    context = RepairContext(
-        target=model,
-        cache=cache,
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions_from_attention_mask(None, 1, 20, "cpu"),
-        candidates=mask[:, :19].bool(),
-        source=model,
-        source_cache=cache,
-    )
+    context = _self_context(model, tiny.prefill(model, ids), ids)
     scores = DraftAttentionSelector(draft_tokens=3, last_tokens=last_tokens).score(context)
     with torch.no_grad():
         out = model(full, output_attentions=True)
@@ -320,18 +324,7 @@ def test_draft_coverage_is_the_largest_read_of_one_drafted_token(tiny, eos_at):
     ids = _prompt(tokens=20)
     full = _greedy(model, ids, None, None)[:, :24]
     model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
-    mask = torch.ones_like(ids)
-    cache = tiny.prefill(model, ids)
-    context = RepairContext(
-        target=model,
-        cache=cache,
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions_from_attention_mask(None, 1, 20, "cpu"),
-        candidates=mask[:, :19].bool(),
-        source=model,
-        source_cache=cache,
-    )
+    context = _self_context(model, tiny.prefill(model, ids), ids)
     scores = DraftCoverageSelector(draft_tokens=4).score(context)
     with torch.no_grad():
         out = model(full, output_attentions=True)
