@@ -19,6 +19,7 @@ from . import (
     handoff_report,
     ladder_calibration_size,
     ladder_headroom,
+    long_switch_report,
     mapper_variants,
     package_size,
     real_repair_maps,
@@ -301,6 +302,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/method.md": {
         "published-retention": published_retention,
         "published-latency": published_latency,
+    },
+    "docs/switch.md": {
+        "long-switch": lambda: long_switch_report.markdown(_json("long_switch.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
