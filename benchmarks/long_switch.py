@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.reporting import environment_info
+
+from . import long_switch_report
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
@@ -126,7 +129,7 @@ class Runner:
         self.source.eval(), self.target.eval()
         self.mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
         self.eos = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
-        self.eos |= set(_as_list(self.target.generation_config.eos_token_id))
+        self.eos |= set(eos_token_ids(self.target))
 
     def _stop(self, task: str):
         if task != "humaneval":
@@ -186,10 +189,6 @@ class Runner:
         return out
 
 
-def _as_list(value) -> list:
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def build_items(runner: Runner, args) -> list[dict]:
     """The run's items as plain dicts (`task`, `index`, `ids`, `answer`, metadata), in measuring order."""
     from hf_kvmap.real import long_tasks
@@ -239,17 +238,6 @@ def key_of(args, item: dict) -> str:
     return f"{args.direction}/{item['task']}/{args.tokens}/{args.seed}/{item['index']}"
 
 
-def load_records(path: Path) -> dict:
-    """`{key: {"key", "setup", "arms": {arm: record}}}` from a records file (later lines add arms to earlier)."""
-    records = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if "key" in row:
-                records.setdefault(row["key"], {**row, "arms": {}})["arms"].update(row["arms"])
-    return records
-
-
 def cmd_run(args) -> None:
     rungs = {label: parse_rung(label) for label in filter(None, args.rungs.split(","))}
     from hf_kvmap.repair import RepairConfig
@@ -260,7 +248,7 @@ def cmd_run(args) -> None:
     runner = Runner(args)
     path = Path(args.records)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = load_records(path)
+    records = long_switch_report.load(path) if path.is_file() else {}
     setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
     arms = ["target", "mapped", *rungs, "source"]
     items = build_items(runner, args)
