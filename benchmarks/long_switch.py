@@ -24,6 +24,7 @@ source-to-target gap it recovers, with the time to first token beside the re-pre
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -42,12 +43,34 @@ MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-ins
 MAX_NEW = {"long_chat": 12, "long_doc": 12, "humaneval": 320, "continuation": 128}
 
 
-def parse_rung(text: str) -> tuple[str, dict, float]:
-    """`name[:option=value,...]@fraction` -> (label, strategy settings, fraction); e.g. `draft_attention@0.2`,
-    `draft_attention:draft_tokens=64@0.2`."""
-    if "@" not in text:
+def _options(options: str) -> dict:
+    settings = {}
+    for option in filter(None, options.split(",")):
+        key, _, raw = option.partition("=")
+        try:
+            settings[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            settings[key] = raw
+    return settings
+
+
+def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
+    """`name[:option=value,...]@fraction[+refresh:option=value,...]` -> (label, strategy settings, fraction, refresh
+    settings); e.g. `draft_attention@0.2`, `draft_attention:draft_tokens=64@0.2`,
+    `draft_attention@0.1+refresh:every=16,tokens=32` (`DecodeRefresh` repairs while the target decodes), or
+    `mapped+refresh:every=16,fraction=0.02` (no repair before the first token)."""
+    head, plus, tail = text.partition("+")
+    refresh = None
+    if plus:
+        kind, _, options = tail.partition(":")
+        if kind != "refresh":
+            raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: after '+' comes refresh[:option=value,...]")
+        refresh = _options(options)
+        if head == "mapped":
+            return text, None, 0.0, refresh
+    if "@" not in head:
         raise argparse.ArgumentTypeError(f"--rungs entry {text!r} needs a fraction: name[:option=value]@fraction")
-    spec, fraction = text.rsplit("@", 1)
+    spec, fraction = head.rsplit("@", 1)
     try:
         share = float(fraction)
     except ValueError:
@@ -55,17 +78,10 @@ def parse_rung(text: str) -> tuple[str, dict, float]:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: the fraction must be in (0, 1]")
     name, _, options = spec.partition(":")
-    settings = {"name": name}
-    for option in filter(None, options.split(",")):
-        key, _, raw = option.partition("=")
-        try:
-            settings[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            settings[key] = raw
-    return text, settings, share
+    return text, {"name": name, **_options(options)}, share, refresh
 
 
-# ---------------------------------------------------------------------------------------------------------- decoding
+# ----------------------------------------------------------------------------------------------------------- decoding
 def _forward(model, ids: torch.Tensor, cache):
     from hf_kvmap._compat import cache_kwargs
 
@@ -73,20 +89,29 @@ def _forward(model, ids: torch.Tensor, cache):
 
 
 @torch.no_grad()
-def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int]) -> tuple[list[int], float]:
+def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], step=None):
     """Greedy tokens after `cache` + `last` (`(1, n)` held-back ids) until an end token, `stop(tokens)` or
-    `max_new`; returns them and the seconds to the first token. The cache is cropped back to its length after."""
+    `max_new`; returns them, the seconds to the first token and the seconds of the rest. `step(tokens)`, when given,
+    is called before each token is chosen, once the cache holds the `tokens` generated before it (where `generate`
+    calls a logits processor). The cache is cropped back to its length after."""
     length = cache.get_seq_length()
     start = time.perf_counter()
     logits = _forward(model, last, cache).logits[:, -1]
+    if step is not None:
+        step([])
     token = int(logits.argmax(-1))
     first = time.perf_counter() - start
     tokens = [token]
+    start = time.perf_counter()
     while token not in eos and len(tokens) < max_new and not stop(tokens):
-        token = int(_forward(model, torch.tensor([[token]]), cache).logits[:, -1].argmax(-1))
+        logits = _forward(model, torch.tensor([[token]]), cache).logits[:, -1]
+        if step is not None:
+            step(tokens)
+        token = int(logits.argmax(-1))
         tokens.append(token)
+    rest = time.perf_counter() - start
     cache.crop(length - cache.get_seq_length())  # negative: drop what decoding appended
-    return tokens, first
+    return tokens, first, rest
 
 
 @torch.no_grad()
@@ -143,7 +168,7 @@ class Runner:
         """Every arm of `arms` not in `done` on one item; returns `{arm: record}`."""
         from hf_kvmap import MappedCache
         from hf_kvmap._compat import output_cache
-        from hf_kvmap.repair import RepairConfig
+        from hf_kvmap.repair import DecodeRefresh, RepairConfig
 
         ids = torch.tensor([item["ids"]])
         last = ids[:, -1:]
@@ -151,10 +176,17 @@ class Runner:
         reference = done.get("target", {}).get("tokens")
         out = {}
 
-        def finish(arm: str, model, cache, prepare: float) -> None:
-            tokens, first = greedy(model, cache, last, max_new, stop, self.eos)
+        def finish(arm: str, model, cache, prepare: float, refresh=None) -> None:
+            step = None
+            if refresh is not None:  # called as generate calls a logits processor
+                step = lambda tokens: refresh(torch.tensor([item["ids"] + tokens]), None)  # noqa: E731
+            tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step)
             text = self.tokenizer.decode([t for t in tokens if t not in self.eos])
             record = {"tokens": tokens, "text": text, "prepare_s": prepare, "ttft_s": prepare + first}
+            record["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
+            if refresh is not None:
+                info = cache.mapping_info["refresh"]
+                record["refresh"] = {k: info[k] for k in ("refreshes", "recomputed", "recomputed_fraction", "seconds")}
             if item["task"] == "continuation":
                 record["nll"] = text_nll(model, cache, last, item["continuation_ids"])
             record.update(score(item, text, tokens, reference if arm != "target" else None))
@@ -170,18 +202,20 @@ class Runner:
         if mapped_arms or ("source" in arms and "source" not in done):
             source_cache = output_cache(self.source(input_ids=ids, use_cache=True))  # paid before a switch
             for arm in mapped_arms:
-                kwargs = {}
+                kwargs, refresh_settings = {}, None
                 if arm != "mapped":
-                    _, settings, fraction = rungs[arm]
-                    kwargs = {
-                        "repair": RepairConfig(settings, fraction=fraction),
-                        "target_model": self.target,
-                        "source_model": self.source,
-                        "input_ids": ids,
-                    }
+                    _, settings, fraction, refresh_settings = rungs[arm]
+                    if settings is not None:
+                        kwargs = {
+                            "repair": RepairConfig(settings, fraction=fraction),
+                            "target_model": self.target,
+                            "source_model": self.source,
+                            "input_ids": ids,
+                        }
                 start = time.perf_counter()
                 cache = MappedCache.from_source(source_cache, self.mapper, **kwargs)
-                finish(arm, self.target, cache, time.perf_counter() - start)
+                refresh = None if refresh_settings is None else DecodeRefresh(self.target, cache, **refresh_settings)
+                finish(arm, self.target, cache, time.perf_counter() - start, refresh)
                 del cache
             if "source" in arms and "source" not in done:
                 source_cache.crop(-1)
@@ -240,10 +274,16 @@ def key_of(args, item: dict) -> str:
 
 def cmd_run(args) -> None:
     rungs = {label: parse_rung(label) for label in filter(None, args.rungs.split(","))}
-    from hf_kvmap.repair import RepairConfig
+    from hf_kvmap.repair import DecodeRefresh, RepairConfig
 
-    for _, settings, fraction in rungs.values():
-        RepairConfig(settings, fraction=fraction)  # a typo fails here, before the models load
+    for label, settings, fraction, refresh in rungs.values():  # a typo fails here, before the models load
+        if settings is not None:
+            RepairConfig(settings, fraction=fraction)
+        if refresh is not None:
+            try:
+                inspect.signature(DecodeRefresh).bind(None, None, **refresh)
+            except TypeError as err:
+                raise SystemExit(f"--rungs entry {label!r}: {err} (DecodeRefresh's options)") from None
     torch.set_num_threads(args.threads)
     runner = Runner(args)
     path = Path(args.records)

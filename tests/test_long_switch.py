@@ -130,13 +130,20 @@ def test_a_completion_passes_only_with_its_tests_green():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("draft_attention@0.2", ("draft_attention@0.2", {"name": "draft_attention"}, 0.2)),
+        ("draft_attention@0.2", ("draft_attention@0.2", {"name": "draft_attention"}, 0.2, None)),
+        (
+            "draft_attention@0.1+refresh:every=16,tokens=32",
+            ("draft_attention@0.1+refresh:every=16,tokens=32", {"name": "draft_attention"}, 0.1,
+             {"every": 16, "tokens": 32}),
+        ),
+        ("mapped+refresh:fraction=0.05", ("mapped+refresh:fraction=0.05", None, 0.0, {"fraction": 0.05})),
         (
             "draft_coverage:draft_tokens=64,stop_at_eos=false@0.3",
             (
                 "draft_coverage:draft_tokens=64,stop_at_eos=false@0.3",
                 {"name": "draft_coverage", "draft_tokens": 64, "stop_at_eos": False},
                 0.3,
+                None,
             ),
         ),
     ],
@@ -146,7 +153,13 @@ def test_rungs_parse_from_the_command_line(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text, message", [("tail", "needs a fraction"), ("tail@x", "not a number"), ("tail@0", r"in \(0, 1\]")]
+    "text, message",
+    [
+        ("tail", "needs a fraction"),
+        ("tail@x", "not a number"),
+        ("tail@0", r"in \(0, 1\]"),
+        ("tail@0.2+again:every=2", r"after '\+' comes refresh"),
+    ],
 )
 def test_bad_rungs_are_refused_by_name(text, message):
     with pytest.raises(Exception, match=message):
@@ -159,11 +172,11 @@ def test_greedy_decoding_is_generate_and_leaves_the_cache_as_it_was(tiny):
     with torch.no_grad():
         cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
         expected = model.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=None)[0, 30:].tolist()
-    tokens, first = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())
-    assert tokens == expected and first > 0 and cache.get_seq_length() == 29
-    stopped, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: len(t) == 4, set())
+    tokens, first, rest = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())
+    assert tokens == expected and first > 0 and rest > 0 and cache.get_seq_length() == 29
+    stopped, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: len(t) == 4, set())
     assert stopped == expected[:4]
-    ended, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, {expected[2]})
+    ended, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, {expected[2]})
     assert ended == expected[: expected.index(expected[2]) + 1]
     follow = expected[:6]
     nll = long_switch.text_nll(model, cache, ids[:, -1:], follow)
@@ -241,14 +254,17 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
     ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:8], "answer": ""}
-    rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "draft_coverage:draft_tokens=4@0.5")}
+    labels = ("tail@0.25", "draft_coverage:draft_tokens=4@0.5", "tail@0.1+refresh:every=3,tokens=4")
+    rungs = {label: long_switch.parse_rung(label) for label in labels}
     arms = ["target", "mapped", *rungs, "source"]
     measured = runner.measure(item, arms, rungs, {})
     assert list(measured) == ["target", "mapped", *rungs, "source"]
     for arm, record in measured.items():
         assert record["tokens"] == measured["target"]["tokens"] and len(record["tokens"]) == 12, arm
         assert record["score"] == 1.0 and record["nll"] == pytest.approx(measured["target"]["nll"], abs=1e-4)
-        assert record["ttft_s"] >= record["prepare_s"] >= 0.0
+        assert record["answer_s"] >= record["ttft_s"] >= record["prepare_s"] >= 0.0
+    refreshed = measured["tail@0.1+refresh:every=3,tokens=4"]["refresh"]
+    assert refreshed["refreshes"] == 4 and refreshed["recomputed"] == [16]  # calls 3, 6, 9, 12 of 12 tokens
     again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
     assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
 

@@ -19,6 +19,7 @@ from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
 from .recompute import recompute_positions
+from .refresh import DecodeRefresh
 from .repair import RepairConfig, repair_cache
 from .source_attention import SourceAttentionSelector
 from .tail import TailSelector
@@ -27,6 +28,7 @@ from .target_attention import TargetAttentionSelector
 __all__ = [
     "SELECTORS",
     "Draft",
+    "DecodeRefresh",
     "DraftAttentionSelector",
     "DraftCoverageSelector",
     "EarlyDeviationSelector",

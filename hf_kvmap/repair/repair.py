@@ -195,6 +195,7 @@ def repair_cache(
         token_mask=mask[:, :length],
         position_ids=position_ids[:, :length],
     )
+    _mark_recomputed(cache, positions, valid, length)
     available = candidates.sum(-1).tolist()
     exact = start == 0 and counts == available
     record = {
@@ -209,6 +210,19 @@ def repair_cache(
         info["repair"] = record
         info["approximate"] = cache.approximate = not exact  # the object and its record say the same
     return cache
+
+
+def _mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> None:
+    """`cache.recomputed`: `(batch, length)` bool, the positions the target recomputed so far (what a refresh while
+    decoding, `DecodeRefresh`, skips)."""
+    done = torch.zeros(positions.shape[0], length, dtype=torch.bool)
+    for row in range(positions.shape[0]):
+        done[row, positions[row][valid[row]].cpu()] = True
+    before = getattr(cache, "recomputed", None)
+    if isinstance(before, torch.Tensor) and before.dim() == 2 and before.shape[0] == done.shape[0]:
+        width = min(before.shape[1], length)
+        done[:, :width] |= before[:, :width].cpu()
+    cache.recomputed = done
 
 
 __all__ = ["RepairConfig", "repair_cache"]

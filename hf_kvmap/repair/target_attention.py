@@ -23,16 +23,23 @@ class TargetAttentionSelector(Selector):
 
     Args:
         last_tokens (`int`, *optional*, defaults to 16): how many final prompt tokens' queries to read.
+        reduce (`str`, *optional*, defaults to `"sum"`): `"sum"` of their attention, or its `"max"` over the queries.
     """
 
     name = "target_attention"
 
-    def __init__(self, last_tokens: int = 16):
+    def __init__(self, last_tokens: int = 16, reduce: str = "sum"):
         check_int("last_tokens", last_tokens, 1)
+        if reduce not in ("sum", "max"):
+            raise ValueError(f"reduce={reduce!r} must be 'sum' or 'max'.")
         self.last_tokens = last_tokens
+        self.reduce = reduce
 
     def settings(self) -> dict:
-        return {"name": self.name, "last_tokens": self.last_tokens}
+        settings = {"name": self.name, "last_tokens": self.last_tokens}
+        if self.reduce != "sum":  # the default is left out, so settings recorded before the option read the same
+            settings["reduce"] = self.reduce
+        return settings
 
     def score(self, context: RepairContext) -> torch.Tensor:
         last = min(self.last_tokens, context.input_ids.shape[1] - 1)
@@ -44,5 +51,8 @@ class TargetAttentionSelector(Selector):
             context.attention_mask,
             context.position_ids,
             last,
+            per_query=self.reduce == "max",
         )
+        if self.reduce == "max":
+            mass = mass.amax(dim=1)
         return mass[:, : context.length]
