@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,18 @@ def _options(options: str) -> dict:
         except json.JSONDecodeError:
             settings[key] = raw
     return settings
+
+
+def split_rungs(text: str) -> list[str]:
+    """`--rungs` split into entries at the commas that start a new rung (an option's own comma, `a=1,b=2`, is
+    followed by `name=`, which no rung starts with)."""
+    entries: list[str] = []
+    for piece in text.split(","):
+        if entries and re.match(r"[A-Za-z_]\w*=", piece):
+            entries[-1] += "," + piece
+        elif piece:
+            entries.append(piece)
+    return entries
 
 
 def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
@@ -273,7 +286,7 @@ def key_of(args, item: dict) -> str:
 
 
 def cmd_run(args) -> None:
-    rungs = {label: parse_rung(label) for label in filter(None, args.rungs.split(","))}
+    rungs = {label: parse_rung(label) for label in split_rungs(args.rungs)}
     from hf_kvmap.repair import DecodeRefresh, RepairConfig
 
     for label, settings, fraction, refresh in rungs.values():  # a typo fails here, before the models load

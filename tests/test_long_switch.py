@@ -150,6 +150,7 @@ def test_a_completion_passes_only_with_its_tests_green():
 )
 def test_rungs_parse_from_the_command_line(text, expected):
     assert long_switch.parse_rung(text) == expected
+    assert long_switch.split_rungs(f"tail@0.1,{text},draft_attention@0.3") == ["tail@0.1", text, "draft_attention@0.3"]
 
 
 @pytest.mark.parametrize(
