@@ -18,6 +18,7 @@ from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, re
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
+from hf_kvmap.repair.draft_branches import DraftBranchesSelector
 from hf_kvmap.repair.draft_coverage import DraftCoverageSelector
 from hf_kvmap.rope import positions_from_attention_mask
 
@@ -65,7 +66,7 @@ def _max_diff(first, second, length=None):
 
 def _settings(name):
     """Every registered strategy with small options (the attention strategies read 4 final tokens, the draft is 3)."""
-    if name in ("draft_attention", "draft_coverage"):
+    if name in ("draft_attention", "draft_coverage", "draft_branches"):
         return {"name": name, "draft_tokens": 3, "last_tokens": 4}
     return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
 
@@ -335,6 +336,37 @@ def test_draft_coverage_is_the_largest_read_of_one_drafted_token(tiny, eos_at):
     assert not torch.allclose(scores, per_query.sum(1)[:, :19], atol=1e-3)  # a max, not the sum
     summed = DraftAttentionSelector(draft_tokens=4).score(context)
     assert torch.allclose(summed, per_query.sum(1)[:, :19], atol=1e-4)
+
+
+def test_one_draft_branch_is_draft_attention(tiny):
+    model = _model(tiny.config(layers=3), 2, "eager")
+    ids = _prompt(tokens=20)
+    context = _self_context(model, tiny.prefill(model, ids), ids)
+    for last_tokens in (0, 3):
+        one = DraftBranchesSelector(branches=1, draft_tokens=4, last_tokens=last_tokens).score(context)
+        assert torch.allclose(one, DraftAttentionSelector(draft_tokens=4, last_tokens=last_tokens).score(context))
+
+
+def test_draft_branches_sum_the_models_own_attention_over_each_branch(tiny):
+    """Each branch starts with one of the model's top-3 first tokens and continues greedily; the scores are the eager
+    forward's softmax weights of every branch's queries (summed over heads, queries and layers), added up."""
+    model = _model(tiny.config(layers=3), 2, "eager")
+    model.generation_config.eos_token_id = None
+    ids = _prompt(tokens=20)
+    context = _self_context(model, tiny.prefill(model, ids), ids)
+    scores = DraftBranchesSelector(branches=3, draft_tokens=3).score(context)
+    with torch.no_grad():
+        firsts = model(ids).logits[0, -1].topk(3).indices
+    expected = torch.zeros(1, 19)
+    for first in firsts:
+        start = torch.cat([ids, first.view(1, 1)], dim=1)
+        branch = _greedy(model, start, None, None)[:, :23]  # the forced token + 2 greedy ones
+        with torch.no_grad():
+            out = model(branch, output_attentions=True)
+        expected += sum(weights[:, :, 20:23].sum((1, 2)) for weights in out.attentions)[:, :19]
+    assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
+    greedy_only = DraftAttentionSelector(draft_tokens=3).score(context)
+    assert not torch.allclose(scores, greedy_only, atol=1e-3)
 
 
 def test_per_query_attention_adds_up_to_the_summed_attention(tiny):

@@ -14,6 +14,7 @@ One file per strategy, each one class registered in `SELECTORS` (`base.register_
 from ..drafting import Draft, greedy_draft
 from .base import SELECTORS, RepairContext, Selector, register_selector, selector_from_dict
 from .draft_attention import DraftAttentionSelector
+from .draft_branches import DraftBranchesSelector
 from .draft_coverage import DraftCoverageSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
@@ -30,6 +31,7 @@ __all__ = [
     "Draft",
     "DecodeRefresh",
     "DraftAttentionSelector",
+    "DraftBranchesSelector",
     "DraftCoverageSelector",
     "EarlyDeviationSelector",
     "MixSelector",
