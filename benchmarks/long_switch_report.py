@@ -6,7 +6,9 @@
 Per direction, task and length: each arm's mean score over the items every arm was measured on, its retention
 (`score / target`, chance 0 on every task here), the share of the source-to-target gap it recovers
 (`(score - source) / (target - source)`, only where the target beats the source), its mean time to first token and
-the re-prefill's over it (measured side by side on the same items), and for continuations the NLL of the real text.
+the re-prefill's over it (measured side by side on the same items), the seconds of the whole answer, the share of the
+prompt recomputed (before the first token, plus what a `+refresh` rung recomputed while decoding), and for
+continuations the NLL of the real text.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-RUNG = re.compile(r"^(?P<strategy>[^@]+)@(?P<fraction>[0-9.]+)$")
+#: `strategy@fraction`, optionally `+refresh:...` (a repair while decoding), or `mapped+refresh:...`
+RUNG = re.compile(r"^(?:(?P<strategy>[^@+]+)@(?P<fraction>[0-9.]+)|mapped)(?P<refresh>\+refresh\b.*)?$")
 FIXED_ARMS = ("target", "source", "mapped")
 
 
@@ -71,9 +74,17 @@ def summarize(items: list[dict]) -> dict:
             record["speedup"] = _speedup(complete, arm)
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
+        if all("answer_s" in row["arms"][arm] for row in complete):
+            record["answer_s"] = mean(row["arms"][arm]["answer_s"] for row in complete)
         match = RUNG.match(arm)
-        if match:
-            record["strategy"], record["fraction"] = match["strategy"], float(match["fraction"])
+        if match and (match["strategy"] or match["refresh"]):
+            before = float(match["fraction"] or 0.0)
+            record["strategy"] = (match["strategy"] or "mapped") + ("+refresh" if match["refresh"] else "")
+            record["fraction"] = before
+            if match["refresh"]:  # what the refreshes recomputed while decoding, measured per item
+                during = mean(row["arms"][arm]["refresh"]["recomputed_fraction"] for row in complete)
+                record["refresh_fraction"] = during
+                record["fraction"] = before + during
         out["arms"][arm] = record
     depths = sorted({row["meta"]["depth"] for row in complete if "depth" in row.get("meta", {})})
     if depths:
@@ -124,9 +135,9 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             "",
             f"**{direction.replace(':', ' -> ')}**",
             "",
-            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | first token (s) "
-            "| vs re-prefill |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | recomputed "
+            "| first token (s) | vs re-prefill | whole answer (s) | NLL |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, group in groups.items():
             if not group["items"]:
@@ -138,9 +149,11 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                 row = group["arms"][arm]
                 gap = _fmt(row["gap_recovered"]) if group["target_beats_source"] else "target <= source"
                 speed = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
+                share = {"target": 1.0, "source": None, "mapped": 0.0}.get(arm, row.get("fraction"))
                 lines.append(
-                    f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | {_fmt(row['retention'])} | "
-                    f"{gap} | {row['ttft_s']:.1f} | {speed} |"
+                    f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
+                    f"{_fmt(row['retention'])} | {gap} | {'-' if share is None else f'{share:.0%}'} | "
+                    f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_fmt(row.get('nll'), 3)} |"
                 )
     return "\n".join(lines)
 
@@ -182,7 +195,7 @@ def plot(results: dict, path: str) -> None:
             f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n(black: target alone, grey: source alone)",
             fontsize=9,
         )
-        axis.set_xlabel("fraction recomputed")
+        axis.set_xlabel("fraction recomputed (before the first token + while decoding)")
         axis.set_ylabel("score")
         axis.set_ylim(-0.05, 1.05)
         axis.legend(fontsize=6, loc="lower right")

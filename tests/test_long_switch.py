@@ -238,7 +238,7 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert "speedup" not in doc["arms"]["source"]
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
-    assert "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 10.0 | 5.0x |" in table
+    assert "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 20% | 10.0 | 5.0x | - | - |" in table
 
 
 def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
@@ -282,3 +282,21 @@ def test_first_tokens_compare_only_within_one_run(tmp_path):
     arms = arms["long_chat@2048#1"]["arms"]
     assert arms["mapped"]["speedup"] == 10 and arms["tail@0.2"]["speedup"] is None
     assert arms["tail@0.2"]["gap_recovered"] == 1 and arms["tail@0.2"]["ttft_s"] == 8
+
+
+def test_a_refresh_rung_counts_what_it_recomputed_while_decoding(tmp_path):
+    arms = {"target": (1, 40), "source": (0, 0), "mapped": (0, 2)}
+    rows = [_row(f"0.5b:1.5b/continuation/2048/1/{i}", "continuation", arms) for i in range(2)]
+    for row, during in zip(rows, (0.05, 0.15)):
+        for label in ("draft_attention@0.1+refresh:every=16,fraction=0.0125", "mapped+refresh:every=8,tokens=4"):
+            row["arms"][label] = {"score": 1, "ttft_s": 4, "answer_s": 9, "refresh": {"recomputed_fraction": during}}
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    group = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
+    arms = group["continuation@2048#1"]["arms"]
+    rung = arms["draft_attention@0.1+refresh:every=16,fraction=0.0125"]
+    assert rung["strategy"] == "draft_attention+refresh" and rung["refresh_fraction"] == pytest.approx(0.1)
+    assert rung["fraction"] == pytest.approx(0.2) and rung["answer_s"] == 9
+    alone = arms["mapped+refresh:every=8,tokens=4"]
+    assert alone["strategy"] == "mapped+refresh" and alone["fraction"] == pytest.approx(0.1)
+    assert "answer_s" not in arms["target"]  # not every row timed it
