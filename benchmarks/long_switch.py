@@ -236,13 +236,13 @@ class Runner:
         return out
 
 
-def build_items(runner: Runner, args) -> list[dict]:
+def build_items(tokenizer, args) -> list[dict]:
     """The run's items as plain dicts (`task`, `index`, `ids`, `answer`, metadata), in measuring order."""
     from hf_kvmap.real import long_tasks
     from hf_kvmap.real.corpus import load_manifest
 
     documents = load_manifest(args.manifest)
-    tok = runner.tokenizer
+    tok = tokenizer
     per_task = []
     for task in args.tasks.split(","):
         items = []
@@ -285,7 +285,34 @@ def key_of(args, item: dict) -> str:
     return f"{args.direction}/{item['task']}/{args.tokens}/{args.seed}/{item['index']}"
 
 
+def write_items(args) -> None:
+    """`--write-items PATH`: the run's long_chat / long_doc items as exact-match JSONL (`hf_kvmap.evaluation`'s format,
+    one task per task and length, e.g. `long_chat@2048`) for `hf-kvmap calibrate-ladder --tasks PATH`; no model is
+    loaded, only the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from hf_kvmap.real import converted_path
+    from hf_kvmap.atomic import write_text_atomically
+
+    tasks = args.tasks.split(",")
+    if not set(tasks) <= {"long_chat", "long_doc"}:
+        raise SystemExit(f"--write-items writes exact-match items: long_chat and long_doc, not {args.tasks!r}")
+    tokenizer = AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
+    lines = []
+    for item in build_items(tokenizer, args):
+        prompt = tokenizer.decode(item["ids"])
+        if tokenizer(prompt, add_special_tokens=False)["input_ids"] != item["ids"]:
+            raise SystemExit(f"{item['task']} item {item['index']}: its text does not tokenize back to its ids")
+        row = {"task": f"{item['task']}@{args.tokens}", "prompt": prompt, "answer": item["answer"], "stop": "<|im_end|>"}
+        lines.append(json.dumps(row))
+    write_text_atomically(args.write_items, "\n".join(lines) + "\n")
+    print(f"{len(lines)} items -> {args.write_items}")
+
+
 def cmd_run(args) -> None:
+    for flag, value in (("--mapper", args.mapper), ("--records", args.records)):
+        if not value:
+            raise SystemExit(f"{flag} is required to measure (--mapper: a fitted map's folder; --records: a JSONL)")
     rungs = {label: parse_rung(label) for label in split_rungs(args.rungs)}
     from hf_kvmap.repair import DecodeRefresh, RepairConfig
 
@@ -304,7 +331,7 @@ def cmd_run(args) -> None:
     records = long_switch_report.load(path) if path.is_file() else {}
     setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
     arms = ["target", "mapped", *rungs, "source"]
-    items = build_items(runner, args)
+    items = build_items(runner.tokenizer, args)
     run = {
         "id": time.strftime("%Y%m%dT%H%M%S"),
         "command": "python -m benchmarks.long_switch " + " ".join(sys.argv[1:]),
@@ -345,7 +372,7 @@ def cmd_run(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mapper", required=True)
+    parser.add_argument("--mapper", default=None, help="the mapper folder (every run but --write-items)")
     parser.add_argument("--direction", default="0.5b:1.5b", choices=["0.5b:1.5b", "1.5b:0.5b"])
     parser.add_argument("--tasks", default="long_chat,long_doc")
     parser.add_argument("--tokens", type=int, default=2048, help="context length (humaneval: code before the prompt)")
@@ -353,12 +380,17 @@ def main(argv=None) -> None:
     parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
     parser.add_argument("--seed", type=int, default=4321)
     parser.add_argument("--rungs", default="draft_attention@0.2")
-    parser.add_argument("--records", required=True)
+    parser.add_argument("--records", default=None, help="JSON lines of the measurements (resumes)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
-    cmd_run(parser.parse_args(argv))
+    parser.add_argument("--write-items", default=None, help="write the items as exact-match JSONL here and stop")
+    args = parser.parse_args(argv)
+    if args.write_items:
+        write_items(args)
+    else:
+        cmd_run(args)
 
 
 if __name__ == "__main__":

@@ -300,3 +300,29 @@ def test_a_refresh_rung_counts_what_it_recomputed_while_decoding(tmp_path):
     alone = arms["mapped+refresh:every=8,tokens=4"]
     assert alone["strategy"] == "mapped+refresh" and alone["fraction"] == pytest.approx(0.1)
     assert "answer_s" not in arms["target"]  # not every row timed it
+
+
+def test_items_written_for_the_ladder_load_as_exact_match_tasks(tmp_path, monkeypatch, byte_tokenizer, documents):
+    """`--write-items` writes the long items as the JSONL `hf-kvmap calibrate-ladder --tasks` reads: one task per
+    task and length, each prompt the text of the item's ids, its answer the planted one."""
+    import transformers
+
+    from hf_kvmap.calibration.ladder_items import items_from_tasks
+    from hf_kvmap.evaluation import load_jsonl_tasks
+    from hf_kvmap.real import corpus as corpus_module
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: byte_tokenizer)
+    monkeypatch.setattr(corpus_module, "load_manifest", lambda path: documents)
+    out = tmp_path / "items.jsonl"
+    argv = ["--tasks", "long_chat,long_doc", "--tokens", "600", "--items", "3", "--seed", "7", "--write-items", str(out)]
+    long_switch.main(argv)
+    tasks = {task.name: task for task in load_jsonl_tasks(out)}
+    assert sorted(tasks) == ["long_chat@600", "long_doc@600"]
+    items, skipped = items_from_tasks(tasks.values())
+    assert len(items) == 6 and not skipped
+    expected = long_tasks.long_doc(byte_tokenizer, documents, 3, tokens=600, seed=7)
+    written = [item for item in items if item.task == "long_doc@600"]
+    assert [item.answer for item in written] == [item.answer for item in expected]
+    assert [item.prompt for item in written] == [item.prompt for item in expected]
+    with pytest.raises(SystemExit, match="exact-match items"):
+        long_switch.main(["--tasks", "humaneval", "--write-items", str(tmp_path / "other.jsonl")])
