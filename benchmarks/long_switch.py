@@ -127,6 +127,52 @@ def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], 
     return tokens, first, rest
 
 
+def _ended(tokens: list[int], max_new: int, stop, eos: set[int]) -> bool:
+    return tokens[-1] in eos or len(tokens) >= max_new or stop(tokens)
+
+
+@torch.no_grad()
+def first_token(model, cache, last: torch.Tensor) -> tuple[int, float]:
+    """The greedy first token after `cache` + `last` and its seconds; the cache then holds `last` too."""
+    start = time.perf_counter()
+    token = int(_forward(model, last, cache).logits[:, -1].argmax(-1))
+    return token, time.perf_counter() - start
+
+
+@torch.no_grad()
+def continue_batch(model, caches: list, firsts: list[int], max_new: int, stop, eos: set[int]):
+    """`greedy`'s tokens of several caches of one length, each after its first token (`first_token`), decoded as one
+    batch: a CPU's decoding is bound by reading the weights, which a batch reads once per step for every row. A row
+    ends as `greedy` ends it and leaves the batch; the caches are not changed (the batch decodes a copy). Returns
+    every row's tokens and the seconds of the batch."""
+    from transformers.cache_utils import Cache
+
+    from hf_kvmap.cache_views import as_layer
+
+    start = time.perf_counter()
+    tokens = [[token] for token in firsts]
+    rows = [row for row, row_tokens in enumerate(tokens) if not _ended(row_tokens, max_new, stop, eos)]
+    layers = [
+        (torch.cat([c.layers[i].keys for c in caches])[rows], torch.cat([c.layers[i].values for c in caches])[rows])
+        for i in range(len(caches[0].layers))
+    ]
+    batch = Cache(layers=[as_layer(keys, values) for keys, values in layers])
+    while rows:
+        ids = torch.tensor([[tokens[row][-1]] for row in rows])
+        chosen = _forward(model, ids, batch).logits[:, -1].argmax(-1).tolist()
+        keep = []
+        for place, (row, token) in enumerate(zip(rows, chosen)):
+            tokens[row].append(token)
+            if not _ended(tokens[row], max_new, stop, eos):
+                keep.append(place)
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, dtype=torch.long)
+            for layer in batch.layers:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+            rows = [rows[place] for place in keep]
+    return tokens, time.perf_counter() - start
+
+
 @torch.no_grad()
 def text_nll(model, cache, last: torch.Tensor, continuation: list[int]) -> float:
     """Mean NLL (nats per token) of `continuation` read after `cache` + `last`; the cache is cropped back after."""
@@ -166,6 +212,7 @@ class Runner:
         self.target = AutoModelForCausalLM.from_pretrained(converted_path(target_name, args.cache_dir), dtype=dtype)
         self.source.eval(), self.target.eval()
         self.mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
+        self.batch = not args.no_batch
         self.eos = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
         self.eos |= set(eos_token_ids(self.target))
 
@@ -187,31 +234,44 @@ class Runner:
         last = ids[:, -1:]
         max_new, stop = MAX_NEW[item["task"]], self._stop(item["task"])
         reference = done.get("target", {}).get("tokens")
-        out = {}
+        out: dict[str, dict] = {}
+
+        def record_of(arm, model, cache, tokens, prepare, first) -> dict:
+            text = self.tokenizer.decode([t for t in tokens if t not in self.eos])
+            record = {"tokens": tokens, "text": text, "prepare_s": prepare, "ttft_s": prepare + first}
+            if item["task"] == "continuation":
+                record["nll"] = text_nll(model, cache, last, item["continuation_ids"])
+            return record
 
         def finish(arm: str, model, cache, prepare: float, refresh=None) -> None:
+            """Decode `arm` alone (the source, a refreshing rung, or every arm with `batch=False`)."""
             step = None
             if refresh is not None:  # called as generate calls a logits processor
                 step = lambda tokens: refresh(torch.tensor([item["ids"] + tokens]), None)  # noqa: E731
             tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step)
-            text = self.tokenizer.decode([t for t in tokens if t not in self.eos])
-            record = {"tokens": tokens, "text": text, "prepare_s": prepare, "ttft_s": prepare + first}
-            record["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
+            out[arm] = record_of(arm, model, cache, tokens, prepare, first)
+            out[arm]["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
             if refresh is not None:
                 info = cache.mapping_info["refresh"]
-                record["refresh"] = {k: info[k] for k in ("refreshes", "recomputed", "recomputed_fraction", "seconds")}
-            if item["task"] == "continuation":
-                record["nll"] = text_nll(model, cache, last, item["continuation_ids"])
-            record.update(score(item, text, tokens, reference if arm != "target" else None))
-            out[arm] = record
+                out[arm]["refresh"] = {
+                    k: info[k] for k in ("refreshes", "recomputed", "recomputed_fraction", "seconds")
+                }
+
+        batched: list[tuple] = []  # (arm, cache, prepare, first token, its seconds): decoded together below
+
+        def start(arm: str, cache, prepare: float, refresh=None) -> None:
+            if refresh is not None or not getattr(self, "batch", True):
+                finish(arm, self.target, cache, prepare, refresh)
+            else:
+                token, seconds = first_token(self.target, cache, last)
+                batched.append((arm, cache, prepare, token, seconds))
 
         if "target" in arms and "target" not in done:
-            start = time.perf_counter()
+            began = time.perf_counter()
             cache = output_cache(self.target(input_ids=ids[:, :-1], use_cache=True))
-            finish("target", self.target, cache, time.perf_counter() - start)
-            reference = out["target"]["tokens"]
-            del cache
+            start("target", cache, time.perf_counter() - began)
         mapped_arms = [a for a in arms if a not in done and a not in ("source", "target")]
+        source_cache = None
         if mapped_arms or ("source" in arms and "source" not in done):
             source_cache = output_cache(self.source(input_ids=ids, use_cache=True))  # paid before a switch
             for arm in mapped_arms:
@@ -225,15 +285,26 @@ class Runner:
                             "source_model": self.source,
                             "input_ids": ids,
                         }
-                start = time.perf_counter()
+                began = time.perf_counter()
                 cache = MappedCache.from_source(source_cache, self.mapper, **kwargs)
                 refresh = None if refresh_settings is None else DecodeRefresh(self.target, cache, **refresh_settings)
-                finish(arm, self.target, cache, time.perf_counter() - start, refresh)
-                del cache
-            if "source" in arms and "source" not in done:
-                source_cache.crop(-1)
-                finish("source", self.source, source_cache, 0.0)
-        return out
+                start(arm, cache, time.perf_counter() - began, refresh)
+        if batched:
+            caches = [entry[1] for entry in batched]
+            decoded, seconds = continue_batch(self.target, caches, [e[3] for e in batched], max_new, stop, self.eos)
+            for i in range(len(batched)):
+                arm, cache, prepare, _, first = batched[i]
+                cache.crop(-last.shape[1])  # back to the prompt's cache, for the NLL
+                out[arm] = record_of(arm, self.target, cache, decoded[i], prepare, first)
+                out[arm]["decoded_with"] = len(batched)  # rows of the batch that decoded it (its seconds shared)
+                out[arm]["batch_s"] = seconds
+        if source_cache is not None and "source" in arms and "source" not in done:
+            source_cache.crop(-1)
+            finish("source", self.source, source_cache, 0.0)
+        reference = out["target"]["tokens"] if "target" in out else reference  # continuations agree with it
+        for arm, record in out.items():
+            record.update(score(item, record["text"], record["tokens"], reference if arm != "target" else None))
+        return {arm: out[arm] for arm in arms if arm in out}
 
 
 def build_items(tokenizer, args) -> list[dict]:
@@ -383,6 +454,12 @@ def main(argv=None) -> None:
     parser.add_argument("--records", default=None, help="JSON lines of the measurements (resumes)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--no-batch",
+        action="store_true",
+        help="decode every arm alone (by default the target's arms without a refresh decode as one batch after "
+        "each has timed its own first token)",
+    )
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
     parser.add_argument("--write-items", default=None, help="write the items as exact-match JSONL here and stop")

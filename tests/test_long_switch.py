@@ -263,11 +263,40 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     for arm, record in measured.items():
         assert record["tokens"] == measured["target"]["tokens"] and len(record["tokens"]) == 12, arm
         assert record["score"] == 1.0 and record["nll"] == pytest.approx(measured["target"]["nll"], abs=1e-4)
-        assert record["answer_s"] >= record["ttft_s"] >= record["prepare_s"] >= 0.0
+        assert record["ttft_s"] >= record["prepare_s"] >= 0.0
+        assert ("decoded_with" in record) == (arm not in ("source", "tail@0.1+refresh:every=3,tokens=4")), arm
+        assert record.get("answer_s", record["ttft_s"]) >= record["ttft_s"]
     refreshed = measured["tail@0.1+refresh:every=3,tokens=4"]["refresh"]
     assert refreshed["refreshes"] == 4 and refreshed["recomputed"] == [16]  # calls 3, 6, 9, 12 of 12 tokens
     again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
     assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
+
+
+def test_a_batch_decodes_each_row_as_greedy_decodes_it_alone(tiny):
+    """Rows of one length decoded as a batch give each row's own greedy tokens, rows ending (end token, stop,
+    max_new) at different steps leave the batch, and the caches given are not changed."""
+    model = tiny.model(seed=3)
+    prompts = [torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    alone, caches, firsts = [], [], []
+    for ids in prompts:
+        with torch.no_grad():
+            cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
+        alone.append(long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())[0])
+        token, seconds = long_switch.first_token(model, cache, ids[:, -1:])
+        assert token == alone[-1][0] and seconds > 0 and cache.get_seq_length() == 30
+        caches.append(cache)
+        firsts.append(token)
+    before = [layer.keys.clone() for layer in caches[1].layers]
+    tokens, seconds = long_switch.continue_batch(model, caches, firsts, 9, lambda t: False, set())
+    assert tokens == alone and seconds > 0
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, caches[1].layers))
+    eos = {alone[0][2]}  # row 0 ends at its third token; row 1 stops at four; row 2 runs to max_new (or its own end)
+    stop = lambda t: t[:4] == alone[1][:4]  # noqa: E731
+    ended, _ = long_switch.continue_batch(model, caches, firsts, 9, stop, eos)
+    for row, expected in enumerate(alone):
+        single = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), 9)]
+        single = single[:4] if single[:4] == alone[1][:4] else single
+        assert ended[row] == single, row
 
 
 def test_first_tokens_compare_only_within_one_run(tmp_path):
