@@ -107,11 +107,39 @@ def _speedup(items: list[dict], arm: str) -> float | None:
     return mean(r["arms"]["target"]["ttft_s"] for r in paired) / arm_time if arm_time > 0 else None
 
 
+def break_even(groups: dict) -> dict:
+    """Per arm of one direction: the prompt length at which its first token comes as soon as the re-prefill's, from
+    its speedups at the lengths measured (every task pooled, sorted by tokens): interpolated linearly between the
+    last length below 1x and the first at or above it; `below`/`above` when every length measured is on one side."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for group in groups.values():
+        for arm, record in group.get("arms", {}).items():
+            if record.get("speedup") is not None and arm != "target":
+                points.setdefault(arm, []).append((group["tokens"], record["speedup"]))
+    out = {}
+    for arm, measured in points.items():
+        measured.sort()
+        entry = {"points": [[tokens, round(speed, 3)] for tokens, speed in measured]}
+        crossing = next(
+            (i for i in range(1, len(measured)) if measured[i - 1][1] < 1.0 <= measured[i][1]), None
+        )
+        if crossing is not None:
+            (t0, s0), (t1, s1) = measured[crossing - 1], measured[crossing]
+            entry["tokens"] = round(t0 + (1.0 - s0) * (t1 - t0) / (s1 - s0))
+        elif all(speed >= 1.0 for _, speed in measured):
+            entry["below"] = measured[0][0]  # it pays at every length measured, the shortest included
+        elif all(speed < 1.0 for _, speed in measured):
+            entry["above"] = measured[-1][0]
+        out[arm] = entry
+    return out
+
+
 def assemble(rows: dict, records: str, command: str) -> dict:
     results: dict = {}
     for (direction, task, length, seed), items in sorted(_group(rows).items()):
         results.setdefault(direction, {})[f"{task}@{length}#{seed}"] = {"seed": int(seed), **summarize(items)}
     return {
+        "break_even": {direction: break_even(groups) for direction, groups in results.items()},
         "run": {
             "what": "switching a conversation from one model of the pair to the other at serving lengths: each way "
             "of serving the larger model's continuation, against the target and the source alone",
@@ -155,6 +183,24 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                     f"{_fmt(row['retention'])} | {gap} | {'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_fmt(row.get('nll'), 3)} |"
                 )
+    for direction, arms in results.get("break_even", {}).items():
+        lines += [
+            "",
+            f"**Break-even length, {direction.replace(':', ' -> ')}** (the prompt length where an arm's first token "
+            "comes as soon as the re-prefill's; interpolated between the lengths measured, every task pooled)",
+            "",
+            "| arm | break-even (tokens) | speedup at the lengths measured (tokens: speedup) |",
+            "|---|---|---|",
+        ]
+        for arm, entry in sorted(arms.items()):
+            if "tokens" in entry:
+                where = f"{entry['tokens']:,}"
+            elif "below" in entry:
+                where = f"below {entry['below']:,} (pays at every length measured)"
+            else:
+                where = f"above {entry['above']:,} (pays at none measured)"
+            measured = ", ".join(f"{tokens:,}: {speed:.1f}x" for tokens, speed in entry["points"])
+            lines.append(f"| {arm} | {where} | {measured} |")
     return "\n".join(lines)
 
 

@@ -355,3 +355,16 @@ def test_items_written_for_the_ladder_load_as_exact_match_tasks(tmp_path, monkey
     assert [item.prompt for item in written] == [item.prompt for item in expected]
     with pytest.raises(SystemExit, match="exact-match items"):
         long_switch.main(["--tasks", "humaneval", "--write-items", str(tmp_path / "other.jsonl")])
+
+
+def test_the_break_even_length_interpolates_between_the_lengths_measured():
+    groups = {
+        "humaneval@0#1": {"tokens": 100, "arms": {"a@0.2": {"speedup": 0.5}, "b@0.2": {"speedup": 2.0}}},
+        "humaneval@2048#1": {"tokens": 2100, "arms": {"a@0.2": {"speedup": 2.5}, "b@0.2": {"speedup": 4.0}}},
+        "long_chat@2048#1": {"tokens": 2000, "arms": {"a@0.2": {"speedup": 3.0}, "c@0.2": {"speedup": 0.4}}},
+    }
+    found = long_switch_report.break_even(groups)
+    assert found["a@0.2"]["tokens"] == 100 + round(0.5 * 1900 / 2.5)  # between 100 (0.5x) and 2,000 (3.0x)
+    assert found["b@0.2"]["below"] == 100 and found["c@0.2"]["above"] == 2000
+    table = long_switch_report.markdown({"results": {}, "break_even": {"0.5b:1.5b": found}})
+    assert "| a@0.2 | 480 | 100: 0.5x, 2,000: 3.0x, 2,100: 2.5x |" in table
