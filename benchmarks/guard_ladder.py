@@ -30,6 +30,7 @@ import torch
 
 from hf_kvmap import MapperModel
 from hf_kvmap.calibration.ladder_items import (
+    LadderItem,
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
@@ -47,6 +48,8 @@ REAL_MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5
 PROBES = "draft_agreement:2,lookahead_margin:1,confident_draft:2"
 STRATEGIES = "tail,source_attention,target_attention,early_deviation"
 FRACTIONS = "0.1,0.2,0.3,0.5"
+#: the real family's long forms (`hf_kvmap.real.long_tasks`), built at `--tokens`
+LONG_TASKS = ("long_chat", "long_doc")
 
 
 def load_pair(args, direction: str):
@@ -77,17 +80,24 @@ def load_pair(args, direction: str):
 
 def task_items(args, tokenizer, items: int, seed: int):
     names = args.tasks.split(",")
+    long_items = []
     if args.family == "real":
+        from hf_kvmap.real import long_tasks
         from hf_kvmap.real.corpus import load_manifest
         from hf_kvmap.real.tasks import real_family_tasks
 
         documents = load_manifest(args.manifest)
-        tasks = real_family_tasks(tokenizer, documents, items=items, seed=seed, names=names)
+        short = [name for name in names if name not in LONG_TASKS]
+        tasks = real_family_tasks(tokenizer, documents, items=items, seed=seed, names=short) if short else []
+        for name in (name for name in names if name in LONG_TASKS):  # at --tokens: the long conversation forms
+            built = getattr(long_tasks, name)(tokenizer, documents, items, args.tokens, seed)
+            long_items += [LadderItem(item.prompt, item.answer, "<|im_end|>", name) for item in built]
     else:
         from hf_kvmap import zoo
 
         tasks = [task for task in zoo.tiny_family_tasks(items, seed) if task.name in names]
     found, skipped = items_from_tasks(tasks)
+    found += long_items
     if skipped or {item.task for item in found} != set(names):
         raise SystemExit(f"--tasks {args.tasks}: these must be exact-match tasks of the {args.family} family.")
     # the tasks in turn, so that a run stopped part-way has measured every task alike
@@ -287,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--probes", default=PROBES, help="candidate probes, name:tokens, one hold-back")
     parser.add_argument("--strategies", default=STRATEGIES, help="candidate repair strategies")
     parser.add_argument("--fractions", default=FRACTIONS, help="repair fractions measured (0 always)")
+    parser.add_argument("--tokens", type=int, default=2048, help="length of the long_chat / long_doc items (real)")
     parser.add_argument("--selection-items", type=int, default=60, help="items per task of the calibration set")
     parser.add_argument("--report-items", type=int, default=120, help="items per task of the report set")
     parser.add_argument("--selection-seed", type=int, default=4321)

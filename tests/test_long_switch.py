@@ -368,3 +368,20 @@ def test_the_break_even_length_interpolates_between_the_lengths_measured():
     assert found["b@0.2"]["below"] == 100 and found["c@0.2"]["above"] == 2000
     table = long_switch_report.markdown({"results": {}, "break_even": {"0.5b:1.5b": found}})
     assert "| a@0.2 | 480 | 100: 0.5x, 2,000: 3.0x, 2,100: 2.5x |" in table
+
+
+def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(byte_tokenizer, documents, monkeypatch):
+    """`benchmarks.guard_ladder --family real --tasks long_chat,long_doc --tokens N`: the long items, in turn, each
+    answer followed by the end of the assistant's turn."""
+    import argparse
+
+    from benchmarks import guard_ladder
+    from hf_kvmap.real import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "load_manifest", lambda path: documents)
+    args = argparse.Namespace(family="real", tasks="long_chat,long_doc", tokens=600, manifest="unused")
+    items = guard_ladder.task_items(args, byte_tokenizer, 2, 7)
+    assert [item.task for item in items] == ["long_chat", "long_doc", "long_chat", "long_doc"]
+    expected = long_tasks.long_chat(byte_tokenizer, documents, 2, tokens=600, seed=7)
+    assert [(i.prompt, i.answer) for i in items if i.task == "long_chat"] == [(e.prompt, e.answer) for e in expected]
+    assert {item.stop for item in items} == {"<|im_end|>"}
