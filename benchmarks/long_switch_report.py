@@ -74,6 +74,8 @@ def summarize(items: list[dict]) -> dict:
             record["speedup"] = _speedup(complete, arm)
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
+            record["nll_gap_recovered"] = _nll_gap(complete, arm)
+            record["prefix"] = mean(_prefix(row["arms"][arm], row["arms"]["target"]) for row in complete)
         if all("answer_s" in row["arms"][arm] for row in complete):
             record["answer_s"] = mean(row["arms"][arm]["answer_s"] for row in complete)
         match = RUNG.match(arm)
@@ -95,6 +97,22 @@ def summarize(items: list[dict]) -> dict:
             for depth in depths
         }
     return out
+
+
+def _prefix(record: dict, target: dict) -> float:
+    """The share of the target's tokens an arm decodes before its first different one (1.0: all of them)."""
+    reference = target.get("tokens") or []
+    tokens = record.get("tokens") or []
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return same / len(reference) if reference else 0.0
+
+
+def _nll_gap(items: list[dict], arm: str) -> float | None:
+    """The share of the source-to-target NLL gap an arm closes, `(source - arm) / (source - target)` on mean NLLs;
+    None where the target's NLL is not lower."""
+    nll = {a: mean(row["arms"][a]["nll"] for row in items) for a in ("target", "source", arm)}
+    gap = nll["source"] - nll["target"]
+    return (nll["source"] - nll[arm]) / gap if gap > 0 else None
 
 
 def _speedup(items: list[dict], arm: str) -> float | None:
@@ -155,6 +173,14 @@ def _fmt(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _nll_cell(row: dict) -> str:
+    """`NLL (share of the source-to-target NLL gap closed)`, `-` without an NLL."""
+    if row.get("nll") is None:
+        return "-"
+    gap = row.get("nll_gap_recovered")
+    return f"{row['nll']:.3f}" + ("" if gap is None else f" ({gap:.2f})")
+
+
 def markdown(results: dict, source: str = "benchmarks/results/long_switch.json") -> str:
     """One table per direction: a row per (task, length, arm)."""
     lines = [f"Generated from `{source}` by `benchmarks/long_switch_report.py`."]
@@ -164,7 +190,7 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             f"**{direction.replace(':', ' -> ')}**",
             "",
             "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | recomputed "
-            "| first token (s) | vs re-prefill | whole answer (s) | NLL |",
+            "| first token (s) | vs re-prefill | whole answer (s) | NLL (gap closed) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, group in groups.items():
@@ -181,7 +207,7 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                 lines.append(
                     f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
                     f"{_fmt(row['retention'])} | {gap} | {'-' if share is None else f'{share:.0%}'} | "
-                    f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_fmt(row.get('nll'), 3)} |"
+                    f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )
     for direction, arms in results.get("break_even", {}).items():
         lines += [

@@ -385,3 +385,16 @@ def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(by
     expected = long_tasks.long_chat(byte_tokenizer, documents, 2, tokens=600, seed=7)
     assert [(i.prompt, i.answer) for i in items if i.task == "long_chat"] == [(e.prompt, e.answer) for e in expected]
     assert {item.stop for item in items} == {"<|im_end|>"}
+
+
+def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_path):
+    row = _row("0.5b:1.5b/continuation/2048/1/0", "continuation", {"target": (1, 40), "source": (0, 0), "mapped": (0, 2)})
+    row["arms"]["target"].update(tokens=[1, 2, 3, 4], nll=1.0)
+    row["arms"]["source"].update(tokens=[1, 9, 3, 4], nll=2.0)
+    row["arms"]["mapped"].update(tokens=[1, 2, 3, 7], nll=1.25)
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    arms = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
+    arms = arms["continuation@2048#1"]["arms"]
+    assert arms["mapped"]["prefix"] == 0.75 and arms["source"]["prefix"] == 0.25 and arms["target"]["prefix"] == 1
+    assert arms["mapped"]["nll_gap_recovered"] == pytest.approx(0.75) and arms["source"]["nll_gap_recovered"] == 0
