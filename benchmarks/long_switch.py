@@ -441,7 +441,7 @@ def cmd_run(args) -> None:
         bar.set_postfix({a: round(measured[a]["score"], 2) for a in measured})
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", default=None, help="the mapper folder (every run but --write-items)")
     parser.add_argument("--direction", default="0.5b:1.5b", choices=["0.5b:1.5b", "1.5b:0.5b"])
@@ -463,7 +463,11 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
     parser.add_argument("--write-items", default=None, help="write the items as exact-match JSONL here and stop")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.write_items:
         write_items(args)
     else:

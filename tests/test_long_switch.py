@@ -398,3 +398,22 @@ def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_
     arms = arms["continuation@2048#1"]["arms"]
     assert arms["mapped"]["prefix"] == 0.75 and arms["source"]["prefix"] == 0.25 and arms["target"]["prefix"] == 1
     assert arms["mapped"]["nll_gap_recovered"] == pytest.approx(0.75) and arms["source"]["nll_gap_recovered"] == 0
+
+
+@pytest.mark.parametrize("module", ["long_switch", "guard_ladder"])
+def test_every_benchmarks_readme_long_command_parses(module):
+    """Each `python -m benchmarks.long_switch` / `guard_ladder` command in benchmarks/README.md is one the module
+    accepts, every rung of --rungs included."""
+    import importlib
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = importlib.import_module(f"benchmarks.{module}")
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(rf"python -m benchmarks\.{module} (.*?)(?:`|$)", text, re.MULTILINE)
+    assert len(commands) >= 2
+    for command in commands:
+        args = script.build_parser().parse_args(shlex.split(command.replace("$WORK", "/w"), comments=True))
+        for rung in long_switch.split_rungs(getattr(args, "rungs", "") if module == "long_switch" else ""):
+            long_switch.parse_rung(rung)
