@@ -112,7 +112,7 @@ def tiny_config(layers=2, kv_heads=2, head_dim=16, heads=4, hidden=64, vocab=VOC
     )
 
 
-def make_model(config=None, *, seed: int = 0, sharpen: bool = True, **config_fields):
+def make_model(config=None, *, seed: int = 0, sharpen: bool = True, attn_implementation="eager", **config_fields):
     """A randomly initialized causal LM in eval mode, from `config` or from `tiny_config(**config_fields)`.
 
     With `sharpen`, the output embeddings are scaled by 20: a random init is near-uniform, and greedy decoding should
@@ -122,7 +122,7 @@ def make_model(config=None, *, seed: int = 0, sharpen: bool = True, **config_fie
 
     config = tiny_config(**config_fields) if config is None else config
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
     if sharpen:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(20.0)

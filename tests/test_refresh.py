@@ -4,7 +4,7 @@ positions chosen are the top ones of the model's own attention of its latest tok
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from hf_kvmap import MapperModel, MappedCache
 from hf_kvmap._compat import cache_kwargs
@@ -16,19 +16,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5
 
 
-def _model(config, seed, implementation="eager"):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model
-
-
 @pytest.fixture(scope="module", params=["eager", "sdpa"])
 def pair(request, tiny):
     """`(source, target, identity mapper)` of one geometry with independent weights: the mapped cache is far off."""
     config = tiny.config(layers=3)
-    return _model(config, 1, request.param), _model(config, 0, request.param), MapperModel.identity(config)
+    source = tiny.model(config, seed=1, attn_implementation=request.param)
+    return source, tiny.model(config, seed=0, attn_implementation=request.param), MapperModel.identity(config)
 
 
 def _prompt(tokens=24, seed=3):
@@ -82,7 +75,7 @@ def test_refreshing_every_position_makes_the_prompt_the_targets_own(pair, tiny):
 def test_a_refresh_recomputes_the_top_positions_of_the_latest_tokens_own_attention(tiny):
     """The refresh's default scores are the eager forward's softmax weights of the last `every` tokens' queries,
     summed over heads and layers, at the query that reads a position most; it recomputes their top `tokens`."""
-    model = _model(tiny.config(layers=3), 2)
+    model = tiny.model(tiny.config(layers=3), seed=2)
     ids = _prompt(tokens=20)
     full = _generate(model, ids, None, new=4)  # 20 prompt tokens + 4 generated
     cache = tiny.prefill(model, ids[:, :-1])  # 19 cached prompt positions
@@ -95,8 +88,8 @@ def test_a_refresh_recomputes_the_top_positions_of_the_latest_tokens_own_attenti
     refresh.refresh(full[:, :-1])
     chosen = refresh.done[0].nonzero().squeeze(-1)
     assert chosen.tolist() == sorted(expected.topk(5).indices.tolist())
-    scores = TargetAttentionSelector(last_tokens=4, reduce="max").settings()
-    assert scores == {"name": "target_attention", "last_tokens": 4, "reduce": "max"}
+    settings = TargetAttentionSelector(last_tokens=4, reduce="max").settings()
+    assert settings == {"name": "target_attention", "last_tokens": 4, "reduce": "max"}
 
 
 def test_positions_repaired_before_are_skipped_and_the_limit_holds(pair, tiny):
