@@ -152,12 +152,17 @@ def break_even(groups: dict) -> dict:
     return out
 
 
-def assemble(rows: dict, records: str, command: str) -> dict:
+def assemble(rows: dict, records: str, command: str, report_seed: int = 1234) -> dict:
+    """Every group's summary, and the break-even lengths from the report set's groups (`report_seed`: the item set
+    every number is reported on; the selection set's runs were tuned on and may have shared the machine)."""
     results: dict = {}
     for (direction, task, length, seed), items in sorted(_group(rows).items()):
         results.setdefault(direction, {})[f"{task}@{length}#{seed}"] = {"seed": int(seed), **summarize(items)}
     return {
-        "break_even": {direction: break_even(groups) for direction, groups in results.items()},
+        "break_even": {
+            direction: break_even({n: g for n, g in groups.items() if g["seed"] == report_seed})
+            for direction, groups in results.items()
+        },
         "run": {
             "what": "switching a conversation from one model of the pair to the other at serving lengths: each way "
             "of serving the larger model's continuation, against the target and the source alone",
@@ -213,7 +218,8 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
         lines += [
             "",
             f"**Break-even length, {direction.replace(':', ' -> ')}** (the prompt length where an arm's first token "
-            "comes as soon as the re-prefill's; interpolated between the lengths measured, every task pooled)",
+            "comes as soon as the re-prefill's; interpolated between the lengths measured, every task of the report set "
+            "pooled)",
             "",
             "| arm | break-even (tokens) | speedup at the lengths measured (tokens: speedup) |",
             "|---|---|---|",
@@ -243,9 +249,13 @@ def plot(results: dict, path: str) -> None:
         for d, groups in results["results"].items()
         for t, seed in sorted({(n.split("@")[0], n.split("#")[1]) for n in groups})
     ]
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
+    columns = min(4, max(1, len(panels)))
+    rows = -(-max(1, len(panels)) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.6 * rows), squeeze=False)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
     styles = ["-", "--", ":", "-."]
-    for axis, (direction, task, seed) in zip(axes[0], panels):
+    for axis, (direction, task, seed) in zip(axes.flat, panels):
         groups = {
             n: g
             for n, g in results["results"][direction].items()
@@ -280,13 +290,14 @@ def main(argv=None) -> None:
     parser.add_argument("--records", required=True, nargs="+", help="records files of `benchmarks.long_switch`")
     parser.add_argument("--out", default="benchmarks/results/long_switch.json")
     parser.add_argument("--plot", default="benchmarks/results/long_switch.png")
+    parser.add_argument("--report-seed", type=int, default=1234, help="the item set the break-even lengths come from")
     args = parser.parse_args(argv)
     rows = {}
     for path in args.records:
         for key, row in load(path).items():
             rows.setdefault(key, {**row, "arms": {}})["arms"].update(row["arms"])
     command = "python -m benchmarks.long_switch_report " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = assemble(rows, ", ".join(args.records), command)
+    results = assemble(rows, ", ".join(args.records), command, args.report_seed)
     results["runs"] = [
         json.loads(line)["run"]
         for path in args.records
