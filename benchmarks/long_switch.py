@@ -362,8 +362,8 @@ def write_items(args) -> None:
     loaded, only the target's tokenizer."""
     from transformers import AutoTokenizer
 
-    from hf_kvmap.real import converted_path
     from hf_kvmap.atomic import write_text_atomically
+    from hf_kvmap.real import converted_path
 
     tasks = args.tasks.split(",")
     if not set(tasks) <= {"long_chat", "long_doc"}:
@@ -374,7 +374,12 @@ def write_items(args) -> None:
         prompt = tokenizer.decode(item["ids"])
         if tokenizer(prompt, add_special_tokens=False)["input_ids"] != item["ids"]:
             raise SystemExit(f"{item['task']} item {item['index']}: its text does not tokenize back to its ids")
-        row = {"task": f"{item['task']}@{args.tokens}", "prompt": prompt, "answer": item["answer"], "stop": "<|im_end|>"}
+        row = {
+            "task": f"{item['task']}@{args.tokens}",
+            "prompt": prompt,
+            "answer": item["answer"],
+            "stop": "<|im_end|>",
+        }
         lines.append(json.dumps(row))
     write_text_atomically(args.write_items, "\n".join(lines) + "\n")
     print(f"{len(lines)} items -> {args.write_items}")

@@ -138,9 +138,7 @@ def break_even(groups: dict) -> dict:
     for arm, measured in points.items():
         measured.sort()
         entry = {"points": [[tokens, round(speed, 3)] for tokens, speed in measured]}
-        crossing = next(
-            (i for i in range(1, len(measured)) if measured[i - 1][1] < 1.0 <= measured[i][1]), None
-        )
+        crossing = next((i for i in range(1, len(measured)) if measured[i - 1][1] < 1.0 <= measured[i][1]), None)
         if crossing is not None:
             (t0, s0), (t1, s1) = measured[crossing - 1], measured[crossing]
             entry["tokens"] = round(t0 + (1.0 - s0) * (t1 - t0) / (s1 - s0))

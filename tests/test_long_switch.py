@@ -133,8 +133,12 @@ def test_a_completion_passes_only_with_its_tests_green():
         ("draft_attention@0.2", ("draft_attention@0.2", {"name": "draft_attention"}, 0.2, None)),
         (
             "draft_attention@0.1+refresh:every=16,tokens=32",
-            ("draft_attention@0.1+refresh:every=16,tokens=32", {"name": "draft_attention"}, 0.1,
-             {"every": 16, "tokens": 32}),
+            (
+                "draft_attention@0.1+refresh:every=16,tokens=32",
+                {"name": "draft_attention"},
+                0.1,
+                {"every": 16, "tokens": 32},
+            ),
         ),
         ("mapped+refresh:fraction=0.05", ("mapped+refresh:fraction=0.05", None, 0.0, {"fraction": 0.05})),
         (
@@ -238,7 +242,9 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert "speedup" not in doc["arms"]["source"]
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
-    assert "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 20% | 10.0 | 5.0x | - | - |" in table
+    assert (
+        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 20% | 10.0 | 5.0x | - | - |" in table
+    )
 
 
 def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
@@ -343,7 +349,18 @@ def test_items_written_for_the_ladder_load_as_exact_match_tasks(tmp_path, monkey
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: byte_tokenizer)
     monkeypatch.setattr(corpus_module, "load_manifest", lambda path: documents)
     out = tmp_path / "items.jsonl"
-    argv = ["--tasks", "long_chat,long_doc", "--tokens", "600", "--items", "3", "--seed", "7", "--write-items", str(out)]
+    argv = [
+        "--tasks",
+        "long_chat,long_doc",
+        "--tokens",
+        "600",
+        "--items",
+        "3",
+        "--seed",
+        "7",
+        "--write-items",
+        str(out),
+    ]
     long_switch.main(argv)
     tasks = {task.name: task for task in load_jsonl_tasks(out)}
     assert sorted(tasks) == ["long_chat@600", "long_doc@600"]
@@ -388,7 +405,9 @@ def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(by
 
 
 def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_path):
-    row = _row("0.5b:1.5b/continuation/2048/1/0", "continuation", {"target": (1, 40), "source": (0, 0), "mapped": (0, 2)})
+    row = _row(
+        "0.5b:1.5b/continuation/2048/1/0", "continuation", {"target": (1, 40), "source": (0, 0), "mapped": (0, 2)}
+    )
     row["arms"]["target"].update(tokens=[1, 2, 3, 4], nll=1.0)
     row["arms"]["source"].update(tokens=[1, 9, 3, 4], nll=2.0)
     row["arms"]["mapped"].update(tokens=[1, 2, 3, 7], nll=1.25)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from hf_kvmap import MapperModel, MappedCache
+from hf_kvmap import MappedCache, MapperModel
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.repair import DecodeRefresh, RepairConfig, repair_cache
 from hf_kvmap.repair.target_attention import TargetAttentionSelector
@@ -36,7 +36,12 @@ def _mapped(pair, tiny, ids):
 def _generate(model, ids, cache, processor=None, new=8):
     processors = LogitsProcessorList([processor] if processor is not None else [])
     return model.generate(
-        ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, logits_processor=processors,
+        ids,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        logits_processor=processors,
         **cache_kwargs(cache),
     )
 

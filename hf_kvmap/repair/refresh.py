@@ -158,8 +158,9 @@ class DecodeRefresh(LogitsProcessor):
             cache=self.cache,
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=positions_from_attention_mask(mask if self.prompt_mask is not None else None, batch, width,
-                                                       input_ids.device),
+            position_ids=positions_from_attention_mask(
+                mask if self.prompt_mask is not None else None, batch, width, input_ids.device
+            ),
             candidates=candidates,
         )
         positions, valid = self.selector.select(context, counts)
