@@ -6,7 +6,8 @@
 Per direction, task and length: each arm's mean score over the items every arm was measured on, its retention
 (`score / target`, chance 0 on every task here), the share of the source-to-target gap it recovers
 (`(score - source) / (target - source)`, only where the target beats the source), its mean time to first token and
-the re-prefill's over it (measured side by side on the same items), the seconds of the whole answer, the share of the
+the re-prefill's over it (measured side by side on the same items), how often it gives the target's own answer (right
+or wrong: what a switch promises), the seconds of the whole answer, the share of the
 prompt recomputed (before the first token, plus what a `+refresh` rung recomputed while decoding), and for
 continuations the NLL of the real text.
 """
@@ -76,6 +77,9 @@ def summarize(items: list[dict]) -> dict:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
             record["nll_gap_recovered"] = _nll_gap(complete, arm)
             record["prefix"] = mean(_prefix(row["arms"][arm], row["arms"]["target"]) for row in complete)
+        texts = [(row["arms"][arm].get("text"), row["arms"]["target"].get("text")) for row in complete]
+        if all(a is not None and b is not None for a, b in texts):  # the target's answer, right or wrong
+            record["same_as_target"] = mean(float(a.strip() == b.strip()) for a, b in texts)
         if all("answer_s" in row["arms"][arm] for row in complete):
             record["answer_s"] = mean(row["arms"][arm]["answer_s"] for row in complete)
         match = RUNG.match(arm)
@@ -192,9 +196,9 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             "",
             f"**{direction.replace(':', ' -> ')}**",
             "",
-            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | recomputed "
-            "| first token (s) | vs re-prefill | whole answer (s) | NLL (gap closed) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | target's answer "
+            "| recomputed | first token (s) | vs re-prefill | whole answer (s) | NLL (gap closed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, group in groups.items():
             if not group["items"]:
@@ -209,7 +213,8 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                 share = {"target": 1.0, "source": None, "mapped": 0.0}.get(arm, row.get("fraction"))
                 lines.append(
                     f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
-                    f"{_fmt(row['retention'])} | {gap} | {'-' if share is None else f'{share:.0%}'} | "
+                    f"{_fmt(row['retention'])} | {gap} | {_fmt(row.get('same_as_target'))} | "
+                    f"{'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )
     for direction, arms in results.get("break_even", {}).items():

@@ -243,7 +243,8 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
     assert (
-        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 20% | 10.0 | 5.0x | - | - |" in table
+        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | - | 20% | 10.0 | 5.0x | - | - |"
+        in table
     )
 
 
@@ -436,3 +437,20 @@ def test_every_benchmarks_readme_long_command_parses(module):
         args = script.build_parser().parse_args(shlex.split(command.replace("$WORK", "/w"), comments=True))
         for rung in long_switch.split_rungs(getattr(args, "rungs", "") if module == "long_switch" else ""):
             long_switch.parse_rung(rung)
+
+
+def test_an_arm_reports_how_often_it_gives_the_targets_own_answer_right_or_wrong(tmp_path):
+    rows = []
+    for index, (target, arm) in enumerate([("22363", "22363"), ("32145", "46993"), ("Ziggy", "Ziggy ")]):
+        row = _row(f"0.5b:1.5b/long_doc/2048/1/{index}", "long_doc", {"target": (0, 40), "source": (0, 0)})
+        row["arms"]["mapped"] = {"score": 0, "ttft_s": 1}  # no text: not counted
+        row["arms"]["target"]["text"] = target
+        row["arms"]["source"]["text"] = "1"
+        row["arms"]["draft_branches@0.2"] = {"score": 0, "ttft_s": 9, "text": arm}
+        rows.append(row)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arms = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
+    arms = arms["long_doc@2048#1"]["arms"]
+    assert arms["draft_branches@0.2"]["same_as_target"] == pytest.approx(2 / 3)
+    assert arms["source"]["same_as_target"] == 0 and "same_as_target" not in arms["mapped"]
