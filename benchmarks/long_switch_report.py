@@ -280,7 +280,7 @@ def plot(results: dict, path: str) -> None:
             f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n(black: target alone, grey: source alone)",
             fontsize=9,
         )
-        axis.set_xlabel("fraction recomputed (before the first token + while decoding)")
+        axis.set_xlabel("fraction recomputed (incl. refreshes)", fontsize=8)
         axis.set_ylabel("score")
         axis.set_ylim(-0.05, 1.05)
         axis.legend(fontsize=6, loc="lower right")
