@@ -48,6 +48,7 @@ _LAZY_NAMES = {
     "mapper_from_statistics": "fitting",
     "measure_ladder_items": "calibration.ladder_items",
     "register_probe": "serving.probes.base",
+    "DecodeRefresh": "repair",
     "RepairConfig": "repair",
     "repair_cache": "repair",
     "save_cache": "delivery",
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from .fitting import FittedMapper, fit_mapper, fitted_config, mapper_from_statistics
     from .geometry import UnsupportedArchitectureError
     from .placement import mapper_device_map, target_layer_devices
-    from .repair import RepairConfig, repair_cache
+    from .repair import DecodeRefresh, RepairConfig, repair_cache
     from .selection import LayerSelection
     from .serving.handoff import handoff
     from .serving.ladder import GuardLadder, LadderRung
@@ -91,6 +92,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CalibrationStatistics",
+    "DecodeRefresh",
     "FitOptions",
     "FittedMapper",
     "GuardLadder",
