@@ -33,8 +33,9 @@ from transformers import LogitsProcessor
 
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, budget_counts, selector_from_dict
+from .base import RepairContext, selector_from_dict
 from .recompute import recompute_positions
+from .repair import mark_recomputed, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
 DEFAULT_STRATEGY = {"name": "target_attention", "reduce": "max"}
@@ -98,26 +99,24 @@ class DecodeRefresh(LogitsProcessor):
         self.every, self.tokens, self.fraction, self.limit = every, tokens, fraction, float(limit)
         self.length = cache.get_seq_length()
         self.prompt_mask = attention_mask
-        batch = cache.layers[0].keys.shape[0]
-        done = getattr(cache, "recomputed", None)
-        self.done = torch.zeros(batch, self.length, dtype=torch.bool)
-        if isinstance(done, torch.Tensor) and done.dim() == 2 and done.shape[0] == batch:
-            width = min(done.shape[1], self.length)
-            self.done[:, :width] = done[:, :width].cpu()
+        self.batch = cache.layers[0].keys.shape[0]
         self.steps = 0
         self.refreshes = 0
-        self.recomputed = [0] * batch
+        self.recomputed = [0] * self.batch
         self.seconds = 0.0
         self._record()
 
+    @property
+    def done(self) -> torch.Tensor:
+        """`(batch, length)` bool: the prompt positions recomputed so far, before the first token or by a refresh."""
+        return recomputed_mask(self.cache, self.batch, self.length)
+
     def _budget(self, available: torch.Tensor) -> list[int]:
-        """Positions per row this refresh: the per-refresh budget, within what `limit` leaves."""
-        cached = available.sum(-1)
-        counts = budget_counts(available, self.fraction, self.tokens)
-        if self.fraction is not None:  # a share of the cached prompt, not of what is left of it
-            counts = [min(int(self.fraction * self.length + 1e-9), n) for n in cached.tolist()]
+        """Positions per row this refresh: the per-refresh budget (`fraction` a share of the cached prompt, not of
+        what is left of it), at most the row's candidates and what `limit` leaves."""
+        each = self.tokens if self.tokens is not None else int(self.fraction * self.length + 1e-9)
         cap = int(self.limit * self.length + 1e-9)
-        return [max(0, min(count, cap - done)) for count, done in zip(counts, self.recomputed)]
+        return [max(0, min(each, n, cap - done)) for n, done in zip(available.sum(-1).tolist(), self.recomputed)]
 
     def _record(self) -> None:
         info = getattr(self.cache, "mapping_info", None)
@@ -173,9 +172,8 @@ class DecodeRefresh(LogitsProcessor):
             token_mask=mask,
             position_ids=context.position_ids,
         )
-        for row in range(batch):
-            self.done[row, positions[row][valid[row]].cpu()] = True
-            self.recomputed[row] += counts[row]
+        mark_recomputed(self.cache, positions, valid, self.length)
+        self.recomputed = [done + count for done, count in zip(self.recomputed, counts)]
         self.refreshes += 1
         self.seconds += time.perf_counter() - start
         self._record()

@@ -195,7 +195,7 @@ def repair_cache(
         token_mask=mask[:, :length],
         position_ids=position_ids[:, :length],
     )
-    _mark_recomputed(cache, positions, valid, length)
+    mark_recomputed(cache, positions, valid, length)
     available = candidates.sum(-1).tolist()
     exact = start == 0 and counts == available
     record = {
@@ -212,16 +212,23 @@ def repair_cache(
     return cache
 
 
-def _mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> None:
-    """`cache.recomputed`: `(batch, length)` bool, the positions the target recomputed so far (what a refresh while
-    decoding, `DecodeRefresh`, skips)."""
-    done = torch.zeros(positions.shape[0], length, dtype=torch.bool)
+def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
+    """`(batch, length)` bool: the positions of `cache` the target recomputed so far (`cache.recomputed`, kept by
+    `mark_recomputed`), all `False` where the cache has no such record."""
+    done = torch.zeros(batch, length, dtype=torch.bool)
+    before = getattr(cache, "recomputed", None)
+    if isinstance(before, torch.Tensor) and before.dim() == 2 and before.shape[0] == batch:
+        width = min(before.shape[1], length)
+        done[:, :width] = before[:, :width].cpu()
+    return done
+
+
+def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> None:
+    """Add the `valid` `positions` (`(batch, n)`, a recompute's selection) to `cache.recomputed`, `(batch, length)`
+    bool: what a later refresh while decoding (`DecodeRefresh`) skips."""
+    done = recomputed_mask(cache, positions.shape[0], length)
     for row in range(positions.shape[0]):
         done[row, positions[row][valid[row]].cpu()] = True
-    before = getattr(cache, "recomputed", None)
-    if isinstance(before, torch.Tensor) and before.dim() == 2 and before.shape[0] == done.shape[0]:
-        width = min(before.shape[1], length)
-        done[:, :width] |= before[:, :width].cpu()
     cache.recomputed = done
 
 
