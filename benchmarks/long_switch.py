@@ -101,6 +101,10 @@ def _forward(model, ids: torch.Tensor, cache):
     return model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
 
 
+def _ended(tokens: list[int], max_new: int, stop, eos: set[int]) -> bool:
+    return tokens[-1] in eos or len(tokens) >= max_new or stop(tokens)
+
+
 @torch.no_grad()
 def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], step=None):
     """Greedy tokens after `cache` + `last` (`(1, n)` held-back ids) until an end token, `stop(tokens)` or
@@ -116,7 +120,7 @@ def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], 
     first = time.perf_counter() - start
     tokens = [token]
     start = time.perf_counter()
-    while token not in eos and len(tokens) < max_new and not stop(tokens):
+    while not _ended(tokens, max_new, stop, eos):
         logits = _forward(model, torch.tensor([[token]]), cache).logits[:, -1]
         if step is not None:
             step(tokens)
@@ -125,10 +129,6 @@ def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], 
     rest = time.perf_counter() - start
     cache.crop(length - cache.get_seq_length())  # negative: drop what decoding appended
     return tokens, first, rest
-
-
-def _ended(tokens: list[int], max_new: int, stop, eos: set[int]) -> bool:
-    return tokens[-1] in eos or len(tokens) >= max_new or stop(tokens)
 
 
 @torch.no_grad()
@@ -236,7 +236,7 @@ class Runner:
         reference = done.get("target", {}).get("tokens")
         out: dict[str, dict] = {}
 
-        def record_of(arm, model, cache, tokens, prepare, first) -> dict:
+        def record_of(model, cache, tokens, prepare, first) -> dict:
             text = self.tokenizer.decode([t for t in tokens if t not in self.eos])
             record = {"tokens": tokens, "text": text, "prepare_s": prepare, "ttft_s": prepare + first}
             if item["task"] == "continuation":
@@ -249,7 +249,7 @@ class Runner:
             if refresh is not None:  # called as generate calls a logits processor
                 step = lambda tokens: refresh(torch.tensor([item["ids"] + tokens]), None)  # noqa: E731
             tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step)
-            out[arm] = record_of(arm, model, cache, tokens, prepare, first)
+            out[arm] = record_of(model, cache, tokens, prepare, first)
             out[arm]["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
             if refresh is not None:
                 info = cache.mapping_info["refresh"]
@@ -260,7 +260,7 @@ class Runner:
         batched: list[tuple] = []  # (arm, cache, prepare, first token, its seconds): decoded together below
 
         def start(arm: str, cache, prepare: float, refresh=None) -> None:
-            if refresh is not None or not getattr(self, "batch", True):
+            if refresh is not None or not self.batch:
                 finish(arm, self.target, cache, prepare, refresh)
             else:
                 token, seconds = first_token(self.target, cache, last)
@@ -295,7 +295,7 @@ class Runner:
             for i in range(len(batched)):
                 arm, cache, prepare, _, first = batched[i]
                 cache.crop(-last.shape[1])  # back to the prompt's cache, for the NLL
-                out[arm] = record_of(arm, self.target, cache, decoded[i], prepare, first)
+                out[arm] = record_of(self.target, cache, decoded[i], prepare, first)
                 out[arm]["decoded_with"] = len(batched)  # rows of the batch that decoded it (its seconds shared)
                 out[arm]["batch_s"] = seconds
         if source_cache is not None and "source" in arms and "source" not in done:
@@ -307,13 +307,12 @@ class Runner:
         return {arm: out[arm] for arm in arms if arm in out}
 
 
-def build_items(tokenizer, args) -> list[dict]:
+def build_items(tok, args) -> list[dict]:
     """The run's items as plain dicts (`task`, `index`, `ids`, `answer`, metadata), in measuring order."""
     from hf_kvmap.real import long_tasks
     from hf_kvmap.real.corpus import load_manifest
 
     documents = load_manifest(args.manifest)
-    tok = tokenizer
     per_task = []
     for task in args.tasks.split(","):
         items = []

@@ -259,6 +259,7 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     runner.source = runner.target = model
     runner.mapper = MapperModel.identity(model.config)
     runner.eos = set()
+    runner.batch = True  # the default: the target's arms without a refresh decode as one batch
     runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
     ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:8], "answer": ""}
