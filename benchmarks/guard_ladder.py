@@ -78,7 +78,7 @@ def load_pair(args, direction: str):
     return source, target, mapper, tokenizer, mapper_name
 
 
-def task_items(args, tokenizer, items: int, seed: int):
+def task_items(args, tokenizer, items: int, seed: int, tokens: int):
     names = args.tasks.split(",")
     long_items = []
     if args.family == "real":
@@ -90,7 +90,7 @@ def task_items(args, tokenizer, items: int, seed: int):
         short = [name for name in names if name not in LONG_TASKS]
         tasks = real_family_tasks(tokenizer, documents, items=items, seed=seed, names=short) if short else []
         for name in (name for name in names if name in LONG_TASKS):  # at --tokens: the long conversation forms
-            built = getattr(long_tasks, name)(tokenizer, documents, items, args.tokens, seed)
+            built = getattr(long_tasks, name)(tokenizer, documents, items, tokens, seed)
             long_items += [LadderItem(item.prompt, item.answer, "<|im_end|>", name) for item in built]
     else:
         from hf_kvmap import zoo
@@ -298,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategies", default=STRATEGIES, help="candidate repair strategies")
     parser.add_argument("--fractions", default=FRACTIONS, help="repair fractions measured (0 always)")
     parser.add_argument("--tokens", type=int, default=2048, help="length of the long_chat / long_doc items (real)")
+    parser.add_argument(
+        "--report-tokens",
+        default=None,
+        help="report lengths of the long items, comma-separated (default: --tokens): the ladder calibrated at --tokens "
+        "is replayed at each; a length other than --tokens is reported as its own entry, '<direction> at <n> tokens'",
+    )
     parser.add_argument("--selection-items", type=int, default=60, help="items per task of the calibration set")
     parser.add_argument("--report-items", type=int, default=120, help="items per task of the report set")
     parser.add_argument("--selection-seed", type=int, default=4321)
@@ -330,6 +336,17 @@ def main(argv=None) -> None:
     directions = (args.directions or ",".join(TINY_DIRECTIONS)).split(",")
     if args.mapper and len(directions) > 1:
         raise SystemExit("--mapper names one mapper: give one --directions pair with it.")
+    long_items = args.family == "real" and any(name in LONG_TASKS for name in args.tasks.split(","))
+    report_lengths = [args.tokens]
+    if args.report_tokens is not None:
+        if not long_items:
+            raise SystemExit(
+                f"--report-tokens sets the length of the long tasks {LONG_TASKS}: use --family real with them."
+            )
+        try:
+            report_lengths = list(dict.fromkeys(int(t) for t in args.report_tokens.split(",")))
+        except ValueError:
+            raise SystemExit(f"--report-tokens takes lengths like 2048,4096; got {args.report_tokens!r}.") from None
     results = {
         "run": {
             "what": "the guard ladder: calibrated on the selection set, replayed on the report set, beside the binary "
@@ -344,6 +361,7 @@ def main(argv=None) -> None:
             "dtype": args.dtype,
             "selection": {"seed": args.selection_seed, "items_per_task": args.selection_items},
             "report": {"seed": args.report_seed, "items_per_task": args.report_items},
+            "tokens": args.tokens if long_items else None,  # of the long items' selection set
             "cost": "seconds of each stage / the item's own target prefill, side by side in this run; every rung "
             "counts the mapping and the probe, a repair its recompute, the fallback the prefill",
             "command": "python -m benchmarks.guard_ladder " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -355,25 +373,27 @@ def main(argv=None) -> None:
     for direction in directions:
         pair = load_pair(args, direction)
         tag = direction.replace(":", "-to-")
-        sets = {}
-        for name, items, seed in (
-            ("selection", args.selection_items, args.selection_seed),
-            ("report", args.report_items, args.report_seed),
-        ):
-            found = task_items(args, pair[3], items, seed)
-            print(f"{direction} {name}: {len(found)} items", flush=True)
-            sets[name] = records_for(args.work / f"{tag}.{name}.jsonl", pair, found, args)
-        results["directions"][tag] = {
-            "mapper": str(pair[4]),
-            **study(sets["selection"], sets["report"], args.max_changed, args.confidence),
-        }
-        write_json(args.out, results)
-        report = results["directions"][tag]["ladder"]["report"]
-        print(
-            f"{tag}: ladder on the report set: mean cost {report['mean_cost']:.3f}, rungs {report['rungs']}, changed "
-            + ", ".join(f"{t} {g['changed_served']:.3f}" for t, g in report["per_group"].items()),
-            flush=True,
-        )
+        found = task_items(args, pair[3], args.selection_items, args.selection_seed, args.tokens)
+        print(f"{direction} selection: {len(found)} items", flush=True)
+        selection = records_for(args.work / f"{tag}.selection.jsonl", pair, found, args)
+        for tokens in report_lengths:
+            found = task_items(args, pair[3], args.report_items, args.report_seed, tokens)
+            print(f"{direction} report at {tokens} tokens: {len(found)} items", flush=True)
+            name = "report" if tokens == args.tokens else f"report-{tokens}"  # the first file keeps its old name
+            report = records_for(args.work / f"{tag}.{name}.jsonl", pair, found, args)
+            key = tag if tokens == args.tokens else f"{tag} at {tokens} tokens"
+            results["directions"][key] = {
+                "mapper": str(pair[4]),
+                "report_tokens": tokens if long_items else None,
+                **study(selection, report, args.max_changed, args.confidence),
+            }
+            write_json(args.out, results)
+            replayed = results["directions"][key]["ladder"]["report"]
+            print(
+                f"{key}: ladder on the report set: mean cost {replayed['mean_cost']:.3f}, rungs {replayed['rungs']}, "
+                "changed " + ", ".join(f"{t} {g['changed_served']:.3f}" for t, g in replayed["per_group"].items()),
+                flush=True,
+            )
     plot(results, args.plot)
 
 

@@ -398,12 +398,48 @@ def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(by
     from hf_kvmap.real import corpus as corpus_module
 
     monkeypatch.setattr(corpus_module, "load_manifest", lambda path: documents)
-    args = argparse.Namespace(family="real", tasks="long_chat,long_doc", tokens=600, manifest="unused")
-    items = guard_ladder.task_items(args, byte_tokenizer, 2, 7)
+    args = argparse.Namespace(family="real", tasks="long_chat,long_doc", manifest="unused")
+    items = guard_ladder.task_items(args, byte_tokenizer, 2, 7, 600)
     assert [item.task for item in items] == ["long_chat", "long_doc", "long_chat", "long_doc"]
     expected = long_tasks.long_chat(byte_tokenizer, documents, 2, tokens=600, seed=7)
     assert [(i.prompt, i.answer) for i in items if i.task == "long_chat"] == [(e.prompt, e.answer) for e in expected]
     assert {item.stop for item in items} == {"<|im_end|>"}
+
+
+def test_the_guard_ladder_calibrated_at_one_length_is_replayed_at_each_report_length(tmp_path, monkeypatch):
+    """`--tokens 2048 --report-tokens 2048,4096`: the selection set is built at 2,048 tokens, one report set at each
+    length into its own records file (the first keeps `<direction>.report.jsonl`), and each is its own entry."""
+    from benchmarks import guard_ladder
+
+    built, files, studied = [], [], []
+    monkeypatch.setattr(guard_ladder, "load_pair", lambda args, direction: (None, None, None, "tok", "map"))
+    monkeypatch.setattr(
+        guard_ladder, "task_items", lambda args, tok, items, seed, tokens: built.append((items, seed, tokens)) or []
+    )
+    monkeypatch.setattr(
+        guard_ladder, "records_for", lambda path, pair, found, args: files.append(path.name) or [path.name]
+    )
+    replay = {"mean_cost": 0.5, "rungs": {}, "per_group": {"long_chat": {"changed_served": 0.0}}}
+    monkeypatch.setattr(
+        guard_ladder, "study", lambda sel, rep, *a: studied.append((sel, rep)) or {"ladder": {"report": replay}}
+    )
+    monkeypatch.setattr(guard_ladder, "plot", lambda results, path: None)
+    out = tmp_path / "ladder.json"
+    common = ["--family", "real", "--directions", "0.5b:1.5b", "--mapper", "m", "--tasks", "long_chat,long_doc"]
+    guard_ladder.main(
+        [*common, "--tokens", "2048", "--report-tokens", "2048,4096", "--selection-items", "100"]
+        + ["--report-items", "24", "--work", str(tmp_path), "--out", str(out)]
+    )
+    assert built == [(100, 4321, 2048), (24, 1234, 2048), (24, 1234, 4096)]
+    assert files == ["0.5b-to-1.5b.selection.jsonl", "0.5b-to-1.5b.report.jsonl", "0.5b-to-1.5b.report-4096.jsonl"]
+    selection = ["0.5b-to-1.5b.selection.jsonl"]
+    assert studied == [(selection, ["0.5b-to-1.5b.report.jsonl"]), (selection, ["0.5b-to-1.5b.report-4096.jsonl"])]
+    directions = json.loads(out.read_text())["directions"]
+    assert list(directions) == ["0.5b-to-1.5b", "0.5b-to-1.5b at 4096 tokens"]
+    assert [d["report_tokens"] for d in directions.values()] == [2048, 4096]
+    for bad in (["--report-tokens", "4k"], ["--family", "tiny", "--report-tokens", "4096"]):
+        with pytest.raises(SystemExit, match="--report-tokens"):
+            guard_ladder.main([*common, *bad, "--work", str(tmp_path), "--out", str(out)])
 
 
 def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_path):
