@@ -125,6 +125,31 @@ REAL_LADDERS = (
 )
 
 
+#: the guard ladder calibrated on the long forms at 2K and replayed at each report length (docs/switch.md)
+LONG_LADDER = "guard_ladder_long2k.json"
+
+
+def _long_ladder() -> str:
+    """The guard ladder on `long_chat`/`long_doc` (`benchmarks.guard_ladder --tasks long_chat,long_doc --report-tokens
+    ...`): its saving per report length, then the whole run as docs/ladder.md shows one, with its plot; until that run
+    is committed, the command that writes it."""
+    path = RESULTS / LONG_LADDER
+    if not path.exists():
+        return (
+            f"Not measured yet: `benchmarks/results/{LONG_LADDER}` is written by the `guard_ladder` command with "
+            "`--tasks long_chat,long_doc --tokens 2048 --report-tokens 2048,4096` in `benchmarks/README.md`."
+        )
+    result = json.loads(path.read_text())
+    return (
+        f"Generated from `{_relative(path)}`. The saving per length, each report set served by the ladder calibrated "
+        f"on the selection set at {result['run'].get('tokens') or 2048:,} tokens:\n\n"
+        + repair_report.ladder_lengths_markdown(result)
+        + "\n\n"
+        + repair_report.ladder_markdown(result, _relative(path))
+        + f"\n\n![the guard ladder on the long forms](../benchmarks/results/{path.with_suffix('.png').name})"
+    )
+
+
 def _guard_ladder() -> str:
     """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then each real-pair run of `REAL_LADDERS`
     that is measured (`--family real --out benchmarks/results/guard_ladder_real*.json`), with its plot."""
@@ -305,6 +330,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/switch.md": {
         "long-switch": lambda: long_switch_report.markdown(_json("long_switch.json")),
+        "long-ladder": _long_ladder,
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),

@@ -540,6 +540,29 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **many}}})
     assert "| ladder, bound at 0.9 |" in text and "Clopper-Pearson upper bound at 0.9" in text
 
+    # one run's report sets at two lengths (`--report-tokens`): one row per length and calibration
+    from benchmarks.repair_report import ladder_lengths_markdown
+
+    longer = study(records(200), records(40), max_changed=0.05, confidence=0.9)
+    directions = {"a-to-b": {"mapper": "m", **many}, "a-to-b at 4096 tokens": {"mapper": "m", **longer}}
+    rows = ladder_lengths_markdown({"run": run, "directions": directions}).splitlines()[2:]
+    assert len(rows) == 8 and [row.split(" | ")[3] for row in rows[:4]] == [
+        "ladder, bound",
+        "binary guard, bound",
+        "ladder",
+        "binary guard",
+    ]
+    bound = longer["ladder_confident"]["report"]
+    worst = max(g["changed_served"] for g in bound["per_group"].values())
+    shares = {"mapped": "mapped", "repair:0.5": "recompute 50 %", "fallback": "prefill"}
+    rungs = ", ".join(
+        f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
+    )
+    assert rows[4] == (
+        f"| a-to-b | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | {bound['mean_cost']:.2f} | "
+        f"{100 * bound['net_saving']:.0f} % |"
+    )
+
 
 def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path):
     from benchmarks import ladder_calibration_size as size
