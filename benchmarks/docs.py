@@ -19,6 +19,7 @@ from . import (
     handoff_report,
     ladder_calibration_size,
     ladder_headroom,
+    ladder_lengths,
     long_switch_report,
     mapper_variants,
     package_size,
@@ -143,7 +144,7 @@ def _long_ladder() -> str:
     return (
         f"Generated from `{_relative(path)}`. The saving per length, each report set served by the ladder calibrated "
         f"on the selection set at {result['run'].get('tokens') or 2048:,} tokens:\n\n"
-        + repair_report.ladder_lengths_markdown(result)
+        + ladder_lengths.markdown(result)
         + "\n\n"
         + repair_report.ladder_markdown(result, _relative(path))
         + f"\n\n![the guard ladder on the long forms](../benchmarks/results/{path.with_suffix('.png').name})"

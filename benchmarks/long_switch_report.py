@@ -138,20 +138,24 @@ def break_even(groups: dict) -> dict:
         for arm, record in group.get("arms", {}).items():
             if record.get("speedup") is not None and arm != "target":
                 points.setdefault(arm, []).append((group["tokens"], record["speedup"]))
-    out = {}
-    for arm, measured in points.items():
-        measured.sort()
-        entry = {"points": [[tokens, round(speed, 3)] for tokens, speed in measured]}
-        crossing = next((i for i in range(1, len(measured)) if measured[i - 1][1] < 1.0 <= measured[i][1]), None)
-        if crossing is not None:
-            (t0, s0), (t1, s1) = measured[crossing - 1], measured[crossing]
-            entry["tokens"] = round(t0 + (1.0 - s0) * (t1 - t0) / (s1 - s0))
-        elif all(speed >= 1.0 for _, speed in measured):
-            entry["below"] = measured[0][0]  # it pays at every length measured, the shortest included
-        elif all(speed < 1.0 for _, speed in measured):
-            entry["above"] = measured[-1][0]
-        out[arm] = entry
-    return out
+    return {arm: break_even_length(measured) for arm, measured in points.items()}
+
+
+def break_even_length(measured: list[tuple[float, float]]) -> dict:
+    """From `(tokens, speedup)` points (any order): the length at which the speedup reaches 1x, interpolated linearly
+    between the last length below 1x and the first at or above it (`tokens`); `below` (the shortest length) when
+    every length measured pays, `above` (the longest) when none does; `points` sorted, as measured."""
+    measured = sorted(measured)
+    entry: dict = {"points": [[tokens, round(speed, 3)] for tokens, speed in measured]}
+    crossing = next((i for i in range(1, len(measured)) if measured[i - 1][1] < 1.0 <= measured[i][1]), None)
+    if crossing is not None:
+        (t0, s0), (t1, s1) = measured[crossing - 1], measured[crossing]
+        entry["tokens"] = round(t0 + (1.0 - s0) * (t1 - t0) / (s1 - s0))
+    elif all(speed >= 1.0 for _, speed in measured):
+        entry["below"] = measured[0][0]  # it pays at every length measured, the shortest included
+    elif all(speed < 1.0 for _, speed in measured):
+        entry["above"] = measured[-1][0]
+    return entry
 
 
 def assemble(rows: dict, records: str, command: str, report_seed: int = 1234) -> dict:

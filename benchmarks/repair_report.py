@@ -545,39 +545,4 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
     return "\n".join(lines)
 
 
-def ladder_lengths_markdown(result: dict) -> str:
-    """Of a `benchmarks.guard_ladder` run with report sets at several lengths (`--report-tokens`): per direction and
-    length, what each calibration serves on the report set (the ladder and the binary guard, with the budget held on
-    the selection items and, where measured, as an upper confidence bound): worst task's changed answers, mean cost
-    and net saving, beside the target's prefill seconds."""
-    names = [
-        ("ladder_confident", "ladder, bound"),
-        ("binary_guard_confident", "binary guard, bound"),
-        ("ladder", "ladder"),
-        ("binary_guard", "binary guard"),
-    ]
-    lines = [
-        "| direction | report prompts (tokens) | target's prefill (s) | calibration | rungs | worst-task changed "
-        "served | mean cost | net saving |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for key, data in result["directions"].items():
-        direction = key.split(" at ")[0]
-        for name, label in names:
-            if name not in data:
-                continue
-            report = data[name]["report"]
-            worst = max(group["changed_served"] for group in report["per_group"].values())
-            rungs = ", ".join(
-                f"{_rung_label(rung)} {_pct(share)}"
-                for rung, share in sorted(report["rungs"].items(), key=lambda item: _rung_order(item[0]))
-                if share
-            )
-            lines.append(
-                f"| {direction} | {data['tokens']:,.0f} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
-                f"{_pct(worst, 1)} | {number_text(report['mean_cost'])} | {_pct(report['net_saving'])} |"
-            )
-    return "\n".join(lines)
-
-
-__all__ = ["cost_markdown", "frontier_markdown", "ladder_lengths_markdown", "ladder_markdown", "real_repair_markdown"]
+__all__ = ["cost_markdown", "frontier_markdown", "ladder_markdown", "real_repair_markdown"]

@@ -541,19 +541,38 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     assert "| ladder, bound at 0.9 |" in text and "Clopper-Pearson upper bound at 0.9" in text
 
     # one run's report sets at two lengths (`--report-tokens`): one row per length and calibration
-    from benchmarks.repair_report import ladder_lengths_markdown
+    from benchmarks.ladder_lengths import markdown as ladder_lengths_markdown
 
     longer = study(records(200), records(40), max_changed=0.05, confidence=0.9)
     directions = {"a-to-b": {"mapper": "m", **many}, "a-to-b at 4096 tokens": {"mapper": "m", **longer}}
     rows = ladder_lengths_markdown({"run": run, "directions": directions}).splitlines()[2:]
-    assert len(rows) == 8 and [row.split(" | ")[3] for row in rows[:4]] == [
-        "ladder, bound",
-        "binary guard, bound",
-        "ladder",
-        "binary guard",
-    ]
+    assert (
+        len(rows) == 10
+        and rows[8] == ""
+        and [row.split(" | ")[3] for row in rows[:4]]
+        == [
+            "ladder, bound",
+            "binary guard, bound",
+            "ladder",
+            "binary guard",
+        ]
+    )
     bound = longer["ladder_confident"]["report"]
     worst = max(g["changed_served"] for g in bound["per_group"].values())
+    assert rows[-1].startswith("**a-to-b**: the ladder held to the bound pays")
+
+    # the break-even length: interpolated on 1 / mean cost between the lengths on either side of the prefill's cost
+    from benchmarks.ladder_lengths import break_even_lines as ladder_break_even_lines
+
+    def entry(tokens, cost):
+        return {"tokens": tokens, "ladder": {"report": {"mean_cost": cost}}}
+
+    lines = ladder_break_even_lines(
+        {"directions": {"a-to-b at 512 tokens": entry(512, 1.25), "a-to-b": entry(2048, 0.5)}}
+    )
+    assert lines == [  # 1 / 1.25 = 0.8x at 512, 2x at 2,048: 1x at 512 + 0.2 * 1,536 / 1.2 = 768
+        "**a-to-b**: the ladder pays from about 768 tokens (mean cost per length, 1 = the prefill: 512: 1.25, 2,048: 0.50)."
+    ]
     shares = {"mapped": "mapped", "repair:0.5": "recompute 50 %", "fallback": "prefill"}
     rungs = ", ".join(
         f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
