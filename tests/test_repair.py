@@ -369,6 +369,33 @@ def test_draft_branches_sum_the_models_own_attention_over_each_branch(tiny):
     assert not torch.allclose(scores, greedy_only, atol=1e-3)
 
 
+def test_draft_branches_that_end_early_score_as_each_branch_drafted_alone(tiny):
+    """The branches draft side by side as rows of one batch; a branch that drafts the end token first reads no token
+    after it while the others go on, so the sum equals each branch drafted alone (as `draft_attention` of the prompt
+    and its forced first token) and added up."""
+    model = _model(tiny.config(layers=3), 2, "eager")
+    model.generation_config.eos_token_id = None
+    ids = _prompt(tokens=20)
+    with torch.no_grad():
+        firsts = model(ids).logits[0, -1].topk(3).indices
+    drafts = [_greedy(model, torch.cat([ids, f.view(1, 1)], dim=1), None, None)[0, 21:24] for f in firsts]
+    end = int(drafts[1][0])  # the second branch drafts it right after its forced token
+    ends = [next((i for i, t in enumerate(d.tolist()) if t == end), None) for d in drafts]
+    assert ends[1] == 0 and ends != [0, 0, 0]  # at least one branch goes on past it
+    model.generation_config.eos_token_id = end
+    context = _self_context(model, tiny.prefill(model, ids), ids)
+    scores = DraftBranchesSelector(branches=3, draft_tokens=4).score(context)
+    expected = torch.zeros(1, 19)
+    for first in firsts:
+        alone = torch.cat([ids, first.view(1, 1)], dim=1)
+        branch = _self_context(model, tiny.prefill(model, alone), alone)
+        branch.candidates = branch.candidates[:, :19]
+        expected += DraftAttentionSelector(draft_tokens=3, last_tokens=1).score(branch)
+    assert torch.allclose(scores, expected, atol=1e-4)
+    read_on = DraftBranchesSelector(branches=3, draft_tokens=4, stop_at_eos=False).score(context)
+    assert not torch.allclose(read_on, scores, atol=1e-3)  # the end token did stop the second branch
+
+
 def test_per_query_attention_adds_up_to_the_summed_attention(tiny):
     model = _model(tiny.config(layers=3), 2, "eager")
     ids = _prompt(tokens=20)

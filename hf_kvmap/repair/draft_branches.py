@@ -9,8 +9,9 @@ the target, reading the repaired span clearly and the others through the map, an
 first token of each candidate answer sends a branch to its own span, so the target reads every candidate the
 source weighs, repaired, and chooses among them itself. With `branches=1` it is `draft_attention`.
 
-Cost: `branches x draft_tokens` source decoding steps and `branches` source forwards of `last_tokens +
-draft_tokens` tokens over its cache; nothing of the target.
+Cost: `draft_tokens` source decoding steps and one source forward of `last_tokens + draft_tokens` tokens over its
+cache, each on a batch of `branches` rows per prompt (the branches draft side by side, over copies of the source's
+cache rows); nothing of the target.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .._compat import cache_kwargs
-from ..cache_views import prefix_view
+from ..cache_views import prefix_view, row_cache
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .base import RepairContext, register_selector
@@ -69,23 +70,23 @@ class DraftBranchesSelector(DraftAttentionSelector):
             last_tokens=self.last_tokens + 1,  # the forced first token's own query
             stop_at_eos=self.stop_at_eos,
         )
-        total = None
-        for column in range(first.shape[1]):
-            forced = first[:, column : column + 1].to(ids.device)
-            extended = RepairContext(
-                target=context.target,
-                cache=context.cache,
-                input_ids=torch.cat([ids, forced], dim=1),
-                attention_mask=torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1),
-                position_ids=torch.cat([context.position_ids, context.position_ids[:, -1:] + 1], dim=1),
-                candidates=context.candidates,
-                source=context.source,
-                source_cache=context.source_cache,
-                source_position_ids=torch.cat([positions, positions[:, -1:] + 1], dim=1),
-            )
-            mass = branch.score(extended)
-            total = mass if total is None else total + mass
-        return total
+        # every branch of every row drafts as one row of a batch (row r's branches are rows r * k .. r * k + k - 1)
+        count = first.shape[1]
+        rows = torch.arange(context.batch, device=ids.device).repeat_interleave(count)
+        following = context.position_ids[rows, -1:] + 1
+        extended = RepairContext(
+            target=context.target,
+            cache=context.cache,
+            input_ids=torch.cat([ids[rows], first.reshape(-1, 1).to(ids.device)], dim=1),
+            attention_mask=torch.cat([mask[rows], mask.new_ones(len(rows), 1)], dim=1),
+            position_ids=torch.cat([context.position_ids[rows], following], dim=1),
+            candidates=context.candidates[rows],
+            source=context.source,
+            source_cache=row_cache(context.source_cache, rows),
+            source_position_ids=torch.cat([positions[rows], positions[rows, -1:] + 1], dim=1),
+        )
+        mass = branch.score(extended)  # (batch * branches, length)
+        return mass.view(context.batch, count, -1).sum(1)
 
 
 __all__ = ["DraftBranchesSelector"]
