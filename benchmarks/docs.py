@@ -138,7 +138,7 @@ def _long_ladder() -> str:
     if not path.exists():
         return (
             f"Not measured yet: `benchmarks/results/{LONG_LADDER}` is written by the `guard_ladder` command with "
-            "`--tasks long_chat,long_doc --tokens 2048 --report-tokens 2048,512,1024,4096` in `benchmarks/README.md`."
+            "`--tasks long_chat,long_doc --tokens 2048 --report-tokens 2048,512,1024,4096:48` in `benchmarks/README.md`."
         )
     result = json.loads(path.read_text())
     return (

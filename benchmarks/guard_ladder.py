@@ -288,6 +288,21 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def parse_report_tokens(text: str, default_items: int) -> dict[int, int]:
+    """`--report-tokens`: `LENGTH[:ITEMS]` comma-separated (e.g. `2048,4096:48`) -> {length: items per task}, in the
+    order given; a length without `:ITEMS` takes `--report-items`."""
+    out: dict[int, int] = {}
+    try:
+        for part in text.split(","):
+            length, _, items = part.partition(":")
+            out[int(length)] = int(items) if items else default_items
+    except ValueError:
+        raise SystemExit(f"--report-tokens takes lengths like 2048,4096:48; got {text!r}.") from None
+    if not all(length > 0 and items > 0 for length, items in out.items()):
+        raise SystemExit(f"--report-tokens takes positive lengths and item counts; got {text!r}.")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("tiny", "real"), default="tiny")
@@ -301,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--report-tokens",
         default=None,
-        help="report lengths of the long items, comma-separated (default: --tokens): the ladder calibrated at --tokens "
-        "is replayed at each; a length other than --tokens is reported as its own entry, '<direction> at <n> tokens'",
+        help="report lengths of the long items, LENGTH[:ITEMS] comma-separated (default: --tokens; ITEMS per task "
+        "defaults to --report-items): the ladder calibrated at --tokens is replayed at each; a length other than "
+        "--tokens is reported as its own entry, '<direction> at <n> tokens'",
     )
     parser.add_argument("--selection-items", type=int, default=60, help="items per task of the calibration set")
     parser.add_argument("--report-items", type=int, default=120, help="items per task of the report set")
@@ -337,16 +353,13 @@ def main(argv=None) -> None:
     if args.mapper and len(directions) > 1:
         raise SystemExit("--mapper names one mapper: give one --directions pair with it.")
     long_items = args.family == "real" and any(name in LONG_TASKS for name in args.tasks.split(","))
-    report_lengths = [args.tokens]
+    report_lengths = {args.tokens: args.report_items}  # length -> items per task of its report set
     if args.report_tokens is not None:
         if not long_items:
             raise SystemExit(
                 f"--report-tokens sets the length of the long tasks {LONG_TASKS}: use --family real with them."
             )
-        try:
-            report_lengths = list(dict.fromkeys(int(t) for t in args.report_tokens.split(",")))
-        except ValueError:
-            raise SystemExit(f"--report-tokens takes lengths like 2048,4096; got {args.report_tokens!r}.") from None
+        report_lengths = parse_report_tokens(args.report_tokens, args.report_items)
     results = {
         "run": {
             "what": "the guard ladder: calibrated on the selection set, replayed on the report set, beside the binary "
@@ -376,8 +389,8 @@ def main(argv=None) -> None:
         found = task_items(args, pair[3], args.selection_items, args.selection_seed, args.tokens)
         print(f"{direction} selection: {len(found)} items", flush=True)
         selection = records_for(args.work / f"{tag}.selection.jsonl", pair, found, args)
-        for tokens in report_lengths:
-            found = task_items(args, pair[3], args.report_items, args.report_seed, tokens)
+        for tokens, items in report_lengths.items():
+            found = task_items(args, pair[3], items, args.report_seed, tokens)
             print(f"{direction} report at {tokens} tokens: {len(found)} items", flush=True)
             name = "report" if tokens == args.tokens else f"report-{tokens}"  # the first file keeps its old name
             report = records_for(args.work / f"{tag}.{name}.jsonl", pair, found, args)
@@ -385,6 +398,7 @@ def main(argv=None) -> None:
             results["directions"][key] = {
                 "mapper": str(pair[4]),
                 "report_tokens": tokens if long_items else None,
+                "report_items_per_task": items,
                 **study(selection, report, args.max_changed, args.confidence),
             }
             write_json(args.out, results)

@@ -21,12 +21,13 @@ def markdown(result: dict) -> str:
         ("binary_guard", "binary guard"),
     ]
     lines = [
-        "| direction | report prompts (tokens) | target's prefill (s) | calibration | rungs | worst-task changed "
-        "served | mean cost | net saving |",
-        "|---|---|---|---|---|---|---|---|",
+        "| direction | report prompts (tokens) | items per task | target's prefill (s) | calibration | rungs | worst-task "
+        "changed served | mean cost | net saving |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, data in result["directions"].items():
         direction = key.split(" at ")[0]
+        items = data.get("report_items_per_task", result["run"]["report"]["items_per_task"])
         for name, label in names:
             if name not in data:
                 continue
@@ -38,7 +39,7 @@ def markdown(result: dict) -> str:
                 if share
             )
             lines.append(
-                f"| {direction} | {data['tokens']:,.0f} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
+                f"| {direction} | {data['tokens']:,.0f} | {items} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
                 f"{_pct(worst, 1)} | {number_text(report['mean_cost'])} | {_pct(report['net_saving'])} |"
             )
     lines += ["", *break_even_lines(result)]

@@ -419,7 +419,9 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         confident = {f"{name} at {level:g}": way for name, way in confident.items()}
         ways.update(confident)
     lines = [
-        f"**{tag}** (mapper {mapper_name(data['mapper'])}; report prompts of {data['tokens']:.0f} tokens on "
+        f"**{tag}** (mapper {mapper_name(data['mapper'])}; "
+        + (f"{data['report_items_per_task']} report items per task; " if "report_items_per_task" in data else "")
+        + f"report prompts of {data['tokens']:.0f} tokens on "
         f"average, the target's prefill {1000 * data['prefill_seconds']:.1f} ms on average)",
         "",
         "| calibrated on the selection set | probe | repair strategy | rungs | selection: mean cost, worst-task "

@@ -549,7 +549,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     assert (
         len(rows) == 10
         and rows[8] == ""
-        and [row.split(" | ")[3] for row in rows[:4]]
+        and [row.split(" | ")[4] for row in rows[:4]]
         == [
             "ladder, bound",
             "binary guard, bound",
@@ -578,7 +578,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
         f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
     )
     assert rows[4] == (
-        f"| a-to-b | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | {bound['mean_cost']:.2f} | "
+        f"| a-to-b | 100 | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | {bound['mean_cost']:.2f} | "
         f"{100 * bound['net_saving']:.0f} % |"
     )
 

@@ -427,17 +427,22 @@ def test_the_guard_ladder_calibrated_at_one_length_is_replayed_at_each_report_le
     out = tmp_path / "ladder.json"
     common = ["--family", "real", "--directions", "0.5b:1.5b", "--mapper", "m", "--tasks", "long_chat,long_doc"]
     guard_ladder.main(
-        [*common, "--tokens", "2048", "--report-tokens", "2048,4096", "--selection-items", "100"]
+        [*common, "--tokens", "2048", "--report-tokens", "2048,4096:48", "--selection-items", "100"]
         + ["--report-items", "24", "--work", str(tmp_path), "--out", str(out)]
     )
-    assert built == [(100, 4321, 2048), (24, 1234, 2048), (24, 1234, 4096)]
+    assert built == [(100, 4321, 2048), (24, 1234, 2048), (48, 1234, 4096)]
     assert files == ["0.5b-to-1.5b.selection.jsonl", "0.5b-to-1.5b.report.jsonl", "0.5b-to-1.5b.report-4096.jsonl"]
     selection = ["0.5b-to-1.5b.selection.jsonl"]
     assert studied == [(selection, ["0.5b-to-1.5b.report.jsonl"]), (selection, ["0.5b-to-1.5b.report-4096.jsonl"])]
     directions = json.loads(out.read_text())["directions"]
     assert list(directions) == ["0.5b-to-1.5b", "0.5b-to-1.5b at 4096 tokens"]
     assert [d["report_tokens"] for d in directions.values()] == [2048, 4096]
-    for bad in (["--report-tokens", "4k"], ["--family", "tiny", "--report-tokens", "4096"]):
+    assert [d["report_items_per_task"] for d in directions.values()] == [24, 48]
+    for bad in (
+        ["--report-tokens", "4k"],
+        ["--report-tokens", "4096:0"],
+        ["--family", "tiny", "--report-tokens", "4096"],
+    ):
         with pytest.raises(SystemExit, match="--report-tokens"):
             guard_ladder.main([*common, *bad, "--work", str(tmp_path), "--out", str(out)])
 
