@@ -145,6 +145,25 @@ def mapped_only(records: list[dict]) -> list[dict]:
     return out
 
 
+def lost_only(records: list[dict]) -> list[dict]:
+    """The records with each answer's `changed` read as *lost*: wrong where the target's own answer is right. An
+    answer that differs from the target's but is right, or that replaces a wrong answer of the target's, is not lost,
+    so a ladder calibrated on this view holds its budget to the accuracy it loses, not to faithfulness."""
+    return [
+        {
+            **record,
+            "answers": {
+                strategy: {
+                    fraction: {**answer, "changed": bool(record["correct_target"] and not answer["correct"])}
+                    for fraction, answer in by_fraction.items()
+                }
+                for strategy, by_fraction in record["answers"].items()
+            },
+        }
+        for record in records
+    ]
+
+
 def served_accuracy(plan, records: list[dict], strategy: str) -> dict[str, float]:
     """Per task: the share of exact answers served under `plan` (fraction or None per record), and the target's."""
     out: dict[str, list] = {}
@@ -192,11 +211,12 @@ SWEEP = (0.0, 0.025, 0.05, 0.1)
 
 def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
     """(name, view of the records, confidence) of every calibration compared: the ladder and the binary guard with the
-    budget held on the selection items, and with `confidence` also held as an upper confidence bound."""
+    budget held on the selection items, and with `confidence` also held as an upper confidence bound; and the ladder
+    with its budget on lost answers instead of changed ones (`lost_only`; at `confidence` where given)."""
     ways = [("ladder", lambda r: r, None), ("binary_guard", mapped_only, None)]
     if confidence is not None:
         ways += [("ladder_confident", lambda r: r, confidence), ("binary_guard_confident", mapped_only, confidence)]
-    return ways
+    return [*ways, ("ladder_lost", lost_only, confidence)]
 
 
 def served_summary(outcome: dict) -> dict:
@@ -243,6 +263,8 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
             "report": replay_ladder(ladder, view(report)),
             "report_accuracy": served_accuracy(plan, report, strategy),
         }
+        if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
+            out[name]["report_changed"] = replay_ladder(ladder, report)
     out["budget_sweep"] = budget_sweep(selection, report, confidence)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)

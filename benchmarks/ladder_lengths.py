@@ -12,18 +12,20 @@ from .repair_report import _pct, _rung_label, _rung_order, number_text
 def markdown(result: dict) -> str:
     """Of a `benchmarks.guard_ladder` run with report sets at several lengths (`--report-tokens`): per direction and
     length, what each calibration serves on the report set (the ladder and the binary guard, with the budget held on
-    the selection items and, where measured, as an upper confidence bound): worst task's changed answers, mean cost
-    and net saving, beside the target's prefill seconds."""
+    the selection items and, where measured, as an upper confidence bound; the ladder with its budget on lost answers):
+    worst task's changed answers (and lost ones, where that was the budget), mean cost and net saving, beside the
+    target's prefill seconds."""
     names = [
         ("ladder_confident", "ladder, bound"),
         ("binary_guard_confident", "binary guard, bound"),
         ("ladder", "ladder"),
         ("binary_guard", "binary guard"),
+        ("ladder_lost", "ladder, budget on lost answers"),
     ]
     lines = [
         "| direction | report prompts (tokens) | items per task | target's prefill (s) | calibration | rungs | worst-task "
-        "changed served | mean cost | net saving |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "changed served | worst-task lost served | mean cost | net saving |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, data in result["directions"].items():
         direction = key.split(" at ")[0]
@@ -31,8 +33,14 @@ def markdown(result: dict) -> str:
         for name, label in names:
             if name not in data:
                 continue
+            if name == "ladder_lost" and data[name]["ladder"]["calibration"].get("confidence") is not None:
+                label = "ladder, bound, budget on lost answers"
             report = data[name]["report"]
-            worst = max(group["changed_served"] for group in report["per_group"].values())
+            changed = data[name].get("report_changed", report)  # a lost-answer budget's report counts lost answers
+            worst = max(group["changed_served"] for group in changed["per_group"].values())
+            lost = "-"
+            if "report_changed" in data[name]:
+                lost = _pct(max(group["changed_served"] for group in report["per_group"].values()), 1)
             rungs = ", ".join(
                 f"{_rung_label(rung)} {_pct(share)}"
                 for rung, share in sorted(report["rungs"].items(), key=lambda item: _rung_order(item[0]))
@@ -40,7 +48,7 @@ def markdown(result: dict) -> str:
             )
             lines.append(
                 f"| {direction} | {data['tokens']:,.0f} | {items} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
-                f"{_pct(worst, 1)} | {number_text(report['mean_cost'])} | {_pct(report['net_saving'])} |"
+                f"{_pct(worst, 1)} | {lost} | {number_text(report['mean_cost'])} | {_pct(report['net_saving'])} |"
             )
     lines += ["", *break_even_lines(result)]
     return "\n".join(lines)

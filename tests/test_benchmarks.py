@@ -547,14 +547,15 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     directions = {"a-to-b": {"mapper": "m", **many}, "a-to-b at 4096 tokens": {"mapper": "m", **longer}}
     rows = ladder_lengths_markdown({"run": run, "directions": directions}).splitlines()[2:]
     assert (
-        len(rows) == 10
-        and rows[8] == ""
-        and [row.split(" | ")[4] for row in rows[:4]]
+        len(rows) == 12
+        and rows[10] == ""
+        and [row.split(" | ")[4] for row in rows[:5]]
         == [
             "ladder, bound",
             "binary guard, bound",
             "ladder",
             "binary guard",
+            "ladder, bound, budget on lost answers",
         ]
     )
     bound = longer["ladder_confident"]["report"]
@@ -577,10 +578,43 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     rungs = ", ".join(
         f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
     )
-    assert rows[4] == (
-        f"| a-to-b | 100 | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | {bound['mean_cost']:.2f} | "
+    assert rows[5] == (
+        f"| a-to-b | 100 | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | - | {bound['mean_cost']:.2f} | "
         f"{100 * bound['net_saving']:.0f} % |"
     )
+
+
+def test_a_ladder_with_its_budget_on_lost_answers_serves_a_changed_answer_that_is_right():
+    """`lost_only`: an answer counts against the budget only where the target's own is right and the served one is
+    wrong. Here the mapped cache changes every answer of risk 0.3-0.6 but keeps it right (the target is wrong there),
+    so the lost-answer ladder serves the mapped cache up to risk 0.6 where the changed-answer ladder repairs from 0.3."""
+    from benchmarks.guard_ladder import lost_only, study
+
+    def records(n):
+        out = []
+        for i in range(n):
+            risk = (i + 0.5) / n
+            record = _ladder_record("chat" if i % 2 else "recall", risk, {"0": risk >= 0.3, "0.5": risk >= 0.8}, {})
+            record["seconds"]["repair"]["tail"] = {"0": 0.0, "0.5": 0.4}
+            if 0.3 <= risk < 0.6:  # the target is wrong there, and the mapped cache's other answer is right
+                record["correct_target"] = False
+                record["answers"]["tail"]["0"]["correct"] = True
+            out.append(record)
+        return out
+
+    view = lost_only(records(20))
+    assert [r["answers"]["tail"]["0"]["changed"] for r in view] == [(i + 0.5) / 20 >= 0.6 for i in range(20)]
+    result = study(records(40), records(40), max_changed=0.0)
+    changed, lost = result["ladder"], result["ladder_lost"]
+    assert [r["max_risk"] for r in changed["ladder"]["rungs"]] == [0.2875, 0.7875]
+    assert [r["max_risk"] for r in lost["ladder"]["rungs"]] == [0.5875, 0.7875]
+    assert lost["report"]["changed_served"] == 0.0  # no lost answer served
+    assert lost["report_changed"]["changed_served"] == pytest.approx(12 / 40)  # risks 0.3-0.6 served changed
+    assert lost["report"]["mean_cost"] < changed["report"]["mean_cost"]
+    assert lost["report_accuracy"] == {  # every answer served is right: the mapped one where the target is wrong
+        "chat": {"served": 1.0, "target": 0.7},
+        "recall": {"served": 1.0, "target": 0.7},
+    }
 
 
 def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path):
