@@ -143,7 +143,7 @@ def _long_ladder() -> str:
     result = json.loads(path.read_text())
     return (
         f"Generated from `{_relative(path)}`. The saving per length, each report set served by the ladder calibrated "
-        f"on the selection set at {result['run'].get('tokens') or 2048:,} tokens:\n\n"
+        f"on the selection set at {result['run']['tokens']:,} tokens:\n\n"
         + ladder_lengths.markdown(result)
         + "\n\n"
         + repair_report.ladder_markdown(result, _relative(path))
