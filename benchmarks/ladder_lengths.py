@@ -36,11 +36,11 @@ def markdown(result: dict) -> str:
             if name == "ladder_lost" and data[name]["ladder"]["calibration"].get("confidence") is not None:
                 label = "ladder, bound, budget on lost answers"
             report = data[name]["report"]
-            changed = data[name].get("report_changed", report)  # a lost-answer budget's report counts lost answers
-            worst = max(group["changed_served"] for group in changed["per_group"].values())
-            lost = "-"
-            if "report_changed" in data[name]:
-                lost = _pct(max(group["changed_served"] for group in report["per_group"].values()), 1)
+            changed = data[name].get(
+                "report_changed"
+            )  # set where the budget was on lost answers: `report` counts them
+            worst = _worst_served(report if changed is None else changed)
+            lost = "-" if changed is None else _pct(_worst_served(report), 1)
             rungs = ", ".join(
                 f"{_rung_label(rung)} {_pct(share)}"
                 for rung, share in sorted(report["rungs"].items(), key=lambda item: _rung_order(item[0]))
@@ -52,6 +52,11 @@ def markdown(result: dict) -> str:
             )
     lines += ["", *break_even_lines(result)]
     return "\n".join(lines)
+
+
+def _worst_served(outcome: dict) -> float:
+    """The worst task's share of counted answers served (changed, or lost where that was the budget)."""
+    return max(group["changed_served"] for group in outcome["per_group"].values())
 
 
 def break_even_lines(result: dict) -> list[str]:
