@@ -29,6 +29,7 @@ from . import (
     retention_curve,
     variant_parameters,
 )
+from .formatting import pct
 from .real import family_report, guard, scale_report
 from .sections import demo_markdown, performance_markdown, replace_section
 
@@ -167,10 +168,6 @@ def _guard_ladder() -> str:
     return text
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.0f} %"
-
-
 def headline_tiny() -> str:
     """README: per shipped direction, the report-set accuracy of the target alone, the mapped cache and guarded
     serving (`benchmarks.handoff`), with the fallback rate and the net saving per request."""
@@ -189,11 +186,11 @@ def headline_tiny() -> str:
         for task in ("recall", "chat"):
             accuracy, guarded = direction["accuracy"][f"report/{task}"], direction["guarded_report"][task]
             cells.append(f"{accuracy['target_own']:.2f} / {accuracy['mapped']['1']:.2f} / {guarded['accuracy']:.2f}")
-        fallback = " / ".join(_pct(direction["guarded_report"][task]["fallback_rate"]) for task in ("recall", "chat"))
+        fallback = " / ".join(pct(direction["guarded_report"][task]["fallback_rate"]) for task in ("recall", "chat"))
         cost = direction["cost_per_request_ms"]
         lines.append(
             f"| {name} | {cells[0]} | {cells[1]} | {fallback} | {cost['net_saving']:.1f} ms of "
-            f"{cost['target_prefill_avoided']:.1f} ({_pct(cost['net_saving_fraction'])}) |"
+            f"{cost['target_prefill_avoided']:.1f} ({pct(cost['net_saving_fraction'])}) |"
         )
     return "\n".join(lines)
 
@@ -231,7 +228,7 @@ def headline_repair() -> str:
             cells.append(f"{report[task]['target']:.2f} / {report[task]['mapped']:.2f} / {repaired:.2f}")
         direction = result["run"]["direction"].replace(":", "-to-")
         lines.append(
-            f"| {direction} | {label} | `{chosen['strategy']}`, {_pct(chosen['fraction'])} | "
+            f"| {direction} | {label} | `{chosen['strategy']}`, {pct(chosen['fraction'])} | "
             + " | ".join(cells)
             + " |"
         )

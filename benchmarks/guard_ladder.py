@@ -272,7 +272,9 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
     return out
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str) -> list[list[str]]:
+    """Per direction (and report length): the changed answers served against the mean cost of every fixed repair and
+    of each calibrated way. Returns each panel's legend labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,11 +294,14 @@ def plot(results: dict, path: str) -> None:
             ("ladder", "*"),
             ("binary_guard_confident", "D"),
             ("ladder_confident", "P"),
+            ("ladder_lost", "X"),
         ):
             if name not in data:
                 continue
-            report = data[name]["report"]
+            report = data[name].get("report_changed", data[name]["report"])  # changed answers, whatever the budget
             label = name.replace("_confident", f" (bound at {confidence:g})") if name.endswith("_confident") else name
+            if name == "ladder_lost":
+                label = "ladder, budget on lost answers" + (f" (bound at {confidence:g})" if confidence else "")
             worst = max(g["changed_served"] for g in report["per_group"].values())
             axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=label)
         axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
@@ -308,6 +313,9 @@ def plot(results: dict, path: str) -> None:
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    labels = [axis.get_legend_handles_labels()[1] for axis in axes[0]]
+    plt.close(fig)
+    return labels
 
 
 def parse_report_tokens(text: str, default_items: int) -> dict[int, int]:

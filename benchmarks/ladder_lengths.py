@@ -1,12 +1,28 @@
 """The guard ladder at several prompt lengths, for docs/switch.md: one `benchmarks.guard_ladder` run calibrated at one
 length (`--tokens`) and replayed on a report set at each of `--report-tokens`; what each calibration serves per length,
 and the length from which the ladder costs less than the target's prefill.
+
+`python -m benchmarks.ladder_lengths RESULT.json --plot PATH.png` draws it: per direction, each way's mean cost and
+worst task's changed answers against the prompt length.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
+from .formatting import break_even_text, number_text, pct, rung_label, rung_order
 from .long_switch_report import break_even_length
-from .repair_report import _pct, _rung_label, _rung_order, number_text
+
+#: the calibrated ways a run compares, as the tables and the plot name them
+WAYS = (
+    ("ladder_confident", "ladder, bound"),
+    ("binary_guard_confident", "binary guard, bound"),
+    ("ladder", "ladder"),
+    ("binary_guard", "binary guard"),
+    ("ladder_lost", "ladder, budget on lost answers"),
+)
 
 
 def markdown(result: dict) -> str:
@@ -15,13 +31,6 @@ def markdown(result: dict) -> str:
     the selection items and, where measured, as an upper confidence bound; the ladder with its budget on lost answers):
     worst task's changed answers (and lost ones, where that was the budget), mean cost and net saving, beside the
     target's prefill seconds."""
-    names = [
-        ("ladder_confident", "ladder, bound"),
-        ("binary_guard_confident", "binary guard, bound"),
-        ("ladder", "ladder"),
-        ("binary_guard", "binary guard"),
-        ("ladder_lost", "ladder, budget on lost answers"),
-    ]
     lines = [
         "| direction | report prompts (tokens) | items per task | target's prefill (s) | calibration | rungs | worst-task "
         "changed served | worst-task lost served | mean cost | net saving |",
@@ -30,7 +39,7 @@ def markdown(result: dict) -> str:
     for key, data in result["directions"].items():
         direction = key.split(" at ")[0]
         items = data.get("report_items_per_task", result["run"]["report"]["items_per_task"])
-        for name, label in names:
+        for name, label in WAYS:
             if name not in data:
                 continue
             if name == "ladder_lost" and data[name]["ladder"]["calibration"].get("confidence") is not None:
@@ -40,15 +49,15 @@ def markdown(result: dict) -> str:
                 "report_changed"
             )  # set where the budget was on lost answers: `report` counts them
             worst = _worst_served(report if changed is None else changed)
-            lost = "-" if changed is None else _pct(_worst_served(report), 1)
+            lost = "-" if changed is None else pct(_worst_served(report), 1)
             rungs = ", ".join(
-                f"{_rung_label(rung)} {_pct(share)}"
-                for rung, share in sorted(report["rungs"].items(), key=lambda item: _rung_order(item[0]))
+                f"{rung_label(rung)} {pct(share)}"
+                for rung, share in sorted(report["rungs"].items(), key=lambda item: rung_order(item[0]))
                 if share
             )
             lines.append(
                 f"| {direction} | {data['tokens']:,.0f} | {items} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
-                f"{_pct(worst, 1)} | {lost} | {number_text(report['mean_cost'])} | {_pct(report['net_saving'])} |"
+                f"{pct(worst, 1)} | {lost} | {number_text(report['mean_cost'])} | {pct(report['net_saving'])} |"
             )
     lines += ["", *break_even_lines(result)]
     return "\n".join(lines)
@@ -75,14 +84,74 @@ def break_even_lines(result: dict) -> list[str]:
     for direction, points in per_direction.items():
         found = break_even_length(points)
         measured = ", ".join(f"{tokens:,.0f}: {1 / speed:.2f}" for tokens, speed in found["points"])
-        if "tokens" in found:
-            verdict = f"pays from about {found['tokens']:,} tokens"
-        elif "below" in found:
-            verdict = f"pays at every length measured, from {found['below']:,.0f} tokens"
-        else:
-            verdict = f"pays at no length measured (up to {found['above']:,.0f} tokens)"
-        lines.append(f"**{direction}**: {label} {verdict} (mean cost per length, 1 = the prefill: {measured}).")
+        lines.append(
+            f"**{direction}**: break-even length of {label}: {break_even_text(found)} (mean cost per length, 1 = the "
+            f"prefill: {measured})."
+        )
     return lines
 
 
-__all__ = ["break_even_lines", "markdown"]
+def per_length(result: dict) -> dict[str, dict[str, list[tuple[float, float, float]]]]:
+    """Per direction and way: `(report tokens, mean cost, worst task's changed answers served)` sorted by length."""
+    out: dict[str, dict[str, list]] = {}
+    for key, data in result["directions"].items():
+        ways = out.setdefault(key.split(" at ")[0], {})
+        for name, _ in WAYS:
+            if name in data:
+                served = data[name].get("report_changed", data[name]["report"])  # changed answers, whatever the budget
+                ways.setdefault(name, []).append(
+                    (data["tokens"], data[name]["report"]["mean_cost"], _worst_served(served))
+                )
+    return {d: {n: sorted(points) for n, points in ways.items()} for d, ways in out.items()}
+
+
+def plot(result: dict, path: str) -> None:
+    """Per direction: each way's mean cost (1 = the target's prefill) and worst task's changed answers against the
+    report set's prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = per_length(result)
+    labels = dict(WAYS)
+    fig, axes = plt.subplots(len(found), 2, figsize=(10, 3.6 * len(found)), squeeze=False)
+    for row, (direction, ways) in zip(axes, found.items()):
+        for name, points in ways.items():
+            tokens = [p[0] for p in points]
+            row[0].plot(tokens, [p[1] for p in points], marker="o", label=labels[name])
+            row[1].plot(tokens, [p[2] for p in points], marker="o", label=labels[name])
+        row[0].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        row[1].axhline(result["run"]["max_changed"], color="grey", linewidth=0.8, linestyle=":")
+        row[0].set_ylabel("mean cost (1 = the target's prefill)")
+        row[1].set_ylabel("changed answers served (worst task)")
+        for axis in row:
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("prompt length (tokens)")
+            axis.set_title(f"{direction} (report sets; calibrated at {result['run']['tokens']:,} tokens)", fontsize=9)
+            axis.set_ylim(bottom=0)
+    axes[0][1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("result", type=Path, help="a `benchmarks.guard_ladder` JSON with `--report-tokens`")
+    parser.add_argument("--plot", required=True, help="the PNG to write")
+    args = parser.parse_args(argv)
+    if not args.result.exists():
+        raise SystemExit(f"{args.result} does not exist: give the JSON that `benchmarks.guard_ladder --out` wrote.")
+    result = json.loads(args.result.read_text())
+    if not all("tokens" in data for data in result["directions"].values()):
+        raise SystemExit(f"{args.result} has no prompt lengths: it is not a run of the long tasks (--report-tokens).")
+    plot(result, args.plot)
+    print(f"wrote {args.plot}")
+
+
+__all__ = ["WAYS", "break_even_lines", "markdown", "per_length", "plot"]
+
+
+if __name__ == "__main__":
+    main()

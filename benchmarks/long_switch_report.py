@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from statistics import mean
 
+from .formatting import break_even_text
+
 #: `strategy@fraction`, optionally `+refresh:...` (a repair while decoding), or `mapped+refresh:...`
 RUNG = re.compile(r"^(?:(?P<strategy>[^@+]+)@(?P<fraction>[0-9.]+)|mapped)(?P<refresh>\+refresh\b.*)?$")
 FIXED_ARMS = ("target", "source", "mapped")
@@ -228,16 +230,11 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             "comes as soon as the re-prefill's; interpolated between the lengths measured, every task of the report set "
             "pooled)",
             "",
-            "| arm | break-even (tokens) | speedup at the lengths measured (tokens: speedup) |",
+            "| arm | break-even | speedup at the lengths measured (tokens: speedup) |",
             "|---|---|---|",
         ]
         for arm, entry in sorted(arms.items()):
-            if "tokens" in entry:
-                where = f"{entry['tokens']:,}"
-            elif "below" in entry:
-                where = f"below {entry['below']:,} (pays at every length measured)"
-            else:
-                where = f"above {entry['above']:,} (pays at none measured)"
+            where = break_even_text(entry)
             measured = ", ".join(f"{tokens:,}: {speed:.1f}x" for tokens, speed in entry["points"])
             lines.append(f"| {arm} | {where} | {measured} |")
     return "\n".join(lines)

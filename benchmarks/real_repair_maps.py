@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .repair_report import fraction_text, mapper_name, number_text, score_text, task_label, task_value
+from .formatting import fraction_text, number_text
+from .repair_report import mapper_name, score_text, task_label, task_value
 
 
 def map_label(run: dict) -> str:

@@ -13,23 +13,12 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from .formatting import fraction_text, number_text, pct, rung_label, rung_order
+
 #: options whose values are paths on the machine that ran a benchmark (left out of the commands shown)
 LOCAL_OPTIONS = ("--out", "--plot", "--points", "--work", "--merge", "--cache-dir")
 #: strategies measured for reference only: they need the target's own prefill, which repair exists to avoid
 REFERENCE_ONLY = ("oracle",)
-
-
-def _pct(value, digits: int = 0) -> str:
-    return "n/a" if value is None else f"{100 * value:.{digits}f} %"
-
-
-def fraction_text(value: float) -> str:
-    """`0.05` -> `5 %` (as many digits as the fraction has)."""
-    return f"{100 * value:.10g} %"
-
-
-def number_text(value, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _bold(text: str, on: bool) -> str:
@@ -220,15 +209,15 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
                 else ["", "", ""]
             )
             cells = [
-                f"{_pct(by_key[(name, fraction)]['repair_share_of_prefill'])} · "
+                f"{pct(by_key[(name, fraction)]['repair_share_of_prefill'])} · "
                 f"{by_key[(name, fraction)]['speedup']:.1f}x"
                 if (name, fraction) in by_key
                 else "-"
                 for name in strategies
             ]
             lines.append(
-                f"| {' | '.join(head)} | {fraction_text(fraction)} | {_pct(first['flop_share_bound_tail'])} / "
-                f"{_pct(first['flop_share_bound_uniform'])} | {' | '.join(cells)} |"
+                f"| {' | '.join(head)} | {fraction_text(fraction)} | {pct(first['flop_share_bound_tail'])} / "
+                f"{pct(first['flop_share_bound_uniform'])} | {' | '.join(cells)} |"
             )
     checks = [(row["tokens"], check) for row in rows for check in row.get("attention_check", [])]
     if checks:
@@ -245,7 +234,7 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
         for tokens, check in checks:
             lines.append(
                 f"| {tokens} | {fraction_text(check['fraction'])} | {check['recomputed']} | "
-                f"{_pct(check['flop_share_bound'])} | {number_text(check.get('recompute_ms'), 1)} | "
+                f"{pct(check['flop_share_bound'])} | {number_text(check.get('recompute_ms'), 1)} | "
                 f"{number_text(check['suffix_prefill_ms'], 1)} | {number_text(check.get('float_mask_recompute_ms'), 1)} |"
             )
     return "\n".join(lines)
@@ -393,20 +382,6 @@ def _rungs(ladder: dict, repairs: bool = True) -> str:
     return "; ".join(parts)
 
 
-def _rung_order(name: str) -> tuple[int, float]:
-    if name == "mapped":
-        return 0, 0.0
-    if name.startswith("repair:"):
-        return 1, float(name.split(":", 1)[1])
-    return 2, 0.0
-
-
-def _rung_label(name: str) -> str:
-    if name.startswith("repair:"):
-        return f"recompute {fraction_text(float(name.split(':', 1)[1]))}"
-    return {"fallback": "prefill"}.get(name, name)
-
-
 def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     ways = {"binary guard": data["binary_guard"], "ladder": data["ladder"]}
     confident = {  # calibrated with the budget held as an upper confidence bound (`--confidence`)
@@ -436,13 +411,13 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
         lines.append(
             f"| {name} | `{probe}` | {strategy} | {_rungs(ladder, repairs)} | {number_text(outcome['mean_cost'])}, "
-            f"{_pct(worst, 1)} |"
+            f"{pct(worst, 1)} |"
         )
-    rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=_rung_order)
+    rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=rung_order)
     lines += [
         "",
         "| report set | "
-        + " | ".join(_rung_label(rung) for rung in rungs)
+        + " | ".join(rung_label(rung) for rung in rungs)
         + " | "
         + " | ".join(f"changed served: {task}" for task in tasks)
         + " | "
@@ -452,12 +427,12 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     ]
     for name, way in ways.items():
         report, accuracy = way["report"], way["report_accuracy"]
-        cells = [_pct(report["rungs"].get(rung, 0.0)) for rung in rungs]
-        cells += [_pct(report["per_group"][task]["changed_served"], 1) for task in tasks]
+        cells = [pct(report["rungs"].get(rung, 0.0)) for rung in rungs]
+        cells += [pct(report["per_group"][task]["changed_served"], 1) for task in tasks]
         cells += [
             f"{number_text(accuracy[task]['served'])} / {number_text(accuracy[task]['target'])}" for task in tasks
         ]
-        cells += [number_text(report["mean_cost"]), _pct(report["net_saving"])]
+        cells += [number_text(report["mean_cost"]), pct(report["net_saving"])]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     sweep = data.get("budget_sweep", [])
     if sweep:
@@ -472,12 +447,10 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         names = ("ladder", "binary_guard") + (("ladder_confident", "binary_guard_confident") if confident else ())
         for row in sweep:
             cells = [
-                f"{_pct(row[name]['worst_changed'], 1)} · {number_text(row[name]['mean_cost'])}"
-                if name in row
-                else "-"
+                f"{pct(row[name]['worst_changed'], 1)} · {number_text(row[name]['mean_cost'])}" if name in row else "-"
                 for name in names
             ]
-            lines.append(f"| {_pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
+            lines.append(f"| {pct(row['max_changed'], 1)} | {' | '.join(cells)} |")
     fixed = data["fixed_report"]
     fractions = sorted({row["fraction"] for rows in fixed.values() for row in rows})
     columns = " | ".join(fraction_text(f) + (" (mapped)" if not f else "") for f in fractions)
@@ -488,7 +461,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
 
     def worst(row: dict) -> str:
         changed = max(task["changed"] for task in row["tasks"].values())
-        return f"{number_text(row['mean_cost'])} · {_pct(changed, 1)}"
+        return f"{number_text(row['mean_cost'])} · {pct(changed, 1)}"
 
     def retention(task: str):
         def show(row: dict) -> str:
@@ -528,7 +501,7 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
         + "; fractions "
         + ", ".join(fraction_text(f) for f in run["fractions"])
         + f" (0, the mapped cache, always). Calibrated on a selection set ({selection['items_per_task']} items per "
-        f"task, seed {selection['seed']}) with at most {_pct(run['max_changed'])} changed answers served per task "
+        f"task, seed {selection['seed']}) with at most {pct(run['max_changed'])} changed answers served per task "
         f"({', '.join(tasks)}), replayed on a report set ({report['items_per_task']} items per task, seed "
         f"{report['seed']}). *Changed*: the greedy answer differs from the target's own (the prefill never changes "
         "one). *Cost*: the seconds of every stage over the item's own target prefill, measured side by side (the "

@@ -492,7 +492,7 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
     )
 
 
-def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch():
+def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch(tmp_path):
     from benchmarks.guard_ladder import study
     from benchmarks.repair_report import ladder_markdown
 
@@ -560,7 +560,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     )
     bound = longer["ladder_confident"]["report"]
     worst = max(g["changed_served"] for g in bound["per_group"].values())
-    assert rows[-1].startswith("**a-to-b**: the ladder held to the bound pays")
+    assert rows[-1].startswith("**a-to-b**: break-even length of the ladder held to the bound: ")
 
     # the break-even length: interpolated on 1 / mean cost between the lengths on either side of the prefill's cost
     from benchmarks.ladder_lengths import break_even_lines as ladder_break_even_lines
@@ -572,7 +572,8 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
         {"directions": {"a-to-b at 512 tokens": entry(512, 1.25), "a-to-b": entry(2048, 0.5)}}
     )
     assert lines == [  # 1 / 1.25 = 0.8x at 512, 2x at 2,048: 1x at 512 + 0.2 * 1,536 / 1.2 = 768
-        "**a-to-b**: the ladder pays from about 768 tokens (mean cost per length, 1 = the prefill: 512: 1.25, 2,048: 0.50)."
+        "**a-to-b**: break-even length of the ladder: about 768 tokens (mean cost per length, 1 = the prefill: 512: "
+        "1.25, 2,048: 0.50)."
     ]
     shares = {"mapped": "mapped", "repair:0.5": "recompute 50 %", "fallback": "prefill"}
     rungs = ", ".join(
@@ -582,6 +583,32 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
         f"| a-to-b | 100 | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | - | {bound['mean_cost']:.2f} | "
         f"{100 * bound['net_saving']:.0f} % |"
     )
+
+    # the plot's data: per way, (tokens, mean cost, worst changed) by length; the lost-budget way counts changed ones
+    from benchmarks import guard_ladder, ladder_lengths
+
+    directions["a-to-b at 4096 tokens"]["tokens"] = 4096  # the records' own lengths are all 100
+    found = ladder_lengths.per_length({"run": run, "directions": directions})["a-to-b"]
+    assert [name for name, _ in ladder_lengths.WAYS] == list(found)
+    assert found["ladder_confident"] == [
+        (100, many["ladder_confident"]["report"]["mean_cost"], _worst(many["ladder_confident"]["report"])),
+        (4096, bound["mean_cost"], worst),
+    ]
+    assert found["ladder_lost"][1][2] == _worst(longer["ladder_lost"]["report_changed"])
+    ladder_lengths.plot({"run": {**run, "tokens": 2048}, "directions": directions}, str(tmp_path / "lengths.png"))
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = guard_ladder.plot({"run": run, "directions": directions}, str(tmp_path / "ladder.png"))
+    assert labels[1][-5:] == [
+        "binary_guard",
+        "ladder",
+        "binary_guard (bound at 0.9)",
+        "ladder (bound at 0.9)",
+        "ladder, budget on lost answers (bound at 0.9)",
+    ]
+
+
+def _worst(outcome: dict) -> float:
+    return max(g["changed_served"] for g in outcome["per_group"].values())
 
 
 def test_a_ladder_with_its_budget_on_lost_answers_serves_a_changed_answer_that_is_right():

@@ -386,7 +386,9 @@ def test_the_break_even_length_interpolates_between_the_lengths_measured():
     assert found["a@0.2"]["tokens"] == 100 + round(0.5 * 1900 / 2.5)  # between 100 (0.5x) and 2,000 (3.0x)
     assert found["b@0.2"]["below"] == 100 and found["c@0.2"]["above"] == 2000
     table = long_switch_report.markdown({"results": {}, "break_even": {"0.5b:1.5b": found}})
-    assert "| a@0.2 | 480 | 100: 0.5x, 2,000: 3.0x, 2,100: 2.5x |" in table
+    assert "| a@0.2 | about 480 tokens | 100: 0.5x, 2,000: 3.0x, 2,100: 2.5x |" in table
+    assert "| b@0.2 | below 100 tokens (pays at every length measured) | 100: 2.0x, 2,100: 4.0x |" in table
+    assert "| c@0.2 | above 2,000 tokens (pays at none measured) | 2,000: 0.4x |" in table
 
 
 def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(byte_tokenizer, documents, monkeypatch):

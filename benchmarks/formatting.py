@@ -1,0 +1,47 @@
+"""The few ways every results page writes a number, a rung of the guard ladder and a break-even length, shared by
+the renderers under `benchmarks/` so that one quantity reads the same on every page."""
+
+from __future__ import annotations
+
+
+def pct(value, digits: int = 0, missing: str = "n/a") -> str:
+    """`0.125` -> `12 %` (`digits` after the point); `missing` for a value that was not measured (None)."""
+    return missing if value is None else f"{100 * value:.{digits}f} %"
+
+
+def fraction_text(value: float) -> str:
+    """`0.05` -> `5 %` (as many digits as the fraction has)."""
+    return f"{100 * value:.10g} %"
+
+
+def number_text(value, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def rung_order(name: str) -> tuple[int, float]:
+    """Sort key of a ladder outcome's rung names: `mapped`, then `repair:<fraction>` by fraction, then the fallback."""
+    if name == "mapped":
+        return 0, 0.0
+    if name.startswith("repair:"):
+        return 1, float(name.split(":", 1)[1])
+    return 2, 0.0
+
+
+def rung_label(name: str) -> str:
+    """`repair:0.2` -> `recompute 20 %`, `fallback` -> `prefill`, `mapped` as it is."""
+    if name.startswith("repair:"):
+        return f"recompute {fraction_text(float(name.split(':', 1)[1]))}"
+    return {"fallback": "prefill"}.get(name, name)
+
+
+def break_even_text(entry: dict) -> str:
+    """Of a `long_switch_report.break_even_length` entry: `about 1,234 tokens`, or which side of every length
+    measured the break-even lies on."""
+    if "tokens" in entry:
+        return f"about {entry['tokens']:,} tokens"
+    if "below" in entry:
+        return f"below {entry['below']:,.0f} tokens (pays at every length measured)"
+    return f"above {entry['above']:,.0f} tokens (pays at none measured)"
+
+
+__all__ = ["break_even_text", "fraction_text", "number_text", "pct", "rung_label", "rung_order"]
