@@ -37,14 +37,14 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
     return wins / (len(positives) * len(negatives))
 
 
-def separation(records: Sequence[dict]) -> dict[str, dict[str, dict]]:
-    """Per task and probe: the AUROC of the probe's risk for "the mapped cache changes the target's answer", and how
-    many records of each kind it rests on."""
+def separation(records: Sequence[dict], fraction: str = "0") -> dict[str, dict[str, dict]]:
+    """Per task and probe: the AUROC of the probe's risk for "the cache changes the target's answer" (the mapped cache;
+    with `fraction`, the first strategy's repair of that share), and how many records of each kind it rests on."""
     out: dict[str, dict[str, dict]] = {}
     for task in sorted({r["task"] for r in records}):
         mine = [r for r in records if r["task"] == task]
         strategy = sorted(mine[0]["answers"])[0]
-        flip = [bool(r["answers"][strategy]["0"]["changed"]) for r in mine]
+        flip = [bool(r["answers"][strategy][fraction]["changed"]) for r in mine]
         out[task] = {
             probe: {
                 "auroc": auroc(
@@ -71,7 +71,10 @@ def study(
         "ladder": ladder_from_records(selection, max_changed=max_changed),
         "ladder_bound": ladder_from_records(selection, max_changed=max_changed, confidence=confidence),
     }
+    repairs = sorted((f for f in selection[0]["answers"][strategies[0]] if float(f)), key=float)
     out: dict[str, dict] = {"separation": {"selection": separation(selection)}, "reports": {}}
+    if repairs:  # where the mapped cache changes (nearly) every answer, what tells which repairs keep it
+        out["repair_separation"] = {f: {"selection": separation(selection, f)} for f in repairs}
     for name, report in reports.items():
         ways: dict[str, dict] = {}
         for strategy in strategies:
@@ -89,6 +92,8 @@ def study(
             ways[way] = served_summary(replay_ladder(ladder, report))
         out["reports"][name] = ways
         out["separation"][name] = separation(report)
+        for fraction, sets in out.get("repair_separation", {}).items():
+            sets[name] = separation(report, fraction)
     return out
 
 
@@ -124,25 +129,32 @@ def markdown(result: dict, source: str = "benchmarks/results/ladder_headroom.jso
             for w in (result["reports"][n][way] for n in names)
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    sets = list(result["separation"])
-    probes = sorted(next(iter(result["separation"]["selection"].values())))
-    lines += [
-        "",
-        "How well each probe separates the requests whose mapped cache changes the answer (AUROC: 0.5 is chance; "
+    lines += ["", *_separation_lines(result["separation"], "mapped cache")]
+    for fraction, sets in result.get("repair_separation", {}).items():
+        lines += ["", *_separation_lines(sets, f"repair of {float(fraction):.0%}")]
+    return "\n".join(lines)
+
+
+def _separation_lines(separations: dict[str, dict], what: str) -> list[str]:
+    """The AUROC table of `separation` per set (selection first), for the answers `what` changes."""
+    sets = list(separations)
+    probes = sorted(next(iter(separations["selection"].values())))
+    lines = [
+        f"How well each probe separates the requests whose {what} changes the answer (AUROC: 0.5 is chance; "
         "changed / kept requests in brackets):",
         "",
         "| task | set | " + " | ".join(f"`{p}`" for p in probes) + " |",
         "|---|---|" + "---|" * len(probes),
     ]
-    for task in sorted(result["separation"]["selection"]):
+    for task in sorted(separations["selection"]):
         for name in sets:
-            row = result["separation"][name].get(task)
+            row = separations[name].get(task)
             if row is None:
                 continue
             first = row[probes[0]]
             cells = ["-" if row[p]["auroc"] is None else f"{row[p]['auroc']:.2f}" for p in probes]
             lines.append(f"| {task} | {name} ({first['changed']} / {first['kept']}) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict, path: str) -> None:

@@ -699,6 +699,8 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
     assert headroom.auroc([1.0, 0.5], [0.5, 0.0]) == pytest.approx(0.875)  # a tie counts half
     assert headroom.auroc([1.0], []) is None
     assert headroom.separation(records)["chat"]["draft_agreement:2"] == {"auroc": 1.0, "changed": 2, "kept": 2}
+    # which requests half a repair changes: risks 0.8 and 0.2 changed, 0.1 and 0.9 kept: no better than chance
+    assert headroom.separation(records, "0.5")["chat"]["draft_agreement:2"] == {"auroc": 0.5, "changed": 2, "kept": 2}
 
     def many(n, prefix):  # the mapped answer changes above risk 0.5, half a repair never changes one
         return [
@@ -735,3 +737,10 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
     text = headroom.markdown(json.loads(out.read_text()))
     assert "| perfect probe, `tail` repairs, free | 0.300 · 0.0% · 0% |" in text
     assert "| chat | held (20 / 20) | 1.00 |" in text
+    held = json.loads(out.read_text())["repair_separation"]
+    assert list(held) == ["0.5"] and held["0.5"]["held"]["chat"]["draft_agreement:2"] == {
+        "auroc": None,
+        "changed": 0,
+        "kept": 40,
+    }
+    assert "whose repair of 50% changes the answer" in text and "| chat | held (0 / 40) | - |" in text
