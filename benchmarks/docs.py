@@ -129,6 +129,8 @@ REAL_LADDERS = (
 
 #: the guard ladder calibrated on the long forms at 2K and replayed at each report length (docs/switch.md)
 LONG_LADDER = "guard_ladder_long2k.json"
+#: the perfect probe against the calibrated ladder on the same long-form records (`benchmarks.ladder_headroom`)
+LONG_HEADROOM = "ladder_headroom_long2k.json"
 
 
 def _long_ladder() -> str:
@@ -150,6 +152,18 @@ def _long_ladder() -> str:
         + repair_report.ladder_markdown(result, _relative(path))
         + f"\n\n![the guard ladder on the long forms](../benchmarks/results/{path.with_suffix('.png').name})"
     )
+
+
+def _long_ladder_headroom() -> str:
+    """What a perfect probe would save on the long forms' records, and how well each real probe separates the
+    requests each rung changes (`benchmarks.ladder_headroom` over the long ladder's records)."""
+    path = RESULTS / LONG_HEADROOM
+    if not path.exists():
+        return (
+            f"Not measured yet: `benchmarks/results/{LONG_HEADROOM}` is written by `python -m benchmarks.ladder_headroom` "
+            f"over the records of `benchmarks/results/{LONG_LADDER.removesuffix('.json')}/` (benchmarks/README.md)."
+        )
+    return ladder_headroom.markdown(json.loads(path.read_text()), _relative(path))
 
 
 def _guard_ladder() -> str:
@@ -329,6 +343,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/switch.md": {
         "long-switch": lambda: long_switch_report.markdown(_json("long_switch.json")),
         "long-ladder": _long_ladder,
+        "long-ladder-headroom": _long_ladder_headroom,
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
