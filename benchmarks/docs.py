@@ -148,7 +148,7 @@ def _long_ladder() -> str:
         f"Generated from `{_relative(path)}`. The saving per length, each report set served by the ladder calibrated "
         f"on the selection set at {result['run']['tokens']:,} tokens:\n\n"
         + ladder_lengths.markdown(result)
-        + "\n\n"
+        + f"\n\n![cost and changed answers per prompt length](../benchmarks/results/{path.stem}_lengths.png)\n\n"
         + repair_report.ladder_markdown(result, _relative(path))
         + f"\n\n![the guard ladder on the long forms](../benchmarks/results/{path.with_suffix('.png').name})"
     )
