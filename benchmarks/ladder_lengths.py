@@ -71,23 +71,35 @@ def _worst_served(outcome: dict) -> float:
 def break_even_lines(result: dict) -> list[str]:
     """Per direction of a run with report sets at several lengths: the prompt length from which the ladder held to the
     bound (else the plain ladder) costs less than the target's prefill, interpolated between the lengths measured
-    (`long_switch_report.break_even_length` over 1 / mean cost)."""
+    (`long_switch_report.break_even_length` over 1 / mean cost), and the lengths where it serves more changed answers
+    than its budget (`run.max_changed`): there its cost is no saving it vouches for."""
     lines = []
     per_direction: dict[str, list[tuple[float, float]]] = {}
+    over: dict[str, list[str]] = {}
+    budget = result.get("run", {}).get("max_changed")
     name = "ladder_confident" if all("ladder_confident" in d for d in result["directions"].values()) else "ladder"
     for key, data in result["directions"].items():
-        cost = data[name]["report"]["mean_cost"]
-        per_direction.setdefault(key.split(" at ")[0], []).append(
-            (data["tokens"], 1.0 / cost if cost else float("inf"))
-        )
+        direction = key.split(" at ")[0]
+        report = data[name]["report"]
+        cost = report["mean_cost"]
+        per_direction.setdefault(direction, []).append((data["tokens"], 1.0 / cost if cost else float("inf")))
+        if budget is not None and _worst_served(report) > budget:
+            over.setdefault(direction, []).append(f"{data['tokens']:,.0f} tokens ({pct(_worst_served(report), 1)})")
     label = "the ladder held to the bound" if name == "ladder_confident" else "the ladder"
     for direction, points in per_direction.items():
         found = break_even_length(points)
         measured = ", ".join(f"{tokens:,.0f}: {1 / speed:.2f}" for tokens, speed in found["points"])
-        lines.append(
-            f"**{direction}**: break-even length of {label}: {break_even_text(found)} (mean cost per length, 1 = the "
-            f"prefill: {measured})."
+        line = (
+            f"**{direction}**: break-even length of {label}: {break_even_text(found)}; mean cost per length (1 = the "
+            f"prefill): {measured}."
         )
+        if direction in over:
+            line += (
+                f" It serves more changed answers than its {pct(budget)} budget (worst task) at "
+                f"{', '.join(sorted(over[direction], key=lambda t: float(t.split()[0].replace(',', ''))))}: "
+                "no saving is vouched for there."
+            )
+        lines.append(line)
     return lines
 
 

@@ -566,15 +566,27 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     from benchmarks.ladder_lengths import break_even_lines as ladder_break_even_lines
 
     def entry(tokens, cost):
-        return {"tokens": tokens, "ladder": {"report": {"mean_cost": cost}}}
+        return {
+            "tokens": tokens,
+            "ladder": {"report": {"mean_cost": cost, "per_group": {"x": {"changed_served": 0.0}}}},
+        }
 
     lines = ladder_break_even_lines(
         {"directions": {"a-to-b at 512 tokens": entry(512, 1.25), "a-to-b": entry(2048, 0.5)}}
     )
     assert lines == [  # 1 / 1.25 = 0.8x at 512, 2x at 2,048: 1x at 512 + 0.2 * 1,536 / 1.2 = 768
-        "**a-to-b**: break-even length of the ladder: about 768 tokens (mean cost per length, 1 = the prefill: 512: "
-        "1.25, 2,048: 0.50)."
+        "**a-to-b**: break-even length of the ladder: about 768 tokens; mean cost per length (1 = the prefill): 512: "
+        "1.25, 2,048: 0.50."
     ]
+    # a length where the ladder serves more changed answers than its budget is named: its saving is not vouched for
+    short = {"tokens": 512, "ladder": {"report": {"mean_cost": 0.8, "per_group": {"x": {"changed_served": 0.25}}}}}
+    lines = ladder_break_even_lines(
+        {"run": {"max_changed": 0.05}, "directions": {"a-to-b at 512 tokens": short, "a-to-b": entry(2048, 0.5)}}
+    )
+    assert lines[0].endswith(
+        "It serves more changed answers than its 5 % budget (worst task) at 512 tokens (25.0 %): no saving is "
+        "vouched for there."
+    )
     shares = {"mapped": "mapped", "repair:0.5": "recompute 50 %", "fallback": "prefill"}
     rungs = ", ".join(
         f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
