@@ -137,8 +137,11 @@ def plot(result: dict, path: str) -> None:
         row[1].axhline(result["run"]["max_changed"], color="grey", linewidth=0.8, linestyle=":")
         row[0].set_ylabel("mean cost (1 = the target's prefill)")
         row[1].set_ylabel("changed answers served (worst task)")
+        lengths = sorted({p[0] for points in ways.values() for p in points})
         for axis in row:
             axis.set_xscale("log", base=2)
+            axis.set_xticks(lengths, [f"{t:,.0f}" for t in lengths])
+            axis.minorticks_off()
             axis.set_xlabel("prompt length (tokens)")
             axis.set_title(f"{direction} (report sets; calibrated at {result['run']['tokens']:,} tokens)", fontsize=9)
             axis.set_ylim(bottom=0)
