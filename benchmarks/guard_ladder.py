@@ -41,6 +41,8 @@ from hf_kvmap.calibration.ladder_items import (
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 
+from .ladder_lengths import changed_outcome
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
 TASKS = {"tiny": ("recall", "chat"), "real": ("prose_retrieval", "chat_recall")}
@@ -298,7 +300,7 @@ def plot(results: dict, path: str) -> list[list[str]]:
         ):
             if name not in data:
                 continue
-            report = data[name].get("report_changed", data[name]["report"])  # changed answers, whatever the budget
+            report = changed_outcome(data[name])
             label = name.replace("_confident", f" (bound at {confidence:g})") if name.endswith("_confident") else name
             if name == "ladder_lost":
                 label = "ladder, budget on lost answers" + (f" (bound at {confidence:g})" if confidence else "")

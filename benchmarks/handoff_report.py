@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from .formatting import pct
 from .handoff import MIN_CAUGHT, TASKS
+
+#: a share, or `-` where it was not measured
+_pct = partial(pct, missing="-")
 
 
 def markdown(result: dict, session: dict | None, source_file: str, session_file: str) -> str:
@@ -30,17 +35,17 @@ def markdown(result: dict, session: dict | None, source_file: str, session_file:
         guarded = [direction["guarded_report"][task]["changed_answers_served"] for task in TASKS]
         cost = direction.get("cost_per_request_ms")
         saving = (
-            f"{cost['net_saving']:.1f} ms of {cost['target_prefill_avoided']:.1f} ({pct(cost['net_saving_fraction'], missing='-')})"
+            f"{cost['net_saving']:.1f} ms of {cost['target_prefill_avoided']:.1f} ({_pct(cost['net_saving_fraction'])})"
             if cost
             else "-"
         )
         lines.append(
-            f"| {name} | `{direction['chosen']}` | {pct(report['recall']['true_alarm'], missing='-')} / "
-            f"{pct(report['chat']['true_alarm'], missing='-')} | {pct(report['recall']['false_alarm'], missing='-')} / "
-            f"{pct(report['chat']['false_alarm'], missing='-')} | {chosen['auc']['recall']:.2f} / {chosen['auc']['chat']:.2f} | "
-            f"{pct(chosen.get('cost_fraction_of_prefill'), missing='-')} / {pct(chosen.get('target_token_fraction'), missing='-')} | "
-            f"{pct(unguarded[0], missing='-')} -> {pct(guarded[0], missing='-')} (recall), "
-            f"{pct(unguarded[1], missing='-')} -> {pct(guarded[1], missing='-')} (chat) | {saving} |"
+            f"| {name} | `{direction['chosen']}` | {_pct(report['recall']['true_alarm'])} / "
+            f"{_pct(report['chat']['true_alarm'])} | {_pct(report['recall']['false_alarm'])} / "
+            f"{_pct(report['chat']['false_alarm'])} | {chosen['auc']['recall']:.2f} / {chosen['auc']['chat']:.2f} | "
+            f"{_pct(chosen.get('cost_fraction_of_prefill'))} / {_pct(chosen.get('target_token_fraction'))} | "
+            f"{_pct(unguarded[0])} -> {_pct(guarded[0])} (recall), "
+            f"{_pct(unguarded[1])} -> {_pct(guarded[1])} (chat) | {saving} |"
         )
     lines += [
         "",
@@ -55,18 +60,18 @@ def markdown(result: dict, session: dict | None, source_file: str, session_file:
             rates_ = chosen["report"][task]
             if rates_["true_alarm"] is not None and rates_["true_alarm"] < MIN_CAUGHT:
                 misses.append(
-                    f"{task} caught {pct(rates_['true_alarm'], missing='-')} ({pct(MIN_CAUGHT - rates_['true_alarm'], missing='-')} short, of "
+                    f"{task} caught {_pct(rates_['true_alarm'])} ({_pct(MIN_CAUGHT - rates_['true_alarm'])} short, of "
                     f"{rates_['changed']} changed answers)"
                 )
             if rates_["false_alarm"] is not None and rates_["false_alarm"] > budget:
                 misses.append(
-                    f"{task} false alarms {pct(rates_['false_alarm'], missing='-')} ({pct(rates_['false_alarm'] - budget, missing='-')} over, of "
+                    f"{task} false alarms {_pct(rates_['false_alarm'])} ({_pct(rates_['false_alarm'] - budget)} over, of "
                     f"{rates_['kept']} kept answers)"
                 )
         fraction = chosen.get("cost_fraction_of_prefill")
         if fraction is not None and fraction > result["run"]["max_cost_fraction"]:
             misses.append(
-                f"cost {pct(fraction, missing='-')} of the re-prefill in time ({pct(chosen['target_token_fraction'], missing='-')} of its tokens)"
+                f"cost {_pct(fraction)} of the re-prefill in time ({_pct(chosen['target_token_fraction'])} of its tokens)"
             )
         lines.append(f"- {name}: " + ("met" if not misses else "missed: " + "; ".join(misses)) + ".")
     lines += [
@@ -84,7 +89,7 @@ def markdown(result: dict, session: dict | None, source_file: str, session_file:
             guarded = direction["guarded_report"][task]
             lines.append(
                 f"| {name} | {task} | {accuracy['target_own']:.2f} | {accuracy['mapped']['1']:.2f} | "
-                f"{accuracy['mapped']['16']:.2f} | {guarded['accuracy']:.2f} | {pct(guarded['fallback_rate'], missing='-')} |"
+                f"{accuracy['mapped']['16']:.2f} | {guarded['accuracy']:.2f} | {_pct(guarded['fallback_rate'])} |"
             )
     upcast = [
         f"{name} {d['cost_per_request_ms']['mapper']:.0f} ms ({d['cost_per_request_ms']['mapper_dtype']}) vs "
@@ -118,7 +123,7 @@ def markdown(result: dict, session: dict | None, source_file: str, session_file:
             for direction, entry in data["per_direction"].items():
                 how = "mapped" if entry["mapped"] else "no mapper: prefilled"
                 lines.append(
-                    f"| {pair} | {direction} ({how}) | {entry['switches']} | {pct(entry['same_as_own_prefill'], missing='-')} | "
+                    f"| {pair} | {direction} ({how}) | {entry['switches']} | {_pct(entry['same_as_own_prefill'])} | "
                     f"{entry['mean_sync_ms']:.1f} | {entry['mean_own_prefill_ms']:.1f} |"
                 )
         lines += [
@@ -129,7 +134,7 @@ def markdown(result: dict, session: dict | None, source_file: str, session_file:
         lines.append("|---|" + "---|" * len(next(iter(session["pairs"].values()))["per_exchange"]))
         for pair, data in session["pairs"].items():
             cells = [
-                f"{pct(x['same_as_own_prefill'], missing='-')} ({x['session_accuracy']:.2f} vs {x['own_prefill_accuracy']:.2f})"
+                f"{_pct(x['same_as_own_prefill'])} ({x['session_accuracy']:.2f} vs {x['own_prefill_accuracy']:.2f})"
                 for x in data["per_exchange"].values()
             ]
             lines.append(f"| {pair} | " + " | ".join(cells) + " |")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from hf_kvmap.calibration.ladder_items import ladder_from_records, perfect_probe_outcome, replay_ladder
 from hf_kvmap.reporting import environment_info, write_json
 
+from .formatting import fraction_text
 from .guard_ladder import served_summary
 from .ladder_calibration_size import by_task, read_records
 
@@ -131,7 +132,7 @@ def markdown(result: dict, source: str = "benchmarks/results/ladder_headroom.jso
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", *_separation_lines(result["separation"], "mapped cache")]
     for fraction, sets in result.get("repair_separation", {}).items():
-        lines += ["", *_separation_lines(sets, f"repair of {float(fraction):.0%}")]
+        lines += ["", *_separation_lines(sets, f"repair of {fraction_text(float(fraction))}")]
     return "\n".join(lines)
 
 

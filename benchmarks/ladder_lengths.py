@@ -45,11 +45,8 @@ def markdown(result: dict) -> str:
             if name == "ladder_lost" and data[name]["ladder"]["calibration"].get("confidence") is not None:
                 label = "ladder, bound, budget on lost answers"
             report = data[name]["report"]
-            changed = data[name].get(
-                "report_changed"
-            )  # set where the budget was on lost answers: `report` counts them
-            worst = _worst_served(report if changed is None else changed)
-            lost = "-" if changed is None else pct(_worst_served(report), 1)
+            worst = _worst_served(changed_outcome(data[name]))
+            lost = pct(_worst_served(report), 1) if "report_changed" in data[name] else "-"
             rungs = ", ".join(
                 f"{rung_label(rung)} {pct(share)}"
                 for rung, share in sorted(report["rungs"].items(), key=lambda item: rung_order(item[0]))
@@ -61,6 +58,12 @@ def markdown(result: dict) -> str:
             )
     lines += ["", *break_even_lines(result)]
     return "\n".join(lines)
+
+
+def changed_outcome(way: dict) -> dict:
+    """What a calibrated way serves on the report set counted as changed answers, whatever its budget: a ladder with
+    its budget on lost answers counts those in `report` and the changed ones in `report_changed`."""
+    return way.get("report_changed", way["report"])
 
 
 def _worst_served(outcome: dict) -> float:
@@ -75,7 +78,7 @@ def break_even_lines(result: dict) -> list[str]:
     than its budget (`run.max_changed`): there its cost is no saving it vouches for."""
     lines = []
     per_direction: dict[str, list[tuple[float, float]]] = {}
-    over: dict[str, list[str]] = {}
+    over: dict[str, list[tuple[float, float]]] = {}  # (tokens, worst task's changed share) where over the budget
     budget = result.get("run", {}).get("max_changed")
     name = "ladder_confident" if all("ladder_confident" in d for d in result["directions"].values()) else "ladder"
     for key, data in result["directions"].items():
@@ -83,8 +86,9 @@ def break_even_lines(result: dict) -> list[str]:
         report = data[name]["report"]
         cost = report["mean_cost"]
         per_direction.setdefault(direction, []).append((data["tokens"], 1.0 / cost if cost else float("inf")))
-        if budget is not None and _worst_served(report) > budget:
-            over.setdefault(direction, []).append(f"{data['tokens']:,.0f} tokens ({pct(_worst_served(report), 1)})")
+        worst = _worst_served(report)
+        if budget is not None and worst > budget:
+            over.setdefault(direction, []).append((data["tokens"], worst))
     label = "the ladder held to the bound" if name == "ladder_confident" else "the ladder"
     for direction, points in per_direction.items():
         found = break_even_length(points)
@@ -96,7 +100,7 @@ def break_even_lines(result: dict) -> list[str]:
         if direction in over:
             line += (
                 f" It serves more changed answers than its {pct(budget)} budget (worst task) at "
-                f"{', '.join(sorted(over[direction], key=lambda t: float(t.split()[0].replace(',', ''))))}: "
+                f"{', '.join(f'{tokens:,.0f} tokens ({pct(worst, 1)})' for tokens, worst in sorted(over[direction]))}: "
                 "no saving is vouched for there."
             )
         lines.append(line)
@@ -110,9 +114,8 @@ def per_length(result: dict) -> dict[str, dict[str, list[tuple[float, float, flo
         ways = out.setdefault(key.split(" at ")[0], {})
         for name, _ in WAYS:
             if name in data:
-                served = data[name].get("report_changed", data[name]["report"])  # changed answers, whatever the budget
                 ways.setdefault(name, []).append(
-                    (data["tokens"], data[name]["report"]["mean_cost"], _worst_served(served))
+                    (data["tokens"], data[name]["report"]["mean_cost"], _worst_served(changed_outcome(data[name])))
                 )
     return {d: {n: sorted(points) for n, points in ways.items()} for d, ways in out.items()}
 
@@ -165,7 +168,7 @@ def main(argv=None) -> None:
     print(f"wrote {args.plot}")
 
 
-__all__ = ["WAYS", "break_even_lines", "markdown", "per_length", "plot"]
+__all__ = ["WAYS", "break_even_lines", "changed_outcome", "markdown", "per_length", "plot"]
 
 
 if __name__ == "__main__":

@@ -755,4 +755,4 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
         "changed": 0,
         "kept": 40,
     }
-    assert "whose repair of 50% changes the answer" in text and "| chat | held (0 / 40) | - |" in text
+    assert "whose repair of 50 % changes the answer" in text and "| chat | held (0 / 40) | - |" in text
