@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from hf_kvmap import MapperModel
 from hf_kvmap.calibration.ladder_items import (
@@ -34,9 +35,11 @@ from hf_kvmap.calibration.ladder_items import (
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
+    measure_margins,
     probe_key,
     replay_ladder,
     strategy_key,
+    with_margins,
 )
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
@@ -117,7 +120,7 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         with path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    return measure_ladder_items(
+    records = measure_ladder_items(
         source,
         target,
         mapper,
@@ -129,6 +132,31 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         done=done[: len(items)],
         on_record=keep,
     )
+    return margins_for(path, pair, items, records, measure=args.margins)
+
+
+def has_margins(record: dict) -> bool:
+    return all("margin" in outcome for rungs in record["answers"].values() for outcome in rungs.values())
+
+
+def margins_for(path: Path, pair, items, records: list[dict], measure: bool) -> list[dict]:
+    """`records` with the answer margins of records measured before they were recorded, kept beside them in
+    `<name>.margins.jsonl` (resumable); with `measure`, the missing ones are measured first
+    (`ladder_items.measure_margins`: every rung served again, its first answer token checked against the record)."""
+    side = path.with_name(path.name.replace(".jsonl", ".margins.jsonl"))
+    measured = [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
+    if measure:
+        have = {m["prompt_sha256"] for m in measured}
+        todo = [(i, r) for i, r in zip(items, records) if not has_margins(r) and r["prompt_sha256"] not in have]
+        for item, record in tqdm(todo, desc=f"answer margins ({path.name})"):
+            found = measure_margins(*pair[:4], item, record)
+            disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
+            if disagree:
+                print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
+            measured.append(found)
+            with side.open("a") as handle:
+                handle.write(json.dumps(found) + "\n")
+    return with_margins(records, measured)
 
 
 def mapped_only(records: list[dict]) -> list[dict]:
@@ -366,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="one probe, two strategies, two fractions")
+    parser.add_argument(
+        "--margins",
+        action="store_true",
+        help="measure the answer margin of every rung where the records lack it (records of before margins were "
+        "recorded; kept beside them as <set>.margins.jsonl)",
+    )
     parser.add_argument("--cache-dir", default=None, help="`hf-kvmap obtain` cache (--family real)")
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "guard_ladder", help="records (resumable)")

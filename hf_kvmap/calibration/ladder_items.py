@@ -30,7 +30,7 @@ from .._compat import cache_kwargs, output_cache
 from ..drafting import Draft
 from ..repair import selector_from_dict
 from ..serving.ladder import FALLBACK, GuardLadder
-from ..serving.pipeline import prepare_context, serve_rows, target_prefill
+from ..serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
 from ..serving.probes import Probe, probe_from_dict
 from .ladder import calibrate_ladder, ladder_outcome
 
@@ -131,25 +131,27 @@ def measure_item(
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
     def serve(strategy, fraction):
-        # a fresh source draft: a strategy that drafts decodes it here, and its steps are timed one by one
-        draft = Draft(source, source_cache, ids, context.attention_mask, context.source_position_ids)
-        served = dataclasses.replace(context, cache=copy.deepcopy(context.cache), drafts={"source": draft})
+        served, seconds, steps = _serve_rung(context, strategy, fraction)
         start = time.perf_counter()
-        serve_rows(served, [fraction], strategy)
-        seconds = time.perf_counter() - start
+        margin = float(answer_margin(target, served.cache, ids)[0])
+        verify = time.perf_counter() - start
         answer = _greedy(target, ids, served.cache, len(expected), pad)
-        return {"changed": answer != reference, "correct": answer == expected}, seconds, draft.step_seconds
+        outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margin}
+        return outcome, seconds, steps, verify
 
-    mapped, mapped_seconds, _ = serve(strategies[0], 0.0)
-    answers, repair_seconds, draft_steps, settings = {}, {}, {}, {}
+    mapped, mapped_seconds, _, mapped_verify = serve(strategies[0], 0.0)
+    answers, repair_seconds, draft_steps, verify_seconds, settings = {}, {}, {}, {}, {}
     for strategy in strategies:
         key = strategy_key(strategy)
         settings[key] = selector_from_dict(strategy).settings()
         answers[key], repair_seconds[key], draft_steps[key] = {"0": mapped}, {"0": mapped_seconds}, {"0": []}
+        verify_seconds[key] = {"0": mapped_verify}
         for fraction in fractions:
             if fraction:
                 f = f"{fraction:g}"
-                answers[key][f], repair_seconds[key][f], draft_steps[key][f] = serve(strategy, fraction)
+                answers[key][f], repair_seconds[key][f], draft_steps[key][f], verify_seconds[key][f] = serve(
+                    strategy, fraction
+                )
     return {
         "task": item.task,
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
@@ -166,8 +168,68 @@ def measure_item(
             "repair": repair_seconds,
             "probe_source_steps": probe_steps,
             "repair_draft_steps": draft_steps,
+            "verify": verify_seconds,
         },
     }
+
+
+def _serve_rung(context, strategy, fraction: float):
+    """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it: the served context, the
+    seconds it took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a
+    strategy that drafts decodes it here and its steps are timed one by one)."""
+    draft = Draft(
+        context.source, context.source_cache, context.input_ids, context.attention_mask, context.source_position_ids
+    )
+    served = dataclasses.replace(context, cache=copy.deepcopy(context.cache), drafts={"source": draft})
+    start = time.perf_counter()
+    serve_rows(served, [fraction], strategy)
+    return served, time.perf_counter() - start, draft.step_seconds
+
+
+@torch.no_grad()
+def measure_margins(source, target, mapper, tokenizer, item: LadderItem, record: dict[str, Any]) -> dict[str, Any]:
+    """The answer margins of a record measured before records held them: `item`'s rungs served again as
+    [`measure_item`] served them (its probes' hold-back, every strategy and fraction of `record`), and on each the
+    target's [`answer_margin`]. Returns `{"prompt_sha256", "margins": {strategy: {fraction: margin}}, "verify":
+    {strategy: {fraction: seconds}}, "first_agrees": {...}}` for [`with_margins`]; `first_agrees` says whether the
+    served cache's first greedy token is the one the record implies (the reference's first token where the record's
+    answer is unchanged), a check that the rung was served again as measured."""
+    sha = hashlib.sha256(item.prompt.encode()).hexdigest()
+    if record.get("prompt_sha256") != sha:
+        raise ValueError("The record is of another prompt than this item; pass the records in the items' order.")
+    ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+    hold_back = parse_probe(next(iter(record["risks"]))).hold_back
+    source_cache = output_cache(source(input_ids=ids, use_cache=True))
+    context = prepare_context(source, target, mapper, ids, None, source_cache, hold_back)
+    margins, verify, agrees = {}, {}, {}
+    for key, answers in record["answers"].items():
+        margins[key], verify[key], agrees[key] = {}, {}, {}
+        for f in answers:
+            served, _, _ = _serve_rung(context, record["strategies"][key], float(f))
+            start = time.perf_counter()
+            margin, token = answer_margin(target, served.cache, ids, return_tokens=True)
+            verify[key][f] = time.perf_counter() - start
+            margins[key][f] = float(margin[0])
+            agrees[key][f] = answers[f]["changed"] or int(token[0]) == record["reference"][0]
+    return {"prompt_sha256": sha, "margins": margins, "verify": verify, "first_agrees": agrees}
+
+
+def with_margins(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
+    """`records` with the margins of [`measure_margins`] put where [`measure_item`] now writes them (`margin` in every
+    rung's answer, `seconds["verify"]`); records without a measurement are returned as they are."""
+    by_sha = {m["prompt_sha256"]: m for m in measured}
+    out = []
+    for record in records:
+        found = by_sha.get(record.get("prompt_sha256"))
+        if found is None:
+            out.append(record)
+            continue
+        answers = {
+            key: {f: {**outcome, "margin": found["margins"][key][f]} for f, outcome in rungs.items()}
+            for key, rungs in record["answers"].items()
+        }
+        out.append({**record, "answers": answers, "seconds": {**record["seconds"], "verify": found["verify"]}})
+    return out
 
 
 def measure_ladder_items(
@@ -392,10 +454,12 @@ __all__ = [
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
+    "measure_margins",
     "parse_probe",
     "perfect_probe_outcome",
     "probe_key",
     "record_costs",
     "replay_ladder",
     "strategy_key",
+    "with_margins",
 ]

@@ -137,6 +137,36 @@ def run_tokens(
 
 
 @torch.no_grad()
+def answer_margin(
+    target,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    return_tokens: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The target's confidence in its first answer token on `cache` (its served cache of every prompt token but the
+    last): the last token runs on the cache, and each row's top-1 minus top-2 probability of the next token is
+    returned `(batch,)`, in `[0, 1]` (with `return_tokens`, also each row's top-1 token: the first token greedy
+    decoding gives). The cache is cropped back to the prompt but the last token, as it was; the run is the one
+    `generate` would start with, so the check costs a single token."""
+    length = input_ids.shape[1]
+    if cache.get_seq_length() != length - 1:
+        raise ValueError(
+            f"answer_margin reads a cache of every prompt token but the last ({length - 1}); this one holds "
+            f"{cache.get_seq_length()}."
+        )
+    if attention_mask is not None and position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    logits = run_tokens(target, cache, input_ids, length - 1, length, attention_mask, position_ids)
+    cache.crop(-1)
+    top = torch.softmax(logits[:, -1].float(), dim=-1).topk(2, dim=-1)
+    margin = top.values[:, 0] - top.values[:, 1]
+    return (margin, top.indices[:, 0]) if return_tokens else margin
+
+
+@torch.no_grad()
 def map_and_repair(
     source,
     target,
@@ -529,6 +559,7 @@ __all__ = [
     "EXACT_TOLERANCE",
     "GROSS_ERROR",
     "Request",
+    "answer_margin",
     "climb",
     "exactness_error",
     "first_layer_audit",
