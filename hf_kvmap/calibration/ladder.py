@@ -12,32 +12,55 @@ from typing import Any
 from ..serving.ladder import FALLBACK, GuardLadder, LadderRung, rung_name
 
 
+def refused_by_check(
+    margins: dict[float, Sequence[float]], min_margin: float | None
+) -> dict[float, list[bool]] | None:
+    """Per fraction, whether the check after the rung (`GuardLadder.min_margin`) sends each item to the fallback: its
+    answer margin there is below `min_margin` (a NaN margin too). `None` without a check."""
+    if min_margin is None:
+        return None
+    return {f: [not float(m) >= min_margin for m in values] for f, values in margins.items()}
+
+
 def ladder_outcome(
     fractions: Sequence[float | None],
     changed: dict[float, Sequence[bool]],
     costs: dict[float | str, float],
     groups: Sequence[str] | None = None,
+    refused: dict[float, Sequence[bool]] | None = None,
 ) -> dict[str, Any]:
     """What serving `fractions` (one per item, `None` = fallback) gives on measured items: the share of changed answers
     served, the mean cost (relative to a prefill) and the net saving, overall and per group (task), and the share of
     items on each rung. `changed[f][i]`: item `i`'s answer differs from the target's own at fraction `f`; the fallback
-    never changes an answer. `costs[f]` and `costs["fallback"]`: mean cost of each rung, every stage counted."""
+    never changes an answer. `costs[f]` and `costs["fallback"]`: mean cost of each rung, every stage counted.
+
+    With a check after the rung, `refused[f][i]` says that item `i`, served fraction `f`, falls back after it
+    ([`refused_by_check`]): it serves the target's own answer and pays its rung and a prefill on top; `rungs` counts it
+    on the rung it was given and `checked_fallback` is the share of items the check sent back."""
     groups = list(groups) if groups is not None else ["all"] * len(fractions)
+
+    def sent_back(i: int) -> bool:
+        return refused is not None and fractions[i] is not None and bool(refused[fractions[i]][i])
 
     def summary(index: list[int]) -> dict[str, Any]:
         n = max(len(index), 1)
-        served_changed = sum(bool(changed[fractions[i]][i]) for i in index if fractions[i] is not None)
-        cost = sum(costs[FALLBACK if fractions[i] is None else fractions[i]] for i in index) / n
+        served_changed = sum(
+            bool(changed[fractions[i]][i]) for i in index if fractions[i] is not None and not sent_back(i)
+        )
+        cost = sum(costs[FALLBACK if fractions[i] is None else fractions[i]] + sent_back(i) for i in index) / n
         rungs: dict[str, float] = {}
         for i in index:
             rungs[rung_name(fractions[i])] = rungs.get(rung_name(fractions[i]), 0) + 1 / n
-        return {
+        out = {
             "items": len(index),
             "changed_served": served_changed / n,
             "mean_cost": cost,
             "net_saving": 1.0 - cost,
             "rungs": {name: round(share, 6) for name, share in sorted(rungs.items())},
         }
+        if refused is not None:
+            out["checked_fallback"] = round(sum(sent_back(i) for i in index) / n, 6)
+        return out
 
     out = summary(list(range(len(fractions))))
     out["per_group"] = {g: summary([i for i, x in enumerate(groups) if x == g]) for g in sorted(set(groups))}
@@ -113,6 +136,8 @@ def calibrate_ladder(
     max_changed: float = 0.05,
     confidence: float | None = None,
     provenance: dict[str, Any] | None = None,
+    margins: dict[float, Sequence[float]] | None = None,
+    min_margin: float | None = None,
 ) -> GuardLadder:
     r"""
     The cheapest ladder on measured items whose served changed answers stay within `max_changed` in every group.
@@ -142,6 +167,11 @@ def calibrate_ladder(
         confidence (`float`, *optional*): hold `max_changed` as an upper confidence bound at this level (e.g. 0.9)
             instead of on the calibration items alone.
         provenance (`dict`, *optional*): what the items were, recorded in `calibration`.
+        margins (`dict[float, sequence of float]`, *optional*): per measured fraction, the target's answer margin on
+            each item's served cache (`hf_kvmap.serving.pipeline.answer_margin`); needed with `min_margin`.
+        min_margin (`float`, *optional*): the ladder checks each served item after its rung, and one whose margin is
+            below this falls back ([`refused_by_check`]): it serves no changed answer and costs its rung plus a
+            prefill. `costs` should count the check in each rung. The rungs are chosen for this check.
 
     Returns:
         A [`GuardLadder`] whose `calibration` holds the budget, the costs and `ladder_outcome` on these items.
@@ -165,6 +195,17 @@ def calibrate_ladder(
     groups = list(groups) if groups is not None else ["all"] * n
     if len(groups) != n:
         raise ValueError(f"{len(groups)} groups for {n} items.")
+    refused = None
+    if min_margin is not None:
+        if margins is None or set(margins) != set(fractions) or any(len(margins[f]) != n for f in fractions):
+            raise ValueError(
+                "min_margin checks each rung's answer margin: pass margins with one value per item for every measured "
+                "fraction (records measured before margins were recorded get them from "
+                "`ladder_items.measure_margins`)."
+            )
+        refused = refused_by_check(margins, min_margin)
+        changed_raw = changed
+        changed = {f: [bool(c) and not r for c, r in zip(changed_raw[f], refused[f])] for f in fractions}
     names = sorted(set(groups))
     if confidence is not None and not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence={confidence} must be in (0, 1), e.g. 0.9; or None for the budget on the items.")
@@ -197,7 +238,8 @@ def calibrate_ladder(
                 if any(add[j] > max(budget[g], 0) for j, g in enumerate(names)):
                     continue
                 key = (k, tuple(add))
-                value = (cost + option_cost[k] * len(block), picks + (k,))
+                extra = 0 if refused is None or f is None else sum(refused[f][i] for i in block)  # prefills after
+                value = (cost + option_cost[k] * len(block) + extra, picks + (k,))
                 if key not in nxt or value[0] < nxt[key][0]:
                     nxt[key] = value
         states = nxt
@@ -219,10 +261,11 @@ def calibrate_ladder(
         "confidence": confidence,
         "budget_per_group": budget,
         "costs": {("fallback" if k == FALLBACK else f"{k:g}"): v for k, v in costs.items()},
-        "outcome": ladder_outcome(assigned, changed, costs, groups),
+        "outcome": ladder_outcome(assigned, changed, costs, groups, refused),
+        **({"min_margin": min_margin} if min_margin is not None else {}),
         **(provenance or {}),
     }
-    return GuardLadder(probe=probe, strategy=strategy, rungs=rungs, calibration=calibration)
+    return GuardLadder(probe=probe, strategy=strategy, rungs=rungs, calibration=calibration, min_margin=min_margin)
 
 
 __all__ = [
@@ -231,4 +274,5 @@ __all__ = [
     "changed_upper_bound",
     "items_to_vouch",
     "ladder_outcome",
+    "refused_by_check",
 ]

@@ -32,7 +32,7 @@ from ..repair import selector_from_dict
 from ..serving.ladder import FALLBACK, GuardLadder
 from ..serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
 from ..serving.probes import Probe, probe_from_dict
-from .ladder import calibrate_ladder, ladder_outcome
+from .ladder import calibrate_ladder, ladder_outcome, refused_by_check
 
 
 @dataclass(frozen=True)
@@ -311,12 +311,28 @@ def measure_ladder_items(
     return records
 
 
-def record_costs(records: Sequence[dict], key: str, strategy: str) -> dict[float | str, float]:
+#: the answer margins a ladder's check after the rung is calibrated over (`ladder_from_records(check=True)`)
+CHECK_MARGINS = tuple(round(0.05 * i, 2) for i in range(1, 20))
+
+
+def _need_margins(records: Sequence[dict]) -> None:
+    if not all("margin" in o for r in records for rungs in r["answers"].values() for o in rungs.values()):
+        raise ValueError(
+            "A ladder that checks each rung's answer margin needs the margins in every record; these records were "
+            "measured before margins were recorded: measure them with `ladder_items.measure_margins` (`python -m "
+            "benchmarks.guard_ladder ... --margins`)."
+        )
+
+
+def record_costs(records: Sequence[dict], key: str, strategy: str, check: bool = False) -> dict[float | str, float]:
     """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
     probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
     fallback. A repair that continues the probe's source draft does not pay again for the steps the probe decoded:
-    the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full)."""
+    the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full).
+    With `check`, every rung but the fallback also pays the check after it (the answer margin's token)."""
     fractions = sorted(float(f) for f in records[0]["answers"][strategy])
+    if check:
+        _need_margins(records)
     sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
     for record in records:
         seconds = record["seconds"]
@@ -325,9 +341,18 @@ def record_costs(records: Sequence[dict], key: str, strategy: str) -> dict[float
         for f in fractions:
             steps = seconds.get("repair_draft_steps", {}).get(strategy, {}).get(f"{f:g}", [])
             repair = seconds["repair"][strategy][f"{f:g}"] - sum(steps[:shared])
+            if check:
+                repair += seconds["verify"][strategy][f"{f:g}"]
             sums[f] += base + repair / seconds["prefill"]
         sums[FALLBACK] += base + 1.0
     return {k: v / len(records) for k, v in sums.items()}
+
+
+def record_margins(records: Sequence[dict], strategy: str) -> dict[float, list[float]]:
+    """Per measured fraction of `strategy`, every record's answer margin on its served cache."""
+    _need_margins(records)
+    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
+    return {f: [float(r["answers"][strategy][f"{f:g}"]["margin"]) for r in records] for f in fractions}
 
 
 def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
@@ -351,39 +376,48 @@ def ladder_from_records(
     max_changed: float = 0.05,
     confidence: float | None = None,
     provenance: dict[str, Any] | None = None,
+    check: bool | Sequence[float] = False,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
     risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
-    and `confidence` as in [`calibrate_ladder`]. The costs, changed answers and ladders of every candidate are kept in
-    `calibration["candidates"]`."""
+    and `confidence` as in [`calibrate_ladder`]. With `check` (`True`: the margins of `CHECK_MARGINS`, or a sequence
+    of them), the ladder may also check each rung's answer margin: every candidate is calibrated without a check and
+    with each `min_margin`, and the cheapest kept (the records need margins). The costs, changed answers and ladders of
+    every candidate are kept in `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
     strategies = _pick(
         [strategy_key(strategy)] if strategy is not None else None, sorted(records[0]["answers"]), "strategies"
     )
+    margins_checked = [] if check is False else list(CHECK_MARGINS if check is True else check)
     best, candidates = None, {}
     for key in probes:
         for name in strategies:
-            ladder = calibrate_ladder(
-                [r["risks"][key] for r in records],
-                _changed(records, name),
-                record_costs(records, key, name),
-                probe=parse_probe(key).settings(),
-                strategy=records[0]["strategies"][name],
-                groups=[r["task"] for r in records],
-                max_changed=max_changed,
-                confidence=confidence,
-                provenance=provenance,
-            )
-            outcome = ladder.calibration["outcome"]
-            candidates[f"{key} {name}"] = {
-                "mean_cost": outcome["mean_cost"],
-                "changed_served": outcome["changed_served"],
-                "rungs": ladder.to_dict()["rungs"],
-            }
-            if best is None or outcome["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
-                best = ladder
+            for min_margin in [None, *margins_checked]:
+                ladder = calibrate_ladder(
+                    [r["risks"][key] for r in records],
+                    _changed(records, name),
+                    record_costs(records, key, name, check=min_margin is not None),
+                    probe=parse_probe(key).settings(),
+                    strategy=records[0]["strategies"][name],
+                    groups=[r["task"] for r in records],
+                    max_changed=max_changed,
+                    confidence=confidence,
+                    provenance=provenance,
+                    margins=None if min_margin is None else record_margins(records, name),
+                    min_margin=min_margin,
+                )
+                outcome = ladder.calibration["outcome"]
+                label = f"{key} {name}" + ("" if min_margin is None else f" check>={min_margin:g}")
+                candidates[label] = {
+                    "mean_cost": outcome["mean_cost"],
+                    "changed_served": outcome["changed_served"],
+                    "rungs": ladder.to_dict()["rungs"],
+                    **({"min_margin": min_margin} if min_margin is not None else {}),
+                }
+                if best is None or outcome["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
+                    best = ladder
     best.calibration["candidates"] = candidates
     return best
 
@@ -406,8 +440,13 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
             f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
         )
     plan = ladder.plan([r["risks"][key] for r in records])
+    checked = ladder.min_margin is not None
     return ladder_outcome(
-        plan, _changed(records, name), record_costs(records, key, name), [r["task"] for r in records]
+        plan,
+        _changed(records, name),
+        record_costs(records, key, name, check=checked),
+        [r["task"] for r in records],
+        refused_by_check(record_margins(records, name), ladder.min_margin) if checked else None,
     )
 
 
@@ -448,6 +487,7 @@ def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str |
 
 
 __all__ = [
+    "CHECK_MARGINS",
     "LadderItem",
     "cheapest_keeping",
     "items_from_tasks",
@@ -459,6 +499,7 @@ __all__ = [
     "perfect_probe_outcome",
     "probe_key",
     "record_costs",
+    "record_margins",
     "replay_ladder",
     "strategy_key",
     "with_margins",

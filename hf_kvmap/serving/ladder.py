@@ -11,7 +11,10 @@ cache, report = handoff(source, target, mapper, input_ids, ladder=ladder)   # or
 ```
 
 A row whose risk is at most the first rung's `max_risk` gets that rung's repair fraction (0: the mapped cache as it
-is), and so on up the rungs; a risk above the last rung's `max_risk` falls back. The serving pipeline
+is), and so on up the rungs; a risk above the last rung's `max_risk` falls back. A ladder with a `min_margin` checks
+every row it served after its rung: the target runs the prompt's last token on the served cache (the run `generate`
+starts with), and a row whose first answer token's probability margin (top-1 minus top-2) is below `min_margin` falls
+back after all. A probe guesses before the repair how a row will fare; the check reads the repaired cache itself. The serving pipeline
 (`hf_kvmap.serving.pipeline.serve_rows`) gives each row its rung; `hf_kvmap.calibration.ladder.calibrate_ladder`
 chooses the rungs on measured items (`hf-kvmap calibrate-ladder` measures them, `hf_kvmap.calibration.ladder_items`):
 the cheapest ladder whose changed answers stay within a budget on every task.
@@ -71,6 +74,9 @@ class GuardLadder:
         rungs (`list[LadderRung]`): by increasing `max_risk` and increasing `fraction`; may be empty (every row falls
             back).
         calibration (`dict`, *optional*): what [`calibrate_ladder`] measured (items, costs, changed answers per task).
+        min_margin (`float`, *optional*): the check after the rung, in `[0, 1]`: a served row whose first answer token
+            the target takes with a margin below it falls back (`hf_kvmap.serving.pipeline.answer_margin`); `None`
+            (the default) checks nothing.
 
     Example:
 
@@ -86,8 +92,17 @@ class GuardLadder:
     strategy: dict[str, Any] | str
     rungs: list[LadderRung] = field(default_factory=list)
     calibration: dict[str, Any] | None = None
+    min_margin: float | None = None
 
     def __post_init__(self):
+        if self.min_margin is not None:
+            value = self.min_margin
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"GuardLadder min_margin={value!r} must be a number in [0, 1] (a probability margin), or None "
+                    "for no check after the rung."
+                )
+            self.min_margin = float(value)
         self.probe = probe_from_dict(self.probe).settings()  # unknown probes and options raise here
         self.strategy = selector_from_dict(self.strategy).settings()
         self.rungs = [_rung(rung) for rung in _rung_list(self.rungs)]
@@ -110,12 +125,15 @@ class GuardLadder:
         return [self.fraction_for(float(risk)) for risk in risks]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        settings = {
             "probe": dict(self.probe),
             "strategy": dict(self.strategy),
             "rungs": [{"max_risk": rung.max_risk, "fraction": rung.fraction} for rung in self.rungs],
             "calibration": self.calibration,
         }
+        if self.min_margin is not None:  # absent otherwise: the settings (and hashes) of ladders without a check hold
+            settings["min_margin"] = self.min_margin
+        return settings
 
     @classmethod
     def from_dict(cls, settings: GuardLadder | dict[str, Any]) -> GuardLadder:
@@ -124,9 +142,12 @@ class GuardLadder:
             return settings
         if not isinstance(settings, dict):
             raise TypeError(f"A ladder is a GuardLadder or a dict of its fields; got {type(settings).__name__}.")
-        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration"}
+        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration", "min_margin"}
         if unknown:
-            raise ValueError(f"Unknown ladder settings {sorted(unknown)}; a ladder has probe, strategy, rungs.")
+            raise ValueError(
+                f"Unknown ladder settings {sorted(unknown)}; a ladder has probe, strategy, rungs (and optionally "
+                "calibration, min_margin)."
+            )
         missing = {"probe", "strategy", "rungs"} - set(settings)
         if missing:
             raise ValueError(f"The ladder settings lack {sorted(missing)}.")

@@ -13,7 +13,9 @@ Stages, in order, each timed in the [`HandoffReport`]:
    exact mapping is served as it is, a gross one refused;
 7. `probe`: one risk per row;
 8. the decision: with a ladder, a rung per row ([`serve_rows`]: mapped, repaired, or the target's own prefill of
-   the row); without one, the whole batch is served if every risk is within the threshold;
+   the row), then, where the ladder has a `min_margin`, the `check`: the target's margin on each served row's first
+   answer token ([`answer_margin`]), and the fallback for a row below it ([`check_rows`]); without a ladder, the
+   whole batch is served if every risk is within the threshold;
 9. `fallback_prefill`: a refused batch gets the target's own prefill (`policy="fallback"`) or raises
    [`HandoffRefusedError`] (`policy="fail"`).
 """
@@ -346,17 +348,7 @@ def serve_rows(
             rows[i]["recomputed"] = n
     fallback = [i for i, f in enumerate(fractions) if f is None]
     if fallback:
-        index = torch.tensor(fallback, device=ids.device)
-        own = output_cache(
-            context.target(
-                input_ids=ids[index, :mapped],
-                attention_mask=mask[index, :mapped],
-                position_ids=positions[index, :mapped],
-                use_cache=True,
-            )
-        )
-        write_rows(cache, index, own)
-        for i, n in zip(fallback, mask[index, :mapped].sum(-1).tolist()):
+        for i, n in zip(fallback, own_rows(context, fallback, mapped)):
             rows[i]["recomputed"] = n
     if held:
         run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
@@ -364,6 +356,48 @@ def serve_rows(
     if isinstance(info, dict):
         info["ladder"] = {"rows": rows, "strategy": selector.settings()}
     return rows
+
+
+def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
+    """Rows `rows` of `context.cache` (which holds `end` tokens) replaced by the target's own prefill of their first
+    `end` tokens; returns the real tokens each row recomputed."""
+    ids, mask, positions = context.input_ids, context.attention_mask, context.position_ids
+    index = torch.tensor(list(rows), device=ids.device)
+    own = output_cache(
+        context.target(
+            input_ids=ids[index, :end],
+            attention_mask=mask[index, :end],
+            position_ids=positions[index, :end],
+            use_cache=True,
+        )
+    )
+    write_rows(context.cache, index, own)
+    return mask[index, :end].sum(-1).tolist()
+
+
+@torch.no_grad()
+def check_rows(
+    context: ProbeContext, rows: list[dict[str, Any]], min_margin: float, margins: torch.Tensor | None = None
+) -> list[int]:
+    """The check after the rungs ([`serve_rows`]'s `rows`, in place): the target's [`answer_margin`] on every row's
+    served cache (`T - 1` tokens; `margins` when already computed); each served row whose margin is below
+    `min_margin` gets the target's own prefill after all (its rung becomes the fallback, the one it had is kept as
+    `checked`). Every served row records its `margin`. Returns the rows that fell back."""
+    length = context.input_ids.shape[1]
+    if margins is None:
+        margins = answer_margin(
+            context.target, context.cache, context.input_ids, context.attention_mask, context.position_ids
+        )
+    refused = []
+    for i, row in enumerate(rows):
+        if row["fraction"] is not None:
+            row["margin"] = float(margins[i])
+            if not row["margin"] >= min_margin:  # NaN included
+                refused.append(i)
+    if refused:
+        for i, n in zip(refused, own_rows(context, refused, length - 1)):
+            rows[i].update(checked=rows[i]["rung"], rung=rung_name(None), fraction=None, recomputed=n)
+    return refused
 
 
 # ------------------------------------------------------------------------------------------------ the audit
@@ -423,6 +457,17 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
         rows = serve_rows(context, plan, ladder.strategy)
     for row, risk in zip(rows, report.scores):
         row["risk"] = risk
+    if ladder.min_margin is not None:
+        settings["min_margin"] = ladder.min_margin
+        with clock.stage("check"):
+            margins = answer_margin(
+                context.target, context.cache, context.input_ids, context.attention_mask, context.position_ids
+            )
+            low = [i for i, f in enumerate(plan) if f is not None and not float(margins[i]) >= ladder.min_margin]
+            if low and report.policy == "fail":  # a row the check refuses refuses the batch, as a fallback does
+                report.ladder = {**settings, "rows": rows}
+                raise _Refused(f"ladder check: row(s) {low} answer with a margin below {ladder.min_margin:.4g}")
+            check_rows(context, rows, ladder.min_margin, margins)
     report.ladder = {**settings, "rows": rows}
     report.accepted = True
     report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))
@@ -560,10 +605,12 @@ __all__ = [
     "GROSS_ERROR",
     "Request",
     "answer_margin",
+    "check_rows",
     "climb",
     "exactness_error",
     "first_layer_audit",
     "map_and_repair",
+    "own_rows",
     "prepare_context",
     "run_tokens",
     "serve",

@@ -1,0 +1,357 @@
+"""The guard ladder's check after the rung: the target's margin on its first answer token over the served cache
+(`answer_margin`), the rows it sends back (`check_rows`, `handoff(ladder=)` with `min_margin`), its calibration
+(`calibrate_ladder(min_margin=)`, `ladder_from_records(check=)`) and the margins measured for records of before."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_kvmap import MapperModel, handoff, zoo
+from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap.calibration.ladder import calibrate_ladder, ladder_outcome, refused_by_check
+from hf_kvmap.calibration.ladder_items import (
+    LadderItem,
+    ladder_from_records,
+    measure_ladder_items,
+    measure_margins,
+    parse_probe,
+    record_costs,
+    replay_ladder,
+    strategy_key,
+    with_margins,
+)
+from hf_kvmap.rope import positions_from_attention_mask
+from hf_kvmap.serving import HandoffRefusedError
+from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
+from hf_kvmap.serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+PROBE = {"name": "prefix_audit", "tokens": 8}
+
+
+def _model(config, seed):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    config = tiny.config(layers=3)
+    return _model(config, 1), _model(config, 0), MapperModel.identity(config)
+
+
+def _own_margins(target, ids, mask):
+    """The margin from the target's own full forward: top-1 minus top-2 probability after the last prompt token."""
+    positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
+    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+    top = torch.softmax(logits, -1).topk(2, -1).values
+    return top[:, 0] - top[:, 1]
+
+
+# ------------------------------------------------------------------------------------------------ the margin
+
+
+def test_answer_margin_is_the_targets_own_and_leaves_the_cache_as_it_was(pair, tiny):
+    target = pair[1]
+    ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
+    cache = target_prefill(target, ids, mask)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    margins, tokens = answer_margin(target, cache, ids, mask, return_tokens=True)
+    assert torch.allclose(margins, _own_margins(target, ids, mask), atol=TOL)
+    assert ((margins >= 0) & (margins <= 1)).all()
+    assert cache.get_seq_length() == ids.shape[1] - 1
+    for (keys, values), layer in zip(before, cache.layers):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+    greedy = tiny.greedy(target, ids, mask, cache=cache)
+    assert torch.equal(greedy, tiny.greedy(target, ids, mask))  # the cache still generates the target's own tokens
+    assert torch.equal(greedy[:, ids.shape[1]], tokens)  # the top-1 token is the first greedy one
+    with pytest.raises(ValueError, match="every prompt token but the last"):
+        answer_margin(target, cache, ids[:, :-1], mask[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+def _scores(pair, ids, mask):
+    _, report = handoff(*pair, ids, attention_mask=mask, probe=PROBE, threshold=1e9, audit_tokens=0)
+    return report.scores
+
+
+def _checked(rungs, min_margin):
+    return GuardLadder(PROBE, "tail", rungs, min_margin=min_margin)
+
+
+def test_the_check_sends_back_exactly_the_rows_below_the_margin(pair, tiny):
+    source, target, mapper = pair
+    ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
+    rungs = [LadderRung(max_risk=max(_scores(pair, ids, mask)) + 1.0, fraction=0.3)]  # every row repaired
+    unchecked, plain = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, None), audit_tokens=0
+    )
+    # the margins of the served caches, as the check computes them
+    context = prepare_context(source, target, mapper, ids, mask, None, 1)
+    serve_rows(context, [0.3] * 3, "tail")
+    margins = answer_margin(target, context.cache, ids, mask).tolist()
+    assert len(set(margins)) == 3
+    low, mid, high = sorted(range(3), key=lambda i: margins[i])
+    # min_margin 0 keeps every row: the same cache as no check
+    cache, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, 0.0), audit_tokens=0
+    )
+    assert [row["rung"] for row in report.ladder["rows"]] == ["repair:0.3"] * 3 and "check" in report.timings
+    assert [row["margin"] for row in report.ladder["rows"]] == pytest.approx(margins, abs=TOL)
+    for a, b in zip(cache.layers, unchecked.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # a min_margin between two rows' margins sends back the rows below it, and only those
+    between = (margins[low] + margins[mid]) / 2
+    cache, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, between), audit_tokens=0
+    )
+    rows = report.ladder["rows"]
+    assert report.accepted and report.ladder["min_margin"] == between
+    assert rows[low]["rung"] == FALLBACK and rows[low]["checked"] == "repair:0.3" and rows[low]["fraction"] is None
+    assert rows[low]["recomputed"] == int(mask[low].sum()) - 1
+    assert [rows[i]["rung"] for i in (mid, high)] == ["repair:0.3"] * 2 and "checked" not in rows[mid]
+    own = target_prefill(target, ids, mask)
+    width, pad = ids.shape[1], ids.shape[1] - int(mask[low].sum())
+    for mine, theirs, served in zip(cache.layers, own.layers, unchecked.layers):
+        assert (mine.keys[low, :, pad:] - theirs.keys[low, :, pad:]).abs().max() <= TOL
+        assert (mine.values[low, :, pad:] - theirs.values[low, :, pad:]).abs().max() <= TOL
+        assert torch.equal(mine.keys[[mid, high]], served.keys[[mid, high]])
+    assert cache.get_seq_length() == width - 1
+    # the row sent back generates the target's own tokens
+    assert torch.equal(
+        tiny.greedy(target, ids[low : low + 1], mask[low : low + 1], cache=_rows(cache, [low])),
+        tiny.greedy(target, ids[low : low + 1], mask[low : low + 1]),
+    )
+    # policy="fail": a row the check would send back refuses the batch
+    with pytest.raises(HandoffRefusedError, match="ladder check: row"):
+        handoff(
+            source,
+            target,
+            mapper,
+            ids,
+            attention_mask=mask,
+            ladder=_checked(rungs, between),
+            policy="fail",
+            audit_tokens=0,
+        )
+    # a margin above every row's sends the whole batch back: the target's own generation
+    cache, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, 1.0), audit_tokens=0
+    )
+    assert [row["rung"] for row in report.ladder["rows"]] == [FALLBACK] * 3
+    assert torch.equal(tiny.greedy(target, ids, mask, cache=cache), tiny.greedy(target, ids, mask))
+    assert plain.ladder["rows"][0].get("margin") is None  # no check, no margin
+
+
+def _rows(cache, rows):
+    from hf_kvmap.cache_views import row_cache
+
+    return row_cache(cache, torch.tensor(rows))
+
+
+def test_a_ladder_keeps_its_check_through_its_settings():
+    ladder = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)], min_margin=0.25)
+    assert GuardLadder.from_dict(ladder.to_dict()) == ladder
+    plain = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)])
+    assert "min_margin" not in plain.to_dict()  # the settings (and hashes) of ladders without a check are as before
+    for bad in (-0.1, 1.5, True, "0.2", float("nan")):
+        with pytest.raises(ValueError, match="min_margin"):
+            GuardLadder(PROBE, "tail", [], min_margin=bad)
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+
+def _brute_force(risks, changed, costs, groups, max_changed, refused):
+    options = [*sorted(changed), None]
+    order = sorted(range(len(risks)), key=lambda i: risks[i])
+    best = None
+    for picks in itertools.combinations_with_replacement(range(len(options)), len(order)):
+        if any(risks[i] == risks[j] and a != b for (i, a), (j, b) in itertools.pairwise(zip(order, picks))):
+            continue
+        plan = [None] * len(risks)
+        for i, k in zip(order, picks):
+            plan[i] = options[k]
+        outcome = ladder_outcome(plan, changed, costs, groups, refused)
+        if all(
+            row["changed_served"] * row["items"] <= max_changed * row["items"] + 1e-9
+            for row in outcome["per_group"].values()
+        ) and (best is None or outcome["mean_cost"] < best - 1e-12):
+            best = outcome["mean_cost"]
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_checked_calibration_is_the_cheapest_monotone_assignment(seed):
+    rng = random.Random(seed)
+    n = 7
+    risks = [round(rng.random(), 1) for _ in range(n)]
+    changed = {f: [rng.random() < p for _ in range(n)] for f, p in ((0.0, 0.6), (0.3, 0.3))}
+    margins = {f: [round(rng.random(), 2) for _ in range(n)] for f in changed}
+    costs = {0.0: 0.1, 0.3: 0.4, FALLBACK: 1.1}
+    groups = [rng.choice("ab") for _ in range(n)]
+    ladder = calibrate_ladder(
+        risks,
+        changed,
+        costs,
+        probe=PROBE,
+        strategy="tail",
+        groups=groups,
+        max_changed=0.34,
+        margins=margins,
+        min_margin=0.4,
+    )
+    refused = refused_by_check(margins, 0.4)
+    outcome = ladder.calibration["outcome"]
+    assert ladder.min_margin == 0.4 and ladder.calibration["min_margin"] == 0.4
+    assert outcome["mean_cost"] == pytest.approx(_brute_force(risks, changed, costs, groups, 0.34, refused))
+    replayed = ladder_outcome(ladder.plan(risks), changed, costs, groups, refused)
+    assert replayed["mean_cost"] == pytest.approx(outcome["mean_cost"])
+    assert replayed["changed_served"] == outcome["changed_served"]
+
+
+def test_the_check_serves_what_a_probe_could_not_tell_apart():
+    """Planted: the probe's risk says nothing, the answer changes exactly where the margin is low. Without a check
+    the budget leaves only the fallback; with it the repair serves every item and sends back just the changed ones."""
+    n = 40
+    risks = [0.5] * n
+    changed = {0.0: [True] * n, 0.2: [i % 4 == 0 for i in range(n)]}
+    margins = {0.0: [0.1] * n, 0.2: [0.2 if i % 4 == 0 else 0.8 for i in range(n)]}
+    costs = {0.0: 0.05, 0.2: 0.3, FALLBACK: 1.05}
+    plain = calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", max_changed=0.0)
+    assert plain.rungs == [] and plain.calibration["outcome"]["mean_cost"] == pytest.approx(1.05)
+    checked = calibrate_ladder(
+        risks, changed, costs, probe=PROBE, strategy="tail", max_changed=0.0, margins=margins, min_margin=0.5
+    )
+    outcome = checked.calibration["outcome"]
+    assert [rung.fraction for rung in checked.rungs] == [0.2]
+    assert outcome["changed_served"] == 0.0 and outcome["checked_fallback"] == 0.25
+    assert outcome["mean_cost"] == pytest.approx(0.3 + 0.25 * 1.0)  # the rung for all, a prefill for a quarter
+    with pytest.raises(ValueError, match="measure_margins"):
+        calibrate_ladder(risks, changed, costs, probe=PROBE, strategy="tail", min_margin=0.5)
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+@pytest.fixture(scope="module")
+def family():
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    items = []
+    for task in zoo.tiny_family_tasks(4, seed=77):
+        if task.name in ("recall", "chat"):
+            for item in task.items:
+                prompt = getattr(item, "prompt", "") or item.context
+                items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    return source, target, mapper, zoo.load_tokenizer(), items
+
+
+def test_records_hold_the_margins_the_check_reads_and_old_records_get_the_same(family):
+    source, target, mapper, tokenizer, items = family
+    strategies = ["tail", {"name": "draft_attention", "draft_tokens": 3, "stop_at_eos": False}]
+    records = measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items,
+        probes=["draft_agreement:2"],
+        strategies=strategies,
+        fractions=[0.2, 0.5],
+        progress=False,
+    )
+    for item, record in zip(items, records):
+        # the margin a record holds is the check's on that rung's served cache
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        source_cache = output_cache(source(input_ids=ids, use_cache=True))
+        context = prepare_context(
+            source, target, mapper, ids, None, source_cache, parse_probe("draft_agreement:2").hold_back
+        )
+        serve_rows(context, [0.5], "tail")
+        assert record["answers"]["tail"]["0.5"]["margin"] == pytest.approx(
+            float(answer_margin(target, context.cache, ids)[0]), abs=TOL
+        )
+        assert set(record["seconds"]["verify"]["tail"]) == {"0", "0.2", "0.5"}
+    # records measured before margins were recorded get the same margins served again
+    old = copy.deepcopy(records)
+    for record in old:
+        for rungs in record["answers"].values():
+            for outcome in rungs.values():
+                outcome.pop("margin", None)  # the mapped rung is one dict the strategies share
+        del record["seconds"]["verify"]
+    with pytest.raises(ValueError, match="measure_margins"):
+        ladder_from_records(old, check=True)
+    measured = [measure_margins(source, target, mapper, tokenizer, i, r) for i, r in zip(items, old)]
+    assert all(all(rungs.values()) for m in measured for rungs in m["first_agrees"].values())
+    restored = with_margins(old, measured)
+    for mine, theirs in zip(restored, records):
+        assert {k: {f: o["margin"] for f, o in v.items()} for k, v in mine["answers"].items()} == {
+            k: {f: o["margin"] for f, o in v.items()} for k, v in theirs["answers"].items()
+        }
+    with pytest.raises(ValueError, match="another prompt"):
+        measure_margins(source, target, mapper, tokenizer, items[1], old[0])
+    # a checked calibration is never dearer than the plain one (no check is a candidate) and replays as it scored
+    plain = ladder_from_records(records, max_changed=0.0)
+    checked = ladder_from_records(records, max_changed=0.0, check=[0.2, 0.6])
+    assert set(checked.calibration["candidates"]) >= {"draft_agreement:2 tail check>=0.2", "draft_agreement:2 tail"}
+    assert checked.calibration["outcome"]["mean_cost"] <= plain.calibration["outcome"]["mean_cost"] + 1e-12
+    assert replay_ladder(checked, records) == checked.calibration["outcome"]
+    key = strategy_key(strategies[1])
+    check_costs, costs = (
+        record_costs(records, "draft_agreement:2", key, check=True),
+        record_costs(records, "draft_agreement:2", key),
+    )
+    assert all(check_costs[f] > costs[f] for f in (0.0, 0.2, 0.5)) and check_costs[FALLBACK] == costs[FALLBACK]
+
+
+def test_a_checked_ladder_replayed_on_records_is_what_the_handoff_serves(family):
+    source, target, mapper, tokenizer, items = family
+    records = measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items,
+        probes=["draft_agreement:2"],
+        strategies=["tail"],
+        fractions=[0.5],
+        progress=False,
+    )
+    margins = sorted({r["answers"]["tail"][f]["margin"] for r in records for f in ("0", "0.5")})
+    min_margin = margins[len(margins) // 2]
+    ladder = GuardLadder(
+        {"name": "draft_agreement", "tokens": 2},
+        "tail",
+        [LadderRung(max_risk=0.5, fraction=0.0), LadderRung(max_risk=1.5, fraction=0.5)],
+        min_margin=min_margin,
+    )
+    replayed = replay_ladder(ladder, records)
+    sent_back = 0
+    for item, record in zip(items, records):
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        cache, report = handoff(source, target, mapper, ids, ladder=ladder, audit_tokens=0)
+        row = report.ladder["rows"][0]
+        planned = ladder.fraction_for(record["risks"]["draft_agreement:2"])
+        if planned is not None:
+            measured = record["answers"]["tail"][f"{planned:g}"]["margin"]
+            assert row["margin"] == pytest.approx(measured, abs=TOL)
+            assert (row["rung"] == FALLBACK) == (measured < min_margin)
+            sent_back += row["rung"] == FALLBACK
+            if row["rung"] == FALLBACK:
+                own = target.generate(ids, **cache_kwargs(target_prefill(target, ids)), max_new_tokens=3)
+                assert torch.equal(target.generate(ids, **cache_kwargs(cache), max_new_tokens=3), own)
+    assert replayed["checked_fallback"] == pytest.approx(sent_back / len(records))
