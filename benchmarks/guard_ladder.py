@@ -239,14 +239,27 @@ def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
 SWEEP = (0.0, 0.025, 0.05, 0.1)
 
 
-def _ways(confidence: float | None) -> list[tuple[str, object, float | None]]:
-    """(name, view of the records, confidence) of every calibration compared: the ladder and the binary guard with the
-    budget held on the selection items, and with `confidence` also held as an upper confidence bound; and the ladder
-    with its budget on lost answers instead of changed ones (`lost_only`; at `confidence` where given)."""
-    ways = [("ladder", lambda r: r, None), ("binary_guard", mapped_only, None)]
+def _same(records: list[dict]) -> list[dict]:
+    return records
+
+
+def _ways(confidence: float | None, checked: bool = False) -> list[tuple[str, object, float | None, bool]]:
+    """(name, view of the records, confidence, check) of every calibration compared: the ladder and the binary guard
+    with the budget held on the selection items, and with `confidence` also held as an upper confidence bound; the
+    ladder with its budget on lost answers instead of changed ones (`lost_only`; at `confidence` where given); and,
+    where every record holds the answer margins (`checked`), the ladder with a check after the rung."""
+    ways = [("ladder", _same, None, False), ("binary_guard", mapped_only, None, False)]
     if confidence is not None:
-        ways += [("ladder_confident", lambda r: r, confidence), ("binary_guard_confident", mapped_only, confidence)]
-    return [*ways, ("ladder_lost", lost_only, confidence)]
+        ways += [
+            ("ladder_confident", _same, confidence, False),
+            ("binary_guard_confident", mapped_only, confidence, False),
+        ]
+    ways.append(("ladder_lost", lost_only, confidence, False))
+    if checked:
+        ways.append(("ladder_checked", _same, None, True))
+        if confidence is not None:
+            ways.append(("ladder_checked_confident", _same, confidence, True))
+    return ways
 
 
 def served_summary(outcome: dict) -> dict:
@@ -258,35 +271,51 @@ def served_summary(outcome: dict) -> dict:
     }
 
 
-def calibrated_replay(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None) -> dict:
+def calibrated_replay(
+    selection: list[dict], report: list[dict], max_changed: float, confidence: float | None, check: bool = False
+) -> dict:
     """The cheapest ladder of `selection` at this budget, replayed on `report` (`served_summary`)."""
-    return served_summary(
-        replay_ladder(ladder_from_records(selection, max_changed=max_changed, confidence=confidence), report)
-    )
+    ladder = ladder_from_records(selection, max_changed=max_changed, confidence=confidence, check=check)
+    return served_summary(replay_ladder(ladder, report))
 
 
-def budget_sweep(selection: list[dict], report: list[dict], confidence: float | None = None) -> list[dict]:
+def budget_sweep(
+    selection: list[dict], report: list[dict], confidence: float | None = None, checked: bool = False
+) -> list[dict]:
     """The ladder and the binary guard calibrated at every budget of `SWEEP` on `selection`: what each serves on
     `report` (worst task's changed answers, mean cost). A budget met on the selection set can be exceeded on another."""
     rows = []
     for budget in SWEEP:
         row = {"max_changed": budget}
-        for name, view, sure in _ways(confidence):
+        for name, view, sure, check in _ways(confidence, checked):
             if sure is not None and budget == 0.0:
                 continue  # no number of items vouches for a zero rate
-            row[name] = calibrated_replay(view(selection), view(report), budget, sure)
+            row[name] = calibrated_replay(view(selection), view(report), budget, sure, check)
         rows.append(row)
     return rows
+
+
+def served_plan(ladder, records: list[dict]) -> list[float | None]:
+    """The rung `ladder` serves each record: its probe's plan, and the fallback where its check sends the record back."""
+    plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in records])
+    if ladder.min_margin is None:
+        return plan
+    strategy = strategy_key(ladder.strategy)
+    return [
+        None if f is None or not r["answers"][strategy][f"{f:g}"]["margin"] >= ladder.min_margin else f
+        for f, r in zip(plan, records)
+    ]
 
 
 def study(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None = None) -> dict:
     """The ladder and the binary guard calibrated on `selection` (also with the budget held at `confidence`), each
     replayed on `report`, and the fixed points."""
     out = {}
-    for name, view, sure in _ways(confidence):
-        ladder = ladder_from_records(view(selection), max_changed=max_changed, confidence=sure)
+    checked = all(has_margins(r) for r in [*selection, *report])
+    for name, view, sure, check in _ways(confidence, checked):
+        ladder = ladder_from_records(view(selection), max_changed=max_changed, confidence=sure, check=check)
         strategy = strategy_key(ladder.strategy)
-        plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in report])
+        plan = served_plan(ladder, report)
         out[name] = {
             "ladder": ladder.to_dict(),
             "selection": ladder.calibration["outcome"],
@@ -295,7 +324,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
         }
         if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
             out[name]["report_changed"] = replay_ladder(ladder, report)
-    out["budget_sweep"] = budget_sweep(selection, report, confidence)
+    out["budget_sweep"] = budget_sweep(selection, report, confidence, checked)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
     out["tokens"] = sum(r["tokens"] for r in report) / len(report)
@@ -325,6 +354,8 @@ def plot(results: dict, path: str) -> list[list[str]]:
             ("binary_guard_confident", "D"),
             ("ladder_confident", "P"),
             ("ladder_lost", "X"),
+            ("ladder_checked", "v"),
+            ("ladder_checked_confident", "^"),
         ):
             if name not in data:
                 continue
@@ -332,6 +363,10 @@ def plot(results: dict, path: str) -> list[list[str]]:
             label = name.replace("_confident", f" (bound at {confidence:g})") if name.endswith("_confident") else name
             if name == "ladder_lost":
                 label = "ladder, budget on lost answers" + (f" (bound at {confidence:g})" if confidence else "")
+            if name.startswith("ladder_checked"):
+                bound = f", bound at {confidence:g}" if name.endswith("_confident") else ""
+                margin = data[name]["ladder"].get("min_margin")  # None: no check was cheaper on the selection set
+                label = f"ladder + check ({'none chosen' if margin is None else f'margin >= {margin:g}'}{bound})"
             worst = max(g["changed_served"] for g in report["per_group"].values())
             axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=label)
         axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")

@@ -22,6 +22,8 @@ WAYS = (
     ("ladder", "ladder"),
     ("binary_guard", "binary guard"),
     ("ladder_lost", "ladder, budget on lost answers"),
+    ("ladder_checked_confident", "ladder + check, bound"),
+    ("ladder_checked", "ladder + check"),
 )
 
 
@@ -52,6 +54,8 @@ def markdown(result: dict) -> str:
                 for rung, share in sorted(report["rungs"].items(), key=lambda item: rung_order(item[0]))
                 if share
             )
+            if "checked_fallback" in report:
+                rungs += f"; the check sent back {pct(report['checked_fallback'])}"
             lines.append(
                 f"| {direction} | {data['tokens']:,.0f} | {items} | {data['prefill_seconds']:.1f} | {label} | {rungs} | "
                 f"{pct(worst, 1)} | {lost} | {number_text(report['mean_cost'])} | {pct(report['net_saving'])} |"

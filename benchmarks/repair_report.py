@@ -393,6 +393,10 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         level = data["ladder_confident"]["ladder"]["calibration"]["confidence"]
         confident = {f"{name} at {level:g}": way for name, way in confident.items()}
         ways.update(confident)
+    for key, name in (("ladder_checked", "ladder + check"), ("ladder_checked_confident", "ladder + check, bound")):
+        if key in data:  # the check after the rung (the target's answer margin), where the records hold margins
+            level = data[key]["ladder"]["calibration"]["confidence"]
+            ways[name.replace("bound", f"bound at {level:g}") if level else name] = data[key]
     lines = [
         f"**{tag}** (mapper {mapper_name(data['mapper'])}; "
         + (f"{data['report_items_per_task']} report items per task; " if "report_items_per_task" in data else "")
@@ -409,9 +413,13 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         repairs = name.startswith("ladder")
         strategy = f"`{_strategy_name(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
+        rungs = _rungs(ladder, repairs)
+        if ladder.get("min_margin") is not None:
+            rungs += f"; then the check: answer margin < {ladder['min_margin']:g}: prefill"
+        elif name.startswith("ladder + check"):
+            rungs += "; no check (none was cheaper on the selection set)"
         lines.append(
-            f"| {name} | `{probe}` | {strategy} | {_rungs(ladder, repairs)} | {number_text(outcome['mean_cost'])}, "
-            f"{pct(worst, 1)} |"
+            f"| {name} | `{probe}` | {strategy} | {rungs} | {number_text(outcome['mean_cost'])}, {pct(worst, 1)} |"
         )
     rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=rung_order)
     lines += [
@@ -433,6 +441,8 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
             f"{number_text(accuracy[task]['served'])} / {number_text(accuracy[task]['target'])}" for task in tasks
         ]
         cells += [number_text(report["mean_cost"]), pct(report["net_saving"])]
+        if "checked_fallback" in report:
+            name = f"{name} (the check sent back {pct(report['checked_fallback'])})"
         lines.append(f"| {name} | {' | '.join(cells)} |")
     sweep = data.get("budget_sweep", [])
     if sweep:
@@ -514,6 +524,13 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
             f" Rows marked *bound* are calibrated with the budget held as a one-sided Clopper-Pearson upper bound at "
             f"{run['confidence']:g} on each task's selection items instead of on the items alone (a task with too few "
             "items to vouch for the budget is served only the fallback)."
+        )
+    if any("ladder_checked" in data for data in result["directions"].values()):
+        lines[-1] += (
+            " Rows marked *+ check* are ladders that also check each request after its rung: the target runs the "
+            "prompt's last token on the served cache (the first step of its generation) and a request whose first "
+            "answer token it takes with a probability margin (top-1 minus top-2) below the calibrated one falls back "
+            "after all, paying its rung and the prefill; the margin is calibrated with the rungs on the selection set."
         )
     for tag, data in result["directions"].items():
         lines += ["", *_direction_markdown(tag, data, tasks)]

@@ -492,6 +492,55 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
     )
 
 
+def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margins():
+    from benchmarks.guard_ladder import served_plan, study
+    from benchmarks.repair_report import ladder_markdown
+
+    def records(n, margins=True):  # the risk says nothing; half a repair changes every fourth answer, of low margin
+        out = []
+        for i in range(n):
+            changed = {"0": True, "0.5": i % 4 == 0}
+            record = _ladder_record("recall" if i % 2 else "chat", 0.5, changed, {"0": 0.0, "0.5": 0.4})
+            if margins:
+                for outcome in record["answers"]["tail"].values():
+                    outcome["margin"] = 0.1 if outcome["changed"] else 0.9
+                record["seconds"]["verify"] = {"tail": {"0": 0.01, "0.5": 0.01}}
+            out.append(record)
+        return out
+
+    result = study(records(40), records(40), max_changed=0.0)
+    assert result["ladder"]["ladder"]["rungs"] == []  # no threshold on the risk keeps every answer
+    checked = result["ladder_checked"]
+    margin = checked["ladder"]["min_margin"]
+    assert 0.1 < margin <= 0.9 and [r["fraction"] for r in checked["ladder"]["rungs"]] == [0.5]
+    report = checked["report"]
+    assert report["changed_served"] == 0.0 and report["checked_fallback"] == 0.25
+    # each request: the mapping and the probe (0.2), half a repair (0.4), the check (0.01); a quarter a prefill more
+    assert report["mean_cost"] == pytest.approx(0.61 + 0.25)
+    assert checked["report_accuracy"]["chat"]["served"] == 1.0  # the requests sent back answer as the target
+    from hf_kvmap.serving.ladder import GuardLadder
+
+    plan = served_plan(GuardLadder.from_dict(checked["ladder"]), records(8))
+    assert plan == [None, 0.5, 0.5, 0.5, None, 0.5, 0.5, 0.5]
+    run = {
+        "tasks": ["chat", "recall"],
+        "selection": {"items_per_task": 20, "seed": 1},
+        "report": {"items_per_task": 20, "seed": 2},
+        "command": "python -m benchmarks.guard_ladder",
+        "family": "tiny",
+        "dtype": "float32",
+        "probes": ["draft_agreement:2"],
+        "strategies": ["tail"],
+        "fractions": [0.5],
+        "max_changed": 0.0,
+    }
+    text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **result}}})
+    assert "Rows marked *+ check*" in text
+    assert f"then the check: answer margin < {margin:g}: prefill" in text
+    assert "| ladder + check (the check sent back 25 %) |" in text
+    assert "ladder_checked" not in study(records(40, False), records(40, False), max_changed=0.0)
+
+
 def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch(tmp_path):
     from benchmarks.guard_ladder import study
     from benchmarks.repair_report import ladder_markdown
@@ -601,7 +650,8 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
 
     directions["a-to-b at 4096 tokens"]["tokens"] = 4096  # the records' own lengths are all 100
     found = ladder_lengths.per_length({"run": run, "directions": directions})["a-to-b"]
-    assert [name for name, _ in ladder_lengths.WAYS] == list(found)
+    # records without answer margins: every way but the checked ladders
+    assert [name for name, _ in ladder_lengths.WAYS if not name.startswith("ladder_checked")] == list(found)
     assert found["ladder_confident"] == [
         (100, many["ladder_confident"]["report"]["mean_cost"], _worst(many["ladder_confident"]["report"])),
         (4096, bound["mean_cost"], worst),
