@@ -243,6 +243,17 @@ def _ladder(config) -> tuple[dict[str, str], list[dict[str, str]]]:
             f"worst task), mean cost {fmt_number(outcome.get('mean_cost'), 3)} of a prefill with the probe, the mapping, "
             f"the repairs and the fallbacks counted (net saving {fmt_number(outcome.get('net_saving'), 3)})."
         )
+    if stored.get("min_margin") is not None:
+        summary["calibrated"] += (
+            f" After its rung each row is checked: the target runs the prompt's last token on the served cache, and a "
+            f"row whose first answer token it takes with a probability margin (top-1 minus top-2) below "
+            f"{fmt_number(stored['min_margin'], 2)} falls back to the target's own prefill"
+            + (
+                f" ({fmt_number(outcome['checked_fallback'], 2)} of the calibration items)."
+                if "checked_fallback" in outcome
+                else "."
+            )
+        )
     return summary, rows
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import random
 
 import pytest
@@ -355,3 +356,33 @@ def test_a_checked_ladder_replayed_on_records_is_what_the_handoff_serves(family)
                 own = target.generate(ids, **cache_kwargs(target_prefill(target, ids)), max_new_tokens=3)
                 assert torch.equal(target.generate(ids, **cache_kwargs(cache), max_new_tokens=3), own)
     assert replayed["checked_fallback"] == pytest.approx(sent_back / len(records))
+
+
+def test_the_cli_calibrates_a_check_with_the_ladder(tmp_path, capsys):
+    from hf_kvmap.cli import main as cli
+
+    out, records = tmp_path / "m2l", tmp_path / "records.jsonl"
+    args = ["calibrate-ladder", "--source", "tiny-m", "--target", "tiny-l", "--items", "3", "--probes"]
+    args += ["draft_agreement:2", "--fractions", "0.3", "--records", str(records), "--out", str(out)]
+    assert cli(args) == 0
+    plain = MapperModel.from_pretrained(out).config.handoff_ladder
+    assert cli([*args, "--check", "--max-changed", "0.0"]) == 0
+    checked = MapperModel.from_pretrained(out).config.handoff_ladder
+    candidates = checked["calibration"]["candidates"]
+    assert {f"draft_agreement:2 tail check>={m:g}" for m in (0.05, 0.5, 0.95)} <= set(candidates)
+    assert checked["calibration"]["outcome"]["mean_cost"] == min(c["mean_cost"] for c in candidates.values())
+    card = (out / "README.md").read_text()
+    assert ("After its rung each row is checked" in card) == ("min_margin" in checked)
+    assert "min_margin" not in plain
+    # records of before margins were recorded cannot calibrate a check
+    lines = []
+    for line in records.read_text().splitlines():
+        record = json.loads(line)
+        for rungs in record["answers"].values():
+            for outcome in rungs.values():
+                outcome.pop("margin", None)
+        lines.append(json.dumps(record))
+    records.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="measure_margins"):
+        cli([*args, "--check"])

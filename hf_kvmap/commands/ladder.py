@@ -60,6 +60,12 @@ def add_parser(subparsers) -> None:
         help="hold --max-changed as an upper confidence bound at this level (e.g. 0.9), not on the items alone",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also calibrate a check after the rung: a served request whose first answer token the target takes "
+        "with a probability margin below the calibrated one falls back (kept where it is cheaper than no check)",
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16"),
@@ -204,9 +210,12 @@ def run(args: argparse.Namespace) -> int:
         "strategies": [strategy_key(s) for s in strategies],
         "dtype": args.dtype,
     }
-    ladder = ladder_from_records(
-        records, max_changed=args.max_changed, confidence=args.confidence, provenance=provenance
-    )
+    try:
+        ladder = ladder_from_records(
+            records, max_changed=args.max_changed, confidence=args.confidence, provenance=provenance, check=args.check
+        )
+    except ValueError as err:  # records of before margins were recorded, with --check
+        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
     mapper.config.handoff_ladder = ladder.to_dict()
     try:
         mapper.save_pretrained(args.out)
@@ -220,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
     for rung in ladder.rungs:
         print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
     print("  above: the target's own prefill")
+    if ladder.min_margin is not None:
+        print(
+            f"  then the check: a first answer token taken with a margin below {ladder.min_margin:g} falls back "
+            f"({outcome['checked_fallback']:.0%} of the items)"
+        )
     for task, row in outcome["per_group"].items():
         print(f"  {task:<16} changed served {row['changed_served']:.3f}  net saving {row['net_saving']:.3f}")
     # what a probe that knew each request's cheapest safe rung would cost with the same rungs: the room a better
