@@ -385,3 +385,22 @@ def byte_tokenizer():
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def ladder_family():
+    """`(source, target, mapper, tokenizer, items)`: tiny-m -> tiny-l with its shipped mapper and tokenizer, and the
+    exact-match items of the tiny family's recall and chat tasks (6 each, seed 77) as `LadderItem`s: what the tests of
+    the ladder's measurement serve."""
+    from hf_kvmap import MapperModel, zoo
+    from hf_kvmap.calibration.ladder_items import LadderItem
+
+    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
+    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
+    items = []
+    for task in zoo.tiny_family_tasks(6, seed=77):
+        if task.name in ("recall", "chat"):
+            for item in task.items:
+                prompt = getattr(item, "prompt", "") or item.context
+                items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
+    return source, target, mapper, zoo.load_tokenizer(), items

@@ -26,7 +26,6 @@ from hf_kvmap.calibration.ladder import (
     ladder_outcome,
 )
 from hf_kvmap.calibration.ladder_items import (
-    LadderItem,
     cheapest_keeping,
     ladder_from_records,
     measure_ladder_items,
@@ -393,23 +392,10 @@ def test_the_stored_ladder_is_the_default_and_is_hashed(pair, tiny, tmp_path):
 # ----------------------------------------------------------------------------------------- measured on items
 
 
-@pytest.fixture(scope="module")
-def family():
-    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
-    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
-    items = []
-    for task in zoo.tiny_family_tasks(6, seed=77):
-        if task.name in ("recall", "chat"):
-            for item in task.items:
-                prompt = getattr(item, "prompt", "") or item.context
-                items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
-    return source, target, mapper, zoo.load_tokenizer(), items
-
-
-def test_a_repair_that_continues_the_probes_draft_is_charged_only_its_own_steps(family):
+def test_a_repair_that_continues_the_probes_draft_is_charged_only_its_own_steps(ladder_family):
     """The records time the repair's draft step by step; a probe that drafted the source's first steps spares the
     repair those steps in the ladder's costs, and a probe that drafts nothing spares none."""
-    source, target, mapper, tokenizer, items = family
+    source, target, mapper, tokenizer, items = ladder_family
     strategy = {"name": "draft_attention", "draft_tokens": 3, "stop_at_eos": False}
     records = measure_ladder_items(
         source,
@@ -478,8 +464,8 @@ def test_a_perfect_probe_serves_each_request_its_cheapest_rung_that_keeps_the_an
     assert records[0]["seconds"]["probe"] == {"drafts": 0.2}  # the records are not touched
 
 
-def test_replaying_records_is_what_the_handoff_serves(family):
-    source, target, mapper, tokenizer, items = family
+def test_replaying_records_is_what_the_handoff_serves(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
     records = measure_ladder_items(
         source,
         target,

@@ -11,13 +11,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from hf_kvmap import MapperModel, handoff, zoo
+from hf_kvmap import MapperModel, handoff
 from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.calibration.ladder import calibrate_ladder, ladder_outcome, refused_by_check
 from hf_kvmap.calibration.ladder_items import (
-    LadderItem,
     ladder_from_records,
     measure_ladder_items,
     measure_margins,
@@ -38,18 +36,11 @@ TOL = 1e-5
 PROBE = {"name": "prefix_audit", "tokens": 8}
 
 
-def _model(config, seed):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model
-
-
 @pytest.fixture(scope="module")
 def pair(tiny):
     config = tiny.config(layers=3)
-    return _model(config, 1), _model(config, 0), MapperModel.identity(config)
+    source = tiny.model(config, seed=1, attn_implementation="sdpa")
+    return source, tiny.model(config, seed=0, attn_implementation="sdpa"), MapperModel.identity(config)
 
 
 def _own_margins(target, ids, mask):
@@ -248,23 +239,9 @@ def test_the_check_serves_what_a_probe_could_not_tell_apart():
 # ------------------------------------------------------------------------------------------------ records
 
 
-@pytest.fixture(scope="module")
-def family():
-    source, target = zoo.load_model("tiny-m"), zoo.load_model("tiny-l")
-    mapper = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l"))
-    items = []
-    for task in zoo.tiny_family_tasks(4, seed=77):
-        if task.name in ("recall", "chat"):
-            for item in task.items:
-                prompt = getattr(item, "prompt", "") or item.context
-                items.append(LadderItem(prompt, item.answer, getattr(item, "stop", "") or task.stop, task.name))
-    return source, target, mapper, zoo.load_tokenizer(), items
-
-
-def test_records_hold_the_margins_the_check_reads_and_old_records_get_the_same(family):
+def _measure(family, strategies, fractions):
     source, target, mapper, tokenizer, items = family
-    strategies = ["tail", {"name": "draft_attention", "draft_tokens": 3, "stop_at_eos": False}]
-    records = measure_ladder_items(
+    return measure_ladder_items(
         source,
         target,
         mapper,
@@ -272,9 +249,15 @@ def test_records_hold_the_margins_the_check_reads_and_old_records_get_the_same(f
         items,
         probes=["draft_agreement:2"],
         strategies=strategies,
-        fractions=[0.2, 0.5],
+        fractions=fractions,
         progress=False,
     )
+
+
+def test_records_hold_the_margins_the_check_reads_and_old_records_get_the_same(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    strategies = ["tail", {"name": "draft_attention", "draft_tokens": 3, "stop_at_eos": False}]
+    records = _measure(ladder_family, strategies, [0.2, 0.5])
     for item, record in zip(items, records):
         # the margin a record holds is the check's on that rung's served cache
         ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
@@ -319,19 +302,9 @@ def test_records_hold_the_margins_the_check_reads_and_old_records_get_the_same(f
     assert all(check_costs[f] > costs[f] for f in (0.0, 0.2, 0.5)) and check_costs[FALLBACK] == costs[FALLBACK]
 
 
-def test_a_checked_ladder_replayed_on_records_is_what_the_handoff_serves(family):
-    source, target, mapper, tokenizer, items = family
-    records = measure_ladder_items(
-        source,
-        target,
-        mapper,
-        tokenizer,
-        items,
-        probes=["draft_agreement:2"],
-        strategies=["tail"],
-        fractions=[0.5],
-        progress=False,
-    )
+def test_a_checked_ladder_replayed_on_records_is_what_the_handoff_serves(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    records = _measure(ladder_family, ["tail"], [0.5])
     margins = sorted({r["answers"]["tail"][f]["margin"] for r in records for f in ("0", "0.5")})
     min_margin = margins[len(margins) // 2]
     ladder = GuardLadder(
