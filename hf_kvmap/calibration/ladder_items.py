@@ -5,6 +5,7 @@ cache, and the answer and cost of every rung; then the ladder calibrated on one 
 records = measure_ladder_items(source, target, mapper, tokenizer, items, probes=["draft_agreement:2"],
                                strategies=["tail", "source_attention"], fractions=[0.1, 0.3])
 ladder = ladder_from_records(records, max_changed=0.05)      # the cheapest (probe, strategy) ladder
+checked = ladder_from_records(records, max_changed=0.05, check=True)  # ... with a check after the rung, if cheaper
 mapper.config.handoff_ladder = ladder.to_dict()
 ```
 
@@ -107,9 +108,10 @@ def measure_item(
     fractions: Sequence[float],
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `risks` per probe key,
-    `answers[strategy][f]` (`changed` from the reference, `correct`) per strategy key and fraction (fraction 0, the
-    mapped cache, is measured once and shared), `strategies` (key -> settings), and `seconds` of each stage
-    (`repair[strategy][f]`)."""
+    `answers[strategy][f]` (`changed` from the reference, `correct`, and `margin`, the target's
+    [`~hf_kvmap.serving.pipeline.answer_margin`] on the served cache, what a ladder's check after the rung reads) per
+    strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
+    settings), and `seconds` of each stage (`repair[strategy][f]`, and `verify[strategy][f]`, the check's token)."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
     expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id
