@@ -135,6 +135,17 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
     return margins_for(path, pair, items, records, measure=args.margins)
 
 
+def margins_path(path: Path) -> Path:
+    """Where the answer margins measured for the records at `path` after them are kept: `<name>.margins.jsonl`."""
+    return path.with_name(path.name.removesuffix(".jsonl") + ".margins.jsonl")
+
+
+def read_margins(path: Path) -> list[dict]:
+    """The margins kept beside the records at `path` (`ladder_items.measure_margins`' output), or none."""
+    side = margins_path(Path(path))
+    return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
+
+
 def has_margins(record: dict) -> bool:
     return all("margin" in outcome for rungs in record["answers"].values() for outcome in rungs.values())
 
@@ -143,8 +154,8 @@ def margins_for(path: Path, pair, items, records: list[dict], measure: bool) -> 
     """`records` with the answer margins of records measured before they were recorded, kept beside them in
     `<name>.margins.jsonl` (resumable); with `measure`, the missing ones are measured first
     (`ladder_items.measure_margins`: every rung served again, its first answer token checked against the record)."""
-    side = path.with_name(path.name.replace(".jsonl", ".margins.jsonl"))
-    measured = [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
+    side = margins_path(path)
+    measured = read_margins(path)
     if measure:
         have = {m["prompt_sha256"] for m in measured}
         todo = [(i, r) for i, r in zip(items, records) if not has_margins(r) and r["prompt_sha256"] not in have]

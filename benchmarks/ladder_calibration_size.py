@@ -26,9 +26,10 @@ import sys
 from pathlib import Path
 
 from hf_kvmap.calibration.ladder import changed_budget
+from hf_kvmap.calibration.ladder_items import with_margins
 from hf_kvmap.reporting import environment_info, write_json
 
-from .guard_ladder import calibrated_replay, mapped_only
+from .guard_ladder import calibrated_replay, mapped_only, read_margins
 
 #: the calibrations compared: (name, view of the records, whether the budget is held as a confidence bound)
 WAYS = (
@@ -40,9 +41,11 @@ WAYS = (
 
 
 def read_records(paths: list[str]) -> list[dict]:
+    """The records of every JSONL file of `paths`, with the answer margins kept beside each (`guard_ladder --margins`)."""
     records = []
     for path in paths:
-        records += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        loaded = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records += with_margins(loaded, read_margins(Path(path)))
     if not records:
         raise SystemExit(f"no records in {paths}")
     return records

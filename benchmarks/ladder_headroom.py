@@ -38,24 +38,31 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
     return wins / (len(positives) * len(negatives))
 
 
+#: the column of the check after the rung in the separation tables: `1 - margin` read as a risk
+CHECK = "check: 1 - answer margin"
+
+
 def separation(records: Sequence[dict], fraction: str = "0") -> dict[str, dict[str, dict]]:
     """Per task and probe: the AUROC of the probe's risk for "the cache changes the target's answer" (the mapped cache;
-    with `fraction`, the first strategy's repair of that share), and how many records of each kind it rests on."""
+    with `fraction`, the first strategy's repair of that share), and how many records of each kind it rests on. Where
+    every record holds the answer margin on that cache, `CHECK` too: one minus the margin read as a risk (what the
+    check after the rung reads, on the served cache itself rather than before the repair)."""
     out: dict[str, dict[str, dict]] = {}
     for task in sorted({r["task"] for r in records}):
         mine = [r for r in records if r["task"] == task]
         strategy = sorted(mine[0]["answers"])[0]
-        flip = [bool(r["answers"][strategy][fraction]["changed"]) for r in mine]
+        answers = [r["answers"][strategy][fraction] for r in mine]
+        flip = [bool(a["changed"]) for a in answers]
+        signals = {probe: [r["risks"][probe] for r in mine] for probe in sorted(mine[0]["risks"])}
+        if all("margin" in a for a in answers):
+            signals[CHECK] = [1.0 - a["margin"] for a in answers]
         out[task] = {
-            probe: {
-                "auroc": auroc(
-                    [r["risks"][probe] for r, f in zip(mine, flip) if f],
-                    [r["risks"][probe] for r, f in zip(mine, flip) if not f],
-                ),
+            name: {
+                "auroc": auroc([v for v, f in zip(values, flip) if f], [v for v, f in zip(values, flip) if not f]),
                 "changed": sum(flip),
                 "kept": len(flip) - sum(flip),
             }
-            for probe in sorted(mine[0]["risks"])
+            for name, values in signals.items()
         }
     return out
 
@@ -139,10 +146,15 @@ def markdown(result: dict, source: str = "benchmarks/results/ladder_headroom.jso
 def _separation_lines(separations: dict[str, dict], what: str) -> list[str]:
     """The AUROC table of `separation` per set (selection first), for the answers `what` changes."""
     sets = list(separations)
-    probes = sorted(next(iter(separations["selection"].values())))
+    probes = list(next(iter(separations["selection"].values())))  # the probes, then the check where measured
     lines = [
         f"How well each probe separates the requests whose {what} changes the answer (AUROC: 0.5 is chance; "
-        "changed / kept requests in brackets):",
+        "changed / kept requests in brackets)"
+        + (
+            f"; `{CHECK}` is what the check after the rung reads, on the served cache itself, after the repair:"
+            if CHECK in probes
+            else ":"
+        ),
         "",
         "| task | set | " + " | ".join(f"`{p}`" for p in probes) + " |",
         "|---|---|" + "---|" * len(probes),
@@ -153,7 +165,7 @@ def _separation_lines(separations: dict[str, dict], what: str) -> list[str]:
             if row is None:
                 continue
             first = row[probes[0]]
-            cells = ["-" if row[p]["auroc"] is None else f"{row[p]['auroc']:.2f}" for p in probes]
+            cells = ["-" if row.get(p, {}).get("auroc") is None else f"{row[p]['auroc']:.2f}" for p in probes]
             lines.append(f"| {task} | {name} ({first['changed']} / {first['kept']}) | " + " | ".join(cells) + " |")
     return lines
 

@@ -806,3 +806,25 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
         "kept": 40,
     }
     assert "whose repair of 50 % changes the answer" in text and "| chat | held (0 / 40) | - |" in text
+    # with the answer margins kept beside the records (`guard_ladder --margins`), the check's column: here the margin
+    # after half a repair is low exactly where that repair changes the answer
+    margins = []
+    for record in records:
+        answers = record["answers"]["tail"]
+        margins.append(
+            {
+                "prompt_sha256": record["prompt_sha256"],
+                "margins": {"tail": {f: 0.1 if a["changed"] else 0.9 for f, a in answers.items()}},
+                "verify": {"tail": {"0": 0.01, "0.5": 0.01}},
+                "first_agrees": {"tail": {"0": True, "0.5": True}},
+            }
+        )
+    planted_file = tmp_path / "planted.jsonl"
+    planted_file.write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "planted.margins.jsonl").write_text("\n".join(json.dumps(m) for m in margins))
+    from benchmarks.ladder_calibration_size import read_records
+
+    merged = read_records([str(planted_file)])
+    check = headroom.separation(merged, "0.5")["chat"][headroom.CHECK]
+    assert check == {"auroc": 1.0, "changed": 2, "kept": 2}  # the probe's was chance (0.5) on these records
+    assert headroom.CHECK not in headroom.separation(records, "0.5")["chat"]  # no margins, no column
