@@ -159,6 +159,29 @@ def test_a_session_ladder_keeps_or_repairs_as_the_fixed_settings_do(tiny, one_th
         assert laddered.caches["large"].approximate is True
 
 
+def test_a_session_ladder_checks_the_cache_its_rung_served(tiny, one_thread):
+    """With `min_margin` 0 the rung stands (the session without a check), and the switch records the answering
+    model's margin on its first answer token; a `min_margin` above that margin sends the switch back: large prefills
+    what it had mapped and answers as it would alone."""
+    rungs = [LadderRung(2.0, 0.5)]
+    plain, _ = _ladder_session(tiny, ladder=GuardLadder(LOOKAHEAD, "tail", rungs))
+    kept, _ = _ladder_session(tiny, ladder=GuardLadder(LOOKAHEAD, "tail", rungs, min_margin=0.0))
+    reference, turn = plain.respond("large", 4, pad_token_id=0), kept.respond("large", 4, pad_token_id=0)
+    assert turn.rung == "repair:0.5" and turn.checked is None and "check" in turn.timings
+    assert turn.tokens == reference.tokens and reference.margin is None
+    top = torch.softmax(turn.first_logits, -1).topk(2).values
+    assert turn.margin == pytest.approx(float(top[0] - top[1]), abs=1e-5) and turn.margin < 1.0
+    _caches_close(kept.caches["large"], plain.caches["large"])
+    sent, large = _ladder_session(tiny, ladder=GuardLadder(LOOKAHEAD, "tail", rungs, min_margin=turn.margin + 1e-4))
+    before = sent.input_ids.clone()
+    turn = sent.respond("large", 4, pad_token_id=0)
+    own = large.generate(before, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert turn.rung == "fallback" and turn.checked == "repair:0.5" and "fallback" in turn.timings
+    assert turn.tokens == own[0, before.shape[1] :].tolist()
+    assert turn.prefilled_tokens == before.shape[1] - 1
+    assert sent.caches["large"].approximate is False and sent.caches["large"].mapping_info["mapped_positions"] == []
+
+
 def test_a_session_ladder_is_refused_where_it_cannot_run(tiny):
     config = tiny.config()
     model = tiny.model(config)

@@ -29,7 +29,7 @@ from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
 from ..repair import RepairConfig
 from .ladder import GuardLadder, rung_name
-from .pipeline import run_tokens
+from .pipeline import answer_margin, run_tokens
 from .probes import ProbeContext, probe_from_dict
 from .repairing import apply_repair
 
@@ -57,6 +57,9 @@ class SessionTurn:
         rung (`str`, *optional*): with a ladder, the rung this switch took (`"mapped"`, `"repair:<f>"`, or
             `"fallback"`: the model prefilled the tokens it would have mapped); `None` without a ladder or a mapping.
         risk (`float`, *optional*): the ladder probe's risk on this switch.
+        margin (`float`, *optional*): with a ladder that checks after its rung (`min_margin`), the answering model's
+            margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.pipeline.answer_margin`]).
+        checked (`str`, *optional*): the rung the check sent back to the fallback (then `rung` is `"fallback"`).
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
     """
@@ -70,6 +73,8 @@ class SessionTurn:
     repaired_tokens: int = 0
     rung: str | None = None
     risk: float | None = None
+    margin: float | None = None
+    checked: str | None = None
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -97,7 +102,9 @@ class HandoffSession:
         ladder ([`~hf_kvmap.serving.ladder.GuardLadder`] or `dict`, *optional*): instead of one fixed repair, a rung per
             switch: once the model's cache covers the transcript, the ladder's probe (one of `SESSION_PROBES`) scores
             it, and the model keeps the mapped tokens, recomputes the share of them the rung calls for, or prefills
-            them itself (then the tokens after them run again on what is kept). Recorded in `SessionTurn.rung`.
+            them itself (then the tokens after them run again on what is kept). Recorded in `SessionTurn.rung`. A
+            ladder with a `min_margin` then checks the served cache: below it, the model prefills the mapped tokens
+            after all (`SessionTurn.margin`, `SessionTurn.checked`).
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
     model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
@@ -274,24 +281,41 @@ class HandoffSession:
         record.timings["probe"] = time.perf_counter() - start_time
         fraction = self.ladder.fraction_for(record.risk)
         record.rung = rung_name(fraction)
-        if fraction == 0.0:
+        if fraction is None:
+            self._own_span(name, record, start, upto, end)
             return
-        start_time = time.perf_counter()
-        keep = start if fraction is None else upto
-        if cache.get_seq_length() > keep:
-            cache.crop(-(cache.get_seq_length() - keep))
-        if fraction is None:  # the fallback: the mapped span is the model's own again
-            info = cache.mapping_info
-            info["mapped_positions"].pop()
-            info["mappers"].pop()
-            _record_mapped(cache, info)
-            record.prefilled_tokens += upto - start
-        else:
+        if fraction:
+            start_time = time.perf_counter()
+            if cache.get_seq_length() > upto:
+                cache.crop(-(cache.get_seq_length() - upto))
             config = RepairConfig(self.ladder.strategy, fraction=fraction)
             record.repaired_tokens = self._repair(name, donor, start, upto, config)
-        if end > keep:
-            run_tokens(model, cache, self.input_ids, keep, end)
-        record.timings["repair" if fraction is not None else "fallback"] = time.perf_counter() - start_time
+            if end > upto:
+                run_tokens(model, cache, self.input_ids, upto, end)
+            record.timings["repair"] = time.perf_counter() - start_time
+        if self.ladder.min_margin is not None:  # the check after the rung, on the cache it served
+            start_time = time.perf_counter()
+            record.margin = float(answer_margin(model, cache, ids)[0])
+            record.timings["check"] = time.perf_counter() - start_time
+            if not record.margin >= self.ladder.min_margin:  # NaN included
+                record.checked, record.rung = record.rung, rung_name(None)
+                self._own_span(name, record, start, upto, end)
+
+    def _own_span(self, name: str, record: SessionTurn, start: int, upto: int, end: int) -> None:
+        """The fallback of a switch: `name` prefills the tokens `[start, upto)` it had mapped (its own again), then
+        re-runs `[upto, end)` on them."""
+        model, cache = self.models[name], self.caches[name]
+        start_time = time.perf_counter()
+        if cache.get_seq_length() > start:
+            cache.crop(-(cache.get_seq_length() - start))
+        info = cache.mapping_info
+        info["mapped_positions"].pop()
+        info["mappers"].pop()
+        _record_mapped(cache, info)
+        record.prefilled_tokens += upto - start
+        if end > start:
+            run_tokens(model, cache, self.input_ids, start, end)
+        record.timings["fallback"] = time.perf_counter() - start_time
 
     # ------------------------------------------------------------------------------------------------ respond
     @torch.no_grad()
