@@ -168,7 +168,7 @@ def calibrate_ladder(
             instead of on the calibration items alone.
         provenance (`dict`, *optional*): what the items were, recorded in `calibration`.
         margins (`dict[float, sequence of float]`, *optional*): per measured fraction, the target's answer margin on
-            each item's served cache (`hf_kvmap.serving.pipeline.answer_margin`); needed with `min_margin`.
+            each item's served cache (`hf_kvmap.serving.forwards.answer_margin`); needed with `min_margin`.
         min_margin (`float`, *optional*): the ladder checks each served item after its rung, and one whose margin is
             below this falls back ([`refused_by_check`]): it serves no changed answer and costs its rung plus a
             prefill. `costs` should count the check in each rung. The rungs are chosen for this check.

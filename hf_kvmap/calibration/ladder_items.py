@@ -109,7 +109,7 @@ def measure_item(
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `risks` per probe key,
     `answers[strategy][f]` (`changed` from the reference, `correct`, and `margin`, the target's
-    [`~hf_kvmap.serving.pipeline.answer_margin`] on the served cache, what a ladder's check after the rung reads) per
+    [`~hf_kvmap.serving.forwards.answer_margin`] on the served cache, what a ladder's check after the rung reads) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
     settings), and `seconds` of each stage (`repair[strategy][f]`, and `verify[strategy][f]`, the check's token)."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])

@@ -75,7 +75,7 @@ class GuardLadder:
             back).
         calibration (`dict`, *optional*): what [`calibrate_ladder`] measured (items, costs, changed answers per task).
         min_margin (`float`, *optional*): the check after the rung, in `[0, 1]`: a served row whose first answer token
-            the target takes with a margin below it falls back (`hf_kvmap.serving.pipeline.answer_margin`); `None`
+            the target takes with a margin below it falls back (`hf_kvmap.serving.forwards.answer_margin`); `None`
             (the default) checks nothing.
 
     Example:

@@ -28,8 +28,8 @@ from transformers.utils import logging
 from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
 from ..repair import RepairConfig
+from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, rung_name
-from .pipeline import answer_margin, run_tokens
 from .probes import ProbeContext, probe_from_dict
 from .repairing import apply_repair
 
@@ -58,7 +58,7 @@ class SessionTurn:
             `"fallback"`: the model prefilled the tokens it would have mapped); `None` without a ladder or a mapping.
         risk (`float`, *optional*): the ladder probe's risk on this switch.
         margin (`float`, *optional*): with a ladder that checks after its rung (`min_margin`), the answering model's
-            margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.pipeline.answer_margin`]).
+            margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.forwards.answer_margin`]).
         checked (`str`, *optional*): the rung the check sent back to the fallback (then `rung` is `"fallback"`).
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
