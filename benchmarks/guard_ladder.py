@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from hf_kvmap import MapperModel
 from hf_kvmap.calibration.ladder_items import (
     LadderItem,
+    has_margins,
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
@@ -43,6 +44,7 @@ from hf_kvmap.calibration.ladder_items import (
 )
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
+from hf_kvmap.serving.ladder import below_margin
 
 from .ladder_lengths import changed_outcome
 
@@ -144,10 +146,6 @@ def read_margins(path: Path) -> list[dict]:
     """The margins kept beside the records at `path` (`ladder_items.measure_margins`' output), or none."""
     side = margins_path(Path(path))
     return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
-
-
-def has_margins(record: dict) -> bool:
-    return all("margin" in outcome for rungs in record["answers"].values() for outcome in rungs.values())
 
 
 def margins_for(path: Path, pair, items, records: list[dict], measure: bool) -> list[dict]:
@@ -313,7 +311,7 @@ def served_plan(ladder, records: list[dict]) -> list[float | None]:
         return plan
     strategy = strategy_key(ladder.strategy)
     return [
-        None if f is None or not r["answers"][strategy][f"{f:g}"]["margin"] >= ladder.min_margin else f
+        None if f is None or below_margin(r["answers"][strategy][f"{f:g}"]["margin"], ladder.min_margin) else f
         for f, r in zip(plan, records)
     ]
 

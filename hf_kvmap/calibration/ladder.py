@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..serving.ladder import FALLBACK, GuardLadder, LadderRung, rung_name
+from ..serving.ladder import FALLBACK, GuardLadder, LadderRung, below_margin, rung_name
 
 
 def refused_by_check(
@@ -19,7 +19,7 @@ def refused_by_check(
     answer margin there is below `min_margin` (a NaN margin too). `None` without a check."""
     if min_margin is None:
         return None
-    return {f: [not float(m) >= min_margin for m in values] for f, values in margins.items()}
+    return {f: [below_margin(m, min_margin) for m in values] for f, values in margins.items()}
 
 
 def ladder_outcome(
@@ -204,8 +204,10 @@ def calibrate_ladder(
                 "`ladder_items.measure_margins`)."
             )
         refused = refused_by_check(margins, min_margin)
-        changed_raw = changed
-        changed = {f: [bool(c) and not r for c, r in zip(changed_raw[f], refused[f])] for f in fractions}
+    # the changed answers the budget counts: those served (a check sends some back, which changes none)
+    counted = (
+        changed if refused is None else {f: [c and not r for c, r in zip(changed[f], refused[f])] for f in fractions}
+    )
     names = sorted(set(groups))
     if confidence is not None and not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence={confidence} must be in (0, 1), e.g. 0.9; or None for the budget on the items.")
@@ -225,21 +227,25 @@ def calibrate_ladder(
     states: dict[tuple[int, tuple[int, ...]], tuple[float, tuple[int, ...]]] = {(0, (0,) * len(names)): (0.0, ())}
     for block in blocks:
         nxt: dict[tuple[int, tuple[int, ...]], tuple[float, tuple[int, ...]]] = {}
+        # the block's cost on each option: its rung for every item, and a prefill more for each the check sends back
+        block_cost = [
+            option_cost[k] * len(block) + (0 if refused is None or f is None else sum(refused[f][i] for i in block))
+            for k, f in enumerate(options)
+        ]
         for (low, used), (cost, picks) in states.items():
             for k in range(low, len(options)):
                 f = options[k]
                 add = list(used)
                 if f is not None:
                     for i in block:
-                        if changed[f][i]:
+                        if counted[f][i]:
                             add[names.index(groups[i])] += 1
                 if f is not None and any(i in blocked for i in block):
                     continue
                 if any(add[j] > max(budget[g], 0) for j, g in enumerate(names)):
                     continue
                 key = (k, tuple(add))
-                extra = 0 if refused is None or f is None else sum(refused[f][i] for i in block)  # prefills after
-                value = (cost + option_cost[k] * len(block) + extra, picks + (k,))
+                value = (cost + block_cost[k], picks + (k,))
                 if key not in nxt or value[0] < nxt[key][0]:
                     nxt[key] = value
         states = nxt

@@ -317,8 +317,13 @@ def measure_ladder_items(
 CHECK_MARGINS = tuple(round(0.05 * i, 2) for i in range(1, 20))
 
 
+def has_margins(record: dict) -> bool:
+    """Whether a record holds the answer margin of every rung it measured (what a check after the rung reads)."""
+    return all("margin" in outcome for rungs in record["answers"].values() for outcome in rungs.values())
+
+
 def _need_margins(records: Sequence[dict]) -> None:
-    if not all("margin" in o for r in records for rungs in r["answers"].values() for o in rungs.values()):
+    if not all(has_margins(record) for record in records):
         raise ValueError(
             "A ladder that checks each rung's answer margin needs the margins in every record; these records were "
             "measured before margins were recorded: measure them with `ladder_items.measure_margins` (`python -m "
@@ -394,20 +399,27 @@ def ladder_from_records(
     )
     margins_checked = [] if check is False else list(CHECK_MARGINS if check is True else check)
     best, candidates = None, {}
+    groups = [r["task"] for r in records]
     for key in probes:
+        risks = [r["risks"][key] for r in records]
         for name in strategies:
+            changed = _changed(records, name)
+            costs = {False: record_costs(records, key, name)}
+            if margins_checked:  # the same for every margin tried
+                costs[True], margins = record_costs(records, key, name, check=True), record_margins(records, name)
             for min_margin in [None, *margins_checked]:
+                checked = min_margin is not None
                 ladder = calibrate_ladder(
-                    [r["risks"][key] for r in records],
-                    _changed(records, name),
-                    record_costs(records, key, name, check=min_margin is not None),
+                    risks,
+                    changed,
+                    costs[checked],
                     probe=parse_probe(key).settings(),
                     strategy=records[0]["strategies"][name],
-                    groups=[r["task"] for r in records],
+                    groups=groups,
                     max_changed=max_changed,
                     confidence=confidence,
                     provenance=provenance,
-                    margins=None if min_margin is None else record_margins(records, name),
+                    margins=margins if checked else None,
                     min_margin=min_margin,
                 )
                 outcome = ladder.calibration["outcome"]
@@ -492,6 +504,7 @@ __all__ = [
     "CHECK_MARGINS",
     "LadderItem",
     "cheapest_keeping",
+    "has_margins",
     "items_from_tasks",
     "ladder_from_records",
     "measure_item",

@@ -180,6 +180,11 @@ def _rung(rung) -> LadderRung:
     return LadderRung(**rung)
 
 
+def below_margin(margin: float, min_margin: float) -> bool:
+    """Whether the check after the rung sends a row back: its answer margin is below `min_margin` (a NaN margin too)."""
+    return not float(margin) >= min_margin
+
+
 def rung_name(fraction: float | None) -> str:
     """`"mapped"`, `"repair:<fraction>"` or `"fallback"`."""
     if fraction is None:
@@ -187,4 +192,4 @@ def rung_name(fraction: float | None) -> str:
     return "mapped" if fraction == 0.0 else f"repair:{fraction:g}"
 
 
-__all__ = ["FALLBACK", "GuardLadder", "LadderRung", "rung_name"]
+__all__ = ["FALLBACK", "GuardLadder", "LadderRung", "below_margin", "rung_name"]

@@ -38,7 +38,7 @@ from ..input_checks import check_source_cache, first_layer_error
 from ..repair import RepairConfig, selector_from_dict
 from ..rope import positions_from_attention_mask
 from .forwards import answer_margin, run_tokens, target_prefill
-from .ladder import GuardLadder, rung_name
+from .ladder import GuardLadder, below_margin, rung_name
 from .probes import Probe, ProbeContext
 from .probes.prefix_audit import PrefixAuditProbe
 from .repairing import apply_repair
@@ -314,27 +314,17 @@ def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
 
 @torch.no_grad()
 def check_rows(
-    context: ProbeContext, rows: list[dict[str, Any]], min_margin: float, margins: torch.Tensor | None = None
-) -> list[int]:
-    """The check after the rungs ([`serve_rows`]'s `rows`, in place): the target's [`answer_margin`] on every row's
-    served cache (`T - 1` tokens; `margins` when already computed); each served row whose margin is below
-    `min_margin` gets the target's own prefill after all (its rung becomes the fallback, the one it had is kept as
-    `checked`). Every served row records its `margin`. Returns the rows that fell back."""
-    length = context.input_ids.shape[1]
-    if margins is None:
-        margins = answer_margin(
-            context.target, context.cache, context.input_ids, context.attention_mask, context.position_ids
-        )
-    refused = []
-    for i, row in enumerate(rows):
+    context: ProbeContext, rows: list[dict[str, Any]], margins: torch.Tensor, refused: Sequence[int]
+) -> None:
+    """The check after the rungs, applied to [`serve_rows`]'s `rows` (in place): every served row records its `margin`
+    (the target's [`answer_margin`] on its served cache, `margins`), and each row of `refused` gets the target's own
+    prefill after all (its rung becomes the fallback; the one it had is kept as `checked`)."""
+    for row, margin in zip(rows, margins.tolist()):
         if row["fraction"] is not None:
-            row["margin"] = float(margins[i])
-            if not row["margin"] >= min_margin:  # NaN included
-                refused.append(i)
+            row["margin"] = margin
     if refused:
-        for i, n in zip(refused, own_rows(context, refused, length - 1)):
+        for i, n in zip(refused, own_rows(context, refused, context.input_ids.shape[1] - 1)):
             rows[i].update(checked=rows[i]["rung"], rung=rung_name(None), fraction=None, recomputed=n)
-    return refused
 
 
 # ------------------------------------------------------------------------------------------------ the audit
@@ -400,11 +390,11 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
             margins = answer_margin(
                 context.target, context.cache, context.input_ids, context.attention_mask, context.position_ids
             )
-            low = [i for i, f in enumerate(plan) if f is not None and not float(margins[i]) >= ladder.min_margin]
+            low = [i for i, f in enumerate(plan) if f is not None and below_margin(margins[i], ladder.min_margin)]
             if low and report.policy == "fail":  # a row the check refuses refuses the batch, as a fallback does
                 report.ladder = {**settings, "rows": rows}
                 raise _Refused(f"ladder check: row(s) {low} answer with a margin below {ladder.min_margin:.4g}")
-            check_rows(context, rows, ladder.min_margin, margins)
+            check_rows(context, rows, margins, low)
     report.ladder = {**settings, "rows": rows}
     report.accepted = True
     report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))

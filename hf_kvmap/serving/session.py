@@ -29,7 +29,7 @@ from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
 from ..repair import RepairConfig
 from .forwards import answer_margin, run_tokens
-from .ladder import GuardLadder, rung_name
+from .ladder import GuardLadder, below_margin, rung_name
 from .probes import ProbeContext, probe_from_dict
 from .repairing import apply_repair
 
@@ -297,7 +297,7 @@ class HandoffSession:
             start_time = time.perf_counter()
             record.margin = float(answer_margin(model, cache, ids)[0])
             record.timings["check"] = time.perf_counter() - start_time
-            if not record.margin >= self.ladder.min_margin:  # NaN included
+            if below_margin(record.margin, self.ladder.min_margin):
                 record.checked, record.rung = record.rung, rung_name(None)
                 self._own_span(name, record, start, upto, end)
 
