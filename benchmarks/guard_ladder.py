@@ -24,6 +24,7 @@ import datetime as _dt
 import itertools
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,14 +34,17 @@ from hf_kvmap import MapperModel
 from hf_kvmap.calibration.ladder_items import (
     LadderItem,
     has_margins,
+    has_source_answers,
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
     measure_margins,
+    measure_source_answer,
     probe_key,
     replay_ladder,
     strategy_key,
     with_margins,
+    with_source_answers,
 )
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
@@ -134,38 +138,58 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         done=done[: len(items)],
         on_record=keep,
     )
-    return margins_for(path, pair, items, records, measure=args.margins)
+    kinds = [kind for kind, flag in (("margins", args.margins), ("source", args.source_answers)) if flag]
+    return with_side_measurements(path, pair, items, records, measure=kinds)
 
 
-def margins_path(path: Path) -> Path:
-    """Where the answer margins measured for the records at `path` after them are kept: `<name>.margins.jsonl`."""
-    return path.with_name(path.name.removesuffix(".jsonl") + ".margins.jsonl")
+def _measure_margins(pair, item, record) -> dict:
+    found = measure_margins(*pair[:4], item, record)
+    disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
+    if disagree:
+        print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
+    return found
 
 
-def read_margins(path: Path) -> list[dict]:
-    """The margins kept beside the records at `path` (`ladder_items.measure_margins`' output), or none."""
-    side = margins_path(Path(path))
+#: what can be measured for records after they were recorded, kept beside them as `<set>.<kind>.jsonl`:
+#: kind -> (whether a record already holds it, the measurement of one item, the merge into the records)
+SIDE_MEASUREMENTS = {
+    "margins": (has_margins, _measure_margins, with_margins),
+    "source": (
+        lambda record: "correct_source" in record,
+        lambda pair, item, record: measure_source_answer(pair[0], pair[3], item, record),
+        with_source_answers,
+    ),
+}
+
+
+def side_path(path: Path, kind: str) -> Path:
+    """Where the `kind` measured for the records at `path` after them is kept: `<name>.<kind>.jsonl`."""
+    return path.with_name(path.name.removesuffix(".jsonl") + f".{kind}.jsonl")
+
+
+def read_side(path: Path, kind: str) -> list[dict]:
+    """The `kind` measurements kept beside the records at `path`, or none."""
+    side = side_path(Path(path), kind)
     return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
 
 
-def margins_for(path: Path, pair, items, records: list[dict], measure: bool) -> list[dict]:
-    """`records` with the answer margins of records measured before they were recorded, kept beside them in
-    `<name>.margins.jsonl` (resumable); with `measure`, the missing ones are measured first
-    (`ladder_items.measure_margins`: every rung served again, its first answer token checked against the record)."""
-    side = margins_path(path)
-    measured = read_margins(path)
-    if measure:
-        have = {m["prompt_sha256"] for m in measured}
-        todo = [(i, r) for i, r in zip(items, records) if not has_margins(r) and r["prompt_sha256"] not in have]
-        for item, record in tqdm(todo, desc=f"answer margins ({path.name})"):
-            found = measure_margins(*pair[:4], item, record)
-            disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
-            if disagree:
-                print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
-            measured.append(found)
-            with side.open("a") as handle:
-                handle.write(json.dumps(found) + "\n")
-    return with_margins(records, measured)
+def with_side_measurements(path: Path, pair, items, records: list[dict], measure: Sequence[str] = ()) -> list[dict]:
+    """`records` with every measurement kept beside them (`SIDE_MEASUREMENTS`: the answer margins, the source's own
+    answer) merged in; for each kind in `measure`, the records that lack it are measured first (`pair` and `items`,
+    the records' items in order; appended to the side file one item at a time, so a stopped run resumes). Without
+    `measure`, `pair` and `items` are not used."""
+    for kind, (holds, measure_one, merge) in SIDE_MEASUREMENTS.items():
+        measured = read_side(path, kind)
+        if kind in measure:
+            have = {m["prompt_sha256"] for m in measured}
+            todo = [(i, r) for i, r in zip(items, records) if not holds(r) and r["prompt_sha256"] not in have]
+            for item, record in tqdm(todo, desc=f"{kind} ({path.name})"):
+                found = measure_one(pair, item, record)
+                measured.append(found)
+                with side_path(path, kind).open("a") as handle:
+                    handle.write(json.dumps(found) + "\n")
+        records = merge(records, measured)
+    return records
 
 
 def mapped_only(records: list[dict]) -> list[dict]:
@@ -204,20 +228,30 @@ def lost_only(records: list[dict]) -> list[dict]:
 
 
 def served_accuracy(plan, records: list[dict], strategy: str) -> dict[str, float]:
-    """Per task: the share of exact answers served under `plan` (fraction or None per record), and the target's."""
+    """Per task: the share of exact answers served under `plan` (fraction or None per record), the target's, and,
+    where every record holds it, the source's (what not switching serves)."""
     out: dict[str, list] = {}
     for fraction, record in zip(plan, records):
         correct = (
             record["correct_target"] if fraction is None else record["answers"][strategy][f"{fraction:g}"]["correct"]
         )
-        out.setdefault(record["task"], []).append((correct, record["correct_target"]))
+        out.setdefault(record["task"], []).append((correct, record))
     return {
-        task: {
-            "served": sum(c for c, _ in pairs) / len(pairs),
-            "target": sum(t for _, t in pairs) / len(pairs),
-        }
+        task: {"served": _share([c for c, _ in pairs]), **_own_scores([r for _, r in pairs])}
         for task, pairs in sorted(out.items())
     }
+
+
+def _share(flags) -> float:
+    return sum(flags) / len(flags)
+
+
+def _own_scores(records: list[dict]) -> dict[str, float]:
+    """The target's exact answers among `records`, and the source's where every record holds it."""
+    scores = {"target": _share([r["correct_target"] for r in records])}
+    if has_source_answers(records):
+        scores["source"] = _share([r["correct_source"] for r in records])
+    return scores
 
 
 def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
@@ -235,9 +269,9 @@ def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
             for task in sorted({r["task"] for r in records}):
                 mine = [r for r in records if r["task"] == task]
                 per_task[task] = {
-                    "changed": sum(r["answers"][strategy][key]["changed"] for r in mine) / len(mine),
-                    "accuracy": sum(r["answers"][strategy][key]["correct"] for r in mine) / len(mine),
-                    "target": sum(r["correct_target"] for r in mine) / len(mine),
+                    "changed": _share([r["answers"][strategy][key]["changed"] for r in mine]),
+                    "accuracy": _share([r["answers"][strategy][key]["correct"] for r in mine]),
+                    **_own_scores(mine),
                 }
             rows.append({"fraction": fraction, "mean_cost": cost, "tasks": per_task})
         out[strategy] = rows
@@ -443,6 +477,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the answer margin of every rung where the records lack it (records of before margins were "
         "recorded; kept beside them as <set>.margins.jsonl)",
+    )
+    parser.add_argument(
+        "--source-answers",
+        action="store_true",
+        help="measure the source's own answer where the records lack it (records of before it was recorded; kept "
+        "beside them as <set>.source.jsonl): what the share of the source-to-target gap a rung recovers needs",
     )
     parser.add_argument("--cache-dir", default=None, help="`hf-kvmap obtain` cache (--family real)")
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))

@@ -26,10 +26,9 @@ import sys
 from pathlib import Path
 
 from hf_kvmap.calibration.ladder import changed_budget
-from hf_kvmap.calibration.ladder_items import with_margins
 from hf_kvmap.reporting import environment_info, write_json
 
-from .guard_ladder import calibrated_replay, mapped_only, read_margins
+from .guard_ladder import calibrated_replay, mapped_only, with_side_measurements
 
 #: the calibrations compared: (name, view of the records, whether the budget is held as a confidence bound)
 WAYS = (
@@ -41,11 +40,12 @@ WAYS = (
 
 
 def read_records(paths: list[str]) -> list[dict]:
-    """The records of every JSONL file of `paths`, with the answer margins kept beside each (`guard_ladder --margins`)."""
+    """The records of every JSONL file of `paths`, with what was measured after them kept beside each (the answer
+    margins and the source's own answers: `guard_ladder --margins --source-answers`)."""
     records = []
     for path in paths:
         loaded = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        records += with_margins(loaded, read_margins(Path(path)))
+        records += with_side_measurements(Path(path), None, [], loaded)
     if not records:
         raise SystemExit(f"no records in {paths}")
     return records

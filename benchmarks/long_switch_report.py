@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from statistics import mean
 
+from hf_kvmap.reporting import gap_recovered
+
 from .formatting import break_even_text
 
 #: `strategy@fraction`, optionally `+refresh:...` (a repair while decoding), or `mapped+refresh:...`
@@ -70,7 +72,7 @@ def summarize(items: list[dict]) -> dict:
         record = {
             "score": scores[arm],
             "retention": scores[arm] / target if target > 0 else None,
-            "gap_recovered": (scores[arm] - source) / (target - source) if target > source else None,
+            "gap_recovered": gap_recovered(scores[arm], target, source),
             "ttft_s": mean(row["arms"][arm]["ttft_s"] for row in complete),
         }
         if arm != "source":  # the source's prefill is paid before a switch: its first token is not a switch's

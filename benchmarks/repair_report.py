@@ -13,6 +13,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from hf_kvmap.reporting import gap_recovered
+
 from .formatting import fraction_text, number_text, pct, rung_label, rung_order
 
 #: options whose values are paths on the machine that ran a benchmark (left out of the commands shown)
@@ -422,6 +424,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
             f"| {name} | `{probe}` | {strategy} | {rungs} | {number_text(outcome['mean_cost'])}, {pct(worst, 1)} |"
         )
     rungs = sorted({rung for way in ways.values() for rung in way["report"]["rungs"]}, key=rung_order)
+    with_source = all("source" in way["report_accuracy"][task] for way in ways.values() for task in tasks)
     lines += [
         "",
         "| report set | "
@@ -429,7 +432,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         + " | "
         + " | ".join(f"changed served: {task}" for task in tasks)
         + " | "
-        + " | ".join(f"right, served / target: {task}" for task in tasks)
+        + " | ".join(f"right, served / target{' / source' if with_source else ''}: {task}" for task in tasks)
         + " | mean cost | net saving |",
         "|---|" + "---|" * (len(rungs) + 2 * len(tasks) + 2),
     ]
@@ -438,7 +441,8 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         cells = [pct(report["rungs"].get(rung, 0.0)) for rung in rungs]
         cells += [pct(report["per_group"][task]["changed_served"], 1) for task in tasks]
         cells += [
-            f"{number_text(accuracy[task]['served'])} / {number_text(accuracy[task]['target'])}" for task in tasks
+            " / ".join(number_text(accuracy[task][key]) for key in ("served", "target", "source")[: 2 + with_source])
+            for task in tasks
         ]
         cells += [number_text(report["mean_cost"]), pct(report["net_saving"])]
         if "checked_fallback" in report:
@@ -476,16 +480,21 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     def retention(task: str):
         def show(row: dict) -> str:
             result = row["tasks"][task]
-            return number_text(result["accuracy"] / result["target"]) if result["target"] else "-"
+            kept = number_text(result["accuracy"] / result["target"]) if result["target"] else "-"
+            if "source" not in result:
+                return kept
+            gap = gap_recovered(result["accuracy"], result["target"], result["source"])
+            return f"{kept} · {'target <= source' if gap is None else number_text(gap)}"
 
         return show
 
+    gapped = all("source" in task for rows in fixed.values() for row in rows for task in row["tasks"].values())
     lines += ["", f"| always serve, no probe (report set) | {columns} |", "|---|" + "---|" * len(fractions)]
     for strategy, rows in fixed.items():
         lines.append(f"| `{strategy}` | {' | '.join(cell(rows, f, worst) for f in fractions)} |")
     lines += [
         "",
-        f"| retention of every fixed repair (report set) | task | {columns} |",
+        f"| retention{' · gap recovered' if gapped else ''} of every fixed repair (report set) | task | {columns} |",
         "|---|---|" + "---|" * len(fractions),
     ]
     for strategy, rows in fixed.items():

@@ -31,6 +31,13 @@ def retention_cells(row: dict) -> tuple[str, str]:
     return fmt_number(row.get("retention")), fmt_number(row.get("floor_normalized_retention"))
 
 
+def gap_recovered(score: float, target: float, source: float) -> float | None:
+    """The share of the source-to-target gap an arm's `score` recovers, `(score - source) / (target - source)`: 1 is
+    the target's score, 0 the source's (what not switching serves), below 0 worse than not switching. `None` where the
+    target does not beat the source: there is no gap to recover, and only retention can be read."""
+    return (score - source) / (target - source) if target > source else None
+
+
 def environment_info() -> dict:
     """Library versions and the device, for self-describing results JSON."""
     import platform

@@ -541,6 +541,54 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
     assert "ladder_checked" not in study(records(40, False), records(40, False), max_changed=0.0)
 
 
+def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):
+    from benchmarks.guard_ladder import study, with_side_measurements
+    from benchmarks.repair_report import ladder_markdown
+
+    def records(n):  # the target right on every item, the source on a quarter; half a repair right on three quarters
+        out = []
+        for i in range(n):
+            record = _ladder_record("chat", 0.5, {"0": True, "0.5": i % 4 == 0}, {"0": 0.0, "0.5": 0.4})
+            record["prompt_sha256"] = f"{i:064x}"
+            record["answers"]["tail"]["0"]["correct"] = False
+            out.append(record)
+        return out
+
+    plain = study(records(8), records(8), max_changed=0.0)
+    assert "source" not in plain["fixed_report"]["tail"][0]["tasks"]["chat"]  # no source answers, no gap
+    # the source's answers, measured after the records, kept beside them and merged when read
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records(8)))
+    side = [
+        {"prompt_sha256": f"{i:064x}", "source_answer": [1 if i % 4 == 1 else 2], "correct_source": i % 4 == 1}
+        for i in range(8)
+    ]
+    (tmp_path / "set.source.jsonl").write_text("\n".join(json.dumps(m) for m in side))
+    merged = with_side_measurements(path, None, [], records(8))
+    assert [r["correct_source"] for r in merged] == [i % 4 == 1 for i in range(8)]
+    result = study(merged, merged, max_changed=0.0)
+    fixed = {row["fraction"]: row["tasks"]["chat"] for row in result["fixed_report"]["tail"]}
+    assert fixed[0.5] == {"changed": 0.25, "accuracy": 0.75, "target": 1.0, "source": 0.25}
+    assert result["ladder"]["report_accuracy"]["chat"]["source"] == 0.25
+    run = {
+        "tasks": ["chat"],
+        "selection": {"items_per_task": 8, "seed": 1},
+        "report": {"items_per_task": 8, "seed": 2},
+        "command": "python -m benchmarks.guard_ladder",
+        "family": "tiny",
+        "dtype": "float32",
+        "probes": ["draft_agreement:2"],
+        "strategies": ["tail"],
+        "fractions": [0.5],
+        "max_changed": 0.0,
+    }
+    text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **result}}})
+    assert "right, served / target / source: chat" in text
+    # retention 0.75; gap (0.75 - 0.25) / (1 - 0.25); the mapped cache (0 right) is worse than not switching
+    assert "| `tail` | chat | 0.00 · -0.33 | 0.75 · 0.67 |" in text
+    assert "retention · gap recovered of every fixed repair" in text
+
+
 def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch(tmp_path):
     from benchmarks.guard_ladder import study
     from benchmarks.repair_report import ladder_markdown

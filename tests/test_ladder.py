@@ -27,12 +27,15 @@ from hf_kvmap.calibration.ladder import (
 )
 from hf_kvmap.calibration.ladder_items import (
     cheapest_keeping,
+    has_source_answers,
     ladder_from_records,
     measure_ladder_items,
+    measure_source_answer,
     perfect_probe_outcome,
     record_costs,
     replay_ladder,
     strategy_key,
+    with_source_answers,
 )
 from hf_kvmap.cli import main as cli
 from hf_kvmap.rope import positions_from_attention_mask
@@ -540,6 +543,44 @@ def test_replaying_records_is_what_the_handoff_serves(ladder_family):
             assert report.ladder["rows"][0]["fraction"] == fraction
             key = strategy_key(ladder.strategy)
             assert (out != record["reference"]) == record["answers"][key][f"{fraction:g}"]["changed"]
+
+
+def test_records_hold_the_sources_own_answer_and_old_records_get_the_same(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    records = measure_ladder_items(
+        source,
+        target,
+        mapper,
+        tokenizer,
+        items,
+        probes=["draft_agreement:2"],
+        strategies=["tail"],
+        fractions=[0.5],
+        progress=False,
+    )
+    assert has_source_answers(records)
+    for item, record in zip(items, records):
+        # what not switching serves: the source's own greedy answer from the prompt alone, no cache handed in
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
+        own = source.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=len(expected),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        assert record["source_answer"] == own and record["correct_source"] == (own == expected)
+    # the pair differs on these items, or the source's answer would tell nothing the target's does not
+    assert any(r["source_answer"] != r["reference"] for r in records)
+    old = [{k: v for k, v in r.items() if k not in ("source_answer", "correct_source")} for r in records]
+    assert not has_source_answers(old) and not has_source_answers([])
+    measured = [measure_source_answer(source, tokenizer, i, r) for i, r in zip(items, old)]
+    assert with_source_answers(old, measured) == records
+    assert with_source_answers(old, measured[1:])[0] == old[0]  # a record not measured is left as it was
+    with pytest.raises(ValueError, match="another prompt"):
+        measure_source_answer(source, tokenizer, items[1], old[0])
 
 
 def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):

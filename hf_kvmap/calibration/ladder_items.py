@@ -95,6 +95,14 @@ def _greedy(target, ids, cache, steps: int, pad: int | None) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
+def _source_answer(source, ids, source_cache, steps: int, pad: int | None) -> list[int]:
+    """The source's own greedy answer, as if no switch happened: its cache of the whole prompt (the one the mapping
+    reads, left as it is) copied and cut back by the last token, which runs as the first step of its generation."""
+    cache = copy.deepcopy(source_cache)
+    cache.crop(-1)  # negative: the number of tokens dropped, which every cache layer type takes
+    return _greedy(source, ids, cache, steps, pad)
+
+
 @torch.no_grad()
 def measure_item(
     source,
@@ -107,7 +115,8 @@ def measure_item(
     strategies: Sequence[dict | str],
     fractions: Sequence[float],
 ) -> dict[str, Any]:
-    """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `risks` per probe key,
+    """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `source_answer` and
+    `correct_source` (the source's own, what not switching serves), `risks` per probe key,
     `answers[strategy][f]` (`changed` from the reference, `correct`, and `margin`, the target's
     [`~hf_kvmap.serving.forwards.answer_margin`] on the served cache, what a ladder's check after the rung reads) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
@@ -120,6 +129,7 @@ def measure_item(
     prefill = time.perf_counter() - start
     reference = _greedy(target, ids, own, len(expected), pad)
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
+    source_answer = _source_answer(source, ids, source_cache, len(expected), pad)
     start = time.perf_counter()
     context = prepare_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
     mapping = time.perf_counter() - start
@@ -160,6 +170,8 @@ def measure_item(
         "tokens": ids.shape[1],
         "reference": reference,
         "correct_target": reference == expected,
+        "source_answer": source_answer,
+        "correct_source": source_answer == expected,
         "risks": risks,
         "strategies": settings,
         "answers": answers,
@@ -232,6 +244,38 @@ def with_margins(records: Sequence[dict], measured: Sequence[dict]) -> list[dict
         }
         out.append({**record, "answers": answers, "seconds": {**record["seconds"], "verify": found["verify"]}})
     return out
+
+
+@torch.no_grad()
+def measure_source_answer(source, tokenizer, item: LadderItem, record: dict[str, Any]) -> dict[str, Any]:
+    """The source's own answer for a record measured before records held it, as [`measure_item`] now measures it
+    (the same prefill, cut back by one token, and greedy steps). Returns `{"prompt_sha256", "source_answer",
+    "correct_source"}` for [`with_source_answers`]."""
+    sha = hashlib.sha256(item.prompt.encode()).hexdigest()
+    if record.get("prompt_sha256") != sha:
+        raise ValueError("The record is of another prompt than this item; pass the records in the items' order.")
+    ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+    expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
+    source_cache = output_cache(source(input_ids=ids, use_cache=True))
+    answer = _source_answer(source, ids, source_cache, len(expected), tokenizer.pad_token_id)
+    return {"prompt_sha256": sha, "source_answer": answer, "correct_source": answer == expected}
+
+
+def with_source_answers(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
+    """`records` with the source's answers of [`measure_source_answer`] put where [`measure_item`] now writes them;
+    records without a measurement are returned as they are."""
+    by_sha = {m["prompt_sha256"]: m for m in measured}
+    return [
+        {**record, "source_answer": found["source_answer"], "correct_source": found["correct_source"]}
+        if (found := by_sha.get(record.get("prompt_sha256"))) is not None
+        else record
+        for record in records
+    ]
+
+
+def has_source_answers(records: Sequence[dict]) -> bool:
+    """Whether every record holds the source's own answer (`correct_source`), so the gap a rung recovers can be told."""
+    return bool(records) and all("correct_source" in record for record in records)
 
 
 def measure_ladder_items(
@@ -505,11 +549,13 @@ __all__ = [
     "LadderItem",
     "cheapest_keeping",
     "has_margins",
+    "has_source_answers",
     "items_from_tasks",
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
     "measure_margins",
+    "measure_source_answer",
     "parse_probe",
     "perfect_probe_outcome",
     "probe_key",
@@ -518,4 +564,5 @@ __all__ = [
     "replay_ladder",
     "strategy_key",
     "with_margins",
+    "with_source_answers",
 ]
