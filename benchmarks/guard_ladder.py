@@ -24,33 +24,32 @@ import datetime as _dt
 import itertools
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from hf_kvmap import MapperModel
 from hf_kvmap.calibration.ladder_items import (
+    CHECK_TOKENS,
     LadderItem,
     has_margins,
-    has_source_answers,
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
-    measure_margins,
-    measure_source_answer,
     probe_key,
+    record_margin,
     replay_ladder,
     strategy_key,
-    with_margins,
-    with_source_answers,
+)
+from hf_kvmap.calibration.ladder_remeasure import (
+    has_source_answers,
 )
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.serving.ladder import below_margin
 
 from .ladder_lengths import changed_outcome
+from .ladder_records import with_side_measurements
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
@@ -138,58 +137,9 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         done=done[: len(items)],
         on_record=keep,
     )
-    kinds = [kind for kind, flag in (("margins", args.margins), ("source", args.source_answers)) if flag]
+    flags = {"margins": args.margins, "token_margins": args.token_margins, "source": args.source_answers}
+    kinds = [kind for kind, flag in flags.items() if flag]
     return with_side_measurements(path, pair, items, records, measure=kinds)
-
-
-def _measure_margins(pair, item, record) -> dict:
-    found = measure_margins(*pair[:4], item, record)
-    disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
-    if disagree:
-        print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
-    return found
-
-
-#: what can be measured for records after they were recorded, kept beside them as `<set>.<kind>.jsonl`:
-#: kind -> (whether a record already holds it, the measurement of one item, the merge into the records)
-SIDE_MEASUREMENTS = {
-    "margins": (has_margins, _measure_margins, with_margins),
-    "source": (
-        lambda record: "correct_source" in record,
-        lambda pair, item, record: measure_source_answer(pair[0], pair[3], item, record),
-        with_source_answers,
-    ),
-}
-
-
-def side_path(path: Path, kind: str) -> Path:
-    """Where the `kind` measured for the records at `path` after them is kept: `<name>.<kind>.jsonl`."""
-    return path.with_name(path.name.removesuffix(".jsonl") + f".{kind}.jsonl")
-
-
-def read_side(path: Path, kind: str) -> list[dict]:
-    """The `kind` measurements kept beside the records at `path`, or none."""
-    side = side_path(Path(path), kind)
-    return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
-
-
-def with_side_measurements(path: Path, pair, items, records: list[dict], measure: Sequence[str] = ()) -> list[dict]:
-    """`records` with every measurement kept beside them (`SIDE_MEASUREMENTS`: the answer margins, the source's own
-    answer) merged in; for each kind in `measure`, the records that lack it are measured first (`pair` and `items`,
-    the records' items in order; appended to the side file one item at a time, so a stopped run resumes). Without
-    `measure`, `pair` and `items` are not used."""
-    for kind, (holds, measure_one, merge) in SIDE_MEASUREMENTS.items():
-        measured = read_side(path, kind)
-        if kind in measure:
-            have = {m["prompt_sha256"] for m in measured}
-            todo = [(i, r) for i, r in zip(items, records) if not holds(r) and r["prompt_sha256"] not in have]
-            for item, record in tqdm(todo, desc=f"{kind} ({path.name})"):
-                found = measure_one(pair, item, record)
-                measured.append(found)
-                with side_path(path, kind).open("a") as handle:
-                    handle.write(json.dumps(found) + "\n")
-        records = merge(records, measured)
-    return records
 
 
 def mapped_only(records: list[dict]) -> list[dict]:
@@ -315,15 +265,27 @@ def served_summary(outcome: dict) -> dict:
 
 
 def calibrated_replay(
-    selection: list[dict], report: list[dict], max_changed: float, confidence: float | None, check: bool = False
+    selection: list[dict],
+    report: list[dict],
+    max_changed: float,
+    confidence: float | None,
+    check: bool = False,
+    check_tokens: tuple[int, ...] = (1,),
 ) -> dict:
-    """The cheapest ladder of `selection` at this budget, replayed on `report` (`served_summary`)."""
-    ladder = ladder_from_records(selection, max_changed=max_changed, confidence=confidence, check=check)
+    """The cheapest ladder of `selection` at this budget, replayed on `report` (`served_summary`); with `check`, over
+    checks of each number of answer tokens of `check_tokens`."""
+    ladder = ladder_from_records(
+        selection, max_changed=max_changed, confidence=confidence, check=check, check_tokens=check_tokens
+    )
     return served_summary(replay_ladder(ladder, report))
 
 
 def budget_sweep(
-    selection: list[dict], report: list[dict], confidence: float | None = None, checked: bool = False
+    selection: list[dict],
+    report: list[dict],
+    confidence: float | None = None,
+    checked: bool = False,
+    check_tokens: tuple[int, ...] = (1,),
 ) -> list[dict]:
     """The ladder and the binary guard calibrated at every budget of `SWEEP` on `selection`: what each serves on
     `report` (worst task's changed answers, mean cost). A budget met on the selection set can be exceeded on another."""
@@ -333,7 +295,7 @@ def budget_sweep(
         for name, view, sure, check in _ways(confidence, checked):
             if sure is not None and budget == 0.0:
                 continue  # no number of items vouches for a zero rate
-            row[name] = calibrated_replay(view(selection), view(report), budget, sure, check)
+            row[name] = calibrated_replay(view(selection), view(report), budget, sure, check, check_tokens)
         rows.append(row)
     return rows
 
@@ -345,7 +307,10 @@ def served_plan(ladder, records: list[dict]) -> list[float | None]:
         return plan
     strategy = strategy_key(ladder.strategy)
     return [
-        None if f is None or below_margin(r["answers"][strategy][f"{f:g}"]["margin"], ladder.min_margin) else f
+        None
+        if f is None
+        or below_margin(record_margin(r["answers"][strategy][f"{f:g}"], ladder.check_tokens), ladder.min_margin)
+        else f
         for f, r in zip(plan, records)
     ]
 
@@ -355,8 +320,12 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
     replayed on `report`, and the fixed points."""
     out = {}
     checked = all(has_margins(r) for r in [*selection, *report])
+    # a check over more answer tokens than the first is tried where every record holds each answer token's margin
+    check_tokens = CHECK_TOKENS if all(has_margins(r, tokens=2) for r in [*selection, *report]) else (1,)
     for name, view, sure, check in _ways(confidence, checked):
-        ladder = ladder_from_records(view(selection), max_changed=max_changed, confidence=sure, check=check)
+        ladder = ladder_from_records(
+            view(selection), max_changed=max_changed, confidence=sure, check=check, check_tokens=check_tokens
+        )
         strategy = strategy_key(ladder.strategy)
         plan = served_plan(ladder, report)
         out[name] = {
@@ -367,7 +336,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
         }
         if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
             out[name]["report_changed"] = replay_ladder(ladder, report)
-    out["budget_sweep"] = budget_sweep(selection, report, confidence, checked)
+    out["budget_sweep"] = budget_sweep(selection, report, confidence, checked, check_tokens)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
     out["tokens"] = sum(r["tokens"] for r in report) / len(report)
@@ -477,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the answer margin of every rung where the records lack it (records of before margins were "
         "recorded; kept beside them as <set>.margins.jsonl)",
+    )
+    parser.add_argument(
+        "--token-margins",
+        action="store_true",
+        help="measure the margin of every answer token of every rung where the records lack it (kept beside them as "
+        "<set>.token_margins.jsonl): what a check over more than the first answer token is calibrated on",
     )
     parser.add_argument(
         "--source-answers",

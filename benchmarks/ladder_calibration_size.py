@@ -28,7 +28,8 @@ from pathlib import Path
 from hf_kvmap.calibration.ladder import changed_budget
 from hf_kvmap.reporting import environment_info, write_json
 
-from .guard_ladder import calibrated_replay, mapped_only, with_side_measurements
+from .guard_ladder import calibrated_replay, mapped_only
+from .ladder_records import with_side_measurements
 
 #: the calibrations compared: (name, view of the records, whether the budget is held as a confidence bound)
 WAYS = (

@@ -40,13 +40,16 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
 
 #: the column of the check after the rung in the separation tables: `1 - margin` read as a risk
 CHECK = "check: 1 - answer margin"
+#: ... and of a check over the whole answer: one minus its smallest token margin
+CHECK_ANSWER = "check over the answer: 1 - smallest margin"
 
 
 def separation(records: Sequence[dict], fraction: str = "0") -> dict[str, dict[str, dict]]:
     """Per task and probe: the AUROC of the probe's risk for "the cache changes the target's answer" (the mapped cache;
     with `fraction`, the first strategy's repair of that share), and how many records of each kind it rests on. Where
     every record holds the answer margin on that cache, `CHECK` too: one minus the margin read as a risk (what the
-    check after the rung reads, on the served cache itself rather than before the repair)."""
+    check after the rung reads, on the served cache itself rather than before the repair); where it holds every
+    answer token's margin, `CHECK_ANSWER` (the check over the whole answer) too."""
     out: dict[str, dict[str, dict]] = {}
     for task in sorted({r["task"] for r in records}):
         mine = [r for r in records if r["task"] == task]
@@ -56,6 +59,8 @@ def separation(records: Sequence[dict], fraction: str = "0") -> dict[str, dict[s
         signals = {probe: [r["risks"][probe] for r in mine] for probe in sorted(mine[0]["risks"])}
         if all("margin" in a for a in answers):
             signals[CHECK] = [1.0 - a["margin"] for a in answers]
+        if all("margins" in a for a in answers):
+            signals[CHECK_ANSWER] = [1.0 - min(a["margins"]) for a in answers]
         out[task] = {
             name: {
                 "auroc": auroc([v for v, f in zip(values, flip) if f], [v for v, f in zip(values, flip) if not f]),

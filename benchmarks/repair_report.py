@@ -417,7 +417,8 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
         rungs = _rungs(ladder, repairs)
         if ladder.get("min_margin") is not None:
-            rungs += f"; then the check: answer margin < {ladder['min_margin']:g}: prefill"
+            over = f" over {ladder['check_tokens']} answer tokens" if ladder.get("check_tokens", 1) > 1 else ""
+            rungs += f"; then the check: answer margin{over} < {ladder['min_margin']:g}: prefill"
         elif name.startswith("ladder + check"):
             rungs += "; no check (none was cheaper on the selection set)"
         lines.append(

@@ -457,6 +457,22 @@ def _ladder_record(task, risk, changed, seconds):
     }
 
 
+def _tail_run(tasks: list[str], items: int) -> dict:
+    """The `run` block of a guard-ladder result calibrated on `tail` at half the prompt, as the report reads it."""
+    return {
+        "tasks": tasks,
+        "selection": {"items_per_task": items, "seed": 1},
+        "report": {"items_per_task": items, "seed": 2},
+        "command": "python -m benchmarks.guard_ladder",
+        "family": "tiny",
+        "dtype": "float32",
+        "probes": ["draft_agreement:2"],
+        "strategies": ["tail"],
+        "fractions": [0.5],
+        "max_changed": 0.0,
+    }
+
+
 def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_report_set():
     from benchmarks.guard_ladder import study
 
@@ -522,19 +538,9 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
 
     plan = served_plan(GuardLadder.from_dict(checked["ladder"]), records(8))
     assert plan == [None, 0.5, 0.5, 0.5, None, 0.5, 0.5, 0.5]
-    run = {
-        "tasks": ["chat", "recall"],
-        "selection": {"items_per_task": 20, "seed": 1},
-        "report": {"items_per_task": 20, "seed": 2},
-        "command": "python -m benchmarks.guard_ladder",
-        "family": "tiny",
-        "dtype": "float32",
-        "probes": ["draft_agreement:2"],
-        "strategies": ["tail"],
-        "fractions": [0.5],
-        "max_changed": 0.0,
-    }
-    text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **result}}})
+    text = ladder_markdown(
+        {"run": _tail_run(["chat", "recall"], 20), "directions": {"a-to-b": {"mapper": "m", **result}}}
+    )
     assert "Rows marked *+ check*" in text
     assert f"then the check: answer margin < {margin:g}: prefill" in text
     assert "| ladder + check (the check sent back 25 %) |" in text
@@ -542,7 +548,8 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
 
 
 def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):
-    from benchmarks.guard_ladder import study, with_side_measurements
+    from benchmarks.guard_ladder import study
+    from benchmarks.ladder_records import with_side_measurements
     from benchmarks.repair_report import ladder_markdown
 
     def records(n):  # the target right on every item, the source on a quarter; half a repair right on three quarters
@@ -570,19 +577,7 @@ def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tm
     fixed = {row["fraction"]: row["tasks"]["chat"] for row in result["fixed_report"]["tail"]}
     assert fixed[0.5] == {"changed": 0.25, "accuracy": 0.75, "target": 1.0, "source": 0.25}
     assert result["ladder"]["report_accuracy"]["chat"]["source"] == 0.25
-    run = {
-        "tasks": ["chat"],
-        "selection": {"items_per_task": 8, "seed": 1},
-        "report": {"items_per_task": 8, "seed": 2},
-        "command": "python -m benchmarks.guard_ladder",
-        "family": "tiny",
-        "dtype": "float32",
-        "probes": ["draft_agreement:2"],
-        "strategies": ["tail"],
-        "fractions": [0.5],
-        "max_changed": 0.0,
-    }
-    text = ladder_markdown({"run": run, "directions": {"a-to-b": {"mapper": "m", **result}}})
+    text = ladder_markdown({"run": _tail_run(["chat"], 8), "directions": {"a-to-b": {"mapper": "m", **result}}})
     assert "right, served / target / source: chat" in text
     # retention 0.75; gap (0.75 - 0.25) / (1 - 0.25); the mapped cache (0 right) is worse than not switching
     assert "| `tail` | chat | 0.00 · -0.33 | 0.75 · 0.67 |" in text
@@ -876,3 +871,9 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
     check = headroom.separation(merged, "0.5")["chat"][headroom.CHECK]
     assert check == {"auroc": 1.0, "changed": 2, "kept": 2}  # the probe's was chance (0.5) on these records
     assert headroom.CHECK not in headroom.separation(records, "0.5")["chat"]  # no margins, no column
+    assert headroom.CHECK_ANSWER not in headroom.separation(merged, "0.5")["chat"]  # first tokens' margins only
+    for record in merged:  # every answer token's margin: a later token tells the changed answers apart
+        for outcome in record["answers"]["tail"].values():
+            outcome["margins"] = [0.9, 0.05 if outcome["changed"] else 0.8]
+    answer = headroom.separation(merged, "0.5")["chat"][headroom.CHECK_ANSWER]
+    assert answer == {"auroc": 1.0, "changed": 2, "kept": 2}

@@ -109,14 +109,14 @@ def test_bad_session_input_is_refused(tiny):
         session.sync("z")
 
 
-def _ladder_session(tiny, **kwargs):
+def _ladder_session(tiny, seed=0, **kwargs):
     """small answers a first turn, a user turn follows, and large takes over: it maps small's tokens."""
     config = tiny.config()
     small, large = tiny.model(config, seed=0), tiny.model(config, seed=1)
     session = HandoffSession(
         {"small": small, "large": large}, {("small", "large"): MapperModel.identity(config)}, **kwargs
     )
-    session.append(torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(0)))
+    session.append(torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(seed)))
     session.respond("small", 4, pad_token_id=0)
     session.append([5, 6, 7])
     return session, large
@@ -180,6 +180,26 @@ def test_a_session_ladder_checks_the_cache_its_rung_served(tiny, one_thread):
     assert turn.tokens == own[0, before.shape[1] :].tolist()
     assert turn.prefilled_tokens == before.shape[1] - 1
     assert sent.caches["large"].approximate is False and sent.caches["large"].mapping_info["mapped_positions"] == []
+
+
+def test_a_session_ladder_checks_as_many_answer_tokens_as_it_is_told(tiny, one_thread):
+    """`check_tokens=4`: the switch's margin is the smallest over the first four answer tokens (never above the first
+    token's), and a `min_margin` between the two sends back the switch that a first-token check would keep."""
+    rungs = [LadderRung(2.0, 0.5)]
+    one, _ = _ladder_session(tiny, seed=1, ladder=GuardLadder(LOOKAHEAD, "tail", rungs, min_margin=0.0))
+    four, _ = _ladder_session(
+        tiny, seed=1, ladder=GuardLadder(LOOKAHEAD, "tail", rungs, min_margin=0.0, check_tokens=4)
+    )
+    first, over = one.respond("large", 4, pad_token_id=0), four.respond("large", 4, pad_token_id=0)
+    assert over.tokens == first.tokens and over.rung == first.rung == "repair:0.5"
+    assert over.margin < first.margin  # on this session a later answer token is taken less surely than the first
+    between = (over.margin + first.margin) / 2
+    for tokens, sent_back in ((1, False), (4, True)):
+        session, _ = _ladder_session(
+            tiny, seed=1, ladder=GuardLadder(LOOKAHEAD, "tail", rungs, min_margin=between, check_tokens=tokens)
+        )
+        turn = session.respond("large", 4, pad_token_id=0)
+        assert (turn.rung == "fallback") == sent_back and (turn.checked == "repair:0.5") == sent_back
 
 
 def test_a_session_ladder_is_refused_where_it_cannot_run(tiny):

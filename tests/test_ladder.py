@@ -27,14 +27,16 @@ from hf_kvmap.calibration.ladder import (
 )
 from hf_kvmap.calibration.ladder_items import (
     cheapest_keeping,
-    has_source_answers,
     ladder_from_records,
     measure_ladder_items,
-    measure_source_answer,
     perfect_probe_outcome,
     record_costs,
     replay_ladder,
     strategy_key,
+)
+from hf_kvmap.calibration.ladder_remeasure import (
+    has_source_answers,
+    measure_source_answer,
     with_source_answers,
 )
 from hf_kvmap.cli import main as cli
@@ -467,19 +469,24 @@ def test_a_perfect_probe_serves_each_request_its_cheapest_rung_that_keeps_the_an
     assert records[0]["seconds"]["probe"] == {"drafts": 0.2}  # the records are not touched
 
 
-def test_replaying_records_is_what_the_handoff_serves(ladder_family):
-    source, target, mapper, tokenizer, items = ladder_family
-    records = measure_ladder_items(
+def _measured(family, strategies, fractions):
+    source, target, mapper, tokenizer, items = family
+    return measure_ladder_items(
         source,
         target,
         mapper,
         tokenizer,
         items,
         probes=["draft_agreement:2"],
-        strategies=["tail", "source_attention"],
-        fractions=[0.2, 0.5],
+        strategies=strategies,
+        fractions=fractions,
         progress=False,
     )
+
+
+def test_replaying_records_is_what_the_handoff_serves(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    records = _measured(ladder_family, ["tail", "source_attention"], [0.2, 0.5])
     assert [r["task"] for r in records] == [i.task for i in items]
     for record in records:  # the mapped cache is measured once and shared by both strategies
         assert set(record["answers"]) == {"tail", "source_attention:last_tokens=16"}
@@ -547,17 +554,7 @@ def test_replaying_records_is_what_the_handoff_serves(ladder_family):
 
 def test_records_hold_the_sources_own_answer_and_old_records_get_the_same(ladder_family):
     source, target, mapper, tokenizer, items = ladder_family
-    records = measure_ladder_items(
-        source,
-        target,
-        mapper,
-        tokenizer,
-        items,
-        probes=["draft_agreement:2"],
-        strategies=["tail"],
-        fractions=[0.5],
-        progress=False,
-    )
+    records = _measured(ladder_family, ["tail"], [0.5])
     assert has_source_answers(records)
     for item, record in zip(items, records):
         # what not switching serves: the source's own greedy answer from the prompt alone, no cache handed in

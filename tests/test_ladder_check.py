@@ -18,15 +18,18 @@ from hf_kvmap.calibration.ladder import calibrate_ladder, ladder_outcome, refuse
 from hf_kvmap.calibration.ladder_items import (
     ladder_from_records,
     measure_ladder_items,
-    measure_margins,
     parse_probe,
     record_costs,
     replay_ladder,
     strategy_key,
+)
+from hf_kvmap.calibration.ladder_remeasure import (
+    measure_margins,
     with_margins,
 )
 from hf_kvmap.rope import positions_from_attention_mask
 from hf_kvmap.serving import HandoffRefusedError
+from hf_kvmap.serving.forwards import answer_margins
 from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
 from hf_kvmap.serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
 
@@ -70,6 +73,44 @@ def test_answer_margin_is_the_targets_own_and_leaves_the_cache_as_it_was(pair, t
     assert torch.equal(greedy[:, ids.shape[1]], tokens)  # the top-1 token is the first greedy one
     with pytest.raises(ValueError, match="every prompt token but the last"):
         answer_margin(target, cache, ids[:, :-1], mask[:, :-1])
+
+
+def test_answer_margins_read_each_greedy_token_as_generate_scores_it_and_stop_at_the_end(pair, tiny):
+    target = pair[1]
+    ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
+    cache = target_prefill(target, ids, mask)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    seconds = []
+    margins, tokens, answered = answer_margins(target, cache, ids, mask, tokens=4, step_seconds=seconds)
+    # each step's margin is the one generate's own scores give at that step, and its token generate's
+    probabilities = tiny.greedy_probabilities(target, ids, mask, new=4)
+    top = probabilities.topk(2, dim=-1).values
+    assert torch.allclose(margins, top[..., 0] - top[..., 1], atol=TOL)
+    greedy = tiny.greedy(target, ids, mask, new=4)[:, ids.shape[1] :]
+    assert torch.equal(tokens, greedy) and answered.all() and len(seconds) == 4
+    assert cache.get_seq_length() == ids.shape[1] - 1  # cropped back by every step it ran
+    for (keys, values), layer in zip(before, cache.layers):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+    # the check of k tokens reads the smallest margin; tokens=1 is the first token's alone
+    assert torch.allclose(answer_margin(target, cache, ids, mask, tokens=4), margins.min(dim=1).values)
+    assert torch.allclose(answer_margin(target, cache, ids, mask), margins[:, 0])
+    # a row's answer ends at its first end token: its later steps are not read, and once every row has ended the
+    # check stops decoding
+    row, step = 1, 1
+    stop = [int(tokens[row, step])]
+    ended_margins, ended_tokens, ended = answer_margins(target, cache, ids, mask, tokens=4, eos_token_ids=stop)
+    first_stop = [next((j for j in range(4) if int(tokens[r, j]) == stop[0]), 4) for r in range(3)]
+    assert ended.tolist() == [[j <= first_stop[r] for j in range(ended.shape[1])] for r in range(3)]
+    assert torch.allclose(ended_margins, margins[:, : ended.shape[1]], atol=TOL)
+    expected = torch.stack([margins[r, : first_stop[r] + 1].min() for r in range(3)])
+    assert torch.allclose(answer_margin(target, cache, ids, mask, tokens=4, eos_token_ids=stop), expected, atol=TOL)
+    everyone = [int(t) for t in tokens[:, 0]]  # every row's first token ends it: one step, as tokens=1
+    one = answer_margins(target, cache, ids, mask, tokens=4, eos_token_ids=everyone)[0]
+    assert one.shape == (3, 1) and torch.allclose(one[:, 0], margins[:, 0], atol=TOL)
+    assert cache.get_seq_length() == ids.shape[1] - 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="tokens"):
+            answer_margins(target, cache, ids, mask, tokens=bad)
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -162,6 +203,53 @@ def test_a_ladder_keeps_its_check_through_its_settings():
     for bad in (-0.1, 1.5, True, "0.2", float("nan")):
         with pytest.raises(ValueError, match="min_margin"):
             GuardLadder(PROBE, "tail", [], min_margin=bad)
+
+
+def test_a_check_over_more_tokens_keeps_its_count_and_needs_a_margin():
+    ladder = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)], min_margin=0.25, check_tokens=4)
+    assert ladder.to_dict()["check_tokens"] == 4 and GuardLadder.from_dict(ladder.to_dict()) == ladder
+    one = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)], min_margin=0.25)
+    assert "check_tokens" not in one.to_dict()  # a first-token check's settings (and hash) are as they were
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="check_tokens"):
+            GuardLadder(PROBE, "tail", [], min_margin=0.25, check_tokens=bad)
+    with pytest.raises(ValueError, match="min_margin is None"):
+        GuardLadder(PROBE, "tail", [], check_tokens=4)
+
+
+def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(pair, tiny):
+    source, target, mapper = pair
+    ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
+    rungs = [LadderRung(max_risk=max(_scores(pair, ids, mask)) + 1.0, fraction=0.3)]
+    context = prepare_context(source, target, mapper, ids, mask, None, 1)
+    serve_rows(context, [0.3] * 3, "tail")
+    first = answer_margin(target, context.cache, ids, mask).tolist()
+    over = answer_margin(target, context.cache, ids, mask, tokens=4, eos_token_ids=_eos(target)).tolist()
+    assert all(o <= f + TOL for o, f in zip(over, first))  # the smallest over four tokens, the first among them
+    low = min(range(3), key=lambda i: over[i])
+    between = (over[low] + min(over[i] for i in range(3) if i != low)) / 2
+    ladder = GuardLadder(PROBE, "tail", rungs, min_margin=between, check_tokens=4)
+    cache, report = handoff(source, target, mapper, ids, attention_mask=mask, ladder=ladder, audit_tokens=0)
+    rows = report.ladder["rows"]
+    assert report.ladder["check_tokens"] == 4
+    assert [row["margin"] for row in rows] == pytest.approx(over, abs=TOL)
+    assert [row["rung"] == FALLBACK for row in rows] == [i == low for i in range(3)]
+    assert torch.equal(
+        tiny.greedy(target, ids[low : low + 1], mask[low : low + 1], cache=_rows(cache, [low])),
+        tiny.greedy(target, ids[low : low + 1], mask[low : low + 1]),
+    )
+    # here the row whose answer wavers latest takes its first token the most surely: a check of the first token at
+    # the same margin serves every row
+    assert first[low] == max(first) and min(first) > between
+    _, report = handoff(
+        source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, between), audit_tokens=0
+    )
+    assert [row["rung"] for row in report.ladder["rows"]] == ["repair:0.3"] * 3
+
+
+def _eos(model):
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -329,6 +417,55 @@ def test_a_checked_ladder_replayed_on_records_is_what_the_handoff_serves(ladder_
                 own = target.generate(ids, **cache_kwargs(target_prefill(target, ids)), max_new_tokens=3)
                 assert torch.equal(target.generate(ids, **cache_kwargs(cache), max_new_tokens=3), own)
     assert replayed["checked_fallback"] == pytest.approx(sent_back / len(records))
+
+
+def test_records_hold_every_answer_tokens_margin_and_a_check_over_k_tokens_replays_as_served(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    records = _measure(ladder_family, ["tail"], [0.5])
+    for item, record in zip(items, records):
+        expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
+        for f, outcome in record["answers"]["tail"].items():
+            assert outcome["margins"][0] == outcome["margin"] and 1 <= len(outcome["margins"]) <= len(expected)
+            assert len(record["seconds"]["check_steps"]["tail"][f]) == len(outcome["margins"])
+    # records of before get every token's margin served again, the same as measured now
+    old = copy.deepcopy(records)
+    for record in old:
+        for outcome in record["answers"]["tail"].values():
+            outcome.pop("margins", None)
+        del record["seconds"]["check_steps"]
+    with pytest.raises(ValueError, match="--token-margins"):
+        ladder_from_records(old, check=[0.5], check_tokens=[2])
+    assert "over 2 tokens" not in " ".join(ladder_from_records(old, check=[0.5]).calibration["candidates"])
+    measured = [measure_margins(source, target, mapper, tokenizer, i, r, tokens=True) for i, r in zip(items, old)]
+    for mine, theirs in zip(with_margins(old, measured), records):
+        for f, outcome in theirs["answers"]["tail"].items():
+            assert mine["answers"]["tail"][f]["margins"] == pytest.approx(outcome["margins"], abs=TOL)
+    # the calibration tries every check length; a ladder checking two tokens replays as the handoff serves it
+    checked = ladder_from_records(records, max_changed=0.0, check=[0.2, 0.6])
+    assert "draft_agreement:2 tail check>=0.2 over 2 tokens" in checked.calibration["candidates"]
+    assert replay_ladder(checked, records) == checked.calibration["outcome"]
+    two = [min(o["margins"][:2]) for r in records for o in r["answers"]["tail"].values()]
+    min_margin = sorted(two)[len(two) // 2]
+    ladder = GuardLadder(
+        {"name": "draft_agreement", "tokens": 2},
+        "tail",
+        [LadderRung(max_risk=0.5, fraction=0.0), LadderRung(max_risk=1.5, fraction=0.5)],
+        min_margin=min_margin,
+        check_tokens=2,
+    )
+    sent_back = 0
+    for item, record in zip(items, records):
+        ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
+        _, report = handoff(source, target, mapper, ids, ladder=ladder, audit_tokens=0)
+        planned = ladder.fraction_for(record["risks"]["draft_agreement:2"])
+        if planned is not None:
+            measured_margin = min(record["answers"]["tail"][f"{planned:g}"]["margins"][:2])
+            row = report.ladder["rows"][0]
+            assert row["margin"] == pytest.approx(measured_margin, abs=TOL)
+            assert (row["rung"] == FALLBACK) == (measured_margin < min_margin)
+            sent_back += row["rung"] == FALLBACK
+    assert replay_ladder(ladder, records)["checked_fallback"] == pytest.approx(sent_back / len(records))
+    assert 0 < sent_back < len(records)
 
 
 def test_the_cli_calibrates_a_check_with_the_ladder(tmp_path, capsys):

@@ -138,6 +138,7 @@ def calibrate_ladder(
     provenance: dict[str, Any] | None = None,
     margins: dict[float, Sequence[float]] | None = None,
     min_margin: float | None = None,
+    check_tokens: int = 1,
 ) -> GuardLadder:
     r"""
     The cheapest ladder on measured items whose served changed answers stay within `max_changed` in every group.
@@ -172,6 +173,8 @@ def calibrate_ladder(
         min_margin (`float`, *optional*): the ladder checks each served item after its rung, and one whose margin is
             below this falls back ([`refused_by_check`]): it serves no changed answer and costs its rung plus a
             prefill. `costs` should count the check in each rung. The rungs are chosen for this check.
+        check_tokens (`int`, *optional*, defaults to 1): the answer tokens the check reads (`GuardLadder.check_tokens`);
+            `margins` and `costs` should be those of a check of that many tokens.
 
     Returns:
         A [`GuardLadder`] whose `calibration` holds the budget, the costs and `ladder_outcome` on these items.
@@ -201,7 +204,7 @@ def calibrate_ladder(
             raise ValueError(
                 "min_margin checks each rung's answer margin: pass margins with one value per item for every measured "
                 "fraction (records measured before margins were recorded get them from "
-                "`ladder_items.measure_margins`)."
+                "`ladder_remeasure.measure_margins`)."
             )
         refused = refused_by_check(margins, min_margin)
     # the changed answers the budget counts: those served (a check sends some back, which changes none)
@@ -269,9 +272,17 @@ def calibrate_ladder(
         "costs": {("fallback" if k == FALLBACK else f"{k:g}"): v for k, v in costs.items()},
         "outcome": ladder_outcome(assigned, changed, costs, groups, refused),
         **({"min_margin": min_margin} if min_margin is not None else {}),
+        **({"check_tokens": check_tokens} if check_tokens != 1 else {}),
         **(provenance or {}),
     }
-    return GuardLadder(probe=probe, strategy=strategy, rungs=rungs, calibration=calibration, min_margin=min_margin)
+    return GuardLadder(
+        probe=probe,
+        strategy=strategy,
+        rungs=rungs,
+        calibration=calibration,
+        min_margin=min_margin,
+        check_tokens=check_tokens,
+    )
 
 
 __all__ = [

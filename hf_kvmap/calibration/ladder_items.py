@@ -29,9 +29,11 @@ from tqdm.auto import tqdm
 
 from .._compat import cache_kwargs, output_cache
 from ..drafting import Draft
+from ..input_checks import eos_token_ids
 from ..repair import selector_from_dict
+from ..serving.forwards import answer_margins
 from ..serving.ladder import FALLBACK, GuardLadder
-from ..serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
+from ..serving.pipeline import prepare_context, serve_rows, target_prefill
 from ..serving.probes import Probe, probe_from_dict
 from .ladder import calibrate_ladder, ladder_outcome, refused_by_check
 
@@ -95,7 +97,7 @@ def _greedy(target, ids, cache, steps: int, pad: int | None) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-def _source_answer(source, ids, source_cache, steps: int, pad: int | None) -> list[int]:
+def source_greedy_answer(source, ids, source_cache, steps: int, pad: int | None) -> list[int]:
     """The source's own greedy answer, as if no switch happened: its cache of the whole prompt (the one the mapping
     reads, left as it is) copied and cut back by the last token, which runs as the first step of its generation."""
     cache = copy.deepcopy(source_cache)
@@ -129,7 +131,7 @@ def measure_item(
     prefill = time.perf_counter() - start
     reference = _greedy(target, ids, own, len(expected), pad)
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
-    source_answer = _source_answer(source, ids, source_cache, len(expected), pad)
+    source_answer = source_greedy_answer(source, ids, source_cache, len(expected), pad)
     start = time.perf_counter()
     context = prepare_context(source, target, mapper, ids, None, source_cache, probes[0].hold_back)
     mapping = time.perf_counter() - start
@@ -142,14 +144,16 @@ def measure_item(
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
+    eos = eos_token_ids(target)
+    check_steps: dict[str, dict[str, list[float]]] = {}
+
     def serve(strategy, fraction):
-        served, seconds, steps = _serve_rung(context, strategy, fraction)
-        start = time.perf_counter()
-        margin = float(answer_margin(target, served.cache, ids)[0])
-        verify = time.perf_counter() - start
+        served, seconds, steps = serve_rung(context, strategy, fraction)
+        margins, timed, _ = check_margins(target, served.cache, ids, len(expected), eos)
+        check_steps.setdefault(strategy_key(strategy), {})[f"{fraction:g}"] = timed
         answer = _greedy(target, ids, served.cache, len(expected), pad)
-        outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margin}
-        return outcome, seconds, steps, verify
+        outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
+        return {**outcome, "margins": margins}, seconds, steps, timed[0]
 
     mapped, mapped_seconds, _, mapped_verify = serve(strategies[0], 0.0)
     answers, repair_seconds, draft_steps, verify_seconds, settings = {}, {}, {}, {}, {}
@@ -183,11 +187,24 @@ def measure_item(
             "probe_source_steps": probe_steps,
             "repair_draft_steps": draft_steps,
             "verify": verify_seconds,
+            "check_steps": {
+                key: {"0": check_steps[strategy_key(strategies[0])]["0"], **check_steps.get(key, {})}
+                for key in answers
+            },
         },
     }
 
 
-def _serve_rung(context, strategy, fraction: float):
+def check_margins(target, cache, ids, steps: int, eos: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
+    """The margins a check after the rung reads on a served cache (one row), token by token over the greedy answer
+    (at most `steps`, to its first `eos` token), each step's seconds and the greedy tokens: what a check of any number
+    of tokens would read and pay ([`~hf_kvmap.serving.forwards.answer_margins`], as serving runs it)."""
+    timed: list[float] = []
+    margins, tokens, answered = answer_margins(target, cache, ids, tokens=steps, eos_token_ids=eos, step_seconds=timed)
+    return [float(m) for m in margins[0][answered[0]]], timed, tokens[0][answered[0]].tolist()
+
+
+def serve_rung(context, strategy, fraction: float):
     """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it: the served context, the
     seconds it took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a
     strategy that drafts decodes it here and its steps are timed one by one)."""
@@ -198,84 +215,6 @@ def _serve_rung(context, strategy, fraction: float):
     start = time.perf_counter()
     serve_rows(served, [fraction], strategy)
     return served, time.perf_counter() - start, draft.step_seconds
-
-
-@torch.no_grad()
-def measure_margins(source, target, mapper, tokenizer, item: LadderItem, record: dict[str, Any]) -> dict[str, Any]:
-    """The answer margins of a record measured before records held them: `item`'s rungs served again as
-    [`measure_item`] served them (its probes' hold-back, every strategy and fraction of `record`), and on each the
-    target's [`answer_margin`]. Returns `{"prompt_sha256", "margins": {strategy: {fraction: margin}}, "verify":
-    {strategy: {fraction: seconds}}, "first_agrees": {...}}` for [`with_margins`]; `first_agrees` says whether the
-    served cache's first greedy token is the one the record implies (the reference's first token where the record's
-    answer is unchanged), a check that the rung was served again as measured."""
-    sha = hashlib.sha256(item.prompt.encode()).hexdigest()
-    if record.get("prompt_sha256") != sha:
-        raise ValueError("The record is of another prompt than this item; pass the records in the items' order.")
-    ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
-    hold_back = parse_probe(next(iter(record["risks"]))).hold_back
-    source_cache = output_cache(source(input_ids=ids, use_cache=True))
-    context = prepare_context(source, target, mapper, ids, None, source_cache, hold_back)
-    margins, verify, agrees = {}, {}, {}
-    for key, answers in record["answers"].items():
-        margins[key], verify[key], agrees[key] = {}, {}, {}
-        for f in answers:
-            served, _, _ = _serve_rung(context, record["strategies"][key], float(f))
-            start = time.perf_counter()
-            margin, token = answer_margin(target, served.cache, ids, return_tokens=True)
-            verify[key][f] = time.perf_counter() - start
-            margins[key][f] = float(margin[0])
-            agrees[key][f] = answers[f]["changed"] or int(token[0]) == record["reference"][0]
-    return {"prompt_sha256": sha, "margins": margins, "verify": verify, "first_agrees": agrees}
-
-
-def with_margins(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
-    """`records` with the margins of [`measure_margins`] put where [`measure_item`] now writes them (`margin` in every
-    rung's answer, `seconds["verify"]`); records without a measurement are returned as they are."""
-    by_sha = {m["prompt_sha256"]: m for m in measured}
-    out = []
-    for record in records:
-        found = by_sha.get(record.get("prompt_sha256"))
-        if found is None:
-            out.append(record)
-            continue
-        answers = {
-            key: {f: {**outcome, "margin": found["margins"][key][f]} for f, outcome in rungs.items()}
-            for key, rungs in record["answers"].items()
-        }
-        out.append({**record, "answers": answers, "seconds": {**record["seconds"], "verify": found["verify"]}})
-    return out
-
-
-@torch.no_grad()
-def measure_source_answer(source, tokenizer, item: LadderItem, record: dict[str, Any]) -> dict[str, Any]:
-    """The source's own answer for a record measured before records held it, as [`measure_item`] now measures it
-    (the same prefill, cut back by one token, and greedy steps). Returns `{"prompt_sha256", "source_answer",
-    "correct_source"}` for [`with_source_answers`]."""
-    sha = hashlib.sha256(item.prompt.encode()).hexdigest()
-    if record.get("prompt_sha256") != sha:
-        raise ValueError("The record is of another prompt than this item; pass the records in the items' order.")
-    ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
-    expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
-    source_cache = output_cache(source(input_ids=ids, use_cache=True))
-    answer = _source_answer(source, ids, source_cache, len(expected), tokenizer.pad_token_id)
-    return {"prompt_sha256": sha, "source_answer": answer, "correct_source": answer == expected}
-
-
-def with_source_answers(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
-    """`records` with the source's answers of [`measure_source_answer`] put where [`measure_item`] now writes them;
-    records without a measurement are returned as they are."""
-    by_sha = {m["prompt_sha256"]: m for m in measured}
-    return [
-        {**record, "source_answer": found["source_answer"], "correct_source": found["correct_source"]}
-        if (found := by_sha.get(record.get("prompt_sha256"))) is not None
-        else record
-        for record in records
-    ]
-
-
-def has_source_answers(records: Sequence[dict]) -> bool:
-    """Whether every record holds the source's own answer (`correct_source`), so the gap a rung recovers can be told."""
-    return bool(records) and all("correct_source" in record for record in records)
 
 
 def measure_ladder_items(
@@ -361,29 +300,46 @@ def measure_ladder_items(
 CHECK_MARGINS = tuple(round(0.05 * i, 2) for i in range(1, 20))
 
 
-def has_margins(record: dict) -> bool:
-    """Whether a record holds the answer margin of every rung it measured (what a check after the rung reads)."""
-    return all("margin" in outcome for rungs in record["answers"].values() for outcome in rungs.values())
+#: the numbers of answer tokens a check is calibrated over where the records hold every answer token's margin
+CHECK_TOKENS = (1, 2, 4, 8)
 
 
-def _need_margins(records: Sequence[dict]) -> None:
-    if not all(has_margins(record) for record in records):
+def has_margins(record: dict, tokens: int = 1) -> bool:
+    """Whether a record holds the answer margin of every rung it measured (what a check after the rung reads): of the
+    first answer token, or with `tokens` > 1 of every answer token (`margins`) and each check step's seconds."""
+    key = "margin" if tokens == 1 else "margins"
+    held = all(key in outcome for rungs in record["answers"].values() for outcome in rungs.values())
+    return held and (tokens == 1 or "check_steps" in record["seconds"])
+
+
+def _need_margins(records: Sequence[dict], tokens: int = 1) -> None:
+    if not all(has_margins(record, tokens) for record in records):
+        what = "answer margins" if tokens == 1 else "margins of every answer token"
         raise ValueError(
-            "A ladder that checks each rung's answer margin needs the margins in every record; these records were "
-            "measured before margins were recorded: measure them with `ladder_items.measure_margins` (`python -m "
-            "benchmarks.guard_ladder ... --margins`)."
+            f"A ladder that checks {tokens} answer token(s) after each rung needs the {what} in every record; these "
+            "records were measured before they were recorded: measure them with `ladder_remeasure.measure_margins` "
+            f"(`python -m benchmarks.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
         )
 
 
-def record_costs(records: Sequence[dict], key: str, strategy: str, check: bool = False) -> dict[float | str, float]:
+def record_margin(outcome: dict, tokens: int = 1) -> float:
+    """The margin a check of `tokens` answer tokens reads in one rung's outcome: its smallest over them (an answer
+    that ended sooner, over all of it)."""
+    return float(outcome["margin"]) if tokens == 1 else min(float(m) for m in outcome["margins"][:tokens])
+
+
+def record_costs(
+    records: Sequence[dict], key: str, strategy: str, check: bool = False, check_tokens: int = 1
+) -> dict[float | str, float]:
     """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
     probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
     fallback. A repair that continues the probe's source draft does not pay again for the steps the probe decoded:
     the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full).
-    With `check`, every rung but the fallback also pays the check after it (the answer margin's token)."""
+    With `check`, every rung but the fallback also pays the check after it (the answer margin's token, or the steps
+    of a check of `check_tokens` tokens)."""
     fractions = sorted(float(f) for f in records[0]["answers"][strategy])
     if check:
-        _need_margins(records)
+        _need_margins(records, check_tokens)
     sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
     for record in records:
         seconds = record["seconds"]
@@ -392,18 +348,21 @@ def record_costs(records: Sequence[dict], key: str, strategy: str, check: bool =
         for f in fractions:
             steps = seconds.get("repair_draft_steps", {}).get(strategy, {}).get(f"{f:g}", [])
             repair = seconds["repair"][strategy][f"{f:g}"] - sum(steps[:shared])
-            if check:
+            if check and check_tokens == 1:
                 repair += seconds["verify"][strategy][f"{f:g}"]
+            elif check:
+                repair += sum(seconds["check_steps"][strategy][f"{f:g}"][:check_tokens])
             sums[f] += base + repair / seconds["prefill"]
         sums[FALLBACK] += base + 1.0
     return {k: v / len(records) for k, v in sums.items()}
 
 
-def record_margins(records: Sequence[dict], strategy: str) -> dict[float, list[float]]:
-    """Per measured fraction of `strategy`, every record's answer margin on its served cache."""
-    _need_margins(records)
+def record_margins(records: Sequence[dict], strategy: str, tokens: int = 1) -> dict[float, list[float]]:
+    """Per measured fraction of `strategy`, every record's answer margin on its served cache ([`record_margin`] over
+    `tokens` answer tokens)."""
+    _need_margins(records, tokens)
     fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    return {f: [float(r["answers"][strategy][f"{f:g}"]["margin"]) for r in records] for f in fractions}
+    return {f: [record_margin(r["answers"][strategy][f"{f:g}"], tokens) for r in records] for f in fractions}
 
 
 def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
@@ -428,13 +387,16 @@ def ladder_from_records(
     confidence: float | None = None,
     provenance: dict[str, Any] | None = None,
     check: bool | Sequence[float] = False,
+    check_tokens: Sequence[int] | None = None,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
     risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
     and `confidence` as in [`calibrate_ladder`]. With `check` (`True`: the margins of `CHECK_MARGINS`, or a sequence
     of them), the ladder may also check each rung's answer margin: every candidate is calibrated without a check and
-    with each `min_margin`, and the cheapest kept (the records need margins). The costs, changed answers and ladders of
-    every candidate are kept in `calibration["candidates"]`."""
+    with each `min_margin`, and the cheapest kept (the records need margins), over checks of each number of answer
+    tokens of `check_tokens` (default: `CHECK_TOKENS` where every record holds every answer token's margin, else the
+    first token alone). The costs, changed answers and ladders of every candidate are kept in
+    `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
@@ -442,37 +404,46 @@ def ladder_from_records(
         [strategy_key(strategy)] if strategy is not None else None, sorted(records[0]["answers"]), "strategies"
     )
     margins_checked = [] if check is False else list(CHECK_MARGINS if check is True else check)
+    if check_tokens is None:
+        check_tokens = CHECK_TOKENS if margins_checked and all(has_margins(r, 2) for r in records) else (1,)
+    if not margins_checked:
+        check_tokens = ()
     best, candidates = None, {}
     groups = [r["task"] for r in records]
     for key in probes:
         risks = [r["risks"][key] for r in records]
         for name in strategies:
             changed = _changed(records, name)
-            costs = {False: record_costs(records, key, name)}
-            if margins_checked:  # the same for every margin tried
-                costs[True], margins = record_costs(records, key, name, check=True), record_margins(records, name)
-            for min_margin in [None, *margins_checked]:
-                checked = min_margin is not None
+            costs, margins = {None: record_costs(records, key, name)}, {}
+            for tokens in check_tokens:  # the same for every margin tried
+                costs[tokens] = record_costs(records, key, name, check=True, check_tokens=tokens)
+                margins[tokens] = record_margins(records, name, tokens)
+            tries = [(None, None)] + [(m, k) for k in check_tokens for m in margins_checked]
+            for min_margin, tokens in tries:
                 ladder = calibrate_ladder(
                     risks,
                     changed,
-                    costs[checked],
+                    costs[tokens],
                     probe=parse_probe(key).settings(),
                     strategy=records[0]["strategies"][name],
                     groups=groups,
                     max_changed=max_changed,
                     confidence=confidence,
                     provenance=provenance,
-                    margins=margins if checked else None,
+                    margins=margins.get(tokens),
                     min_margin=min_margin,
+                    check_tokens=tokens or 1,
                 )
                 outcome = ladder.calibration["outcome"]
-                label = f"{key} {name}" + ("" if min_margin is None else f" check>={min_margin:g}")
+                label = f"{key} {name}"
+                if min_margin is not None:
+                    label += f" check>={min_margin:g}" + (f" over {tokens} tokens" if tokens > 1 else "")
                 candidates[label] = {
                     "mean_cost": outcome["mean_cost"],
                     "changed_served": outcome["changed_served"],
                     "rungs": ladder.to_dict()["rungs"],
                     **({"min_margin": min_margin} if min_margin is not None else {}),
+                    **({"check_tokens": tokens} if tokens and tokens > 1 else {}),
                 }
                 if best is None or outcome["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
                     best = ladder
@@ -498,13 +469,13 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
             f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
         )
     plan = ladder.plan([r["risks"][key] for r in records])
-    checked = ladder.min_margin is not None
+    checked, tokens = ladder.min_margin is not None, ladder.check_tokens
     return ladder_outcome(
         plan,
         _changed(records, name),
-        record_costs(records, key, name, check=checked),
+        record_costs(records, key, name, check=checked, check_tokens=tokens),
         [r["task"] for r in records],
-        refused_by_check(record_margins(records, name), ladder.min_margin) if checked else None,
+        refused_by_check(record_margins(records, name, tokens), ladder.min_margin) if checked else None,
     )
 
 
@@ -546,23 +517,21 @@ def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str |
 
 __all__ = [
     "CHECK_MARGINS",
+    "CHECK_TOKENS",
     "LadderItem",
     "cheapest_keeping",
+    "check_margins",
     "has_margins",
-    "has_source_answers",
     "items_from_tasks",
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
-    "measure_margins",
-    "measure_source_answer",
     "parse_probe",
     "perfect_probe_outcome",
     "probe_key",
     "record_costs",
+    "record_margin",
     "record_margins",
     "replay_ladder",
     "strategy_key",
-    "with_margins",
-    "with_source_answers",
 ]

@@ -62,8 +62,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="also calibrate a check after the rung: a served request whose first answer token the target takes "
-        "with a probability margin below the calibrated one falls back (kept where it is cheaper than no check)",
+        help="also calibrate a check after the rung: a served request whose first answer tokens (1, 2, 4 or 8 of "
+        "them, calibrated) the target takes with a probability margin below the calibrated one falls back (kept "
+        "where it is cheaper than no check)",
     )
     parser.add_argument(
         "--dtype",
@@ -230,8 +231,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
     print("  above: the target's own prefill")
     if ladder.min_margin is not None:
+        read = (
+            "a first answer token" if ladder.check_tokens == 1 else f"an answer's first {ladder.check_tokens} tokens"
+        )
         print(
-            f"  then the check: a first answer token taken with a margin below {ladder.min_margin:g} falls back "
+            f"  then the check: {read} taken with a margin below {ladder.min_margin:g} falls back "
             f"({outcome['checked_fallback']:.0%} of the items)"
         )
     for task, row in outcome["per_group"].items():

@@ -1,9 +1,12 @@
 """The target's forwards the serving stages run on a cache: its own prefill of a prompt ([`target_prefill`]), a span
-of tokens on a cache ([`run_tokens`]), and its confidence in its first answer token on a served cache
-([`answer_margin`], what a ladder's check after the rung reads). `hf_kvmap.serving.pipeline` and `HandoffSession`
-both call them."""
+of tokens on a cache ([`run_tokens`]), and its confidence in its first answer tokens on a served cache
+([`answer_margin`], what a ladder's check after the rung reads; [`answer_margins`], step by step).
+`hf_kvmap.serving.pipeline` and `HandoffSession` both call them."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -47,6 +50,59 @@ def run_tokens(
 
 
 @torch.no_grad()
+def answer_margins(
+    target,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    tokens: int = 1,
+    eos_token_ids: Sequence[int] = (),
+    step_seconds: list[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's confidence in each of its first `tokens` greedy answer tokens on `cache` (its served cache of
+    every prompt token but the last): the last prompt token runs on the cache, then each greedy token in turn, and
+    each step's top-1 minus top-2 probability of the next token is kept. Returns `(margins, tokens, answered)`, each
+    `(batch, steps)`: the margins in `[0, 1]`, the greedy tokens (what `generate` decodes first), and whether a step
+    is part of its row's answer (a row's first token of `eos_token_ids` ends it; its later steps are not). Decoding
+    stops after `tokens` steps or once every row has ended. The cache is cropped back to the prompt but the last
+    token, as it was. With `step_seconds`, each step's seconds are appended to it."""
+    length = input_ids.shape[1]
+    if cache.get_seq_length() != length - 1:
+        raise ValueError(
+            f"answer_margin reads a cache of every prompt token but the last ({length - 1}); this one holds "
+            f"{cache.get_seq_length()}."
+        )
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"answer_margin tokens={tokens!r}: the check reads at least one answer token (an int >= 1).")
+    if attention_mask is not None and position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=input_ids.dtype, device=input_ids.device)
+    margins, chosen, answered = [], [], []
+    ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    ids, mask, positions, start = input_ids, attention_mask, position_ids, length - 1
+    while True:
+        began = time.perf_counter()
+        logits = run_tokens(target, cache, ids, start, start + 1, mask, positions)
+        top = torch.softmax(logits[:, -1].float(), dim=-1).topk(2, dim=-1)
+        margins.append(top.values[:, 0] - top.values[:, 1])
+        chosen.append(top.indices[:, 0])
+        answered.append(~ended)
+        ended = ended | torch.isin(chosen[-1], eos)
+        if step_seconds is not None:
+            step_seconds.append(time.perf_counter() - began)
+        if len(chosen) == tokens or bool(ended.all()):
+            break
+        ids, start = torch.cat([ids, chosen[-1][:, None].to(ids.dtype)], dim=1), start + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+    cache.crop(-len(chosen))
+    return torch.stack(margins, 1), torch.stack(chosen, 1), torch.stack(answered, 1)
+
+
+@torch.no_grad()
 def answer_margin(
     target,
     cache: Cache,
@@ -55,25 +111,20 @@ def answer_margin(
     position_ids: torch.Tensor | None = None,
     *,
     return_tokens: bool = False,
+    tokens: int = 1,
+    eos_token_ids: Sequence[int] = (),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The target's confidence in its first answer token on `cache` (its served cache of every prompt token but the
-    last): the last token runs on the cache, and each row's top-1 minus top-2 probability of the next token is
-    returned `(batch,)`, in `[0, 1]` (with `return_tokens`, also each row's top-1 token: the first token greedy
-    decoding gives). The cache is cropped back to the prompt but the last token, as it was; the run is the one
-    `generate` would start with, so the check costs a single token."""
-    length = input_ids.shape[1]
-    if cache.get_seq_length() != length - 1:
-        raise ValueError(
-            f"answer_margin reads a cache of every prompt token but the last ({length - 1}); this one holds "
-            f"{cache.get_seq_length()}."
-        )
-    if attention_mask is not None and position_ids is None:
-        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
-    logits = run_tokens(target, cache, input_ids, length - 1, length, attention_mask, position_ids)
-    cache.crop(-1)
-    top = torch.softmax(logits[:, -1].float(), dim=-1).topk(2, dim=-1)
-    margin = top.values[:, 0] - top.values[:, 1]
-    return (margin, top.indices[:, 0]) if return_tokens else margin
+    """The target's confidence in its answer on `cache` (its served cache of every prompt token but the last), what
+    a ladder's check after the rung reads: each row's smallest top-1 minus top-2 probability over its first `tokens`
+    greedy answer tokens ([`answer_margins`]; a row's first token of `eos_token_ids` ends its answer), `(batch,)` in
+    `[0, 1]` (with `return_tokens`, also each row's first greedy token). With `tokens=1` the run is the one
+    `generate` would start with, so the check costs a single token; each further token costs a decoding step. The
+    cache is cropped back as it was."""
+    margins, chosen, answered = answer_margins(
+        target, cache, input_ids, attention_mask, position_ids, tokens=tokens, eos_token_ids=eos_token_ids
+    )
+    margin = margins.masked_fill(~answered, float("inf")).min(dim=1).values
+    return (margin, chosen[:, 0]) if return_tokens else margin
 
 
-__all__ = ["answer_margin", "run_tokens", "target_prefill"]
+__all__ = ["answer_margin", "answer_margins", "run_tokens", "target_prefill"]

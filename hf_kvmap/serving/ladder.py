@@ -14,7 +14,9 @@ A row whose risk is at most the first rung's `max_risk` gets that rung's repair 
 is), and so on up the rungs; a risk above the last rung's `max_risk` falls back. A ladder with a `min_margin` checks
 every row it served after its rung: the target runs the prompt's last token on the served cache (the run `generate`
 starts with), and a row whose first answer token's probability margin (top-1 minus top-2) is below `min_margin` falls
-back after all. A probe guesses before the repair how a row will fare; the check reads the repaired cache itself. The serving pipeline
+back after all (with `check_tokens=k`, its smallest margin over its first `k` greedy answer tokens: an answer whose
+first token is certain but whose later ones waver). A probe guesses before the repair how a row will fare; the check
+reads the repaired cache itself. The serving pipeline
 (`hf_kvmap.serving.pipeline.serve_rows`) gives each row its rung; `hf_kvmap.calibration.ladder.calibrate_ladder`
 chooses the rungs on measured items (`hf-kvmap calibrate-ladder` measures them, `hf_kvmap.calibration.ladder_items`):
 the cheapest ladder whose changed answers stay within a budget on every task.
@@ -77,6 +79,9 @@ class GuardLadder:
         min_margin (`float`, *optional*): the check after the rung, in `[0, 1]`: a served row whose first answer token
             the target takes with a margin below it falls back (`hf_kvmap.serving.forwards.answer_margin`); `None`
             (the default) checks nothing.
+        check_tokens (`int`, *optional*, defaults to 1): how many greedy answer tokens the check reads: a row falls
+            back where its smallest margin over them is below `min_margin` (an answer that ends sooner is read to its
+            end). Each token past the first costs the check one decoding step; needs `min_margin`.
 
     Example:
 
@@ -93,8 +98,19 @@ class GuardLadder:
     rungs: list[LadderRung] = field(default_factory=list)
     calibration: dict[str, Any] | None = None
     min_margin: float | None = None
+    check_tokens: int = 1
 
     def __post_init__(self):
+        tokens = self.check_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(
+                f"GuardLadder check_tokens={tokens!r} must be an int >= 1: how many answer tokens the check reads."
+            )
+        if tokens > 1 and self.min_margin is None:
+            raise ValueError(
+                f"GuardLadder check_tokens={tokens} reads answer tokens for a check, but min_margin is None (no "
+                "check); give min_margin, or leave check_tokens at 1."
+            )
         if self.min_margin is not None:
             value = self.min_margin
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
@@ -133,6 +149,8 @@ class GuardLadder:
         }
         if self.min_margin is not None:  # absent otherwise: the settings (and hashes) of ladders without a check hold
             settings["min_margin"] = self.min_margin
+        if self.check_tokens != 1:  # likewise: a check of the first token alone keeps the settings it had
+            settings["check_tokens"] = self.check_tokens
         return settings
 
     @classmethod
@@ -142,11 +160,11 @@ class GuardLadder:
             return settings
         if not isinstance(settings, dict):
             raise TypeError(f"A ladder is a GuardLadder or a dict of its fields; got {type(settings).__name__}.")
-        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration", "min_margin"}
+        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration", "min_margin", "check_tokens"}
         if unknown:
             raise ValueError(
                 f"Unknown ladder settings {sorted(unknown)}; a ladder has probe, strategy, rungs (and optionally "
-                "calibration, min_margin)."
+                "calibration, min_margin, check_tokens)."
             )
         missing = {"probe", "strategy", "rungs"} - set(settings)
         if missing:

@@ -43,7 +43,8 @@ class HandoffReport:
             strategy, budget, positions per row); `None` without `repair=`.
         ladder (`dict`, *optional*): what the guard ladder served each row (`rows`: `rung`, `fraction`, `risk`,
             `recomputed` tokens; with a check after the rung, each served row's `margin`, and `checked`, the rung a
-            row the check sent back had) and the ladder's probe, strategy and `min_margin`; `None` without a ladder.
+            row the check sent back had) and the ladder's probe, strategy, `min_margin` and `check_tokens` (where
+            not 1); `None` without a ladder.
         timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `repair`, `held_back`, `audit`,
             `probe`, `check`, `fallback_prefill`, `total`); a stage that did not run is absent.
     """

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from .._compat import cache_kwargs, output_cache
-from ..input_checks import as_token_row
+from ..input_checks import as_token_row, eos_token_ids
 from ..repair import RepairConfig
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
@@ -295,7 +295,8 @@ class HandoffSession:
             record.timings["repair"] = time.perf_counter() - start_time
         if self.ladder.min_margin is not None:  # the check after the rung, on the cache it served
             start_time = time.perf_counter()
-            record.margin = float(answer_margin(model, cache, ids)[0])
+            tokens, eos = self.ladder.check_tokens, eos_token_ids(model)
+            record.margin = float(answer_margin(model, cache, ids, tokens=tokens, eos_token_ids=eos)[0])
             record.timings["check"] = time.perf_counter() - start_time
             if below_margin(record.margin, self.ladder.min_margin):
                 record.checked, record.rung = record.rung, rung_name(None)

@@ -1,0 +1,75 @@
+"""The measurements kept beside a ladder records file, made after its records were: the answer margins of the first
+token (`<set>.margins.jsonl`), of every answer token (`<set>.token_margins.jsonl`), and the source's own answers
+(`<set>.source.jsonl`), each resumable and merged into the records whenever they are read
+(`hf_kvmap.calibration.ladder_remeasure`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from hf_kvmap.calibration.ladder_items import has_margins
+from hf_kvmap.calibration.ladder_remeasure import (
+    measure_margins,
+    measure_source_answer,
+    with_margins,
+    with_source_answers,
+)
+
+
+def _measure_margins(pair, item, record, tokens: bool = False) -> dict:
+    found = measure_margins(*pair[:4], item, record, tokens=tokens)
+    disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
+    if disagree:
+        print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
+    return found
+
+
+#: what can be measured for records after they were recorded, kept beside them as `<set>.<kind>.jsonl`:
+#: kind -> (whether a record already holds it, the measurement of one item, the merge into the records)
+SIDE_MEASUREMENTS = {
+    "margins": (has_margins, _measure_margins, with_margins),
+    "token_margins": (
+        lambda record: has_margins(record, tokens=2),
+        lambda pair, item, record: _measure_margins(pair, item, record, tokens=True),
+        with_margins,
+    ),
+    "source": (
+        lambda record: "correct_source" in record,
+        lambda pair, item, record: measure_source_answer(pair[0], pair[3], item, record),
+        with_source_answers,
+    ),
+}
+
+
+def side_path(path: Path, kind: str) -> Path:
+    """Where the `kind` measured for the records at `path` after them is kept: `<name>.<kind>.jsonl`."""
+    return path.with_name(path.name.removesuffix(".jsonl") + f".{kind}.jsonl")
+
+
+def read_side(path: Path, kind: str) -> list[dict]:
+    """The `kind` measurements kept beside the records at `path`, or none."""
+    side = side_path(Path(path), kind)
+    return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
+
+
+def with_side_measurements(path: Path, pair, items, records: list[dict], measure: Sequence[str] = ()) -> list[dict]:
+    """`records` with every measurement kept beside them (`SIDE_MEASUREMENTS`: the answer margins, the source's own
+    answer) merged in; for each kind in `measure`, the records that lack it are measured first (`pair` and `items`,
+    the records' items in order; appended to the side file one item at a time, so a stopped run resumes). Without
+    `measure`, `pair` and `items` are not used."""
+    for kind, (holds, measure_one, merge) in SIDE_MEASUREMENTS.items():
+        measured = read_side(path, kind)
+        if kind in measure:
+            have = {m["prompt_sha256"] for m in measured}
+            todo = [(i, r) for i, r in zip(items, records) if not holds(r) and r["prompt_sha256"] not in have]
+            for item, record in tqdm(todo, desc=f"{kind} ({path.name})"):
+                found = measure_one(pair, item, record)
+                measured.append(found)
+                with side_path(path, kind).open("a") as handle:
+                    handle.write(json.dumps(found) + "\n")
+        records = merge(records, measured)
+    return records
