@@ -27,6 +27,7 @@ from . import (
     repair_attention,
     repair_report,
     retention_curve,
+    switch_targets,
     variant_parameters,
 )
 from .formatting import pct
@@ -341,6 +342,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "published-latency": published_latency,
     },
     "docs/switch.md": {
+        "switch-targets": lambda: switch_targets.markdown(
+            _json("long_switch.json"), _json("guard_ladder_long2k.json")
+        ),
         "long-switch": lambda: long_switch_report.markdown(_json("long_switch.json")),
         "long-ladder": _long_ladder,
         "long-ladder-headroom": _long_ladder_headroom,

@@ -204,6 +204,12 @@ def _own_scores(records: list[dict]) -> dict[str, float]:
     return scores
 
 
+def _cost(record: dict, strategy: str, fraction: str) -> float:
+    """A fixed repair's cost on one record, over its own prefill: the mapping and the repair."""
+    seconds = record["seconds"]
+    return (seconds["map"] + seconds["repair"][strategy][fraction]) / seconds["prefill"]
+
+
 def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
     """Every (strategy, fraction) served to every request, no probe: cost, changed answers and accuracy per task."""
     out = {}
@@ -211,14 +217,12 @@ def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
         rows = []
         for fraction in sorted(float(f) for f in records[0]["answers"][strategy]):
             key = f"{fraction:g}"
-            cost = sum(
-                (r["seconds"]["map"] + r["seconds"]["repair"][strategy][key]) / r["seconds"]["prefill"]
-                for r in records
-            ) / len(records)
+            cost = sum(_cost(r, strategy, key) for r in records) / len(records)
             per_task = {}
             for task in sorted({r["task"] for r in records}):
                 mine = [r for r in records if r["task"] == task]
                 per_task[task] = {
+                    "mean_cost": sum(_cost(r, strategy, key) for r in mine) / len(mine),
                     "changed": _share([r["answers"][strategy][key]["changed"] for r in mine]),
                     "accuracy": _share([r["answers"][strategy][key]["correct"] for r in mine]),
                     **_own_scores(mine),

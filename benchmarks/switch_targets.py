@@ -1,0 +1,206 @@
+"""Where the targets of a switch that pays stand: each target the project set for the handoff on the real pair (long
+conversations and documents, HumanEval, the guard ladder at 2K and 4K), the best point the results hold for it, and
+whether it is met, computed from `benchmarks/results/long_switch.json` (`benchmarks.long_switch_report`) and
+`benchmarks/results/guard_ladder_long2k.json` (`benchmarks.guard_ladder`). Rendered into docs/switch.md by
+`python -m benchmarks.docs`; nothing here is typed in but the targets themselves.
+"""
+
+from __future__ import annotations
+
+from hf_kvmap.reporting import gap_recovered
+
+from .formatting import number_text, pct
+
+#: the most a repair may recompute for an answer target (a share of the prompt, refreshes while decoding included)
+MAX_FRACTION = 0.3
+#: retention and share of the source-to-target gap an answer target asks for
+MIN_KEPT = 0.9
+#: the speedup of the first token over the re-prefill asked for, per prompt length
+MIN_SPEEDUP = {2048: 2.5, 4096: 3.0}
+#: the guard ladder's budget of changed answers (held as a 0.95 upper bound) and the mean cost asked for at 2K
+LADDER_CHANGED, LADDER_COST, LADDER_4K_ITEMS = 0.05, 0.5, 48
+HUMANEVAL_PROBLEMS = 164
+
+
+def _kept(arm: dict, beats: bool) -> float:
+    """What an arm keeps of the target's advantage: its retention, and its share of the gap where there is one."""
+    return min(arm["retention"] or 0.0, arm["gap_recovered"] if beats else 1.0)
+
+
+def best_arm(group: dict, min_speedup: float | None = None) -> tuple[str, dict] | None:
+    """The repair of `group` (one task at one length) at most `MAX_FRACTION` recomputed that keeps most of the
+    target's advantage ([`_kept`]), meeting `min_speedup` where it can (ties: the faster); `None` where none was
+    measured."""
+    arms = [
+        (name, arm)
+        for name, arm in group["arms"].items()
+        if name not in ("target", "source") and (arm.get("fraction") or 0.0) <= MAX_FRACTION + 1e-9
+    ]
+    if not arms:
+        return None
+
+    def order(item):
+        arm = item[1]
+        fast = min_speedup is None or (arm.get("speedup") or 0.0) >= min_speedup
+        return (fast, _kept(arm, group["target_beats_source"]), arm.get("speedup") or 0.0)
+
+    return max(arms, key=order)
+
+
+def _point(name: str, arm: dict, beats: bool) -> str:
+    gap = number_text(arm["gap_recovered"]) if beats else "none to recover (target <= source)"
+    speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
+    return f"`{name}`: retention {number_text(arm['retention'])}, gap {gap}, first token {speed}"
+
+
+def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: int = 1234) -> list[tuple[str, ...]]:
+    """The answer targets on the report item set: HumanEval (all problems, bare and behind long code) and the long
+    conversations and documents at 2K and 4K."""
+    rows = []
+    groups = long_switch["results"].get(direction, {})
+    for name, group in sorted(groups.items()):
+        task, rest = name.split("@")
+        length, seed = (int(x) for x in rest.split("#"))
+        if seed != report_seed or not group.get("items") or task == "continuation":
+            continue
+        speedup = None if task == "humaneval" else MIN_SPEEDUP.get(length)
+        found = best_arm(group, speedup)
+        beats = group["target_beats_source"]
+        where = f"{task} @ {group['tokens']} tokens, {group['items']} items"
+        if task == "humaneval":
+            target = (
+                f">= {MIN_KEPT} retention and of the gap at <= {pct(MAX_FRACTION)}, all {HUMANEVAL_PROBLEMS} problems"
+            )
+            where = (
+                f"HumanEval {'bare' if length == 0 else f'behind {length} tokens of code'}, {group['items']} problems"
+            )
+        else:
+            target = f">= {MIN_KEPT} retention and of the gap, first token >= {speedup}x sooner"
+        if found is None:
+            rows.append((target, where, "no repair measured", "not measured"))
+            continue
+        arm_name, arm = found
+        met = _kept(arm, beats) >= MIN_KEPT - 1e-9 and (speedup is None or (arm.get("speedup") or 0.0) >= speedup)
+        if task == "humaneval" and group["items"] < HUMANEVAL_PROBLEMS:
+            verdict = f"not yet: {group['items']} of {HUMANEVAL_PROBLEMS} problems" + ("" if met else ", and missed")
+        elif met and not beats:
+            verdict = "retention met; no gap to recover on these items"
+        else:
+            verdict = "met" if met else "missed"
+        rows.append((target, where, _point(arm_name, arm, beats), verdict))
+    return rows
+
+
+def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
+    """The answer targets again on the guard ladder's larger item sets at the length it was calibrated at: every
+    fixed repair it measured served to every request, per task, with its cost (the mapping and the repair over the
+    item's own prefill, timed side by side; a first token `MIN_SPEEDUP` times sooner is a cost of at most its
+    inverse). Where the records hold the source's answers, the gap too."""
+    rows = []
+    calibrated = long_ladder["run"]["tokens"]
+    for data in long_ladder["directions"].values():
+        if data.get("report_tokens", calibrated) != calibrated:
+            continue
+        for strategy, points in data["fixed_report"].items():
+            for task in sorted(points[0]["tasks"]):
+                best = None
+                for point in points:
+                    result = point["tasks"][task]
+                    if not point["fraction"] or point["fraction"] > MAX_FRACTION + 1e-9 or "mean_cost" not in result:
+                        continue
+                    retention = result["accuracy"] / result["target"] if result["target"] else 0.0
+                    gap = (
+                        gap_recovered(result["accuracy"], result["target"], result["source"])
+                        if "source" in result
+                        else None
+                    )
+                    beats = "source" in result and result["target"] > result["source"]
+                    kept = min(retention, gap if beats else 1.0)
+                    fast = result["mean_cost"] <= 1.0 / MIN_SPEEDUP[calibrated]
+                    candidate = ((fast, kept, -result["mean_cost"]), point["fraction"], retention, gap, result, beats)
+                    if best is None or candidate[0] > best[0]:
+                        best = candidate
+                if best is None:
+                    continue
+                (fast, kept, _), fraction, retention, gap, result, beats = best
+                if "source" not in result:
+                    gap_text, verdict = "not measured (no source answers)", "retention only"
+                else:
+                    gap_text = number_text(gap) if beats else "none to recover (target <= source)"
+                    verdict = "met" if fast and kept >= MIN_KEPT - 1e-9 else "missed"
+                rows.append(
+                    (
+                        f">= {MIN_KEPT} retention and of the gap, cost <= {1.0 / MIN_SPEEDUP[calibrated]:g} of a "
+                        f"prefill (a first token {MIN_SPEEDUP[calibrated]}x sooner)",
+                        f"{task} @ {calibrated} tokens, the ladder's {data['report_items_per_task']} report items",
+                        f"`{strategy.split(':')[0]}@{fraction:g}`: retention {number_text(retention)}, gap {gap_text}, "
+                        f"cost {number_text(result['mean_cost'])}",
+                        verdict,
+                    )
+                )
+    return rows
+
+
+def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
+    """The guard ladder's targets: at the length it was calibrated at, held to the bound, the changed answers served
+    within the budget at a mean cost of at most `LADDER_COST`; and a report set of at least `LADDER_4K_ITEMS` items a
+    task at 4K."""
+    rows = []
+    calibrated = long_ladder["run"]["tokens"]
+    for key, data in long_ladder["directions"].items():
+        if data.get("report_tokens", calibrated) != calibrated:
+            continue
+        items = data["report_items_per_task"]
+        points = []  # (label, worst task's changed answers, mean cost) of each way held to the bound
+        for name, label in (("ladder_confident", "probe only"), ("ladder_checked_confident", "with the check")):
+            if name in data:
+                report = data[name]["report"]
+                worst = max(g["changed_served"] for g in report["per_group"].values())
+                points.append((label, worst, report["mean_cost"]))
+        within = [worst <= LADDER_CHANGED + 1e-9 for _, worst, _ in points]
+        cheap = [cost <= LADDER_COST for _, _, cost in points]
+        if any(a and b for a, b in zip(within, cheap)):
+            verdict = "met"
+        elif any(cheap):
+            verdict = "cost met; changed answers over the budget on the report set"
+        elif any(within):
+            verdict = "changed answers within the budget; cost missed"
+        else:
+            verdict = "missed"
+        reached = "; ".join(
+            f"{label}: cost {number_text(cost)}, worst task {pct(worst, 1)} changed" for label, worst, cost in points
+        )
+        rows.append(
+            (
+                f"ladder at {calibrated} tokens held to the 0.95 bound: <= {pct(LADDER_CHANGED)} changed, mean cost "
+                f"<= {LADDER_COST}",
+                f"{key}, {items} report items a task",
+                reached,
+                verdict,
+            )
+        )
+    at_4k = [d for d in long_ladder["directions"].values() if d.get("report_tokens") == 4096]
+    items = max((d["report_items_per_task"] for d in at_4k), default=0)
+    rows.append(
+        (
+            f"the ladder's frontier at 4K on >= {LADDER_4K_ITEMS} items a task",
+            f"{items} items a task at 4096 tokens" if at_4k else "no 4K report set",
+            "-",
+            "met" if items >= LADDER_4K_ITEMS else "not yet measured",
+        )
+    )
+    return rows
+
+
+def markdown(long_switch: dict, long_ladder: dict) -> str:
+    rows = answer_rows(long_switch) + fixed_rows(long_ladder) + ladder_rows(long_ladder)
+    lines = [
+        "Generated from `benchmarks/results/long_switch.json` and `benchmarks/results/guard_ladder_long2k.json` by "
+        "`benchmarks/switch_targets.py` (0.5b -> 1.5b, report item sets; the best repair at most "
+        f"{pct(MAX_FRACTION)} recomputed for each answer target).",
+        "",
+        "| target | measured on | best point reached | verdict |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    return "\n".join(lines)
