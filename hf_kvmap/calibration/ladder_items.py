@@ -119,10 +119,12 @@ def measure_item(
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `source_answer` and
     `correct_source` (the source's own, what not switching serves), `risks` per probe key,
-    `answers[strategy][f]` (`changed` from the reference, `correct`, and `margin`, the target's
-    [`~hf_kvmap.serving.forwards.answer_margin`] on the served cache, what a ladder's check after the rung reads) per
+    `answers[strategy][f]` (`changed` from the reference, `correct`, `margin`, the target's
+    [`~hf_kvmap.serving.forwards.answer_margin`] on the served cache, what a ladder's check after the rung reads, and
+    `margins`, each greedy answer token's, what a check of more tokens reads: [`check_margins`]) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
-    settings), and `seconds` of each stage (`repair[strategy][f]`, and `verify[strategy][f]`, the check's token)."""
+    settings), and `seconds` of each stage (`repair[strategy][f]`, `verify[strategy][f]`, the check's first token,
+    and `check_steps[strategy][f]`, each of its tokens)."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
     expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id
@@ -145,27 +147,25 @@ def measure_item(
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
     eos = eos_token_ids(target)
-    check_steps: dict[str, dict[str, list[float]]] = {}
 
     def serve(strategy, fraction):
         served, seconds, steps = serve_rung(context, strategy, fraction)
         margins, timed, _ = check_margins(target, served.cache, ids, len(expected), eos)
-        check_steps.setdefault(strategy_key(strategy), {})[f"{fraction:g}"] = timed
         answer = _greedy(target, ids, served.cache, len(expected), pad)
         outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
-        return {**outcome, "margins": margins}, seconds, steps, timed[0]
+        return {**outcome, "margins": margins}, seconds, steps, timed
 
-    mapped, mapped_seconds, _, mapped_verify = serve(strategies[0], 0.0)
-    answers, repair_seconds, draft_steps, verify_seconds, settings = {}, {}, {}, {}, {}
+    mapped, mapped_seconds, _, mapped_checked = serve(strategies[0], 0.0)
+    answers, repair_seconds, draft_steps, check_steps, settings = {}, {}, {}, {}, {}
     for strategy in strategies:
         key = strategy_key(strategy)
         settings[key] = selector_from_dict(strategy).settings()
         answers[key], repair_seconds[key], draft_steps[key] = {"0": mapped}, {"0": mapped_seconds}, {"0": []}
-        verify_seconds[key] = {"0": mapped_verify}
+        check_steps[key] = {"0": mapped_checked}
         for fraction in fractions:
             if fraction:
                 f = f"{fraction:g}"
-                answers[key][f], repair_seconds[key][f], draft_steps[key][f], verify_seconds[key][f] = serve(
+                answers[key][f], repair_seconds[key][f], draft_steps[key][f], check_steps[key][f] = serve(
                     strategy, fraction
                 )
     return {
@@ -186,11 +186,8 @@ def measure_item(
             "repair": repair_seconds,
             "probe_source_steps": probe_steps,
             "repair_draft_steps": draft_steps,
-            "verify": verify_seconds,
-            "check_steps": {
-                key: {"0": check_steps[strategy_key(strategies[0])]["0"], **check_steps.get(key, {})}
-                for key in answers
-            },
+            "verify": {key: {f: steps[0] for f, steps in rungs.items()} for key, rungs in check_steps.items()},
+            "check_steps": check_steps,
         },
     }
 
