@@ -211,3 +211,37 @@ def test_a_session_ladder_is_refused_where_it_cannot_run(tiny):
         )
     with pytest.raises(ValueError, match="cannot use probe 'draft_agreement'"):
         HandoffSession({"a": model}, ladder=GuardLadder({"name": "draft_agreement", "tokens": 2}, "tail", []))
+
+
+def test_a_session_refreshes_only_the_mapped_positions_while_it_decodes(tiny, one_thread):
+    """`respond(refresh=...)`: the model recomputes mapped positions of its cache while it decodes, never one it
+    computed itself; on its own cache (nothing mapped) there is nothing to refresh and it answers as without."""
+    plain, _ = _ladder_session(tiny, seed=1)
+    fresh, _ = _ladder_session(tiny, seed=1)
+    first, refreshed = (
+        plain.respond("large", 6, pad_token_id=0),
+        fresh.respond("large", 6, pad_token_id=0, refresh={"every": 2, "tokens": 3}),
+    )
+    assert first.refresh is None and refreshed.mapped_tokens == first.mapped_tokens > 0
+    spans = fresh.caches["large"].mapping_info["mapped_positions"]
+    mapped = torch.zeros(fresh.input_ids.shape[1], dtype=torch.bool)
+    for start, end in spans:
+        mapped[start:end] = True
+    assert refreshed.refresh["refreshes"] == 3 and refreshed.refresh["recomputed"] == [min(9, int(mapped.sum()))]
+    assert "refresh" in refreshed.timings
+    # the tokens large computed itself hold the keys/values of the session without refreshes; of the mapped ones,
+    # exactly those the refreshes recomputed changed
+    upto = mapped.shape[0] - len(refreshed.tokens)  # the prompt large took over, before its answer
+    changed = torch.zeros(upto, dtype=torch.bool)
+    for a, b in zip(fresh.caches["large"].layers, plain.caches["large"].layers):
+        differs = (a.keys[0, :, :upto] - b.keys[0, :, :upto]).abs().amax(dim=(0, 2)) > 0
+        changed |= differs
+    assert not changed[~mapped[:upto]].any()
+    assert int(changed.sum()) == refreshed.refresh["recomputed"][0]
+    # with nothing mapped (a model answering on its own cache) the refresh has nothing to do
+    alone = HandoffSession({"large": plain.models["large"]}, input_ids=plain.input_ids.clone())
+    again = HandoffSession({"large": plain.models["large"]}, input_ids=plain.input_ids.clone())
+    mine = alone.respond("large", 4, pad_token_id=0, refresh={"every": 1, "tokens": 2})
+    assert mine.refresh is None and mine.tokens == again.respond("large", 4, pad_token_id=0).tokens
+    with pytest.raises(TypeError, match="refresh= takes the settings of a DecodeRefresh"):
+        fresh.respond("large", 2, pad_token_id=0, refresh=16)

@@ -22,12 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessorList
 from transformers.utils import logging
 
 from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row, eos_token_ids
-from ..repair import RepairConfig
+from ..repair import DecodeRefresh, RepairConfig
+from ..repair.repair import recomputed_mask
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import ProbeContext, probe_from_dict
@@ -60,6 +61,9 @@ class SessionTurn:
         margin (`float`, *optional*): with a ladder that checks after its rung (`min_margin`), the answering model's
             margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.forwards.answer_margin`]).
         checked (`str`, *optional*): the rung the check sent back to the fallback (then `rung` is `"fallback"`).
+        refresh (`dict`, *optional*): with `respond(refresh=...)` on a cache holding mapped positions, what
+            [`~hf_kvmap.repair.DecodeRefresh`] recomputed of them while the model decoded (`refreshes`, `recomputed`,
+            `seconds`, ...); `None` otherwise.
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
         timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
     """
@@ -75,6 +79,7 @@ class SessionTurn:
     risk: float | None = None
     margin: float | None = None
     checked: str | None = None
+    refresh: dict | None = None
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -302,6 +307,27 @@ class HandoffSession:
                 record.checked, record.rung = record.rung, rung_name(None)
                 self._own_span(name, record, start, upto, end)
 
+    @staticmethod
+    def _refresher(model, cache, refresh: dict | None) -> DecodeRefresh | None:
+        """The refresh while decoding of `respond(refresh=...)` on `cache`, with every position but the mapped ones
+        marked as recomputed (what a refresh skips); `None` without `refresh` or without mapped positions."""
+        if refresh is None:
+            return None
+        if not isinstance(refresh, dict):
+            raise TypeError(
+                f"refresh= takes the settings of a DecodeRefresh as a dict (e.g. {{'every': 16, 'fraction': 0.0125}}); "
+                f"got a {type(refresh).__name__}."
+            )
+        spans = (getattr(cache, "mapping_info", None) or {}).get("mapped_positions") or []
+        if cache is None or not spans:
+            return None
+        length = cache.get_seq_length()
+        own = torch.ones(1, length, dtype=torch.bool)
+        for start, end in spans:
+            own[0, start : min(end, length)] = False
+        cache.recomputed = recomputed_mask(cache, 1, length) | own
+        return DecodeRefresh(model, cache, **refresh)
+
     def _own_span(self, name: str, record: SessionTurn, start: int, upto: int, end: int) -> None:
         """The fallback of a switch: `name` prefills the tokens `[start, upto)` it had mapped (its own again), then
         re-runs `[upto, end)` on them."""
@@ -320,9 +346,16 @@ class HandoffSession:
 
     # ------------------------------------------------------------------------------------------------ respond
     @torch.no_grad()
-    def respond(self, name: str, max_new_tokens: int, **generate_kwargs) -> SessionTurn:
+    def respond(
+        self, name: str, max_new_tokens: int, *, refresh: dict | None = None, **generate_kwargs
+    ) -> SessionTurn:
         """Switch to model `name`, bring its cache up to date (`sync`), and generate greedily (unless
         `generate_kwargs` say otherwise); the generated tokens are appended to the transcript.
+
+        With `refresh` (the settings of a [`~hf_kvmap.repair.DecodeRefresh`]: `every`, `tokens` or `fraction`,
+        `limit`, `strategy`), the model also recomputes, while it decodes, the mapped positions of its cache its
+        latest queries read most: the positions it computed itself (its own turns, what it prefilled, what a repair
+        or an earlier refresh recomputed) are never touched. What it recomputed is in `SessionTurn.refresh`.
 
         Returns the [`SessionTurn`], with the first step's logits.
         """
@@ -331,6 +364,11 @@ class HandoffSession:
         cache = self.caches[name]
         start_time = time.perf_counter()
         generate_kwargs.setdefault("do_sample", False)
+        refresher = self._refresher(model, cache, refresh)
+        if refresher is not None:
+            generate_kwargs["logits_processor"] = LogitsProcessorList(
+                [*(generate_kwargs.get("logits_processor") or []), refresher]
+            )
         out = model.generate(
             self.input_ids,
             **cache_kwargs(cache if cache is not None and cache.get_seq_length() else None),
@@ -345,6 +383,9 @@ class HandoffSession:
         new = out.sequences[:, self.input_ids.shape[1] :]
         record.tokens = new[0].tolist()
         record.first_logits = out.scores[0][0].float() if out.scores else None
+        if refresher is not None:
+            record.refresh = dict(cache.mapping_info["refresh"])
+            record.timings["refresh"] = refresher.seconds
         self.input_ids = torch.cat([self.input_ids, new.to(self.input_ids.device)], dim=1)
         # generate leaves the last generated token unprocessed: the invariant (a cache never covers the last token)
         if self.covered(name) >= self.input_ids.shape[1]:
