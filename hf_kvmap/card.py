@@ -245,13 +245,14 @@ def _ladder(config) -> tuple[dict[str, str], list[dict[str, str]]]:
         )
     if stored.get("min_margin") is not None:
         summary["calibrated"] += (
-            " After its rung each row is checked: the target runs the prompt's last token on the served cache, and a "
-            + (
-                "row whose first answer token it takes"
+            (
+                " After its rung each row is checked: the target runs the prompt's last token on the served cache, "
+                "and a row whose first answer token it takes"
                 if stored.get("check_tokens", 1) == 1
-                else f"row any of whose first {stored['check_tokens']} greedy answer tokens it takes"
+                else f" After its rung each row is checked: the target decodes its first {stored['check_tokens']} "
+                "greedy answer tokens on the served cache (cropped back after), and a row any of them it takes"
             )
-            + f" with a probability margin (top-1 minus top-2) below "
+            + " with a probability margin (top-1 minus top-2) below "
             f"{fmt_number(stored['min_margin'], 2)} falls back to the target's own prefill"
             + (
                 f" ({fmt_number(outcome['checked_fallback'], 2)} of the calibration items)."

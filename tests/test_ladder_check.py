@@ -217,6 +217,17 @@ def test_a_check_over_more_tokens_keeps_its_count_and_needs_a_margin():
         GuardLadder(PROBE, "tail", [], check_tokens=4)
 
 
+def test_the_card_says_how_many_answer_tokens_the_check_reads(pair):
+    from hf_kvmap.card import render_card
+
+    mapper = copy.deepcopy(pair[2])
+    for tokens, phrase in ((1, "a row whose first answer token it takes"), (4, "decodes its first 4 greedy answer")):
+        ladder = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)], min_margin=0.3, check_tokens=tokens)
+        mapper.config.handoff_ladder = ladder.to_dict()
+        card = str(render_card(mapper))
+        assert "After its rung each row is checked" in card and phrase in card
+
+
 def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(pair, tiny):
     source, target, mapper = pair
     ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
