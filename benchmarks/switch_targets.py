@@ -192,8 +192,26 @@ def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+def reverse_rows(long_switch: dict, direction: str = "1.5b:0.5b") -> list[tuple[str, ...]]:
+    """The other direction's target: the same tasks with the frontier reported. Which (task, length) groups were
+    measured there, with how many items, and which of the forward direction's are missing."""
+    forward = {name.split("#")[0] for name in long_switch["results"].get("0.5b:1.5b", {})}
+    mine = long_switch["results"].get(direction, {})
+    measured = sorted(f"{name.split('#')[0]} ({group['items']})" for name, group in mine.items() if group.get("items"))
+    missing = sorted(forward - {name.split("#")[0] for name in mine})
+    verdict = "reported" if not missing else f"reported in part; not measured: {', '.join(missing)}"
+    return [
+        (
+            f"{direction.replace(':', ' -> ')}: the same tasks, the frontier reported",
+            ", ".join(measured) if measured else "nothing measured",
+            "the tables below",
+            verdict,
+        )
+    ]
+
+
 def markdown(long_switch: dict, long_ladder: dict) -> str:
-    rows = answer_rows(long_switch) + fixed_rows(long_ladder) + ladder_rows(long_ladder)
+    rows = answer_rows(long_switch) + fixed_rows(long_ladder) + ladder_rows(long_ladder) + reverse_rows(long_switch)
     lines = [
         "Generated from `benchmarks/results/long_switch.json` and `benchmarks/results/guard_ladder_long2k.json` by "
         "`benchmarks/switch_targets.py` (0.5b -> 1.5b, report item sets; the best repair at most "

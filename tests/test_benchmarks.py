@@ -921,6 +921,10 @@ def test_switch_targets_reads_each_verdict_off_the_results():
     assert rows["long_doc @ 4000 tokens"][3] == "missed" and "gap 0.50" in rows["long_doc @ 4000 tokens"][2]
     assert rows["HumanEval bare"][3] == "not yet: 19 of 164 problems"
     assert "none to recover" in rows["HumanEval bare"][2]
+    long_switch["results"]["1.5b:0.5b"] = {"long_chat@2048#1234": group(2000, 6, False)}
+    (reverse,) = switch_targets.reverse_rows(long_switch)
+    assert reverse[1] == "long_chat@2048 (6)"
+    assert reverse[3] == "reported in part; not measured: humaneval@0, long_doc@2048, long_doc@4096"
 
     def way(chat, doc, cost):
         groups = {"long_chat": {"changed_served": chat}, "long_doc": {"changed_served": doc}}
