@@ -30,6 +30,8 @@ from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.repair import RepairConfig, repair_cache
 from hf_kvmap.reporting import environment_info, write_json
 
+from .repair_report import portable_command, portable_path
+
 REAL = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
 CACHES = ("own", "mapped", "repaired")
 
@@ -110,7 +112,8 @@ def markdown(result: dict, source: str = "benchmarks/results/repair_attention.js
         return " / ".join(f"{group[f'mass_{name}']:.2f}" for name in CACHES) + f" ({group['items']} items)"
 
     lines = [
-        f"Generated from `{source}` (`{run['command']}`; {run['direction']}, mapper `{run['mapper']}`, "
+        f"Generated from `{source}` (`{portable_command(run['command'])}`; {run['direction']}, mapper "
+        f"`{portable_path(run['mapper'])}`, "
         f"`{run['strategy']}`, {run['items']} `{run['task']}` items of seed {run['seed']}, {run['dtype']}). NLL: the "
         "continuation's mean negative log-likelihood. Attention: the continuation's mean share on the repaired "
         "positions, read through the target's own / the mapped / the repaired cache.",

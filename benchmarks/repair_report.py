@@ -27,8 +27,22 @@ def _bold(text: str, on: bool) -> str:
     return f"**{text}**" if on else text
 
 
-def _command(command: str) -> str:
-    """A benchmark's recorded command without the options that name local paths (`LOCAL_OPTIONS`)."""
+def portable_path(word: str) -> str:
+    """A path of the machine that ran, written as the README writes it: a fitted mapper under `$WORK/mappers/` (where
+    `benchmarks.real family fit --work $WORK` puts it), a model `hf-kvmap obtain` fetched under
+    `~/.cache/hf-kvmap/models/`; any other word as it is."""
+    if not word.startswith("/"):
+        return word
+    if "/mappers/" in word and "/zoo/mappers/" not in word:
+        return "$WORK/mappers/" + word.rsplit("/mappers/", 1)[1]
+    if "/.cache/hf-kvmap/models/" in word:
+        return "~/.cache/hf-kvmap/models/" + word.rsplit("/.cache/hf-kvmap/models/", 1)[1]
+    return word
+
+
+def portable_command(command: str) -> str:
+    """A benchmark's recorded command without the options that name local paths (`LOCAL_OPTIONS`), and with the
+    mappers and models it read written where the README puts them ([`portable_path`])."""
     words, kept = shlex.split(command), []
     skip = False
     for word in words:
@@ -39,7 +53,7 @@ def _command(command: str) -> str:
         if name in LOCAL_OPTIONS:
             skip = "=" not in word
             continue
-        kept.append(word)
+        kept.append(portable_path(word))
     return " ".join(kept)
 
 
@@ -101,9 +115,9 @@ def frontier_markdown(result: dict, source: str = "benchmarks/results/repair_fro
     fractions, goal, budget = run["fractions"], run["goal"], run["budget"]
     strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
     merged = run.get("merged")  # the earlier runs, the first one first
-    command = f"`{_command(run['command'])}`"
+    command = f"`{portable_command(run['command'])}`"
     if merged:
-        earlier = [f"`{_command(entry['command'])}`" for entry in merged]
+        earlier = [f"`{portable_command(entry['command'])}`" for entry in merged]
         command = f"{earlier[0]}, with {' then '.join([*earlier[1:], command])} merged into it"
     mapper = _option(run["command"], "--mapper")
     mappers = "the shipped tiny-family mappers" if mapper is None else f"mapper {mapper_name(mapper)}"
@@ -185,7 +199,7 @@ def cost_markdown(result: dict, source: str = "benchmarks/results/repair_cost.js
     run, rows = result["run"], result["rows"]
     strategies = sorted(run["strategies"], key=lambda name: (name in REFERENCE_ONLY, name))
     lines = [
-        f"Generated from `{source}`, written by `{_command(run['command'])}` ({run['source']} -> {run['target']}, "
+        f"Generated from `{source}`, written by `{portable_command(run['command'])}` ({portable_path(run['source'])} -> {portable_path(run['target'])}, "
         f"mapper {mapper_name(run['mapper'])}, {run['dtype']}, {run['attn_implementation']} attention, "
         f"{_machine(result.get('environment', {}))}; one random prompt per length; medians of {run['repeats']} "
         f"interleaved repeats after {run['warmup']} warm-up; the attention strategies read the last "
@@ -284,7 +298,7 @@ def real_repair_markdown(result: dict, source: str = "benchmarks/results/real_re
     direction = run["direction"].replace(":", " -> ").upper()
     selection, report = run["selection"], run["report"]
     lines = [
-        f"Generated from `{source}`, written by `{_command(run['command'])}` (Qwen2.5-Coder {direction}, mapper "
+        f"Generated from `{source}`, written by `{portable_command(run['command'])}` (Qwen2.5-Coder {direction}, mapper "
         f"{mapper_name(run['mapper'])}{f' ({kind})' if kind else ''}, models and mapper in {run['dtype']}, "
         f"{_machine(result.get('environment', {}))}). Selection set (seed {selection['seed']}): every strategy at "
         "every fraction, and the choice is made there. Report set (seed "
@@ -513,7 +527,7 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
     tasks = run["tasks"]
     selection, report = run["selection"], run["report"]
     lines = [
-        f"Generated from `{source}`, written by `{_command(run['command'])}` ({run['family']} family, {run['dtype']}, "
+        f"Generated from `{source}`, written by `{portable_command(run['command'])}` ({run['family']} family, {run['dtype']}, "
         f"{_machine(result.get('environment', {}))}). Candidates: probes "
         + ", ".join(f"`{probe}`" for probe in run["probes"])
         + "; repair strategies "

@@ -954,3 +954,18 @@ def test_switch_targets_reads_each_verdict_off_the_results():
     assert switch_targets.ladder_rows(ladder)[0][3] == "met"
     (row,) = switch_targets.fixed_rows(ladder)
     assert row[2] == "`tail@0.2`: retention 0.95, gap 0.90, cost 0.30" and row[3] == "met"  # (0.95 - 0.5) / 0.5
+
+
+def test_recorded_commands_name_mappers_and_models_where_the_readme_puts_them():
+    from benchmarks.repair_report import portable_command, portable_path
+
+    command = (
+        "python -m benchmarks.guard_ladder --mapper /work/runs/real/mappers/0.5b-to-1.5b/ridge-k8 --source "
+        "/root/.cache/hf-kvmap/models/qwen2.5-coder-0.5b-instruct --work /tmp/records --tokens 2048"
+    )
+    assert portable_command(command) == (
+        "python -m benchmarks.guard_ladder --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 --source "
+        "~/.cache/hf-kvmap/models/qwen2.5-coder-0.5b-instruct --tokens 2048"
+    )
+    shipped = "/x/hf_kvmap/zoo/mappers/tiny-m-to-tiny-l"
+    assert portable_path(shipped) == shipped and portable_path("relative/mappers/a") == "relative/mappers/a"
