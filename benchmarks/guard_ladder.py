@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MapperModel
+from hf_kvmap.calibration.ladder import refused_by_check
 from hf_kvmap.calibration.ladder_items import (
     CHECK_TOKENS,
     LadderItem,
@@ -37,16 +38,13 @@ from hf_kvmap.calibration.ladder_items import (
     ladder_from_records,
     measure_ladder_items,
     probe_key,
-    record_margin,
+    record_margins,
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.calibration.ladder_remeasure import (
-    has_source_answers,
-)
+from hf_kvmap.calibration.ladder_remeasure import has_source_answers
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
-from hf_kvmap.serving.ladder import below_margin
 
 from .ladder_lengths import changed_outcome
 from .ladder_records import with_side_measurements
@@ -309,14 +307,9 @@ def served_plan(ladder, records: list[dict]) -> list[float | None]:
     plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in records])
     if ladder.min_margin is None:
         return plan
-    strategy = strategy_key(ladder.strategy)
-    return [
-        None
-        if f is None
-        or below_margin(record_margin(r["answers"][strategy][f"{f:g}"], ladder.check_tokens), ladder.min_margin)
-        else f
-        for f, r in zip(plan, records)
-    ]
+    margins = record_margins(records, strategy_key(ladder.strategy), ladder.check_tokens)
+    refused = refused_by_check(margins, ladder.min_margin)
+    return [None if f is None or refused[f][i] else f for i, f in enumerate(plan)]
 
 
 def study(selection: list[dict], report: list[dict], max_changed: float, confidence: float | None = None) -> dict:

@@ -27,6 +27,7 @@ from hf_kvmap.calibration.ladder_remeasure import (
     measure_margins,
     with_margins,
 )
+from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.rope import positions_from_attention_mask
 from hf_kvmap.serving import HandoffRefusedError
 from hf_kvmap.serving.forwards import answer_margins
@@ -235,7 +236,7 @@ def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(pair, t
     context = prepare_context(source, target, mapper, ids, mask, None, 1)
     serve_rows(context, [0.3] * 3, "tail")
     first = answer_margin(target, context.cache, ids, mask).tolist()
-    over = answer_margin(target, context.cache, ids, mask, tokens=4, eos_token_ids=_eos(target)).tolist()
+    over = answer_margin(target, context.cache, ids, mask, tokens=4, eos_token_ids=eos_token_ids(target)).tolist()
     assert all(o <= f + TOL for o, f in zip(over, first))  # the smallest over four tokens, the first among them
     low = min(range(3), key=lambda i: over[i])
     between = (over[low] + min(over[i] for i in range(3) if i != low)) / 2
@@ -256,11 +257,6 @@ def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(pair, t
         source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, between), audit_tokens=0
     )
     assert [row["rung"] for row in report.ladder["rows"]] == ["repair:0.3"] * 3
-
-
-def _eos(model):
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 # ------------------------------------------------------------------------------------------------ calibration

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from .._compat import cache_kwargs, output_cache
 from ..drafting import Draft
-from ..input_checks import eos_token_ids
 from ..repair import selector_from_dict
 from ..serving.forwards import answer_margins
 from ..serving.ladder import FALLBACK, GuardLadder
@@ -146,11 +145,9 @@ def measure_item(
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
-    eos = eos_token_ids(target)
-
     def serve(strategy, fraction):
         served, seconds, steps = serve_rung(context, strategy, fraction)
-        margins, timed, _ = check_margins(target, served.cache, ids, len(expected), eos)
+        margins, timed, _ = check_margins(target, served.cache, ids, len(expected))
         answer = _greedy(target, ids, served.cache, len(expected), pad)
         outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
         return {**outcome, "margins": margins}, seconds, steps, timed
@@ -192,12 +189,12 @@ def measure_item(
     }
 
 
-def check_margins(target, cache, ids, steps: int, eos: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
+def check_margins(target, cache, ids, steps: int) -> tuple[list[float], list[float], list[int]]:
     """The margins a check after the rung reads on a served cache (one row), token by token over the greedy answer
-    (at most `steps`, to its first `eos` token), each step's seconds and the greedy tokens: what a check of any number
-    of tokens would read and pay ([`~hf_kvmap.serving.forwards.answer_margins`], as serving runs it)."""
+    (at most `steps`, to the target's first end token), each step's seconds and the greedy tokens: what a check of any
+    number of tokens would read and pay ([`~hf_kvmap.serving.forwards.answer_margins`], as serving runs it)."""
     timed: list[float] = []
-    margins, tokens, answered = answer_margins(target, cache, ids, tokens=steps, eos_token_ids=eos, step_seconds=timed)
+    margins, tokens, answered = answer_margins(target, cache, ids, tokens=steps, step_seconds=timed)
     return [float(m) for m in margins[0][answered[0]]], timed, tokens[0][answered[0]].tolist()
 
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from .._compat import output_cache
-from ..input_checks import eos_token_ids
 from ..serving.pipeline import prepare_context
 from .ladder_items import LadderItem, check_margins, parse_probe, serve_rung, source_greedy_answer
 
@@ -50,13 +49,13 @@ def measure_margins(
     hold_back = parse_probe(next(iter(record["risks"]))).hold_back
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
     context = prepare_context(source, target, mapper, ids, None, source_cache, hold_back)
-    steps, eos = len(expected) if tokens else 1, eos_token_ids(target)
+    steps = len(expected) if tokens else 1
     margins, verify, agrees, token_margins, check_steps = {}, {}, {}, {}, {}
     for key, answers in record["answers"].items():
         margins[key], verify[key], agrees[key], token_margins[key], check_steps[key] = {}, {}, {}, {}, {}
         for f in answers:
             served, _, _ = serve_rung(context, record["strategies"][key], float(f))
-            found, timed, answer = check_margins(target, served.cache, ids, steps, eos)
+            found, timed, answer = check_margins(target, served.cache, ids, steps)
             margins[key][f], verify[key][f] = found[0], timed[0]
             token_margins[key][f], check_steps[key][f] = found, timed
             agrees[key][f] = answers[f]["changed"] or answer[0] == record["reference"][0]

@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._compat import cache_kwargs, output_cache
+from ..input_checks import eos_token_ids as model_eos_ids
 from ..rope import positions_from_attention_mask
 
 
@@ -58,15 +59,16 @@ def answer_margins(
     position_ids: torch.Tensor | None = None,
     *,
     tokens: int = 1,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] | None = None,
     step_seconds: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's confidence in each of its first `tokens` greedy answer tokens on `cache` (its served cache of
     every prompt token but the last): the last prompt token runs on the cache, then each greedy token in turn, and
     each step's top-1 minus top-2 probability of the next token is kept. Returns `(margins, tokens, answered)`, each
     `(batch, steps)`: the margins in `[0, 1]`, the greedy tokens (what `generate` decodes first), and whether a step
-    is part of its row's answer (a row's first token of `eos_token_ids` ends it; its later steps are not). Decoding
-    stops after `tokens` steps or once every row has ended. The cache is cropped back to the prompt but the last
+    is part of its row's answer (a row's first token of `eos_token_ids` ends it, by default the end tokens of the
+    target's generation config, `()` for none; its later steps are not). Decoding stops after `tokens` steps or once
+    every row has ended. The cache is cropped back to the prompt but the last
     token, as it was. With `step_seconds`, each step's seconds are appended to it."""
     length = input_ids.shape[1]
     if cache.get_seq_length() != length - 1:
@@ -78,6 +80,8 @@ def answer_margins(
         raise ValueError(f"answer_margin tokens={tokens!r}: the check reads at least one answer token (an int >= 1).")
     if attention_mask is not None and position_ids is None:
         position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    if eos_token_ids is None:
+        eos_token_ids = model_eos_ids(target)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=input_ids.dtype, device=input_ids.device)
     margins, chosen, answered = [], [], []
     ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -112,11 +116,12 @@ def answer_margin(
     *,
     return_tokens: bool = False,
     tokens: int = 1,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The target's confidence in its answer on `cache` (its served cache of every prompt token but the last), what
     a ladder's check after the rung reads: each row's smallest top-1 minus top-2 probability over its first `tokens`
-    greedy answer tokens ([`answer_margins`]; a row's first token of `eos_token_ids` ends its answer), `(batch,)` in
+    greedy answer tokens ([`answer_margins`]; a row's first token of `eos_token_ids`, by default the target's end
+    tokens, ends its answer), `(batch,)` in
     `[0, 1]` (with `return_tokens`, also each row's first greedy token). With `tokens=1` the run is the one
     `generate` would start with, so the check costs a single token; each further token costs a decoding step. The
     cache is cropped back as it was."""

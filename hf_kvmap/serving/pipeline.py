@@ -14,8 +14,8 @@ Stages, in order, each timed in the [`HandoffReport`]:
 7. `probe`: one risk per row;
 8. the decision: with a ladder, a rung per row ([`serve_rows`]: mapped, repaired, or the target's own prefill of
    the row), then, where the ladder has a `min_margin`, the `check`: the target's margin on each served row's first
-   answer token, or its smallest over the first `check_tokens` ([`answer_margin`]), and the fallback for a row below it ([`check_rows`]); without a ladder, the
-   whole batch is served if every risk is within the threshold;
+   answer token, or its smallest over the first `check_tokens` ([`answer_margin`]), and the fallback for a row below
+   it ([`check_rows`]); without a ladder, the whole batch is served if every risk is within the threshold;
 9. `fallback_prefill`: a refused batch gets the target's own prefill (`policy="fallback"`) or raises
    [`HandoffRefusedError`] (`policy="fail"`).
 """
@@ -34,7 +34,7 @@ from .._compat import output_cache
 from ..cache import CACHE_DTYPES, MappedCache, source_pairs
 from ..cache_views import row_cache, write_rows
 from ..drafting import Draft
-from ..input_checks import check_source_cache, eos_token_ids, first_layer_error
+from ..input_checks import check_source_cache, first_layer_error
 from ..repair import RepairConfig, selector_from_dict
 from ..rope import positions_from_attention_mask
 from .forwards import answer_margin, run_tokens, target_prefill
@@ -385,9 +385,8 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
     for row, risk in zip(rows, report.scores):
         row["risk"] = risk
     if ladder.min_margin is not None:
-        settings["min_margin"] = ladder.min_margin
-        if ladder.check_tokens != 1:
-            settings["check_tokens"] = ladder.check_tokens
+        # the check's settings as the ladder's own settings write them (check_tokens only where not 1)
+        settings.update({k: v for k, v in ladder.to_dict().items() if k in ("min_margin", "check_tokens")})
         with clock.stage("check"):
             margins = answer_margin(
                 context.target,
@@ -396,7 +395,6 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
                 context.attention_mask,
                 context.position_ids,
                 tokens=ladder.check_tokens,
-                eos_token_ids=eos_token_ids(context.target),
             )
             low = [i for i, f in enumerate(plan) if f is not None and below_margin(margins[i], ladder.min_margin)]
             if low and report.policy == "fail":  # a row the check refuses refuses the batch, as a fallback does

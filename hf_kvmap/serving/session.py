@@ -26,7 +26,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.utils import logging
 
 from .._compat import cache_kwargs, output_cache
-from ..input_checks import as_token_row, eos_token_ids
+from ..input_checks import as_token_row
 from ..repair import DecodeRefresh, RepairConfig
 from ..repair.repair import recomputed_mask
 from .forwards import answer_margin, run_tokens
@@ -300,8 +300,7 @@ class HandoffSession:
             record.timings["repair"] = time.perf_counter() - start_time
         if self.ladder.min_margin is not None:  # the check after the rung, on the cache it served
             start_time = time.perf_counter()
-            tokens, eos = self.ladder.check_tokens, eos_token_ids(model)
-            record.margin = float(answer_margin(model, cache, ids, tokens=tokens, eos_token_ids=eos)[0])
+            record.margin = float(answer_margin(model, cache, ids, tokens=self.ladder.check_tokens)[0])
             record.timings["check"] = time.perf_counter() - start_time
             if below_margin(record.margin, self.ladder.min_margin):
                 record.checked, record.rung = record.rung, rung_name(None)
@@ -319,7 +318,7 @@ class HandoffSession:
                 f"got a {type(refresh).__name__}."
             )
         spans = (getattr(cache, "mapping_info", None) or {}).get("mapped_positions") or []
-        if cache is None or not spans:
+        if not spans:  # no cache yet, or one the model computed all of itself
             return None
         length = cache.get_seq_length()
         own = torch.ones(1, length, dtype=torch.bool)
