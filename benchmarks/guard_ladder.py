@@ -48,6 +48,7 @@ from hf_kvmap.reporting import environment_info, write_json
 
 from .ladder_lengths import changed_outcome
 from .ladder_records import with_side_measurements
+from .long_switch import parse_strategy, split_rungs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
@@ -123,6 +124,10 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         with path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
+    asked = [parse_strategy(text) for text in split_rungs(args.strategies)]
+    # a records file keeps the strategies it was first measured with; one asked for later is measured beside it
+    # (<set>.strategies.jsonl), against the target's answers the records hold
+    held = list(done[0]["strategies"].values()) if done else asked
     records = measure_ladder_items(
         source,
         target,
@@ -130,14 +135,19 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         tokenizer,
         items,
         probes=args.probes.split(","),
-        strategies=args.strategies.split(","),  # names: measure_ladder_items canonicalizes them
+        strategies=held,  # names: measure_ladder_items canonicalizes them
         fractions=[float(f) for f in args.fractions.split(",")],
         done=done[: len(items)],
         on_record=keep,
     )
-    flags = {"margins": args.margins, "token_margins": args.token_margins, "source": args.source_answers}
+    flags = {
+        "strategies": True,
+        "margins": args.margins,
+        "token_margins": args.token_margins,
+        "source": args.source_answers,
+    }
     kinds = [kind for kind, flag in flags.items() if flag]
-    return with_side_measurements(path, pair, items, records, measure=kinds)
+    return with_side_measurements(path, pair, items, records, measure=kinds, strategies=asked)
 
 
 def mapped_only(records: list[dict]) -> list[dict]:
@@ -414,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mapper", default=None, help="mapper folder (one direction; required for --family real)")
     parser.add_argument("--tasks", default=None, help="exact-match tasks (default: recall,chat or the real two)")
     parser.add_argument("--probes", default=PROBES, help="candidate probes, name:tokens, one hold-back")
-    parser.add_argument("--strategies", default=STRATEGIES, help="candidate repair strategies")
+    parser.add_argument(
+        "--strategies",
+        default=STRATEGIES,
+        help="candidate repair strategies, name[:option=value,...] comma-separated; records measured before with "
+        "fewer have the others measured beside them (<set>.strategies.jsonl)",
+    )
     parser.add_argument("--fractions", default=FRACTIONS, help="repair fractions measured (0 always)")
     parser.add_argument("--tokens", type=int, default=2048, help="length of the long_chat / long_doc items (real)")
     parser.add_argument(
@@ -489,7 +504,7 @@ def main(argv=None) -> None:
             "family": args.family,
             "tasks": args.tasks.split(","),
             "probes": args.probes.split(","),
-            "strategies": args.strategies.split(","),
+            "strategies": split_rungs(args.strategies),
             "fractions": [float(f) for f in args.fractions.split(",")],
             "max_changed": args.max_changed,
             "confidence": args.confidence,

@@ -1,7 +1,7 @@
 """The measurements kept beside a ladder records file, made after its records were: the answer margins of the first
-token (`<set>.margins.jsonl`), of every answer token (`<set>.token_margins.jsonl`), and the source's own answers
-(`<set>.source.jsonl`), each resumable and merged into the records whenever they are read
-(`hf_kvmap.calibration.ladder_remeasure`)."""
+token (`<set>.margins.jsonl`), of every answer token (`<set>.token_margins.jsonl`), the source's own answers
+(`<set>.source.jsonl`) and the repair strategies added after the records were measured (`<set>.strategies.jsonl`),
+each resumable and merged into the records whenever they are read (`hf_kvmap.calibration.ladder_remeasure`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,19 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hf_kvmap.calibration.ladder_items import has_margins
+from hf_kvmap.calibration.ladder_items import has_margins, strategy_key
 from hf_kvmap.calibration.ladder_remeasure import (
     measure_margins,
     measure_source_answer,
+    measure_strategies,
     with_margins,
     with_source_answers,
+    with_strategies,
 )
+
+
+def _missing(record: dict, strategies: Sequence) -> list:
+    return [s for s in strategies if strategy_key(s) not in record["answers"]]
 
 
 def _measure_margins(pair, item, record, tokens: bool = False) -> dict:
@@ -29,18 +35,30 @@ def _measure_margins(pair, item, record, tokens: bool = False) -> dict:
 
 
 #: what can be measured for records after they were recorded, kept beside them as `<set>.<kind>.jsonl`:
-#: kind -> (whether a record already holds it, the measurement of one item, the merge into the records)
+#: kind -> (whether a record already holds it, the measurement of one item, the merge into the records); the first
+#: two read the strategies asked for (what the "strategies" kind adds where a record lacks them)
 SIDE_MEASUREMENTS = {
-    "margins": (has_margins, _measure_margins, with_margins),
+    "margins": (
+        lambda record, strategies: has_margins(record),
+        lambda pair, item, record, strategies: _measure_margins(pair, item, record),
+        with_margins,
+    ),
     "token_margins": (
-        lambda record: has_margins(record, tokens=2),
-        lambda pair, item, record: _measure_margins(pair, item, record, tokens=True),
+        lambda record, strategies: has_margins(record, tokens=2),
+        lambda pair, item, record, strategies: _measure_margins(pair, item, record, tokens=True),
         with_margins,
     ),
     "source": (
-        lambda record: "correct_source" in record,
-        lambda pair, item, record: measure_source_answer(pair[0], pair[3], item, record),
+        lambda record, strategies: "correct_source" in record,
+        lambda pair, item, record, strategies: measure_source_answer(pair[0], pair[3], item, record),
         with_source_answers,
+    ),
+    "strategies": (
+        lambda record, strategies: not _missing(record, strategies),
+        lambda pair, item, record, strategies: measure_strategies(
+            *pair[:4], item, record, _missing(record, strategies)
+        ),
+        with_strategies,
     ),
 }
 
@@ -56,18 +74,24 @@ def read_side(path: Path, kind: str) -> list[dict]:
     return [json.loads(line) for line in side.read_text().splitlines() if line.strip()] if side.is_file() else []
 
 
-def with_side_measurements(path: Path, pair, items, records: list[dict], measure: Sequence[str] = ()) -> list[dict]:
+def with_side_measurements(
+    path: Path, pair, items, records: list[dict], measure: Sequence[str] = (), strategies: Sequence = ()
+) -> list[dict]:
     """`records` with every measurement kept beside them (`SIDE_MEASUREMENTS`: the answer margins, the source's own
-    answer) merged in; for each kind in `measure`, the records that lack it are measured first (`pair` and `items`,
-    the records' items in order; appended to the side file one item at a time, so a stopped run resumes). Without
+    answer, strategies added later) merged in; for each kind in `measure`, the records that lack it are measured
+    first (`pair` and `items`, the records' items in order; appended to the side file one item at a time, so a
+    stopped run resumes). "strategies" measures those of `strategies` (names or settings) a record lacks; the
+    strategies are merged before the margins and the source's answers are measured, so those cover them too. Without
     `measure`, `pair` and `items` are not used."""
-    for kind, (holds, measure_one, merge) in SIDE_MEASUREMENTS.items():
+    order = ["strategies", *(kind for kind in SIDE_MEASUREMENTS if kind != "strategies")]
+    for kind in order:
+        holds, measure_one, merge = SIDE_MEASUREMENTS[kind]
         measured = read_side(path, kind)
         if kind in measure:
-            have = {m["prompt_sha256"] for m in measured}
-            todo = [(i, r) for i, r in zip(items, records) if not holds(r) and r["prompt_sha256"] not in have]
+            merged = merge(records, measured)
+            todo = [(i, r) for i, r in zip(items, merged) if not holds(r, strategies)]
             for item, record in tqdm(todo, desc=f"{kind} ({path.name})"):
-                found = measure_one(pair, item, record)
+                found = measure_one(pair, item, record, strategies)
                 measured.append(found)
                 with side_path(path, kind).open("a") as handle:
                     handle.write(json.dumps(found) + "\n")

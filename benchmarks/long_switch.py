@@ -44,7 +44,8 @@ MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-ins
 MAX_NEW = {"long_chat": 12, "long_doc": 12, "humaneval": 320, "continuation": 128}
 
 
-def _options(options: str) -> dict:
+def parse_options(options: str) -> dict:
+    """`key=value,...` -> settings (each value read as JSON where it is, else kept as text)."""
     settings = {}
     for option in filter(None, options.split(",")):
         key, _, raw = option.partition("=")
@@ -56,8 +57,8 @@ def _options(options: str) -> dict:
 
 
 def split_rungs(text: str) -> list[str]:
-    """`--rungs` split into entries at the commas that start a new rung (an option's own comma, `a=1,b=2`, is
-    followed by `name=`, which no rung starts with)."""
+    """`--rungs` (or `--strategies`) split into entries at the commas that start a new entry (an option's own
+    comma, `a=1,b=2`, is followed by `name=`, which no entry starts with)."""
     entries: list[str] = []
     for piece in text.split(","):
         if entries and re.match(r"[A-Za-z_]\w*=", piece):
@@ -65,6 +66,12 @@ def split_rungs(text: str) -> list[str]:
         elif piece:
             entries.append(piece)
     return entries
+
+
+def parse_strategy(text: str) -> dict:
+    """`name[:option=value,...]` -> strategy settings, e.g. `query_overlap:fill=draft_branches,after=24`."""
+    name, _, options = text.partition(":")
+    return {"name": name, **parse_options(options)}
 
 
 def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
@@ -78,7 +85,7 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
         kind, _, options = tail.partition(":")
         if kind != "refresh":
             raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: after '+' comes refresh[:option=value,...]")
-        refresh = _options(options)
+        refresh = parse_options(options)
         if head == "mapped":
             return text, None, 0.0, refresh
     if "@" not in head:
@@ -90,8 +97,7 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
         raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: fraction {fraction!r} is not a number") from None
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: the fraction must be in (0, 1]")
-    name, _, options = spec.partition(":")
-    return text, {"name": name, **_options(options)}, share, refresh
+    return text, parse_strategy(spec), share, refresh
 
 
 # ----------------------------------------------------------------------------------------------------------- decoding

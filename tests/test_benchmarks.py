@@ -547,6 +547,45 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
     assert "ladder_checked" not in study(records(40, False), records(40, False), max_changed=0.0)
 
 
+def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
+    from benchmarks.guard_ladder import build_parser, study
+    from benchmarks.ladder_records import with_side_measurements
+    from benchmarks.long_switch import parse_strategy, split_rungs
+
+    text = "tail,query_overlap:fill=draft_branches,after=24,source_attention"
+    assert [parse_strategy(t) for t in split_rungs(build_parser().parse_args(["--strategies", text]).strategies)] == [
+        {"name": "tail"},
+        {"name": "query_overlap", "fill": "draft_branches", "after": 24},
+        {"name": "source_attention"},
+    ]
+    records = []
+    for i in range(8):
+        record = _ladder_record("chat", i / 8, {"0": True, "0.5": i % 2 == 0}, {"0": 0.1, "0.5": 0.5})
+        record["prompt_sha256"] = f"{i:064x}"
+        records.append(record)
+    key = "target_attention:last_tokens=16"
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    # the side file of `measure_strategies`: `target_attention` keeps every answer at half the prompt, costing a little more
+    side = [
+        {
+            "prompt_sha256": f"{i:064x}",
+            "strategies": {key: {"name": "target_attention", "last_tokens": 16}},
+            "answers": {key: {"0.5": {"changed": False, "correct": True}}},
+            "seconds": {"repair": {key: {"0.5": 0.6}}},
+        }
+        for i in range(8)
+    ]
+    (tmp_path / "set.strategies.jsonl").write_text("\n".join(json.dumps(m) for m in side))
+    merged = with_side_measurements(path, None, [], records)
+    assert all(set(r["answers"]) == {"tail", key} for r in merged)
+    assert merged[0]["answers"][key]["0"] == records[0]["answers"]["tail"]["0"]  # the shared mapped rung
+    assert merged[0]["seconds"]["repair"][key] == {"0": 0.1, "0.5": 0.6}
+    fixed = study(merged, merged, max_changed=0.0)["fixed_report"]
+    assert {row["fraction"]: row["tasks"]["chat"]["changed"] for row in fixed[key]} == {0.0: 1.0, 0.5: 0.0}
+    assert {row["fraction"]: row["tasks"]["chat"]["changed"] for row in fixed["tail"]} == {0.0: 1.0, 0.5: 0.5}
+
+
 def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):
     from benchmarks.guard_ladder import study
     from benchmarks.ladder_records import with_side_measurements

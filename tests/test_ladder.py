@@ -37,7 +37,9 @@ from hf_kvmap.calibration.ladder_items import (
 from hf_kvmap.calibration.ladder_remeasure import (
     has_source_answers,
     measure_source_answer,
+    measure_strategies,
     with_source_answers,
+    with_strategies,
 )
 from hf_kvmap.cli import main as cli
 from hf_kvmap.rope import positions_from_attention_mask
@@ -578,6 +580,31 @@ def test_records_hold_the_sources_own_answer_and_old_records_get_the_same(ladder
     assert with_source_answers(old, measured[1:])[0] == old[0]  # a record not measured is left as it was
     with pytest.raises(ValueError, match="another prompt"):
         measure_source_answer(source, tokenizer, items[1], old[0])
+
+
+def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(ladder_family):
+    source, target, mapper, tokenizer, items = ladder_family
+    both = _measured(ladder_family, ["tail", "source_attention"], [0.2, 0.5])
+    old = _measured(ladder_family, ["tail"], [0.2, 0.5])
+    measured = [
+        measure_strategies(source, target, mapper, tokenizer, i, r, ["source_attention"]) for i, r in zip(items, old)
+    ]
+    added = with_strategies(old, measured)
+    key = "source_attention:last_tokens=16"
+    for mine, theirs in zip(added, both):
+        assert mine["strategies"] == theirs["strategies"]
+        # against the target's answer the record holds: every rung's outcome as if measured with the records
+        assert mine["answers"] == theirs["answers"]
+        assert set(mine["seconds"]["repair"][key]) == set(mine["seconds"]["check_steps"][key]) == {"0", "0.2", "0.5"}
+        assert mine["seconds"]["repair"][key]["0"] == mine["seconds"]["repair"]["tail"]["0"]  # the shared mapped rung
+    assert ladder_from_records(added, max_changed=0.0).calibration["candidates"].keys() == (
+        ladder_from_records(both, max_changed=0.0).calibration["candidates"].keys()
+    )
+    assert with_strategies(old, measured[1:])[0] == old[0]  # a record not measured is left as it was
+    with pytest.raises(ValueError, match="measured with"):
+        measure_strategies(source, target, mapper, tokenizer, items[0], old[0], ["tail"])
+    with pytest.raises(ValueError, match="another prompt"):
+        measure_strategies(source, target, mapper, tokenizer, items[1], old[0], ["source_attention"])
 
 
 def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):

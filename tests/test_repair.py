@@ -20,6 +20,7 @@ from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
 from hf_kvmap.repair.draft_branches import DraftBranchesSelector
 from hf_kvmap.repair.draft_coverage import DraftCoverageSelector
+from hf_kvmap.repair.query_overlap import QueryOverlapSelector, run_scores
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,6 +69,8 @@ def _settings(name):
     """Every registered strategy with small options (the attention strategies read 4 final tokens, the draft is 3)."""
     if name in ("draft_attention", "draft_coverage", "draft_branches"):
         return {"name": name, "draft_tokens": 3, "last_tokens": 4}
+    if name == "query_overlap":  # the query is the last 6 tokens; a draft fills the rest of the budget
+        return {"name": name, "last_tokens": 6, "before": 1, "after": 2, "fill": "draft_attention"}
     return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
 
 
@@ -212,6 +215,78 @@ def test_every_strategy_round_trips_its_settings(name):
     assert RepairConfig.from_dict(RepairConfig(selector.settings(), tokens=3).to_dict()).to_dict()["strategy"] == (
         selector.settings()
     )
+
+
+def test_query_overlap_finds_every_run_of_the_query_and_weighs_its_tokens():
+    # context 1 2 3 9 9 1 2 4 ...: the query 1 2 3 8 holds the run 1 2 3 and, apart, 1 2
+    weights = {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0}
+    assert run_scores([1, 2, 3, 9, 9, 1, 2, 4], [1, 2, 3, 8], weights) == [(0, 3, 7.0), (5, 7, 3.0)]
+    assert run_scores([5, 6], [1, 2], weights) == []
+    # a context token the query holds twice takes the alignment that scores most: 2 3 after 1 is one run of three
+    assert run_scores([1, 2, 3], [2, 3, 7, 1, 2, 3], weights) == [(0, 3, 7.0)]
+
+
+def _overlap_context(ids, length=None):
+    length = ids.shape[1] - 1 if length is None else length
+    return RepairContext(
+        target=None,
+        cache=None,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(ids.shape[1])[None],
+        candidates=torch.ones(1, length, dtype=torch.bool),
+    )
+
+
+def test_query_overlap_marks_the_planted_span_and_its_window_first_then_the_fill():
+    # a context of distinct tokens with the planted span 50 51 52 at positions 10-12; the query (the last 4 tokens)
+    # repeats it after one token of its own
+    context = list(range(100, 130))
+    context[10:13] = [50, 51, 52]
+    ids = torch.tensor([context + [60, 50, 51, 52]])
+    selector = QueryOverlapSelector(last_tokens=4, before=2, after=3, fill="tail")
+    marks = selector.marks(_overlap_context(ids))
+    n = 30  # context tokens before the query, each held once
+    weight = math.log(n / 2)
+    run = 3 * weight * (math.log(n / 1) / math.log(n)) ** 2  # the run occurs once: specificity 1
+    want = torch.zeros(33)
+    want[8:16] = run  # 2 before, the run 10-12, 3 after
+    want[30:33] = run  # the query's own cached positions score as the best run
+    assert torch.allclose(marks[0], want)
+    # the marked positions come first (by score), then the fill's order (tail: the latest)
+    context_ = _overlap_context(ids)
+    positions, valid = selector.select(context_, [8 + 3 + 2])
+    assert positions[0].tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 28, 29, 30, 31, 32]
+    # a query that repeats nothing leaves the whole budget to the fill
+    alone = torch.tensor([list(range(100, 130)) + [60, 61, 62, 63]])
+    assert not QueryOverlapSelector(last_tokens=4, fill="tail").marks(_overlap_context(alone)).any()
+    positions, _ = QueryOverlapSelector(last_tokens=4, fill="tail").select(_overlap_context(alone), [5])
+    assert positions[0].tolist() == [28, 29, 30, 31, 32]
+
+
+def test_query_overlap_weighs_a_run_by_how_often_the_context_repeats_it():
+    # the pair 70 71 occurs four times in the context; the query repeats it and the once-held 80
+    context = list(range(100, 140))
+    for start in (3, 13, 23, 33):
+        context[start : start + 2] = [70, 71]
+    context[18] = 80
+    ids = torch.tensor([context + [70, 71, 80]])
+    n = 40
+    marks = QueryOverlapSelector(last_tokens=3, before=0, after=0, min_share=0.01).marks(_overlap_context(ids))[0]
+    pair = 2 * math.log(n / 5) * (math.log(n / 4) / math.log(n)) ** 2
+    single = math.log(n / 2)
+    assert marks[3].item() == pytest.approx(pair) and marks[18].item() == pytest.approx(single)
+    assert single > pair  # a name held once outweighs a phrase repeated throughout
+    # runs under min_share of the best are dropped
+    strict = QueryOverlapSelector(last_tokens=3, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
+    assert strict[18] > 0 and strict[3] == 0
+
+
+def test_query_overlap_needs_the_source_only_where_its_fill_does():
+    assert not QueryOverlapSelector().needs_source and QueryOverlapSelector(fill="draft_branches").needs_source
+    nested = {"name": "draft_attention", "draft_tokens": 3}
+    assert QueryOverlapSelector(fill=nested).settings()["fill"] == {**nested, "last_tokens": 0, "stop_at_eos": True}
+    assert QueryOverlapSelector(fill="tail").settings()["fill"] == "tail"
 
 
 def test_attention_from_hooks_equals_the_models_own_attention_weights(tiny):
@@ -518,6 +593,9 @@ def test_handoff_repairs_and_reports_it(pair, tiny):
         ({"strategy": {"name": "source_attention", "last_tokens": 0}, "fraction": 0.1}, ValueError, "last_tokens=0"),
         ({"strategy": {"name": "draft_attention", "draft_tokens": 0}, "fraction": 0.1}, ValueError, "draft_tokens=0"),
         ({"strategy": {"name": "draft_attention", "stop_at_eos": "yes"}, "fraction": 0.1}, ValueError, "stop_at_eos"),
+        ({"strategy": {"name": "query_overlap", "min_share": 0}, "fraction": 0.1}, ValueError, "min_share=0"),
+        ({"strategy": {"name": "query_overlap", "fill": "query_overlap"}, "fraction": 0.1}, ValueError, "itself"),
+        ({"strategy": {"name": "query_overlap", "fill": "best"}, "fraction": 0.1}, ValueError, "Unknown repair"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, error, fragment):

@@ -146,11 +146,7 @@ def measure_item(
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
     def serve(strategy, fraction):
-        served, seconds, steps = serve_rung(context, strategy, fraction)
-        margins, timed, _ = check_margins(target, served.cache, ids, len(expected))
-        answer = _greedy(target, ids, served.cache, len(expected), pad)
-        outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
-        return {**outcome, "margins": margins}, seconds, steps, timed
+        return measure_rung(context, target, ids, strategy, fraction, reference, expected, pad)
 
     mapped, mapped_seconds, _, mapped_checked = serve(strategies[0], 0.0)
     answers, repair_seconds, draft_steps, check_steps, settings = {}, {}, {}, {}, {}
@@ -187,6 +183,19 @@ def measure_item(
             "check_steps": check_steps,
         },
     }
+
+
+def measure_rung(
+    context, target, ids, strategy, fraction: float, reference: list[int], expected: list[int], pad: int | None
+):
+    """One rung of a record (prompt `ids`), served on a copy of `context`'s mapped cache ([`serve_rung`]): its
+    outcome (`changed` from the target's own `reference` answer, `correct` against `expected`, the check's `margin`
+    and every answer token's `margins`), the seconds it took, the source draft's step seconds and the check's."""
+    served, seconds, steps = serve_rung(context, strategy, fraction)
+    margins, timed, _ = check_margins(target, served.cache, ids, len(expected))
+    answer = _greedy(target, ids, served.cache, len(expected), pad)
+    outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
+    return {**outcome, "margins": margins}, seconds, steps, timed
 
 
 def check_margins(target, cache, ids, steps: int) -> tuple[list[float], list[float], list[int]]:
@@ -520,6 +529,7 @@ __all__ = [
     "ladder_from_records",
     "measure_item",
     "measure_ladder_items",
+    "measure_rung",
     "parse_probe",
     "perfect_probe_outcome",
     "probe_key",

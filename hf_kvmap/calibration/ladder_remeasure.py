@@ -1,9 +1,12 @@
 """What ladder records measured before a field existed get measured after them: the answer margins a check after the
 rung reads (`measure_margins`: the first token's, or with `tokens=True` every answer token's and each check step's
-seconds) and the source's own answer (`measure_source_answer`: what not switching serves). Each returns one small
-dict per record, kept beside the records (`benchmarks.guard_ladder --margins --token-margins --source-answers`), and
-`with_margins` / `with_source_answers` put them where [`~hf_kvmap.calibration.ladder_items.measure_item`] now writes
-them, so a ladder calibrated on old records with them equals one calibrated on records measured anew.
+seconds), the source's own answer (`measure_source_answer`: what not switching serves), and repair strategies the
+records were not measured with (`measure_strategies`: every rung of each, against the target's answer the record
+holds, so the target's prefill is not run again). Each returns one small dict per record, kept beside the records
+(`benchmarks.guard_ladder --margins --token-margins --source-answers`, and `--strategies` naming a strategy the
+records lack), and `with_margins` / `with_source_answers` / `with_strategies` put them where
+[`~hf_kvmap.calibration.ladder_items.measure_item`] writes them, so a ladder calibrated on old records with them
+equals one calibrated on records measured anew.
 
 ```python
 found = [measure_margins(source, target, mapper, tokenizer, item, record, tokens=True) for ...]
@@ -21,8 +24,17 @@ from typing import Any
 import torch
 
 from .._compat import output_cache
+from ..repair import selector_from_dict
 from ..serving.pipeline import prepare_context
-from .ladder_items import LadderItem, check_margins, parse_probe, serve_rung, source_greedy_answer
+from .ladder_items import (
+    LadderItem,
+    check_margins,
+    measure_rung,
+    parse_probe,
+    serve_rung,
+    source_greedy_answer,
+    strategy_key,
+)
 
 
 def _prompt(tokenizer, item: LadderItem, record: dict[str, Any]) -> tuple[str, torch.Tensor, list[int]]:
@@ -84,13 +96,15 @@ def with_margins(records: Sequence[dict], measured: Sequence[dict]) -> list[dict
                     "margin": found["margins"][key][f],
                     **({"margins": every[key][f]} if every is not None else {}),
                 }
+                if key in found["margins"]  # a strategy added after the margins were measured holds its own
+                else outcome
                 for f, outcome in rungs.items()
             }
             for key, rungs in record["answers"].items()
         }
-        seconds = {**record["seconds"], "verify": found["verify"]}
+        seconds = {**record["seconds"], "verify": {**record["seconds"].get("verify", {}), **found["verify"]}}
         if every is not None:
-            seconds["check_steps"] = found["check_steps"]
+            seconds["check_steps"] = {**record["seconds"].get("check_steps", {}), **found["check_steps"]}
         out.append({**record, "answers": answers, "seconds": seconds})
     return out
 
@@ -123,4 +137,72 @@ def has_source_answers(records: Sequence[dict]) -> bool:
     return bool(records) and all("correct_source" in record for record in records)
 
 
-__all__ = ["has_source_answers", "measure_margins", "measure_source_answer", "with_margins", "with_source_answers"]
+@torch.no_grad()
+def measure_strategies(
+    source, target, mapper, tokenizer, item: LadderItem, record: dict[str, Any], strategies: Sequence[dict | str]
+) -> dict[str, Any]:
+    """The rungs of `strategies` (ones `record` was not measured with) on `item`, as [`measure_item`] measures a
+    strategy: at every fraction the record holds (the mapped cache's rung, fraction 0, is the record's own), each
+    answer compared with the target's own answer the record holds. Returns `{"prompt_sha256", "strategies": {key:
+    settings}, "answers": {key: {fraction: outcome}}, "seconds": {"repair", "repair_draft_steps", "verify",
+    "check_steps"}}` (each `{key: {fraction: ...}}`) for [`with_strategies`]."""
+    sha, ids, expected = _prompt(tokenizer, item, record)
+    keys = {strategy_key(s): selector_from_dict(s).settings() for s in strategies}
+    held = [key for key in keys if key in record["answers"]]
+    if held:
+        raise ValueError(f"The record was measured with {held} already.")
+    hold_back = parse_probe(next(iter(record["risks"]))).hold_back
+    source_cache = output_cache(source(input_ids=ids, use_cache=True))
+    context = prepare_context(source, target, mapper, ids, None, source_cache, hold_back)
+    fractions = [f for f in next(iter(record["answers"].values())) if float(f)]
+    answers, repair, drafts, verify, steps = {}, {}, {}, {}, {}
+    for key, settings in keys.items():
+        answers[key], repair[key], drafts[key], verify[key], steps[key] = {}, {}, {}, {}, {}
+        for f in fractions:
+            outcome, seconds, draft_steps, timed = measure_rung(
+                context, target, ids, settings, float(f), record["reference"], expected, tokenizer.pad_token_id
+            )
+            answers[key][f], repair[key][f], drafts[key][f], verify[key][f], steps[key][f] = (
+                outcome,
+                seconds,
+                draft_steps,
+                timed[0],
+                timed,
+            )
+    seconds = {"repair": repair, "repair_draft_steps": drafts, "verify": verify, "check_steps": steps}
+    return {"prompt_sha256": sha, "strategies": keys, "answers": answers, "seconds": seconds}
+
+
+def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
+    """`records` with the strategies of [`measure_strategies`] put where [`measure_item`] writes them: each rung's
+    answer and seconds, the mapped cache's rung (fraction 0) shared with the record's own strategies. Several
+    measurements of one record (strategies added at different times) are all merged; records without one are
+    returned as they are."""
+    by_sha: dict[str, list[dict]] = {}
+    for found in measured:
+        by_sha.setdefault(found["prompt_sha256"], []).append(found)
+    out = []
+    for record in records:
+        record = {**record, "answers": dict(record["answers"]), "strategies": dict(record["strategies"])}
+        record["seconds"] = {k: dict(v) if isinstance(v, dict) else v for k, v in record["seconds"].items()}
+        own = next(iter(record["answers"]))  # the mapped cache's rung is every strategy's
+        for found in by_sha.get(record.get("prompt_sha256"), []):
+            for key, rungs in found["answers"].items():
+                record["strategies"][key] = found["strategies"][key]
+                record["answers"][key] = {"0": record["answers"][own]["0"], **rungs}
+                for part, values in found["seconds"].items():
+                    if part in record["seconds"] and own in record["seconds"][part]:
+                        record["seconds"][part][key] = {"0": record["seconds"][part][own]["0"], **values[key]}
+        out.append(record)
+    return out
+
+
+__all__ = [
+    "has_source_answers",
+    "measure_margins",
+    "measure_source_answer",
+    "measure_strategies",
+    "with_margins",
+    "with_source_answers",
+    "with_strategies",
+]

@@ -19,6 +19,7 @@ from .draft_coverage import DraftCoverageSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
+from .query_overlap import QueryOverlapSelector
 from .recompute import recompute_positions
 from .refresh import DecodeRefresh
 from .repair import RepairConfig, repair_cache
@@ -36,6 +37,7 @@ __all__ = [
     "EarlyDeviationSelector",
     "MixSelector",
     "OracleSelector",
+    "QueryOverlapSelector",
     "RepairConfig",
     "RepairContext",
     "Selector",
