@@ -3,6 +3,10 @@ the renderers under `benchmarks/` so that one quantity reads the same on every p
 
 from __future__ import annotations
 
+import inspect
+import json
+import re
+
 
 def pct(value, digits: int = 0, missing: str = "n/a") -> str:
     """`0.125` -> `12 %` (`digits` after the point); `missing` for a value that was not measured (None)."""
@@ -34,6 +38,37 @@ def rung_label(name: str) -> str:
     return {"fallback": "prefill"}.get(name, name)
 
 
+def strategy_text(strategy: dict | str) -> str:
+    """A repair strategy by its name and the options it sets otherwise than its defaults: the record key
+    `draft_branches:branches=3:draft_tokens=8:last_tokens=0:stop_at_eos=True` (or those settings) reads
+    `draft_branches`, `query_overlap:...:fill=draft_branches:...` reads `query_overlap:fill=draft_branches`. A name
+    the registry does not hold is shown with every option."""
+    from hf_kvmap.repair import SELECTORS
+
+    if isinstance(strategy, str):
+        name, *parts = re.split(r":(?=[A-Za-z_]\w*=)", strategy)  # a nested option's JSON holds colons too
+        options = dict(part.split("=", 1) for part in parts)
+    else:
+        name = strategy["name"]
+        options = {k: v if isinstance(v, str) else _option_text(v) for k, v in strategy.items() if k != "name"}
+    defaults = {}
+    if name in SELECTORS:
+        signature = inspect.signature(SELECTORS[name].__init__)
+        defaults = {k: _option_text(p.default) for k, p in signature.parameters.items() if p.default is not p.empty}
+    kept = []
+    for key, value in sorted(options.items()):
+        if value.startswith("{") and '"name"' in value:  # a nested strategy (a fill, a component) reads short too
+            value = strategy_text(json.loads(value))
+        if defaults.get(key, object()) != value:
+            kept.append(f"{key}={value}")
+    return ":".join([name, *kept])
+
+
+def _option_text(value) -> str:
+    """An option as a record key writes it (`hf_kvmap.calibration.ladder_items.strategy_key`)."""
+    return str(value) if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
+
+
 def break_even_text(entry: dict) -> str:
     """Of a `long_switch_report.break_even_length` entry: `about 1,234 tokens`, or which side of every length
     measured the break-even lies on."""
@@ -44,4 +79,4 @@ def break_even_text(entry: dict) -> str:
     return f"above {entry['above']:,.0f} tokens (pays at none measured)"
 
 
-__all__ = ["break_even_text", "fraction_text", "number_text", "pct", "rung_label", "rung_order"]
+__all__ = ["break_even_text", "fraction_text", "number_text", "pct", "rung_label", "rung_order", "strategy_text"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hf_kvmap.reporting import gap_recovered
 
-from .formatting import fraction_text, number_text, pct, rung_label, rung_order
+from .formatting import fraction_text, number_text, pct, rung_label, rung_order, strategy_text
 
 #: options whose values are paths on the machine that ran a benchmark (left out of the commands shown)
 LOCAL_OPTIONS = ("--out", "--plot", "--points", "--work", "--merge", "--cache-dir")
@@ -71,14 +71,6 @@ def _option(command: str, name: str) -> str | None:
 def _machine(environment: dict) -> str:
     threads = environment.get("threads")
     return f"{environment.get('device', '?')}, {threads} torch thread{'' if threads == 1 else 's'}"
-
-
-def _strategy_name(settings: dict | str) -> str:
-    """`source_attention:last_tokens=16` for a strategy's settings (how `hf_kvmap.calibration.ladder_items` records name it)."""
-    if isinstance(settings, str):
-        return settings
-    options = [f"{key}={value}" for key, value in sorted(settings.items()) if key != "name"]
-    return ":".join([settings["name"], *options])
 
 
 def mapper_name(path: str) -> str:
@@ -427,7 +419,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         ladder, outcome = way["ladder"], way["selection"]
         probe = f"{ladder['probe']['name']}:{ladder['probe'].get('tokens', '?')}"
         repairs = name.startswith("ladder")
-        strategy = f"`{_strategy_name(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
+        strategy = f"`{strategy_text(ladder['strategy'])}`" if repairs else "none (mapped or prefill)"
         worst = max(group["changed_served"] for group in outcome["per_group"].values())
         rungs = _rungs(ladder, repairs)
         if ladder.get("min_margin") is not None:
@@ -506,7 +498,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     gapped = all("source" in task for rows in fixed.values() for row in rows for task in row["tasks"].values())
     lines += ["", f"| always serve, no probe (report set) | {columns} |", "|---|" + "---|" * len(fractions)]
     for strategy, rows in fixed.items():
-        lines.append(f"| `{strategy}` | {' | '.join(cell(rows, f, worst) for f in fractions)} |")
+        lines.append(f"| `{strategy_text(strategy)}` | {' | '.join(cell(rows, f, worst) for f in fractions)} |")
     lines += [
         "",
         f"| retention{' · gap recovered' if gapped else ''} of every fixed repair (report set) | task | {columns} |",
@@ -515,7 +507,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     for strategy, rows in fixed.items():
         for index, task in enumerate(tasks):
             cells = " | ".join(cell(rows, f, retention(task)) for f in fractions)
-            lines.append(f"| {f'`{strategy}`' if not index else ''} | {task} | {cells} |")
+            lines.append(f"| {f'`{strategy_text(strategy)}`' if not index else ''} | {task} | {cells} |")
     return lines
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hf_kvmap.reporting import gap_recovered
 
-from .formatting import number_text, pct
+from .formatting import number_text, pct, strategy_text
 
 #: the most a repair may recompute for an answer target (a share of the prompt, refreshes while decoding included)
 MAX_FRACTION = 0.3
@@ -133,7 +133,7 @@ def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
                         f">= {MIN_KEPT} retention and of the gap, cost <= {1.0 / MIN_SPEEDUP[calibrated]:g} of a "
                         f"prefill (a first token {MIN_SPEEDUP[calibrated]}x sooner)",
                         f"{task} @ {calibrated} tokens, the ladder's {data['report_items_per_task']} report items",
-                        f"`{strategy.split(':')[0]}@{fraction:g}`: retention {number_text(retention)}, gap {gap_text}, "
+                        f"`{strategy_text(strategy)}@{fraction:g}`: retention {number_text(retention)}, gap {gap_text}, "
                         f"cost {number_text(result['mean_cost'])}",
                         verdict,
                     )

@@ -1008,3 +1008,26 @@ def test_recorded_commands_name_mappers_and_models_where_the_readme_puts_them():
     )
     shipped = "/x/hf_kvmap/zoo/mappers/tiny-m-to-tiny-l"
     assert portable_path(shipped) == shipped and portable_path("relative/mappers/a") == "relative/mappers/a"
+
+
+def test_a_strategy_reads_by_the_options_it_sets_otherwise_than_its_defaults():
+    from benchmarks.formatting import strategy_text
+    from hf_kvmap.calibration.ladder_items import strategy_key
+
+    assert strategy_text(strategy_key("draft_branches")) == "draft_branches"
+    assert (
+        strategy_text(strategy_key({"name": "draft_attention", "draft_tokens": 64}))
+        == "draft_attention:draft_tokens=64"
+    )
+    assert strategy_text(strategy_key({"name": "query_overlap", "fill": "draft_branches"})) == (
+        "query_overlap:fill=draft_branches"
+    )
+    nested = {"name": "query_overlap", "fill": {"name": "draft_attention", "draft_tokens": 3}}
+    assert strategy_text(strategy_key(nested)) == strategy_text(
+        {
+            "name": "query_overlap",
+            "fill": {"draft_tokens": 3, "last_tokens": 0, "name": "draft_attention", "stop_at_eos": True},
+        }
+    )
+    assert "fill=" in strategy_text(strategy_key(nested))
+    assert strategy_text({"name": "mix"}) == "mix" and strategy_text("unknown:x=1") == "unknown:x=1"
