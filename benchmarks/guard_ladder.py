@@ -34,6 +34,7 @@ from hf_kvmap.calibration.ladder_items import (
     CHECK_TOKENS,
     LadderItem,
     has_margins,
+    held_strategies,
     items_from_tasks,
     ladder_from_records,
     measure_ladder_items,
@@ -46,6 +47,7 @@ from hf_kvmap.calibration.ladder_remeasure import has_source_answers
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 
+from .formatting import strategy_text
 from .ladder_lengths import changed_outcome
 from .ladder_records import with_side_measurements
 from .long_switch import parse_strategy, split_rungs
@@ -221,7 +223,7 @@ def _cost(record: dict, strategy: str, fraction: str) -> float:
 def fixed_points(records: list[dict]) -> dict[str, list[dict]]:
     """Every (strategy, fraction) served to every request, no probe: cost, changed answers and accuracy per task."""
     out = {}
-    for strategy in sorted(records[0]["answers"]):
+    for strategy in held_strategies(records):
         rows = []
         for fraction in sorted(float(f) for f in records[0]["answers"][strategy]):
             key = f"{fraction:g}"
@@ -360,22 +362,28 @@ def plot(results: dict, path: str) -> list[list[str]]:
 
     directions = list(results["directions"])
     fig, axes = plt.subplots(1, len(directions), figsize=(4.4 * len(directions) + 2.4, 3.8), squeeze=False)
+    # the fixed repairs are lines in blues and greys, each calibrated way a marker of its own colour, alike on every
+    # panel, so one legend reads all of them
+    strategies = sorted({s for data in results["directions"].values() for s in data["fixed_report"]})
+    line_colors = dict(zip(strategies, ("tab:blue", "black", "tab:cyan", "tab:olive", "tab:gray")))
+    ways = (
+        ("binary_guard", "s", "tab:orange"),
+        ("ladder", "*", "tab:green"),
+        ("binary_guard_confident", "D", "tab:red"),
+        ("ladder_confident", "P", "tab:purple"),
+        ("ladder_lost", "X", "tab:brown"),
+        ("ladder_checked", "v", "tab:pink"),
+        ("ladder_checked_confident", "^", "gold"),
+    )
     for axis, direction in zip(axes[0], directions):
         data = results["directions"][direction]
         for strategy, rows in data["fixed_report"].items():
             xs = [row["mean_cost"] for row in rows]
             ys = [max(t["changed"] for t in row["tasks"].values()) for row in rows]
-            axis.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=f"always {strategy}")
+            label = f"always {strategy_text(strategy)}"
+            axis.plot(xs, ys, marker="o", markersize=3, linewidth=1, color=line_colors.get(strategy), label=label)
         confidence = results["run"].get("confidence")
-        for name, marker in (
-            ("binary_guard", "s"),
-            ("ladder", "*"),
-            ("binary_guard_confident", "D"),
-            ("ladder_confident", "P"),
-            ("ladder_lost", "X"),
-            ("ladder_checked", "v"),
-            ("ladder_checked_confident", "^"),
-        ):
+        for name, marker, color in ways:
             if name not in data:
                 continue
             report = changed_outcome(data[name])
@@ -387,14 +395,20 @@ def plot(results: dict, path: str) -> list[list[str]]:
                 margin = data[name]["ladder"].get("min_margin")  # None: no check was cheaper on the selection set
                 label = f"ladder + check ({'none chosen' if margin is None else f'margin >= {margin:g}'}{bound})"
             worst = max(g["changed_served"] for g in report["per_group"].values())
-            axis.plot([report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", label=label)
+            axis.plot(
+                [report["mean_cost"]], [worst], marker=marker, markersize=11, linestyle="", color=color, label=label
+            )
         axis.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
         axis.axhline(results["run"]["max_changed"], color="grey", linewidth=0.8, linestyle=":")
         axis.set_title(f"{direction} (report set)", fontsize=9)
         axis.set_xlabel("mean cost per request (1 = the target's prefill)")
         axis.set_ylim(bottom=0)
     axes[0][0].set_ylabel("changed answers served (worst task)")
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    legend = {}  # every panel's entries once (a strategy measured on one report set only is drawn there alone)
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     labels = [axis.get_legend_handles_labels()[1] for axis in axes[0]]

@@ -22,7 +22,12 @@ import datetime as _dt
 import sys
 from collections.abc import Sequence
 
-from hf_kvmap.calibration.ladder_items import ladder_from_records, perfect_probe_outcome, replay_ladder
+from hf_kvmap.calibration.ladder_items import (
+    held_strategies,
+    ladder_from_records,
+    perfect_probe_outcome,
+    replay_ladder,
+)
 from hf_kvmap.reporting import environment_info, write_json
 
 from .formatting import fraction_text
@@ -78,7 +83,7 @@ def study(
     """Per report set: the perfect probe's ladder (free, and at each real probe's cost) per strategy, beside the
     ladders calibrated on `selection` (budget on the items alone, and as an upper bound at `confidence`) replayed
     there; and each probe's separation on the selection set and on every report set."""
-    strategies = sorted(selection[0]["answers"])
+    strategies = held_strategies(selection)
     probes = sorted(selection[0]["risks"])
     calibrated = {  # calibrated once, replayed on every report set
         "ladder": ladder_from_records(selection, max_changed=max_changed),

@@ -80,10 +80,10 @@ def with_side_measurements(
     """`records` with every measurement kept beside them (`SIDE_MEASUREMENTS`: the answer margins, the source's own
     answer, strategies added later) merged in; for each kind in `measure`, the records that lack it are measured
     first (`pair` and `items`, the records' items in order; appended to the side file one item at a time, so a
-    stopped run resumes). "strategies" measures those of `strategies` (names or settings) a record lacks; the
-    strategies are merged before the margins and the source's answers are measured, so those cover them too. Without
-    `measure`, `pair` and `items` are not used."""
-    order = ["strategies", *(kind for kind in SIDE_MEASUREMENTS if kind != "strategies")]
+    stopped run resumes). "strategies" measures those of `strategies` (names or settings) a record lacks, and is
+    merged last: a strategy measured later holds its own margins and shares the mapped rung (fraction 0) as the
+    records hold it by then, margins included. Without `measure`, `pair` and `items` are not used."""
+    order = [*(kind for kind in SIDE_MEASUREMENTS if kind != "strategies"), "strategies"]
     for kind in order:
         holds, measure_one, merge = SIDE_MEASUREMENTS[kind]
         measured = read_side(path, kind)

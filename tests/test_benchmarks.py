@@ -572,14 +572,24 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
             "prompt_sha256": f"{i:064x}",
             "strategies": {key: {"name": "target_attention", "last_tokens": 16}},
             "answers": {key: {"0.5": {"changed": False, "correct": True}}},
-            "seconds": {"repair": {key: {"0.5": 0.6}}},
+            "seconds": {"repair": {key: {"0.5": 0.6}}, "verify": {key: {"0.5": 0.02}}},
         }
         for i in range(8)
     ]
     (tmp_path / "set.strategies.jsonl").write_text("\n".join(json.dumps(m) for m in side))
+    # margins measured beside the records for their own strategy: the added one shares the mapped rung's
+    margins = [
+        {"prompt_sha256": f"{i:064x}", "margins": {"tail": {"0": 0.25, "0.5": 0.75}}, "verify": {"tail": {"0": 0.01}}}
+        for i in range(8)
+    ]
+    (tmp_path / "set.margins.jsonl").write_text("\n".join(json.dumps(m) for m in margins))
     merged = with_side_measurements(path, None, [], records)
     assert all(set(r["answers"]) == {"tail", key} for r in merged)
-    assert merged[0]["answers"][key]["0"] == records[0]["answers"]["tail"]["0"]  # the shared mapped rung
+    assert merged[0]["answers"][key]["0"] == merged[0]["answers"]["tail"]["0"]  # the shared mapped rung
+    assert merged[0]["answers"][key]["0"]["margin"] == 0.25 and merged[0]["seconds"]["verify"][key] == {
+        "0": 0.01,
+        "0.5": 0.02,
+    }
     assert merged[0]["seconds"]["repair"][key] == {"0": 0.1, "0.5": 0.6}
     fixed = study(merged, merged, max_changed=0.0)["fixed_report"]
     assert {row["fraction"]: row["tasks"]["chat"]["changed"] for row in fixed[key]} == {0.0: 1.0, 0.5: 0.0}

@@ -27,6 +27,7 @@ from hf_kvmap.calibration.ladder import (
 )
 from hf_kvmap.calibration.ladder_items import (
     cheapest_keeping,
+    held_strategies,
     ladder_from_records,
     measure_ladder_items,
     perfect_probe_outcome,
@@ -601,6 +602,12 @@ def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(lad
         ladder_from_records(both, max_changed=0.0).calibration["candidates"].keys()
     )
     assert with_strategies(old, measured[1:])[0] == old[0]  # a record not measured is left as it was
+    # a side pass stopped part-way: the strategy is no candidate until every record holds it
+    partial = with_strategies(old, measured[:1])
+    assert held_strategies(partial) == ["tail"] and held_strategies(added) == sorted(["tail", key])
+    assert ladder_from_records(partial, max_changed=0.0).calibration["candidates"].keys() == (
+        ladder_from_records(old, max_changed=0.0).calibration["candidates"].keys()
+    )
     with pytest.raises(ValueError, match="measured with"):
         measure_strategies(source, target, mapper, tokenizer, items[0], old[0], ["tail"])
     with pytest.raises(ValueError, match="another prompt"):

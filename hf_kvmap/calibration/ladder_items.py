@@ -373,6 +373,12 @@ def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
     return {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
 
 
+def held_strategies(records: Sequence[dict]) -> list[str]:
+    """The strategies every record holds answers of (sorted keys): a strategy measured beside records after them is
+    a candidate only once every record has it (a side pass stopped part-way leaves it out)."""
+    return sorted(set.intersection(*(set(r["answers"]) for r in records))) if records else []
+
+
 def _pick(keys: Sequence[str] | None, held: Sequence[str], what: str) -> list[str]:
     keys = list(held) if keys is None else list(keys)
     missing = [k for k in keys if k not in held]
@@ -404,7 +410,7 @@ def ladder_from_records(
         raise ValueError("No records: measure items first (measure_ladder_items).")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
     strategies = _pick(
-        [strategy_key(strategy)] if strategy is not None else None, sorted(records[0]["answers"]), "strategies"
+        [strategy_key(strategy)] if strategy is not None else None, held_strategies(records), "strategies"
     )
     margins_checked = [] if check is False else list(CHECK_MARGINS if check is True else check)
     if check_tokens is None:
@@ -461,9 +467,10 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
     key, name = probe_key(ladder.probe), strategy_key(ladder.strategy)
     if key not in records[0]["risks"]:
         raise ValueError(f"The records hold no risk of the ladder's probe {key}.")
-    if name not in records[0]["answers"]:
+    if name not in held_strategies(records):
         raise ValueError(
-            f"The records hold no answers of the ladder's strategy {name}; they have {sorted(records[0]['answers'])}."
+            f"The records hold no answers of the ladder's strategy {name} on every record; every record holds "
+            f"{held_strategies(records)}."
         )
     measured = {float(f) for f in records[0]["answers"][name]}
     unmeasured = [rung.fraction for rung in ladder.rungs if rung.fraction not in measured]
@@ -525,6 +532,7 @@ __all__ = [
     "cheapest_keeping",
     "check_margins",
     "has_margins",
+    "held_strategies",
     "items_from_tasks",
     "ladder_from_records",
     "measure_item",
