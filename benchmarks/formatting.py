@@ -43,6 +43,7 @@ def strategy_text(strategy: dict | str) -> str:
     `draft_branches:branches=3:draft_tokens=8:last_tokens=0:stop_at_eos=True` (or those settings) reads
     `draft_branches`, `query_overlap:...:fill=draft_branches:...` reads `query_overlap:fill=draft_branches`. A name
     the registry does not hold is shown with every option."""
+    from hf_kvmap.calibration.ladder_items import option_text
     from hf_kvmap.repair import SELECTORS
 
     if isinstance(strategy, str):
@@ -50,11 +51,11 @@ def strategy_text(strategy: dict | str) -> str:
         options = dict(part.split("=", 1) for part in parts)
     else:
         name = strategy["name"]
-        options = {k: v if isinstance(v, str) else _option_text(v) for k, v in strategy.items() if k != "name"}
+        options = {k: v if isinstance(v, str) else option_text(v) for k, v in strategy.items() if k != "name"}
     defaults = {}
     if name in SELECTORS:
         signature = inspect.signature(SELECTORS[name].__init__)
-        defaults = {k: _option_text(p.default) for k, p in signature.parameters.items() if p.default is not p.empty}
+        defaults = {k: option_text(p.default) for k, p in signature.parameters.items() if p.default is not p.empty}
     kept = []
     for key, value in sorted(options.items()):
         if value.startswith("{") and '"name"' in value:  # a nested strategy (a fill, a component) reads short too
@@ -62,11 +63,6 @@ def strategy_text(strategy: dict | str) -> str:
         if defaults.get(key, object()) != value:
             kept.append(f"{key}={value}")
     return ":".join([name, *kept])
-
-
-def _option_text(value) -> str:
-    """An option as a record key writes it (`hf_kvmap.calibration.ladder_items.strategy_key`)."""
-    return str(value) if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
 
 
 def break_even_text(entry: dict) -> str:

@@ -67,13 +67,16 @@ def probe_key(probe: Probe | dict | str) -> str:
     return f"{probe.name}:{probe.tokens}"
 
 
+def option_text(value: Any) -> str:
+    """A strategy option as its record key writes it: a number or text as it is, anything else as sorted JSON."""
+    return str(value) if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
+
+
 def strategy_key(strategy: dict | str) -> str:
     """How records name a repair strategy: its name, then its options as `:key=value` (JSON for nested ones)."""
     settings = selector_from_dict(strategy).settings()
     options = {k: v for k, v in sorted(settings.items()) if k != "name"}
-    parts = [
-        f"{k}={v if isinstance(v, (int, float, str)) else json.dumps(v, sort_keys=True)}" for k, v in options.items()
-    ]
+    parts = [f"{k}={option_text(v)}" for k, v in options.items()]
     return ":".join([settings["name"], *parts])
 
 
@@ -538,6 +541,7 @@ __all__ = [
     "measure_item",
     "measure_ladder_items",
     "measure_rung",
+    "option_text",
     "parse_probe",
     "perfect_probe_outcome",
     "probe_key",

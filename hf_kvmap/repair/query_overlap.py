@@ -4,8 +4,8 @@ matching token ids (no forward of either model); the rest of the budget goes to 
 The last `last_tokens` prompt tokens are the query. Every run of consecutive context tokens that also appears, in
 order, in the query is scored by what it says and how specific it is: the sum of its tokens' weights, `log(n / (1 +
 count))` over the `n` context positions (a token the prompt repeats everywhere, "the", weighs little; a name it holds
-once weighs much), times `log(n / runs) / log(n)` where `runs` is how often the run's whole token sequence occurs in
-the context (a phrase every paragraph repeats, a chat template's turn marker, counts little however long). Runs
+once weighs much), times `(log(n / runs) / log(n))^2` where `runs` is how often the run's whole token sequence occurs
+in the context (a phrase every paragraph repeats, a chat template's turn marker, counts little however long). Runs
 scoring at least `min_share` of the row's best run are kept; each marks itself, `before` tokens before it and `after`
 tokens after it (where a fact's value follows the words that name it) with its score. The query's own positions
 score as the best run (every answer reads the question). Marked positions are recomputed first, by score; the rest
@@ -25,6 +25,7 @@ Cost: nothing of either model beyond `fill`'s. It finds nothing where the questi
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -60,7 +61,7 @@ def run_scores(
 
 
 def _specific(runs: list[tuple[int, int, float]], context_ids: list[int]) -> list[tuple[int, int, float]]:
-    """`runs` with each score times `log(n / occurrences) / log(n)`, the occurrences of its token sequence in the
+    """`runs` with each score times `(log(n / occurrences) / log(n))^2`, the occurrences of its token sequence in the
     `n` context tokens (a run the context repeats often says little about where the question points)."""
     n = len(context_ids)
     if n < 2:
@@ -141,9 +142,7 @@ class QueryOverlapSelector(Selector):
             # runs are matched over the contiguous context before the query (candidates start at `start`)
             first, last = context_positions[0], context_positions[-1] + 1
             context_ids = ids[row, first:last].tolist()
-            counts: dict[int, int] = {}
-            for token in context_ids:
-                counts[token] = counts.get(token, 0) + 1
+            counts = Counter(context_ids)
             n = len(context_ids)
             weights = {token: max(0.0, math.log(n / (1 + count))) for token, count in counts.items()}
             runs = _specific(run_scores(context_ids, query, weights), context_ids)
