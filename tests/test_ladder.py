@@ -598,6 +598,13 @@ def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(lad
         assert mine["answers"] == theirs["answers"]
         assert set(mine["seconds"]["repair"][key]) == set(mine["seconds"]["check_steps"][key]) == {"0", "0.2", "0.5"}
         assert mine["seconds"]["repair"][key]["0"] == mine["seconds"]["repair"]["tail"]["0"]  # the shared mapped rung
+    # each measurement timed the record's first strategy at its smallest fraction beside the new rungs
+    for found, record, mine in zip(measured, old, added):
+        yardstick = found["yardstick"]
+        assert (yardstick["strategy"], yardstick["fraction"]) == ("tail", "0.2") and yardstick["seconds"] > 0
+        scale = record["seconds"]["repair"]["tail"]["0.2"] / yardstick["seconds"]
+        assert mine["clock"] == {key: scale}
+        assert mine["seconds"]["repair"][key]["0.5"] == found["seconds"]["repair"][key]["0.5"] * scale
     assert ladder_from_records(added, max_changed=0.0).calibration["candidates"].keys() == (
         ladder_from_records(both, max_changed=0.0).calibration["candidates"].keys()
     )
@@ -612,6 +619,34 @@ def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(lad
         measure_strategies(source, target, mapper, tokenizer, items[0], old[0], ["tail"])
     with pytest.raises(ValueError, match="another prompt"):
         measure_strategies(source, target, mapper, tokenizer, items[1], old[0], ["source_attention"])
+
+
+def test_strategies_measured_apart_are_put_on_the_records_clock_by_their_yardstick():
+    record = {
+        "prompt_sha256": "a",
+        "strategies": {"tail": {"name": "tail"}},
+        "answers": {"tail": {"0": {"changed": False}, "0.1": {"changed": False}}},
+        "seconds": {"repair": {"tail": {"0": 0.0, "0.1": 2.0}}, "check_steps": {"tail": {"0": [1.0], "0.1": [1.0]}}},
+    }
+    new = {"0.1": {"changed": True}}
+    found = {
+        "prompt_sha256": "a",
+        "strategies": {"other": {"name": "other"}},
+        "answers": {"other": new},
+        "seconds": {"repair": {"other": {"0.1": 1.5}}, "check_steps": {"other": {"0.1": [0.25, 0.5]}}},
+    }
+    # the yardstick (tail at 0.1) took 0.5 s beside the new rung and 2.0 s in the record: this pass ran 4x faster
+    (timed,) = with_strategies(
+        [record], [{**found, "yardstick": {"strategy": "tail", "fraction": "0.1", "seconds": 0.5}}]
+    )
+    assert timed["clock"] == {"other": 4.0}
+    assert timed["seconds"]["repair"]["other"] == {"0": 0.0, "0.1": 6.0}
+    assert timed["seconds"]["check_steps"]["other"] == {"0": [1.0], "0.1": [1.0, 2.0]}
+    assert timed["answers"]["other"] == {"0": {"changed": False}, **new}
+    # a measurement of before yardsticks keeps its seconds as timed, and says no factor
+    (untimed,) = with_strategies([record], [found])
+    assert "clock" not in untimed and untimed["seconds"]["repair"]["other"] == {"0": 0.0, "0.1": 1.5}
+    assert record["seconds"]["repair"] == {"tail": {"0": 0.0, "0.1": 2.0}}  # the record itself is left as it was
 
 
 def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):

@@ -145,7 +145,12 @@ def measure_strategies(
     strategy: at every fraction the record holds (the mapped cache's rung, fraction 0, is the record's own), each
     answer compared with the target's own answer the record holds. Returns `{"prompt_sha256", "strategies": {key:
     settings}, "answers": {key: {fraction: outcome}}, "seconds": {"repair", "repair_draft_steps", "verify",
-    "check_steps"}}` (each `{key: {fraction: ...}}`) for [`with_strategies`]."""
+    "check_steps"}, "yardstick"}` (each of `seconds` `{key: {fraction: ...}}`) for [`with_strategies`].
+
+    The records timed their stages beside the item's own prefill; this pass runs apart from it, maybe on another
+    machine. So it also times a yardstick beside the new rungs: the record's first strategy served again at its
+    smallest repairing fraction (`{"strategy", "fraction", "seconds"}`), which [`with_strategies`] uses to put the new
+    seconds on the records' clock."""
     sha, ids, expected = _prompt(tokenizer, item, record)
     keys = {strategy_key(s): selector_from_dict(s).settings() for s in strategies}
     held = [key for key in keys if key in record["answers"]]
@@ -169,13 +174,33 @@ def measure_strategies(
                 timed[0],
                 timed,
             )
+    own = next(iter(record["answers"]))
+    _, timed_own, _ = serve_rung(context, record["strategies"][own], float(fractions[0]))
+    yardstick = {"strategy": own, "fraction": fractions[0], "seconds": timed_own}
     seconds = {"repair": repair, "repair_draft_steps": drafts, "verify": verify, "check_steps": steps}
-    return {"prompt_sha256": sha, "strategies": keys, "answers": answers, "seconds": seconds}
+    return {"prompt_sha256": sha, "strategies": keys, "answers": answers, "seconds": seconds, "yardstick": yardstick}
+
+
+def _on_records_clock(record: dict[str, Any], found: dict[str, Any]) -> float:
+    """The factor that puts the seconds of a [`measure_strategies`] measurement on `record`'s clock: the seconds the
+    record timed its yardstick rung in, over the seconds the measurement timed it in (1 for measurements of before
+    yardsticks, whose seconds are taken as they are)."""
+    yardstick = found.get("yardstick")
+    if yardstick is None:
+        return 1.0
+    return record["seconds"]["repair"][yardstick["strategy"]][yardstick["fraction"]] / yardstick["seconds"]
+
+
+def _scaled(seconds: float | list[float], scale: float) -> float | list[float]:
+    return [step * scale for step in seconds] if isinstance(seconds, list) else seconds * scale
 
 
 def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[dict]:
     """`records` with the strategies of [`measure_strategies`] put where [`measure_item`] writes them: each rung's
-    answer and seconds, the mapped cache's rung (fraction 0) shared with the record's own strategies. Several
+    answer and seconds, the mapped cache's rung (fraction 0) shared with the record's own strategies. The added
+    seconds are scaled by the measurement's yardstick onto the record's clock (the new rung's seconds over the
+    yardstick's, side by side, times the yardstick's seconds in the record), and the factor is kept in
+    `record["clock"][key]` (absent for a measurement without a yardstick: its seconds are as timed). Several
     measurements of one record (strategies added at different times) are all merged; records without one are
     returned as they are."""
     by_sha: dict[str, list[dict]] = {}
@@ -187,12 +212,16 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
         record["seconds"] = {k: dict(v) if isinstance(v, dict) else v for k, v in record["seconds"].items()}
         own = next(iter(record["answers"]))  # the mapped cache's rung is every strategy's
         for found in by_sha.get(record.get("prompt_sha256"), []):
+            scale = _on_records_clock(record, found)
             for key, rungs in found["answers"].items():
                 record["strategies"][key] = found["strategies"][key]
                 record["answers"][key] = {"0": record["answers"][own]["0"], **rungs}
                 for part, values in found["seconds"].items():
                     if part in record["seconds"] and own in record["seconds"][part]:
-                        record["seconds"][part][key] = {"0": record["seconds"][part][own]["0"], **values[key]}
+                        scaled = {f: _scaled(seconds, scale) for f, seconds in values[key].items()}
+                        record["seconds"][part][key] = {"0": record["seconds"][part][own]["0"], **scaled}
+                if "yardstick" in found:
+                    record["clock"] = {**record.get("clock", {}), key: scale}
         out.append(record)
     return out
 
