@@ -44,12 +44,12 @@ from hf_kvmap.calibration.ladder_items import (
     strategy_key,
 )
 from hf_kvmap.calibration.ladder_remeasure import has_source_answers
+from hf_kvmap.calibration.ladder_side import with_side_measurements
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 
 from .formatting import strategy_text
 from .ladder_lengths import changed_outcome
-from .ladder_records import with_side_measurements
 from .long_switch import parse_strategy, split_rungs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 from hf_kvmap.calibration.ladder import changed_budget
+from hf_kvmap.calibration.ladder_side import with_side_measurements
 from hf_kvmap.reporting import environment_info, write_json
 
 from .guard_ladder import calibrated_replay, mapped_only
-from .ladder_records import with_side_measurements
 
 #: the calibrations compared: (name, view of the records, whether the budget is held as a confidence bound)
 WAYS = (

@@ -649,6 +649,41 @@ def test_strategies_measured_apart_are_put_on_the_records_clock_by_their_yardsti
     assert record["seconds"]["repair"] == {"tail": {"0": 0.0, "0.1": 2.0}}  # the record itself is left as it was
 
 
+def test_the_cli_measures_a_strategy_its_records_lack_beside_them(tmp_path, capsys):
+    from hf_kvmap.calibration.ladder_side import read_side, side_path, with_side_measurements
+
+    def calibrate(strategies, records, out):
+        args = ["calibrate-ladder", "--source", "tiny-m", "--target", "tiny-l", "--items", "3"]
+        args += ["--probes", "draft_agreement:2", "--fractions", "0.3", "--strategies", strategies]
+        assert (
+            cli([*args, "--records", str(records), "--out", str(tmp_path / out), "--json", str(tmp_path / "s")]) == 0
+        )
+        return json.loads((tmp_path / "s").read_text())["ladder"]["calibration"]["candidates"]
+
+    records = tmp_path / "records.jsonl"
+    calibrate("tail", records, "one")
+    measured = records.read_text()
+    items = len(measured.splitlines())
+    capsys.readouterr()
+    candidates = calibrate("tail,source_attention", records, "two")
+    assert f"measuring source_attention:last_tokens=16 beside the {items} records" in capsys.readouterr().out
+    assert records.read_text() == measured  # the records file is only read
+    assert len(read_side(records, "strategies")) == items
+    # as if measured with both from the start: the answers bit for bit, the same candidates
+    both = tmp_path / "both.jsonl"
+    assert candidates.keys() == calibrate("tail,source_attention", both, "three").keys()
+    merged = with_side_measurements(records, None, [], [json.loads(line) for line in measured.splitlines()])
+    fresh = [json.loads(line) for line in both.read_text().splitlines()]
+    assert [r["answers"] for r in merged] == [r["answers"] for r in fresh]
+    # run again: everything is held, nothing is measured
+    calibrate("tail,source_attention", records, "four")
+    assert "measuring" not in capsys.readouterr().out and len(read_side(records, "strategies")) == items
+    assert side_path(records, "strategies").name == "records.strategies.jsonl"
+    # records holding a strategy not asked for are refused, not measured beside
+    with pytest.raises(SystemExit, match="other strategies or fractions"):
+        calibrate("source_attention", records, "five")
+
+
 def test_the_cli_calibrates_a_ladder_into_config_and_card(tmp_path, capsys):
     out = tmp_path / "m2l"
     records = tmp_path / "records.jsonl"

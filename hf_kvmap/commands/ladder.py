@@ -8,7 +8,9 @@ Every exact-match item is measured one prompt at a time (the target's own answer
 mapped cache; the answer and cost of every repair fraction), and the cheapest ladder whose changed answers stay within
 `--max-changed` on every task is kept (with `--confidence 0.9`, the budget must hold as a one-sided upper confidence
 bound: about 60 items per task vouch for 5 % at 0.95, 45 at 0.9). `--records` keeps the measurements (JSONL) so a
-stopped run resumes.
+stopped run resumes; a strategy asked for that the records lack is measured beside them (`<records>.strategies.jsonl`,
+resumable too; the target's own answers are read from the records, its prefill is not run again), so a new repair
+strategy joins a calibrated ladder's candidates without measuring the items again.
 """
 
 from __future__ import annotations
@@ -142,6 +144,35 @@ def _records(path: Path | None) -> list[dict]:
     return records
 
 
+def _with_strategies_beside(args, done: list[dict], items, pair, strategies, fractions) -> list[dict]:
+    """The records measured before with what was kept beside them merged in, and the strategies asked for that they
+    lack measured beside them first (where the records hold only strategies asked for, at the fractions asked for:
+    anything else is refused by the measurement, which names it)."""
+    from ..calibration.ladder_items import strategy_key
+    from ..calibration.ladder_side import side_path, with_side_measurements
+
+    records = with_side_measurements(args.records, pair, items, done)
+    asked = [strategy_key(s) for s in strategies]
+    held = [set(record.get("answers", {})) for record in records]
+    rungs = {f"{f:g}" for f in {0.0, *fractions}}
+    same_rungs = all(
+        set(next(iter(record["answers"].values()), {})) == rungs for record in records if record.get("answers")
+    )
+    lacking = sorted({key for keys in held for key in asked if key not in keys})
+    if not lacking or not same_rungs or not all(keys and keys <= set(asked) for keys in held):
+        return records
+    print(
+        f"measuring {', '.join(lacking)} beside the {len(records)} records of --records "
+        f"(kept in {side_path(args.records, 'strategies')})"
+    )
+    try:
+        return with_side_measurements(
+            args.records, pair, items, records, measure=["strategies"], strategies=strategies
+        )
+    except ValueError as err:  # the records are of other prompts than these items
+        raise SystemExit(f"hf-kvmap calibrate-ladder: --records {args.records}: {err}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..calibration.ladder import items_to_vouch
     from ..calibration.ladder_items import (
@@ -181,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
     if done:
         print(f"resuming: {len(done)} of {len(items)} items measured in {args.records}")
+        done = _with_strategies_beside(args, done, items, (source, target, mapper, tokenizer), strategies, fractions)
 
     def keep(record):
         if args.records is not None:

@@ -1,18 +1,26 @@
 """The measurements kept beside a ladder records file, made after its records were: the answer margins of the first
 token (`<set>.margins.jsonl`), of every answer token (`<set>.token_margins.jsonl`), the source's own answers
 (`<set>.source.jsonl`) and the repair strategies added after the records were measured (`<set>.strategies.jsonl`),
-each resumable and merged into the records whenever they are read (`hf_kvmap.calibration.ladder_remeasure`)."""
+each resumable and merged into the records whenever they are read ([`ladder_remeasure`] measures them).
+`hf-kvmap calibrate-ladder --records` and `benchmarks.guard_ladder` keep them so.
+
+```python
+records = with_side_measurements(path, (source, target, mapper, tokenizer), items, records,
+                                 measure=["strategies"], strategies=["tail", "query_overlap"])
+```
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hf_kvmap.calibration.ladder_items import has_margins, strategy_key
-from hf_kvmap.calibration.ladder_remeasure import (
+from .ladder_items import has_margins, strategy_key
+from .ladder_remeasure import (
     measure_margins,
     measure_source_answer,
     measure_strategies,
@@ -20,6 +28,8 @@ from hf_kvmap.calibration.ladder_remeasure import (
     with_source_answers,
     with_strategies,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _missing(record: dict, strategies: Sequence) -> list:
@@ -30,7 +40,7 @@ def _measure_margins(pair, item, record, tokens: bool = False) -> dict:
     found = measure_margins(*pair[:4], item, record, tokens=tokens)
     disagree = [f"{k} {f}" for k, rungs in found["first_agrees"].items() for f, ok in rungs.items() if not ok]
     if disagree:
-        print(f"{record['prompt_sha256'][:12]}: served again, the first token differs at {disagree}")
+        logger.warning("%s: served again, the first token differs at %s", record["prompt_sha256"][:12], disagree)
     return found
 
 
@@ -82,7 +92,16 @@ def with_side_measurements(
     first (`pair` and `items`, the records' items in order; appended to the side file one item at a time, so a
     stopped run resumes). "strategies" measures those of `strategies` (names or settings) a record lacks, and is
     merged last: a strategy measured later holds its own margins and shares the mapped rung (fraction 0) as the
-    records hold it by then, margins included. Without `measure`, `pair` and `items` are not used."""
+    records hold it by then, margins included. Without `measure`, `pair` and `items` are not used.
+
+    Args:
+        path (`Path`): the records file; each kind is kept beside it as `<name>.<kind>.jsonl` ([`side_path`]).
+        pair (`tuple`): `(source, target, mapper, tokenizer)`, as the records were measured with.
+        items (sequence of [`LadderItem`]): the records' items, in the records' order.
+        records (`list[dict]`): the records read from `path`.
+        measure (sequence of `str`, *optional*): kinds of `SIDE_MEASUREMENTS` to measure where a record lacks them.
+        strategies (sequence, *optional*): the strategies (names or settings) every record should hold.
+    """
     order = [*(kind for kind in SIDE_MEASUREMENTS if kind != "strategies"), "strategies"]
     for kind in order:
         holds, measure_one, merge = SIDE_MEASUREMENTS[kind]
@@ -97,3 +116,6 @@ def with_side_measurements(
                     handle.write(json.dumps(found) + "\n")
         records = merge(records, measured)
     return records
+
+
+__all__ = ["SIDE_MEASUREMENTS", "read_side", "side_path", "with_side_measurements"]
