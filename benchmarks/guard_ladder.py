@@ -23,6 +23,7 @@ import argparse
 import datetime as _dt
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -345,10 +346,26 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
         }
         if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
             out[name]["report_changed"] = replay_ladder(ladder, report)
+    out["measured_beside"] = measured_beside(selection, report)
     out["budget_sweep"] = budget_sweep(selection, report, confidence, checked, check_tokens)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)
     out["tokens"] = sum(r["tokens"] for r in report) / len(report)
+    return out
+
+
+def measured_beside(selection: list[dict], report: list[dict]) -> dict[str, dict]:
+    """Per strategy measured beside the records after them (`hf_kvmap.calibration.ladder_side`), per set: how many
+    records hold it, and the median factor its yardstick put its seconds on the records' clock by (None: timed apart
+    from the records' prefills, before yardsticks)."""
+    keys = sorted({key for record in [*selection, *report] for key in record.get("measured_beside", [])})
+    out = {}
+    for key in keys:
+        out[key] = {}
+        for name, records in (("selection", selection), ("report", report)):
+            mine = [r for r in records if key in r.get("measured_beside", [])]
+            clocks = [r["clock"][key] for r in mine if key in r.get("clock", {})]
+            out[key][name] = {"records": len(mine), "clock": statistics.median(clocks) if clocks else None}
     return out
 
 

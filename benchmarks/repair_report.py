@@ -511,6 +511,38 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
     return lines
 
 
+def _ladder_strategies(result: dict) -> list[str]:
+    """The run's strategies, then those measured beside its records later (in every direction that holds them)."""
+    beside = [key for data in result["directions"].values() for key in data.get("measured_beside", {})]
+    return list(dict.fromkeys([*result["run"]["strategies"], *beside]))
+
+
+def _beside_text(result: dict) -> str:
+    """What the results say of strategies measured beside the records later: on which records, on whose clock (the
+    selection set once, as every report length shares it)."""
+
+    def clock(row: dict) -> str:
+        if row["clock"] is None:
+            return "its seconds taken as timed (measured before yardsticks)"
+        return f"its seconds put on the records' clock by a yardstick (median factor {row['clock']:.2f})"
+
+    found: dict[str, list[str]] = {}
+    for direction, data in result["directions"].items():
+        for key, sets in data.get("measured_beside", {}).items():
+            parts = found.setdefault(key, [])
+            if not parts and sets["selection"]["records"]:
+                parts.append(f"{sets['selection']['records']} selection records, {clock(sets['selection'])}")
+            if sets["report"]["records"]:
+                parts.append(f"{sets['report']['records']} report records of {direction}, {clock(sets['report'])}")
+    return "".join(
+        f" `{strategy_text(key)}` was measured beside the records later, timed apart from their prefills: "
+        + "; ".join(parts)
+        + "."
+        for key, parts in found.items()
+        if parts
+    )
+
+
 def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder.json") -> str:
     """The `guard-ladder` section: per direction, the calibrated ladder and the binary guard (probe, strategy, rungs),
     both replayed on the report set (share of requests per rung, changed answers served and accuracy per task, mean
@@ -523,7 +555,7 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
         f"{_machine(result.get('environment', {}))}). Candidates: probes "
         + ", ".join(f"`{probe}`" for probe in run["probes"])
         + "; repair strategies "
-        + ", ".join(f"`{strategy}`" for strategy in run["strategies"])
+        + ", ".join(f"`{strategy_text(strategy)}`" for strategy in _ladder_strategies(result))
         + "; fractions "
         + ", ".join(fraction_text(f) for f in run["fractions"])
         + f" (0, the mapped cache, always). Calibrated on a selection set ({selection['items_per_task']} items per "
@@ -535,6 +567,7 @@ def ladder_markdown(result: dict, source: str = "benchmarks/results/guard_ladder
         "saving = 1 - mean cost. The binary guard is calibrated on the same items with the mapped cache as its only "
         "rung. The last table serves every request one fixed repair, no probe: mean cost · worst-task changed share.",
     ]
+    lines[-1] += _beside_text(result)
     if run.get("confidence") is not None:
         lines[-1] += (
             f" Rows marked *bound* are calibrated with the budget held as a one-sided Clopper-Pearson upper bound at "

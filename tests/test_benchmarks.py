@@ -550,6 +550,7 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
 def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
     from benchmarks.guard_ladder import build_parser, study
     from benchmarks.long_switch import parse_strategy, split_rungs
+    from benchmarks.repair_report import ladder_markdown
     from hf_kvmap.calibration.ladder_side import with_side_measurements
 
     text = "tail,query_overlap:fill=draft_branches,after=24,source_attention"
@@ -594,6 +595,23 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
     fixed = study(merged, merged, max_changed=0.0)["fixed_report"]
     assert {row["fraction"]: row["tasks"]["chat"]["changed"] for row in fixed[key]} == {0.0: 1.0, 0.5: 0.0}
     assert {row["fraction"]: row["tasks"]["chat"]["changed"] for row in fixed["tail"]} == {0.0: 1.0, 0.5: 0.5}
+    # the last four measured with a yardstick (tail at half: 0.25 s there, 0.5 s in the records): seconds doubled
+    for found in side[4:]:
+        found["yardstick"] = {"strategy": "tail", "fraction": "0.5", "seconds": 0.25}
+    (tmp_path / "set.strategies.jsonl").write_text("\n".join(json.dumps(m) for m in side))
+    timed = with_side_measurements(path, None, [], records)
+    assert [r["seconds"]["repair"][key]["0.5"] for r in timed] == [0.6] * 4 + [1.2] * 4
+    result = study(timed[4:], timed[:4], max_changed=0.0)
+    assert result["measured_beside"] == {
+        key: {"selection": {"records": 4, "clock": 2.0}, "report": {"records": 4, "clock": None}}
+    }
+    text = ladder_markdown({"run": _tail_run(["chat"], 4), "directions": {"a-to-b": {"mapper": "m", **result}}})
+    assert "repair strategies `tail`, `target_attention`;" in text
+    assert (
+        "`target_attention` was measured beside the records later, timed apart from their prefills: 4 selection "
+        "records, its seconds put on the records' clock by a yardstick (median factor 2.00); 4 report records of "
+        "a-to-b, its seconds taken as timed (measured before yardsticks)."
+    ) in text
 
 
 def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):

@@ -200,7 +200,8 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
     answer and seconds, the mapped cache's rung (fraction 0) shared with the record's own strategies. The added
     seconds are scaled by the measurement's yardstick onto the record's clock (the new rung's seconds over the
     yardstick's, side by side, times the yardstick's seconds in the record), and the factor is kept in
-    `record["clock"][key]` (absent for a measurement without a yardstick: its seconds are as timed). Several
+    `record["clock"][key]` (absent for a measurement without a yardstick: its seconds are as timed); the keys
+    merged so are listed in `record["measured_beside"]`. Several
     measurements of one record (strategies added at different times) are all merged; records without one are
     returned as they are."""
     by_sha: dict[str, list[dict]] = {}
@@ -220,6 +221,7 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
                     if part in record["seconds"] and own in record["seconds"][part]:
                         scaled = {f: _scaled(seconds, scale) for f, seconds in values[key].items()}
                         record["seconds"][part][key] = {"0": record["seconds"][part][own]["0"], **scaled}
+                record["measured_beside"] = sorted({*record.get("measured_beside", []), key})
                 if "yardstick" in found:
                     record["clock"] = {**record.get("clock", {}), key: scale}
         out.append(record)
