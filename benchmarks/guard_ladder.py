@@ -356,8 +356,9 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
 
 def measured_beside(selection: list[dict], report: list[dict]) -> dict[str, dict]:
     """Per strategy measured beside the records after them (`hf_kvmap.calibration.ladder_side`), per set: how many
-    records hold it, and the median factor its yardstick put its seconds on the records' clock by (None: timed apart
-    from the records' prefills, before yardsticks)."""
+    records hold it, the median factor its yardstick put its seconds on the records' clock by (None: timed apart
+    from the records' prefills, before yardsticks), and the content hashes of the mappers it was measured with where
+    the records name none of their own (a record naming its mapper refuses a measurement with another)."""
     keys = sorted({key for record in [*selection, *report] for key in record.get("measured_beside", [])})
     out = {}
     for key in keys:
@@ -365,7 +366,14 @@ def measured_beside(selection: list[dict], report: list[dict]) -> dict[str, dict
         for name, records in (("selection", selection), ("report", report)):
             mine = [r for r in records if key in r.get("measured_beside", [])]
             clocks = [r["clock"][key] for r in mine if key in r.get("clock", {})]
-            out[key][name] = {"records": len(mine), "clock": statistics.median(clocks) if clocks else None}
+            unnamed = {
+                r["mapper_beside"][key] for r in mine if "mapper" not in r and key in r.get("mapper_beside", {})
+            }
+            out[key][name] = {
+                "records": len(mine),
+                "clock": statistics.median(clocks) if clocks else None,
+                "mappers_unchecked": sorted(unnamed),
+            }
     return out
 
 

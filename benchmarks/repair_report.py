@@ -523,8 +523,14 @@ def _beside_text(result: dict) -> str:
 
     def clock(row: dict) -> str:
         if row["clock"] is None:
-            return "its seconds taken as timed (measured before yardsticks)"
-        return f"its seconds put on the records' clock by a yardstick (median factor {row['clock']:.2f})"
+            text = "its seconds taken as timed (measured before yardsticks)"
+        else:
+            text = f"its seconds put on the records' clock by a yardstick (median factor {row['clock']:.2f})"
+        unchecked = row.get("mappers_unchecked", [])
+        if unchecked:  # the records of before they named their mapper: the side pass's cannot be checked against it
+            text += ", with mapper " + ", ".join(f"`{h.removeprefix('sha256:')[:12]}`" for h in unchecked)
+            text += " (the records do not name theirs)"
+        return text
 
     found: dict[str, list[str]] = {}
     for direction, data in result["directions"].items():

@@ -598,18 +598,23 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
     # the last four measured with a yardstick (tail at half: 0.25 s there, 0.5 s in the records): seconds doubled
     for found in side[4:]:
         found["yardstick"] = {"strategy": "tail", "fraction": "0.5", "seconds": 0.25}
+        found["mapper"] = "sha256:" + "ab" * 32  # the records of before they named their mapper cannot check it
     (tmp_path / "set.strategies.jsonl").write_text("\n".join(json.dumps(m) for m in side))
     timed = with_side_measurements(path, None, [], records)
     assert [r["seconds"]["repair"][key]["0.5"] for r in timed] == [0.6] * 4 + [1.2] * 4
     result = study(timed[4:], timed[:4], max_changed=0.0)
     assert result["measured_beside"] == {
-        key: {"selection": {"records": 4, "clock": 2.0}, "report": {"records": 4, "clock": None}}
+        key: {
+            "selection": {"records": 4, "clock": 2.0, "mappers_unchecked": ["sha256:" + "ab" * 32]},
+            "report": {"records": 4, "clock": None, "mappers_unchecked": []},
+        }
     }
     text = ladder_markdown({"run": _tail_run(["chat"], 4), "directions": {"a-to-b": {"mapper": "m", **result}}})
     assert "repair strategies `tail`, `target_attention`;" in text
     assert (
         "`target_attention` was measured beside the records later, timed apart from their prefills: 4 selection "
-        "records, its seconds put on the records' clock by a yardstick (median factor 2.00); 4 report records of "
+        "records, its seconds put on the records' clock by a yardstick (median factor 2.00), with mapper "
+        "`abababababab` (the records do not name theirs); 4 report records of "
         "a-to-b, its seconds taken as timed (measured before yardsticks)."
     ) in text
 

@@ -29,6 +29,7 @@ from hf_kvmap.calibration.ladder_items import (
     cheapest_keeping,
     held_strategies,
     ladder_from_records,
+    mapper_key,
     measure_ladder_items,
     perfect_probe_outcome,
     record_costs,
@@ -37,6 +38,7 @@ from hf_kvmap.calibration.ladder_items import (
 )
 from hf_kvmap.calibration.ladder_remeasure import (
     has_source_answers,
+    measure_margins,
     measure_source_answer,
     measure_strategies,
     with_source_answers,
@@ -617,6 +619,14 @@ def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(lad
     )
     with pytest.raises(ValueError, match="measured with"):
         measure_strategies(source, target, mapper, tokenizer, items[0], old[0], ["tail"])
+    # the records name their mapper; a rung measured for them later is served on the same mapped cache or refused
+    assert {r["mapper"] for r in old} == {m["mapper"] for m in measured} == {mapper_key(mapper)}
+    assert added[0]["mapper_beside"] == {key: mapper_key(mapper)}
+    other = {**old[0], "mapper": "sha256:" + "0" * 64}
+    with pytest.raises(ValueError, match="measured with mapper sha256:0+, this one is"):
+        measure_strategies(source, target, mapper, tokenizer, items[0], other, ["source_attention"])
+    with pytest.raises(ValueError, match="Pass the mapper the records were measured with"):
+        measure_margins(source, target, mapper, tokenizer, items[0], other)
     with pytest.raises(ValueError, match="another prompt"):
         measure_strategies(source, target, mapper, tokenizer, items[1], old[0], ["source_attention"])
 

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._compat import cache_kwargs, output_cache
+from ..artifacts import content_hash
 from ..drafting import Draft
 from ..repair import selector_from_dict
 from ..serving.forwards import answer_margins
@@ -80,6 +81,12 @@ def strategy_key(strategy: dict | str) -> str:
     return ":".join([settings["name"], *parts])
 
 
+def mapper_key(mapper) -> str:
+    """The mapper's content hash (`hf_kvmap.artifacts.content_hash`, computed where it was never saved): a record keeps
+    it, so that what is measured for the record later is served on the same mapped cache."""
+    return mapper.config.content_hash or content_hash(mapper.state_dict(), mapper.config)
+
+
 def parse_probe(text: str) -> Probe:
     """A probe from `"name"` or `"name:tokens"`."""
     name, _, tokens = text.partition(":")
@@ -121,7 +128,7 @@ def measure_item(
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `source_answer` and
     `correct_source` (the source's own, what not switching serves), `risks` per probe key,
-    `answers[strategy][f]` (`changed` from the reference, `correct`, `margin`, the target's
+    `mapper` (its content hash, [`mapper_key`]), `answers[strategy][f]` (`changed` from the reference, `correct`, `margin`, the target's
     [`~hf_kvmap.serving.forwards.answer_margin`] on the served cache, what a ladder's check after the rung reads, and
     `margins`, each greedy answer token's, what a check of more tokens reads: [`check_margins`]) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
@@ -168,6 +175,7 @@ def measure_item(
         "task": item.task,
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
         "tokens": ids.shape[1],
+        "mapper": mapper_key(mapper),
         "reference": reference,
         "correct_target": reference == expected,
         "source_answer": source_answer,

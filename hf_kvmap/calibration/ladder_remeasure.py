@@ -29,6 +29,7 @@ from ..serving.pipeline import prepare_context
 from .ladder_items import (
     LadderItem,
     check_margins,
+    mapper_key,
     measure_rung,
     parse_probe,
     serve_rung,
@@ -45,19 +46,32 @@ def _prompt(tokenizer, item: LadderItem, record: dict[str, Any]) -> tuple[str, t
     return sha, ids, tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
 
 
+def _same_mapper(record: dict[str, Any], mapper) -> str:
+    """The mapper's content hash, refused where the record names another: its rungs would be served on another mapped
+    cache than the record's (records of before they named theirs are taken as measured with this one)."""
+    key = mapper_key(mapper)
+    if record.get("mapper", key) != key:
+        raise ValueError(
+            f"The record was measured with mapper {record['mapper']}, this one is {key}: its rungs would be served on "
+            "another mapped cache. Pass the mapper the records were measured with."
+        )
+    return key
+
+
 @torch.no_grad()
 def measure_margins(
     source, target, mapper, tokenizer, item: LadderItem, record: dict[str, Any], tokens: bool = False
 ) -> dict[str, Any]:
     """The answer margins of a record measured before records held them: `item`'s rungs served again as
     [`measure_item`] served them (its probes' hold-back, every strategy and fraction of `record`), and on each the
-    margins the check after the rung reads ([`check_margins`]). Returns `{"prompt_sha256", "margins": {strategy:
+    margins the check after the rung reads ([`check_margins`]). Returns `{"prompt_sha256", "mapper", "margins": {strategy:
     {fraction: margin}}, "verify": {strategy: {fraction: seconds}}, "first_agrees": {...}}` for [`with_margins`];
     with `tokens`, also `"token_margins"` (every greedy answer token's margin, to its end) and `"check_steps"` (each
     step's seconds). `first_agrees` says whether the served cache's first greedy token is the one the record implies
     (the reference's first token where the record's answer is unchanged), a check that the rung was served again as
     measured."""
     sha, ids, expected = _prompt(tokenizer, item, record)
+    mapper_hash = _same_mapper(record, mapper)
     hold_back = parse_probe(next(iter(record["risks"]))).hold_back
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
     context = prepare_context(source, target, mapper, ids, None, source_cache, hold_back)
@@ -71,7 +85,7 @@ def measure_margins(
             margins[key][f], verify[key][f] = found[0], timed[0]
             token_margins[key][f], check_steps[key][f] = found, timed
             agrees[key][f] = answers[f]["changed"] or answer[0] == record["reference"][0]
-    out = {"prompt_sha256": sha, "margins": margins, "verify": verify, "first_agrees": agrees}
+    out = {"prompt_sha256": sha, "mapper": mapper_hash, "margins": margins, "verify": verify, "first_agrees": agrees}
     if tokens:
         out.update(token_margins=token_margins, check_steps=check_steps)
     return out
@@ -143,15 +157,16 @@ def measure_strategies(
 ) -> dict[str, Any]:
     """The rungs of `strategies` (ones `record` was not measured with) on `item`, as [`measure_item`] measures a
     strategy: at every fraction the record holds (the mapped cache's rung, fraction 0, is the record's own), each
-    answer compared with the target's own answer the record holds. Returns `{"prompt_sha256", "strategies": {key:
+    answer compared with the target's own answer the record holds. Returns `{"prompt_sha256", "mapper", "strategies": {key:
     settings}, "answers": {key: {fraction: outcome}}, "seconds": {"repair", "repair_draft_steps", "verify",
     "check_steps"}, "yardstick"}` (each of `seconds` `{key: {fraction: ...}}`) for [`with_strategies`].
 
     The records timed their stages beside the item's own prefill; this pass runs apart from it, maybe on another
     machine. So it also times a yardstick beside the new rungs: the record's first strategy served again at its
     smallest repairing fraction (`{"strategy", "fraction", "seconds"}`), which [`with_strategies`] uses to put the new
-    seconds on the records' clock."""
+    seconds on the records' clock. `mapper` is the mapper's content hash; a record naming another is refused."""
     sha, ids, expected = _prompt(tokenizer, item, record)
+    mapper_hash = _same_mapper(record, mapper)
     keys = {strategy_key(s): selector_from_dict(s).settings() for s in strategies}
     held = [key for key in keys if key in record["answers"]]
     if held:
@@ -178,7 +193,14 @@ def measure_strategies(
     _, timed_own, _ = serve_rung(context, record["strategies"][own], float(fractions[0]))
     yardstick = {"strategy": own, "fraction": fractions[0], "seconds": timed_own}
     seconds = {"repair": repair, "repair_draft_steps": drafts, "verify": verify, "check_steps": steps}
-    return {"prompt_sha256": sha, "strategies": keys, "answers": answers, "seconds": seconds, "yardstick": yardstick}
+    return {
+        "prompt_sha256": sha,
+        "mapper": mapper_hash,
+        "strategies": keys,
+        "answers": answers,
+        "seconds": seconds,
+        "yardstick": yardstick,
+    }
 
 
 def _on_records_clock(record: dict[str, Any], found: dict[str, Any]) -> float:
@@ -201,7 +223,8 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
     seconds are scaled by the measurement's yardstick onto the record's clock (the new rung's seconds over the
     yardstick's, side by side, times the yardstick's seconds in the record), and the factor is kept in
     `record["clock"][key]` (absent for a measurement without a yardstick: its seconds are as timed); the keys
-    merged so are listed in `record["measured_beside"]`. Several
+    merged so are listed in `record["measured_beside"]`, and the content hash of the mapper each was measured with in
+    `record["mapper_beside"]` (where the measurement names it). Several
     measurements of one record (strategies added at different times) are all merged; records without one are
     returned as they are."""
     by_sha: dict[str, list[dict]] = {}
@@ -222,6 +245,8 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
                         scaled = {f: _scaled(seconds, scale) for f, seconds in values[key].items()}
                         record["seconds"][part][key] = {"0": record["seconds"][part][own]["0"], **scaled}
                 record["measured_beside"] = sorted({*record.get("measured_beside", []), key})
+                if "mapper" in found:
+                    record["mapper_beside"] = {**record.get("mapper_beside", {}), key: found["mapper"]}
                 if "yardstick" in found:
                     record["clock"] = {**record.get("clock", {}), key: scale}
         out.append(record)
