@@ -55,8 +55,23 @@ def environment_info() -> dict:
         "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "threads": torch.get_num_threads(),
+        # float results differ between CPUs (their kernels, bf16 support): say which one computed them
+        "cpu": _cpu_name() or platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     return info
+
+
+def _cpu_name() -> str | None:
+    """The CPU's model name as Linux reports it, with its bf16 instructions where it has them (None elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+    return names[0] + (f" ({', '.join(bf16)})" if bf16 else "") if names else None
 
 
 def json_safe(value):
