@@ -689,6 +689,13 @@ def test_the_cli_measures_a_strategy_its_records_lack_beside_them(tmp_path, caps
     calibrate("tail,source_attention", records, "four")
     assert "measuring" not in capsys.readouterr().out and len(read_side(records, "strategies")) == items
     assert side_path(records, "strategies").name == "records.strategies.jsonl"
+    # records of another mapper are refused before anything is measured with this one
+    lines = [json.loads(line) for line in measured.splitlines()]
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text("".join(json.dumps({**r, "mapper": "sha256:" + "1" * 64}) + "\n" for r in lines))
+    with pytest.raises(SystemExit, match="measured with mapper sha256:1+, this one is"):
+        calibrate("tail", foreign, "six")
+    assert not side_path(foreign, "strategies").exists()
     # records holding a strategy not asked for are refused, not measured beside
     with pytest.raises(SystemExit, match="other strategies or fractions"):
         calibrate("source_attention", records, "five")

@@ -285,7 +285,13 @@ def measure_ladder_items(
         raise ValueError(
             f"{len(done)} records measured before, for {len(items)} items; pass the records of these items."
         )
+    mapped_by = mapper_key(mapper) if done else None
     for item, record in zip(items, done):
+        if record.get("mapper", mapped_by) != mapped_by:
+            raise ValueError(
+                f"The records measured before were measured with mapper {record['mapper']}, this one is {mapped_by}; "
+                "measure into a new records file (or pass the mapper they were measured with)."
+            )
         sha = hashlib.sha256(item.prompt.encode()).hexdigest()
         if record.get("task") != item.task or record.get("prompt_sha256", sha) != sha:
             raise ValueError(
