@@ -70,10 +70,7 @@ def _option(command: str, name: str) -> str | None:
 
 def _machine(environment: dict) -> str:
     threads = environment.get("threads")
-    cpu = (
-        f" ({environment['cpu']}, {environment['cpu_capability']} kernels)" if "cpu_capability" in environment else ""
-    )
-    return f"{environment.get('device', '?')}{cpu}, {threads} torch thread{'' if threads == 1 else 's'}"
+    return f"{environment.get('device', '?')}, {threads} torch thread{'' if threads == 1 else 's'}"
 
 
 def mapper_name(path: str) -> str:
