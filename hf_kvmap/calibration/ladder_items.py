@@ -87,6 +87,17 @@ def mapper_key(mapper) -> str:
     return mapper.config.content_hash or content_hash(mapper.state_dict(), mapper.config)
 
 
+def check_mapper(record: dict, key: str) -> None:
+    """Refuse a record measured with another mapper than the one of content hash `key` (records of before they named
+    theirs are taken as measured with it): its rungs would be served on another mapped cache."""
+    if record.get("mapper", key) != key:
+        raise ValueError(
+            f"The record was measured with mapper {record['mapper']}, this one is {key}: its rungs would be served on "
+            "another mapped cache. Pass the mapper the records were measured with (or measure into a new records "
+            "file)."
+        )
+
+
 def parse_probe(text: str) -> Probe:
     """A probe from `"name"` or `"name:tokens"`."""
     name, _, tokens = text.partition(":")
@@ -287,11 +298,7 @@ def measure_ladder_items(
         )
     mapped_by = mapper_key(mapper) if done else None
     for item, record in zip(items, done):
-        if record.get("mapper", mapped_by) != mapped_by:
-            raise ValueError(
-                f"The records measured before were measured with mapper {record['mapper']}, this one is {mapped_by}; "
-                "measure into a new records file (or pass the mapper they were measured with)."
-            )
+        check_mapper(record, mapped_by)
         sha = hashlib.sha256(item.prompt.encode()).hexdigest()
         if record.get("task") != item.task or record.get("prompt_sha256", sha) != sha:
             raise ValueError(
@@ -547,6 +554,7 @@ __all__ = [
     "CHECK_TOKENS",
     "LadderItem",
     "cheapest_keeping",
+    "check_mapper",
     "check_margins",
     "has_margins",
     "held_strategies",

@@ -28,6 +28,7 @@ from ..repair import selector_from_dict
 from ..serving.pipeline import prepare_context
 from .ladder_items import (
     LadderItem,
+    check_mapper,
     check_margins,
     mapper_key,
     measure_rung,
@@ -50,11 +51,7 @@ def _same_mapper(record: dict[str, Any], mapper) -> str:
     """The mapper's content hash, refused where the record names another: its rungs would be served on another mapped
     cache than the record's (records of before they named theirs are taken as measured with this one)."""
     key = mapper_key(mapper)
-    if record.get("mapper", key) != key:
-        raise ValueError(
-            f"The record was measured with mapper {record['mapper']}, this one is {key}: its rungs would be served on "
-            "another mapped cache. Pass the mapper the records were measured with."
-        )
+    check_mapper(record, key)
     return key
 
 
