@@ -46,6 +46,27 @@ def load(path: str | Path) -> dict:
     return rows
 
 
+def merge(loaded: dict[str, dict]) -> dict:
+    """The rows of several records files (`{path: load(path)}`) as one `{key: row}`, a key's arms gathered from every
+    file. Refuses a key measured with two mappers: its arms would compare two mapped caches."""
+    rows: dict[str, dict] = {}
+    seen: dict[str, str] = {}  # key -> the file whose mapper it holds
+    for path, found in loaded.items():
+        for key, row in found.items():
+            if key in rows and _mapper(rows[key]) != _mapper(row):
+                raise SystemExit(
+                    f"{key} was measured with mapper {_mapper(rows[key])} in {seen[key]} and with {_mapper(row)} in "
+                    f"{path}: one report compares one mapped cache per item; leave one of the two files out."
+                )
+            rows.setdefault(key, {**row, "arms": {}})["arms"].update(row["arms"])
+            seen.setdefault(key, path)
+    return rows
+
+
+def _mapper(row: dict) -> str | None:
+    return row.get("setup", {}).get("mapper")
+
+
 def _group(rows: dict) -> dict:
     groups: dict[tuple, list[dict]] = {}
     for key, row in rows.items():
@@ -59,6 +80,13 @@ def summarize(items: list[dict]) -> dict:
     complete = [row for row in items if all(arm in row["arms"] for arm in FIXED_ARMS)]
     if not complete:
         return {"items": 0}
+    mappers = sorted({str(_mapper(row)) for row in complete})
+    if len(mappers) > 1:
+        task = f"{complete[0]['task']} at {complete[0]['length']}"
+        raise SystemExit(
+            f"the {task} items were measured with {len(mappers)} mappers ({', '.join(mappers)}): one group's mean "
+            "would average two mapped caches; report the records of one mapper."
+        )
     arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
     target, source = scores["target"], scores["source"]
@@ -66,6 +94,7 @@ def summarize(items: list[dict]) -> dict:
         "items": len(complete),
         "tokens": round(mean(row["tokens"] for row in complete)),
         "target_beats_source": target > source,
+        "mapper": mappers[0],
         "arms": {},
     }
     for arm in arms:
@@ -196,6 +225,28 @@ def _nll_cell(row: dict) -> str:
     return f"{row['nll']:.3f}" + ("" if gap is None else f" ({gap:.2f})")
 
 
+def _mapper_lines(groups: dict) -> list[str]:
+    """A sentence naming the mapper (content hash, 8 digits) each row set's mapped caches came from; none where the
+    results predate the field."""
+    by_mapper: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        if group.get("items") and group.get("mapper"):
+            short = group["mapper"].split(":")[-1][:8]
+            by_mapper.setdefault(short, []).append(f"{name.split('@')[0]} @ {group['tokens']} ({group['seed']})")
+    if not by_mapper:
+        return []
+    if len(by_mapper) == 1:
+        return ["", f"Every mapped cache above comes from one mapper (content hash `{next(iter(by_mapper))}`)."]
+    parts = [f"`{short}` for {', '.join(names)}" for short, names in sorted(by_mapper.items())]
+    return [
+        "",
+        "The mapped caches above come from more than one fit of the mapper (content hashes; the same recipe refit "
+        "on another CPU gives other float bytes): "
+        + "; ".join(parts)
+        + ". A row set holds one mapper's measurements throughout.",
+    ]
+
+
 def markdown(results: dict, source: str = "benchmarks/results/long_switch.json") -> str:
     """One table per direction: a row per (task, length, arm)."""
     lines = [f"Generated from `{source}` by `benchmarks/long_switch_report.py`."]
@@ -225,6 +276,7 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                     f"{'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )
+        lines += _mapper_lines(groups)
     for direction, arms in results.get("break_even", {}).items():
         lines += [
             "",
@@ -298,10 +350,7 @@ def main(argv=None) -> None:
     parser.add_argument("--plot", default="benchmarks/results/long_switch.png")
     parser.add_argument("--report-seed", type=int, default=1234, help="the item set the break-even lengths come from")
     args = parser.parse_args(argv)
-    rows = {}
-    for path in args.records:
-        for key, row in load(path).items():
-            rows.setdefault(key, {**row, "arms": {}})["arms"].update(row["arms"])
+    rows = merge({path: load(path) for path in args.records})
     command = "python -m benchmarks.long_switch_report " + " ".join(sys.argv[1:] if argv is None else argv)
     results = assemble(rows, ", ".join(args.records), command, args.report_seed)
     results["runs"] = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,14 @@ from transformers import (
 )
 
 from hf_kvmap._compat import cache_kwargs, output_cache
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, as CI runs the other transformers releases) the workers share the cores: one torch
+    thread each instead of each spinning up as many as there are cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
 
 COMMON = dict(
     vocab_size=128,

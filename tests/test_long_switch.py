@@ -498,3 +498,36 @@ def test_an_arm_reports_how_often_it_gives_the_targets_own_answer_right_or_wrong
     arms = arms["long_doc@2048#1"]["arms"]
     assert arms["draft_branches@0.2"]["same_as_target"] == pytest.approx(2 / 3)
     assert arms["source"]["same_as_target"] == 0 and "same_as_target" not in arms["mapped"]
+
+
+def test_the_report_names_each_row_sets_mapper_and_refuses_two_mappers_for_one_item(tmp_path):
+    """Records of one item from two fits of the mapper would merge two mapped caches into one row: refused by name;
+    a row set's mapper is in the JSON and the page."""
+    arms = {"target": (1, 40), "source": (0, 0), "mapped": (0, 2)}
+    old = {**_row("0.5b:1.5b/long_chat/2048/1/0", "long_chat", arms), "setup": {"mapper": "sha256:aaaa1111ffff"}}
+    new = {**_row("0.5b:1.5b/humaneval/0/1/0", "humaneval", arms), "setup": {"mapper": "sha256:bbbb2222ffff"}}
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(json.dumps(old) + "\n")
+    second.write_text(json.dumps(new) + "\n")
+    rows = long_switch_report.merge(
+        {str(first): long_switch_report.load(first), str(second): long_switch_report.load(second)}
+    )
+    results = long_switch_report.assemble(rows, "both", "cmd")
+    groups = results["results"]["0.5b:1.5b"]
+    assert groups["long_chat@2048#1"]["mapper"] == "sha256:aaaa1111ffff"
+    assert groups["humaneval@2048#1"]["mapper"] == "sha256:bbbb2222ffff"
+    page = long_switch_report.markdown(results)
+    assert "`aaaa1111` for long_chat @ 2000 (1); `bbbb2222` for humaneval @ 2000 (1)" in page
+    alone = long_switch_report.markdown(long_switch_report.assemble(long_switch_report.load(first), "one", "cmd"))
+    assert "Every mapped cache above comes from one mapper (content hash `aaaa1111`)." in alone
+
+    refit = {**old, "setup": {"mapper": "sha256:cccc3333ffff"}, "arms": {"tail@0.2": {"score": 1, "ttft_s": 8}}}
+    second.write_text(json.dumps(refit) + "\n")
+    with pytest.raises(SystemExit, match=r"0.5b:1.5b/long_chat/2048/1/0 was measured with mapper sha256:aaaa1111ffff"):
+        long_switch_report.merge(
+            {str(first): long_switch_report.load(first), str(second): long_switch_report.load(second)}
+        )
+    mixed = {**old, "key": "0.5b:1.5b/long_chat/2048/1/1", "setup": {"mapper": "sha256:cccc3333ffff"}}
+    first.write_text(json.dumps(old) + "\n" + json.dumps(mixed) + "\n")
+    with pytest.raises(SystemExit, match=r"long_chat at 2048 items were measured with 2 mappers"):
+        long_switch_report.assemble(long_switch_report.load(first), "one", "cmd")
