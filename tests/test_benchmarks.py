@@ -983,20 +983,38 @@ def test_switch_targets_reads_each_verdict_off_the_results():
                 ),
                 "long_doc@4096#1234": group(4000, 8, True, **{"a@0.2": arm(0.9, 0.5, 4.0, 0.2)}),  # the gap missed
                 "long_doc@2048#4321": group(2000, 6, True, **{"a@0.2": arm(1, 1, 9.0, 0.2)}),  # a selection set
-                "humaneval@0#1234": group(100, 19, False, **{"a@0.2": arm(0.95, None, 0.5, 0.2)}),
+                # HumanEval is judged on the rung the continuations' selection set chose (b@0.3), not its own best
+                "continuation@2048#4321": group(
+                    2000, 6, True, **{"a@0.2": arm(0.3, 0.2, 3.0, 0.2), "b@0.3": arm(0.4, 0.35, None, 0.3)}
+                ),
+                "humaneval@0#1234": group(
+                    100, 19, False, **{"a@0.2": arm(1.0, None, 0.5, 0.2), "b@0.3": arm(0.95, None, 0.5, 0.3)}
+                ),
+                "humaneval@2048#1234": group(2100, 164, True, **{"a@0.2": arm(0.95, 0.95, 3.0, 0.2)}),
             }
         }
     }
+    assert switch_targets.code_rung(long_switch["results"]["0.5b:1.5b"]) == "b@0.3"
     rows = {row[1].split(",")[0]: row for row in switch_targets.answer_rows(long_switch)}
-    assert set(rows) == {"long_chat @ 2000 tokens", "long_doc @ 4000 tokens", "HumanEval bare"}
+    assert set(rows) == {
+        "long_chat @ 2000 tokens",
+        "long_doc @ 4000 tokens",
+        "HumanEval bare",
+        "HumanEval behind 2048 tokens of code",
+    }
     assert rows["long_chat @ 2000 tokens"][2].startswith("`a@0.2`") and rows["long_chat @ 2000 tokens"][3] == "met"
     assert rows["long_doc @ 4000 tokens"][3] == "missed" and "gap 0.50" in rows["long_doc @ 4000 tokens"][2]
     assert rows["HumanEval bare"][3] == "not yet: 19 of 164 problems"
+    assert rows["HumanEval bare"][2].startswith("`b@0.3` (chosen on the continuations): retention 0.95")
     assert "none to recover" in rows["HumanEval bare"][2]
+    behind = rows["HumanEval behind 2048 tokens of code"]
+    assert behind[2:] == ("`b@0.3` (chosen on the continuations) not measured", "not measured")
     long_switch["results"]["1.5b:0.5b"] = {"long_chat@2048#1234": group(2000, 6, False)}
     (reverse,) = switch_targets.reverse_rows(long_switch)
     assert reverse[1] == "long_chat@2048 (6)"
-    assert reverse[3] == "reported in part; not measured: humaneval@0, long_doc@2048, long_doc@4096"
+    assert reverse[3] == (
+        "reported in part; not measured: continuation@2048, humaneval@0, humaneval@2048, long_doc@2048, long_doc@4096"
+    )
 
     def way(chat, doc, cost):
         groups = {"long_chat": {"changed_served": chat}, "long_doc": {"changed_served": doc}}
