@@ -45,7 +45,7 @@ from hf_kvmap.calibration.ladder_items import (
     strategy_key,
 )
 from hf_kvmap.calibration.ladder_remeasure import has_source_answers
-from hf_kvmap.calibration.ladder_side import with_side_measurements
+from hf_kvmap.calibration.ladder_side import machines, with_side_measurements
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.reporting import environment_info, write_json
 
@@ -347,6 +347,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
         if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
             out[name]["report_changed"] = replay_ladder(ladder, report)
     out["measured_beside"] = measured_beside(selection, report)
+    out["machines"] = {"selection": machines(selection), "report": machines(report)}
     out["budget_sweep"] = budget_sweep(selection, report, confidence, checked, check_tokens)
     out["fixed_report"] = fixed_points(report)
     out["prefill_seconds"] = sum(r["seconds"]["prefill"] for r in report) / len(report)

@@ -54,12 +54,24 @@ def environment_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        **machine_info(),
+    }
+    return info
+
+
+def machine_info() -> dict:
+    """Where seconds and float results were measured: torch's threads, the CPU (model name with its bf16
+    instructions; float results differ between CPUs) and ATen's kernel level. Records measured one at a time keep
+    it, so a study recomputed from them later can say which machines measured them."""
+    import platform
+
+    import torch
+
+    return {
         "threads": torch.get_num_threads(),
-        # float results differ between CPUs (their kernels, bf16 support): say which one computed them
         "cpu": _cpu_name() or platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    return info
 
 
 def _cpu_name() -> str | None:

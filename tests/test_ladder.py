@@ -44,7 +44,9 @@ from hf_kvmap.calibration.ladder_remeasure import (
     with_source_answers,
     with_strategies,
 )
+from hf_kvmap.calibration.ladder_side import machines
 from hf_kvmap.cli import main as cli
+from hf_kvmap.reporting import machine_info
 from hf_kvmap.rope import positions_from_attention_mask
 from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
 from hf_kvmap.serving.pipeline import prepare_context, serve_rows
@@ -622,6 +624,15 @@ def test_a_strategy_measured_after_the_records_is_the_one_measured_with_them(lad
     # the records name their mapper; a rung measured for them later is served on the same mapped cache or refused
     assert {r["mapper"] for r in old} == {m["mapper"] for m in measured} == {mapper_key(mapper)}
     assert added[0]["mapper_beside"] == {key: mapper_key(mapper)}
+    # and the machine that measured them (a study recomputed from records says where its seconds come from)
+    here = machine_info()
+    assert {json.dumps(r["machine"]) for r in old} == {json.dumps(here)} and added[0]["machine_beside"] == {key: here}
+    legacy = [{k: v for k, v in r.items() if k != "machine"} for r in old]
+    assert machines(added) == {here["cpu"]: len(old)}
+    assert machines(legacy[:1] + with_strategies(legacy[1:], measured[1:])) == {
+        here["cpu"]: len(old) - 1,
+        "not recorded": len(old),
+    }
     other = {**old[0], "mapper": "sha256:" + "0" * 64}
     with pytest.raises(ValueError, match="measured with mapper sha256:0+, this one is"):
         measure_strategies(source, target, mapper, tokenizer, items[0], other, ["source_attention"])

@@ -31,6 +31,7 @@ from .._compat import cache_kwargs, output_cache
 from ..artifacts import content_hash
 from ..drafting import Draft
 from ..repair import selector_from_dict
+from ..reporting import machine_info
 from ..serving.forwards import answer_margins
 from ..serving.ladder import FALLBACK, GuardLadder
 from ..serving.pipeline import prepare_context, serve_rows, target_prefill
@@ -187,6 +188,7 @@ def measure_item(
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
         "tokens": ids.shape[1],
         "mapper": mapper_key(mapper),
+        "machine": machine_info(),
         "reference": reference,
         "correct_target": reference == expected,
         "source_answer": source_answer,

@@ -25,6 +25,7 @@ import torch
 
 from .._compat import output_cache
 from ..repair import selector_from_dict
+from ..reporting import machine_info
 from ..serving.pipeline import prepare_context
 from .ladder_items import (
     LadderItem,
@@ -193,6 +194,7 @@ def measure_strategies(
     return {
         "prompt_sha256": sha,
         "mapper": mapper_hash,
+        "machine": machine_info(),
         "strategies": keys,
         "answers": answers,
         "seconds": seconds,
@@ -221,7 +223,7 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
     yardstick's, side by side, times the yardstick's seconds in the record), and the factor is kept in
     `record["clock"][key]` (absent for a measurement without a yardstick: its seconds are as timed); the keys
     merged so are listed in `record["measured_beside"]`, and the content hash of the mapper each was measured with in
-    `record["mapper_beside"]` (where the measurement names it). Several
+    `record["mapper_beside"]` and the machine in `record["machine_beside"]` (where the measurement names them). Several
     measurements of one record (strategies added at different times) are all merged; records without one are
     returned as they are."""
     by_sha: dict[str, list[dict]] = {}
@@ -244,6 +246,8 @@ def with_strategies(records: Sequence[dict], measured: Sequence[dict]) -> list[d
                 record["measured_beside"] = sorted({*record.get("measured_beside", []), key})
                 if "mapper" in found:
                     record["mapper_beside"] = {**record.get("mapper_beside", {}), key: found["mapper"]}
+                if "machine" in found:
+                    record["machine_beside"] = {**record.get("machine_beside", {}), key: found["machine"]}
                 if "yardstick" in found:
                     record["clock"] = {**record.get("clock", {}), key: scale}
         out.append(record)

@@ -118,4 +118,16 @@ def with_side_measurements(
     return records
 
 
-__all__ = ["SIDE_MEASUREMENTS", "read_side", "side_path", "with_side_measurements"]
+def machines(records: Sequence[dict]) -> dict[str, int]:
+    """How many of `records` were measured on each CPU (the records' own `machine`, and each measurement merged beside
+    them, `machine_beside`), `"not recorded"` for those measured before records named it: a study recomputed from
+    records says where its seconds come from."""
+    counts: dict[str, int] = {}
+    for record in records:
+        found = [record.get("machine"), *record.get("machine_beside", {}).values()]
+        for cpu in sorted({(machine or {}).get("cpu", "not recorded") for machine in found}):
+            counts[cpu] = counts.get(cpu, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+__all__ = ["SIDE_MEASUREMENTS", "machines", "read_side", "side_path", "with_side_measurements"]
