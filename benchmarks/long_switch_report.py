@@ -75,17 +75,22 @@ def _group(rows: dict) -> dict:
     return groups
 
 
-def summarize(items: list[dict]) -> dict:
-    """One (direction, task, length) group: every arm measured on all of `items` that hold the three fixed arms."""
+def summarize(items: list[dict], pool_fits: bool = False) -> dict:
+    """One (direction, task, length) group: every arm measured on all of `items` that hold the three fixed arms.
+    Items measured with different fits of the mapper are refused unless `pool_fits` (then the group measures the
+    recipe, each item on one fit, and `mappers` counts the items of each)."""
     complete = [row for row in items if all(arm in row["arms"] for arm in FIXED_ARMS)]
     if not complete:
         return {"items": 0}
-    mappers = sorted({str(_mapper(row)) for row in complete})
-    if len(mappers) > 1:
+    mappers: dict[str, int] = {}
+    for row in complete:
+        mappers[str(_mapper(row))] = mappers.get(str(_mapper(row)), 0) + 1
+    if len(mappers) > 1 and not pool_fits:
         task = f"{complete[0]['task']} at {complete[0]['length']}"
         raise SystemExit(
-            f"the {task} items were measured with {len(mappers)} mappers ({', '.join(mappers)}): one group's mean "
-            "would average two mapped caches; report the records of one mapper."
+            f"the {task} items were measured with {len(mappers)} mappers ({', '.join(sorted(mappers))}): one "
+            "group's mean would average two mapped caches. Report the records of one mapper, or pass --pool-fits "
+            "where they are fits of one recipe (each item is served on one of them; the report names each)."
         )
     arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
@@ -94,7 +99,7 @@ def summarize(items: list[dict]) -> dict:
         "items": len(complete),
         "tokens": round(mean(row["tokens"] for row in complete)),
         "target_beats_source": target > source,
-        "mapper": mappers[0],
+        "mappers": dict(sorted(mappers.items())),
         "arms": {},
     }
     for arm in arms:
@@ -191,12 +196,15 @@ def break_even_length(measured: list[tuple[float, float]]) -> dict:
     return entry
 
 
-def assemble(rows: dict, records: str, command: str, report_seed: int = 1234) -> dict:
+def assemble(rows: dict, records: str, command: str, report_seed: int = 1234, pool_fits: bool = False) -> dict:
     """Every group's summary, and the break-even lengths from the report set's groups (`report_seed`: the item set
     every number is reported on; the selection set's runs were tuned on and may have shared the machine)."""
     results: dict = {}
     for (direction, task, length, seed), items in sorted(_group(rows).items()):
-        results.setdefault(direction, {})[f"{task}@{length}#{seed}"] = {"seed": int(seed), **summarize(items)}
+        results.setdefault(direction, {})[f"{task}@{length}#{seed}"] = {
+            "seed": int(seed),
+            **summarize(items, pool_fits),
+        }
     return {
         "break_even": {
             direction: break_even({n: g for n, g in groups.items() if g["seed"] == report_seed})
@@ -206,6 +214,7 @@ def assemble(rows: dict, records: str, command: str, report_seed: int = 1234) ->
             "what": "switching a conversation from one model of the pair to the other at serving lengths: each way "
             "of serving the larger model's continuation, against the target and the source alone",
             "records": records,
+            "pool_fits": pool_fits,
             "command": command,
             "date": _dt.date.today().isoformat(),
         },
@@ -228,22 +237,25 @@ def _nll_cell(row: dict) -> str:
 def _mapper_lines(groups: dict) -> list[str]:
     """A sentence naming the mapper (content hash, 8 digits) each row set's mapped caches came from; none where the
     results predate the field."""
-    by_mapper: dict[str, list[str]] = {}
+    by_mapper: dict[str, list[str]] = {}  # the mappers of a row set (with their items where several) -> row sets
     for name, group in groups.items():
-        if group.get("items") and group.get("mapper"):
-            short = group["mapper"].split(":")[-1][:8]
-            by_mapper.setdefault(short, []).append(f"{name.split('@')[0]} @ {group['tokens']} ({group['seed']})")
+        if group.get("items") and group.get("mappers"):
+            short = {h.split(":")[-1][:8]: n for h, n in group["mappers"].items()}
+            label = ", ".join(
+                f"`{h}`" if len(short) == 1 else f"`{h}` ({n} item{'' if n == 1 else 's'})" for h, n in short.items()
+            )
+            by_mapper.setdefault(label, []).append(f"{name.split('@')[0]} @ {group['tokens']} ({group['seed']})")
     if not by_mapper:
         return []
-    if len(by_mapper) == 1:
-        return ["", f"Every mapped cache above comes from one mapper (content hash `{next(iter(by_mapper))}`)."]
-    parts = [f"`{short}` for {', '.join(names)}" for short, names in sorted(by_mapper.items())]
+    if len(by_mapper) == 1 and "," not in next(iter(by_mapper)):
+        return ["", f"Every mapped cache above comes from one mapper (content hash {next(iter(by_mapper))})."]
+    parts = [f"{label} for {', '.join(names)}" for label, names in sorted(by_mapper.items())]
     return [
         "",
-        "The mapped caches above come from more than one fit of the mapper (content hashes; the same recipe refit "
-        "on another CPU gives other float bytes): "
+        "The mapped caches above come from more than one fit of the mapper's recipe (content hashes; the same recipe "
+        "refit on another CPU gives other float bytes): "
         + "; ".join(parts)
-        + ". A row set holds one mapper's measurements throughout.",
+        + ". Every item is served on one fit throughout.",
     ]
 
 
@@ -349,10 +361,16 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/long_switch.json")
     parser.add_argument("--plot", default="benchmarks/results/long_switch.png")
     parser.add_argument("--report-seed", type=int, default=1234, help="the item set the break-even lengths come from")
+    parser.add_argument(
+        "--pool-fits",
+        action="store_true",
+        help="pool a task's items measured with different fits of one mapper recipe (a run that outlived the machine "
+        "its mapper was fitted on); each item stays on one fit, and the report names each fit's items",
+    )
     args = parser.parse_args(argv)
     rows = merge({path: load(path) for path in args.records})
     command = "python -m benchmarks.long_switch_report " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = assemble(rows, ", ".join(args.records), command, args.report_seed)
+    results = assemble(rows, ", ".join(args.records), command, args.report_seed, args.pool_fits)
     results["runs"] = [
         json.loads(line)["run"]
         for path in args.records

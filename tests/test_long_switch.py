@@ -514,8 +514,8 @@ def test_the_report_names_each_row_sets_mapper_and_refuses_two_mappers_for_one_i
     )
     results = long_switch_report.assemble(rows, "both", "cmd")
     groups = results["results"]["0.5b:1.5b"]
-    assert groups["long_chat@2048#1"]["mapper"] == "sha256:aaaa1111ffff"
-    assert groups["humaneval@2048#1"]["mapper"] == "sha256:bbbb2222ffff"
+    assert groups["long_chat@2048#1"]["mappers"] == {"sha256:aaaa1111ffff": 1}
+    assert groups["humaneval@2048#1"]["mappers"] == {"sha256:bbbb2222ffff": 1}
     page = long_switch_report.markdown(results)
     assert "`aaaa1111` for long_chat @ 2000 (1); `bbbb2222` for humaneval @ 2000 (1)" in page
     alone = long_switch_report.markdown(long_switch_report.assemble(long_switch_report.load(first), "one", "cmd"))
@@ -531,3 +531,9 @@ def test_the_report_names_each_row_sets_mapper_and_refuses_two_mappers_for_one_i
     first.write_text(json.dumps(old) + "\n" + json.dumps(mixed) + "\n")
     with pytest.raises(SystemExit, match=r"long_chat at 2048 items were measured with 2 mappers"):
         long_switch_report.assemble(long_switch_report.load(first), "one", "cmd")
+    # a run that outlived its machine: fits of one recipe pooled when asked, each named with its items
+    pooled = long_switch_report.assemble(long_switch_report.load(first), "one", "cmd", pool_fits=True)
+    chat = pooled["results"]["0.5b:1.5b"]["long_chat@2048#1"]
+    assert chat["items"] == 2 and chat["mappers"] == {"sha256:aaaa1111ffff": 1, "sha256:cccc3333ffff": 1}
+    assert pooled["run"]["pool_fits"] is True
+    assert "`aaaa1111` (1 item), `cccc3333` (1 item) for long_chat @ 2000 (1)" in long_switch_report.markdown(pooled)
