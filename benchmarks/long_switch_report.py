@@ -111,6 +111,9 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
         }
         if arm != "source":  # the source's prefill is paid before a switch: its first token is not a switch's
             record["speedup"] = _speedup(complete, arm)
+        wins = _wins_kept(complete, arm)
+        if wins is not None:
+            record["wins_kept"] = wins
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
             record["nll_gap_recovered"] = _nll_gap(complete, arm)
@@ -139,6 +142,17 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
             for depth in depths
         }
     return out
+
+
+def _wins_kept(items: list[dict], arm: str) -> list[int] | None:
+    """`[kept, wins]`: of the items the target answers right and the source wrong (the answers a switch is made for),
+    how many `arm` answers right. Unlike the share of the gap it does not net the arm's other losses and gains
+    against each other, so it reads where the two models differ on few items. None where a score is not right or
+    wrong (continuations)."""
+    if any(row["arms"][a]["score"] not in (0, 1) for row in items for a in ("target", "source", arm)):
+        return None
+    wins = [row for row in items if row["arms"]["target"]["score"] == 1 and row["arms"]["source"]["score"] == 0]
+    return [int(sum(row["arms"][arm]["score"] for row in wins)), len(wins)]
 
 
 def _prefix(record: dict, target: dict) -> float:
@@ -226,6 +240,12 @@ def _fmt(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _wins_cell(row: dict) -> str:
+    """`kept/wins` of the target's right answers where the source is wrong, `-` where not counted."""
+    wins = row.get("wins_kept")
+    return "-" if wins is None else f"{wins[0]}/{wins[1]}"
+
+
 def _nll_cell(row: dict) -> str:
     """`NLL (share of the source-to-target NLL gap closed)`, `-` without an NLL."""
     if row.get("nll") is None:
@@ -267,9 +287,9 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             "",
             f"**{direction.replace(':', ' -> ')}**",
             "",
-            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | target's answer "
-            "| recomputed | first token (s) | vs re-prefill | whole answer (s) | NLL (gap closed) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| task @ tokens | item set (seed) | items | arm | score | retention | gap recovered | target's wins kept "
+            "| target's answer | recomputed | first token (s) | vs re-prefill | whole answer (s) | NLL (gap closed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, group in groups.items():
             if not group["items"]:
@@ -284,7 +304,7 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
                 share = {"target": 1.0, "source": None, "mapped": 0.0}.get(arm, row.get("fraction"))
                 lines.append(
                     f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
-                    f"{_fmt(row['retention'])} | {gap} | {_fmt(row.get('same_as_target'))} | "
+                    f"{_fmt(row['retention'])} | {gap} | {_wins_cell(row)} | {_fmt(row.get('same_as_target'))} | "
                     f"{'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )

@@ -239,11 +239,15 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert rung["strategy"] == "draft_attention" and rung["fraction"] == 0.2
     mapped = doc["arms"]["mapped"]
     assert mapped["retention"] == 0 and mapped["gap_recovered"] == pytest.approx(-1.0) and mapped["speedup"] == 25
+    # of the one item the target answers and the source does not, the rung keeps it, the mapped cache does not
+    assert (
+        rung["wins_kept"] == [1, 1] and mapped["wins_kept"] == [0, 1] and doc["arms"]["source"]["wins_kept"] == [0, 1]
+    )
     assert "speedup" not in doc["arms"]["source"]
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
     assert (
-        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | - | 20% | 10.0 | 5.0x | - | - |"
+        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 1/1 | - | 20% | 10.0 | 5.0x | - | - |"
         in table
     )
 
@@ -455,13 +459,14 @@ def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_
     )
     row["arms"]["target"].update(tokens=[1, 2, 3, 4], nll=1.0)
     row["arms"]["source"].update(tokens=[1, 9, 3, 4], nll=2.0)
-    row["arms"]["mapped"].update(tokens=[1, 2, 3, 7], nll=1.25)
+    row["arms"]["mapped"].update(tokens=[1, 2, 3, 7], nll=1.25, score=0.75)  # an agreement share, not right/wrong
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps(row) + "\n")
     arms = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
     arms = arms["continuation@2048#1"]["arms"]
     assert arms["mapped"]["prefix"] == 0.75 and arms["source"]["prefix"] == 0.25 and arms["target"]["prefix"] == 1
     assert arms["mapped"]["nll_gap_recovered"] == pytest.approx(0.75) and arms["source"]["nll_gap_recovered"] == 0
+    assert "wins_kept" not in arms["mapped"]  # no right or wrong answers to count
 
 
 @pytest.mark.parametrize("module", ["long_switch", "guard_ladder"])
