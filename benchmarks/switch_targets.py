@@ -50,7 +50,8 @@ def best_arm(group: dict, min_speedup: float | None = None) -> tuple[str, dict] 
 def _point(name: str, arm: dict, beats: bool) -> str:
     gap = number_text(arm["gap_recovered"]) if beats else "none to recover (target <= source)"
     speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
-    return f"`{name}`: retention {number_text(arm['retention'])}, gap {gap}, first token {speed}"
+    wins = f", the target's wins kept {arm['wins_kept'][0]}/{arm['wins_kept'][1]}" if arm.get("wins_kept") else ""
+    return f"`{name}`: retention {number_text(arm['retention'])}, gap {gap}{wins}, first token {speed}"
 
 
 def code_rung(groups: dict, report_seed: int = 1234) -> str | None:

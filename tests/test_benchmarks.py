@@ -988,7 +988,10 @@ def test_switch_targets_reads_each_verdict_off_the_results():
                     2000, 6, True, **{"a@0.2": arm(0.3, 0.2, 3.0, 0.2), "b@0.3": arm(0.4, 0.35, None, 0.3)}
                 ),
                 "humaneval@0#1234": group(
-                    100, 19, False, **{"a@0.2": arm(1.0, None, 0.5, 0.2), "b@0.3": arm(0.95, None, 0.5, 0.3)}
+                    100,
+                    19,
+                    False,
+                    **{"a@0.2": arm(1.0, None, 0.5, 0.2), "b@0.3": {**arm(0.95, None, 0.5, 0.3), "wins_kept": [2, 3]}},
                 ),
                 "humaneval@2048#1234": group(2100, 164, True, **{"a@0.2": arm(0.95, 0.95, 3.0, 0.2)}),
             }
@@ -1006,7 +1009,9 @@ def test_switch_targets_reads_each_verdict_off_the_results():
     assert rows["long_doc @ 4000 tokens"][3] == "missed" and "gap 0.50" in rows["long_doc @ 4000 tokens"][2]
     assert rows["HumanEval bare"][3] == "not yet: 19 of 164 problems"
     assert rows["HumanEval bare"][2].startswith("`b@0.3` (chosen on the continuations): retention 0.95")
-    assert "none to recover" in rows["HumanEval bare"][2]
+    assert (
+        "gap none to recover (target <= source), the target's wins kept 2/3, first token" in rows["HumanEval bare"][2]
+    )
     behind = rows["HumanEval behind 2048 tokens of code"]
     assert behind[2:] == ("`b@0.3` (chosen on the continuations) not measured", "not measured")
     long_switch["results"]["1.5b:0.5b"] = {"long_chat@2048#1234": group(2000, 6, False)}
