@@ -23,6 +23,7 @@ from . import (
     long_switch_report,
     mapper_variants,
     package_size,
+    portable_fit,
     real_repair_maps,
     repair_attention,
     repair_report,
@@ -310,6 +311,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "real-scale": lambda: with_errata(
             "real_family_scale.json", scale_report.report_markdown(_json("real_family_scale.json"))
         ),
+        "portable-fit": lambda: portable_fit.markdown(_json("portable_fit.json")),
     },
     "docs/repair.md": {
         "repair-frontier": lambda: repair_report.frontier_markdown(_json("repair_frontier.json")),

@@ -1094,3 +1094,20 @@ def test_results_name_the_cpu_and_the_kernels_that_computed_them():
 
     info = environment_info()
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and info["cpu"]
+
+
+def test_portable_fit_says_which_settings_refit_one_mapper():
+    from benchmarks import portable_fit
+
+    def fit(digest, env):
+        return {"env": env, "hash": "sha256:" + digest * 16, "seconds": 12.4}
+
+    fits = {name: fit("ab12", env) for name, env in portable_fit.SETTINGS.items()}
+    fits["native, AVX2 only"] = fit("cd34", portable_fit.AVX2_ONLY)
+    results = {"run": {"positions": "2 sequences of 256 tokens, top-k 8"}, "fits": fits}
+    results["verdict"] = portable_fit.verdict(fits)
+    assert results["verdict"] == {"native_same": False, "portable_same": True}
+    page = portable_fit.markdown(results)
+    assert "| native | as the machine runs | `ab12ab12ab12` | 12 |" in page
+    assert "| portable | `ATEN_CPU_CAPABILITY=default` `MKL_CBWR=COMPATIBLE` | `ab12ab12ab12` | 12 |" in page
+    assert page.endswith("Native settings: two mappers across the two CPU levels; portable settings: one mapper.")
