@@ -119,9 +119,10 @@ def with_side_measurements(
 
 
 def machines(records: Sequence[dict]) -> dict[str, int]:
-    """How many of `records` were measured on each CPU (the records' own `machine`, and each measurement merged beside
-    them, `machine_beside`), `"not recorded"` for those measured before records named it: a study recomputed from
-    records says where its seconds come from."""
+    """How many of `records` were measured, wholly or in part, on each CPU (the records' own `machine`, and each
+    measurement merged beside them, `machine_beside`), `"not recorded"` for parts measured before records named it: a
+    study recomputed from records says where its seconds come from. A record measured on two CPUs counts for both, so
+    the counts may sum to more than the records."""
     counts: dict[str, int] = {}
     for record in records:
         found = [record.get("machine"), *record.get("machine_beside", {}).values()]
