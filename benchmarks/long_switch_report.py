@@ -258,16 +258,18 @@ def _mapper_lines(groups: dict) -> list[str]:
     """A sentence naming the mapper (content hash, 8 digits) each row set's mapped caches came from; none where the
     results predate the field."""
     by_mapper: dict[str, list[str]] = {}  # the mappers of a row set (with their items where several) -> row sets
+    pooled = False  # a row set pools several fits
     for name, group in groups.items():
         if group.get("items") and group.get("mappers"):
             short = {h.split(":")[-1][:8]: n for h, n in group["mappers"].items()}
+            pooled |= len(short) > 1
             label = ", ".join(
                 f"`{h}`" if len(short) == 1 else f"`{h}` ({n} item{'' if n == 1 else 's'})" for h, n in short.items()
             )
             by_mapper.setdefault(label, []).append(f"{name.split('@')[0]} @ {group['tokens']} ({group['seed']})")
     if not by_mapper:
         return []
-    if len(by_mapper) == 1 and "," not in next(iter(by_mapper)):
+    if len(by_mapper) == 1 and not pooled:
         return ["", f"Every mapped cache above comes from one mapper (content hash {next(iter(by_mapper))})."]
     parts = [f"{label} for {', '.join(names)}" for label, names in sorted(by_mapper.items())]
     return [

@@ -47,11 +47,16 @@ def best_arm(group: dict, min_speedup: float | None = None) -> tuple[str, dict] 
     return max(arms, key=order)
 
 
-def _point(name: str, arm: dict, beats: bool) -> str:
+#: how a HumanEval row names its rung (chosen on other tasks, never on HumanEval)
+CHOSEN = "(chosen on the continuations)"
+
+
+def _point(name: str, arm: dict, beats: bool, chosen: bool = False) -> str:
     gap = number_text(arm["gap_recovered"]) if beats else "none to recover (target <= source)"
     speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
     wins = f", the target's wins kept {arm['wins_kept'][0]}/{arm['wins_kept'][1]}" if arm.get("wins_kept") else ""
-    return f"`{name}`: retention {number_text(arm['retention'])}, gap {gap}{wins}, first token {speed}"
+    label = f"`{name}` {CHOSEN}" if chosen else f"`{name}`"
+    return f"{label}: retention {number_text(arm['retention'])}, gap {gap}{wins}, first token {speed}"
 
 
 def code_rung(groups: dict, report_seed: int = 1234) -> str | None:
@@ -79,10 +84,12 @@ def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: in
         length, seed = (int(x) for x in rest.split("#"))
         if seed != report_seed or not group.get("items") or task == "continuation":
             continue
-        speedup = None if task == "humaneval" else MIN_SPEEDUP.get(length)
-        found = best_arm(group, speedup)
-        if task == "humaneval":  # judged on the rung chosen elsewhere, never on its own best
+        code = task == "humaneval"  # judged on the rung chosen elsewhere, never on its own best
+        speedup = None if code else MIN_SPEEDUP.get(length)
+        if code:
             found = (chosen, group["arms"][chosen]) if chosen in group["arms"] else None
+        else:
+            found = best_arm(group, speedup)
         beats = group["target_beats_source"]
         where = f"{task} @ {group['tokens']} tokens, {group['items']} items"
         if task == "humaneval":
@@ -95,8 +102,8 @@ def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: in
         else:
             target = f">= {MIN_KEPT} retention and of the gap, first token >= {speedup}x sooner"
         if found is None:
-            missing = f"`{chosen}` (chosen on the continuations) not measured" if task == "humaneval" else None
-            rows.append((target, where, missing or "no repair measured", "not measured"))
+            missing = f"`{chosen}` {CHOSEN} not measured" if code else "no repair measured"
+            rows.append((target, where, missing, "not measured"))
             continue
         arm_name, arm = found
         met = _kept(arm, beats) >= MIN_KEPT - 1e-9 and (speedup is None or (arm.get("speedup") or 0.0) >= speedup)
@@ -106,10 +113,7 @@ def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: in
             verdict = "retention met; no gap to recover on these items"
         else:
             verdict = "met" if met else "missed"
-        point = _point(arm_name, arm, beats)
-        if task == "humaneval":
-            point = point.replace(f"`{arm_name}`:", f"`{arm_name}` (chosen on the continuations):", 1)
-        rows.append((target, where, point, verdict))
+        rows.append((target, where, _point(arm_name, arm, beats, chosen=code), verdict))
     return rows
 
 
