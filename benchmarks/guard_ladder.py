@@ -51,7 +51,7 @@ from hf_kvmap.reporting import environment_info, write_json
 
 from .formatting import strategy_text
 from .ladder_lengths import changed_outcome
-from .long_switch import parse_strategy, split_rungs
+from .long_switch import parse_strategy, split_rungs, with_markup
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
@@ -127,7 +127,7 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         with path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    asked = [parse_strategy(text) for text in split_rungs(args.strategies)]
+    asked = [with_markup(parse_strategy(text), tokenizer) for text in split_rungs(args.strategies)]
     # a records file keeps the strategies it was first measured with; one asked for later is measured beside it
     # (<set>.strategies.jsonl), against the target's answers the records hold
     held = list(done[0]["strategies"].values()) if done else asked

@@ -5,6 +5,7 @@ is refused with a clear error."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
 from hf_kvmap.repair.draft_branches import DraftBranchesSelector
 from hf_kvmap.repair.draft_coverage import DraftCoverageSelector
-from hf_kvmap.repair.query_overlap import QueryOverlapSelector, run_scores
+from hf_kvmap.repair.query_overlap import QueryOverlapSelector, markup_ids, run_scores
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -280,6 +281,43 @@ def test_query_overlap_weighs_a_run_by_how_often_the_context_repeats_it():
     # runs under min_share of the best are dropped
     strict = QueryOverlapSelector(last_tokens=3, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
     assert strict[18] > 0 and strict[3] == 0
+
+
+def test_query_overlap_skips_markup_so_the_fact_the_question_names_comes_first():
+    # the turn marker 7 8 6 9 (7 and 6: special tokens) opens two turns and the question; the fact 50 51 is held once
+    # (51 is common). Matched, the marker run outscores the fact; skipped, the specials end every run and match
+    # nothing, and the fact is the best run
+    context = list(range(100, 130))
+    for start in (2, 20):
+        context[start : start + 4] = [7, 8, 6, 9]
+    context[10:12] = [50, 51]
+    context[15] = context[25] = 51
+    ids = torch.tensor([context + [7, 8, 6, 9, 50, 51]])
+    n = 30
+    twice, specific_twice = math.log(n / 3), (math.log(n / 2) / math.log(n)) ** 2
+    marker = 4 * twice * specific_twice
+    fact = math.log(n / 2) + math.log(n / 4)  # held once: specificity 1
+    assert marker > fact > 0.8 * marker
+    plain = QueryOverlapSelector(last_tokens=6, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
+    assert plain[2:6].tolist() == pytest.approx([marker] * 4) and plain[20:24].tolist() == pytest.approx([marker] * 4)
+    assert plain[10] == 0  # under 0.9 of the marker run: not kept
+    skipping = QueryOverlapSelector(last_tokens=6, before=0, after=0, min_share=0.9, skip=[7, 6])
+    marks = skipping.marks(_overlap_context(ids))[0]
+    assert marks[10:12].tolist() == pytest.approx([fact] * 2)
+    assert marks[:10].eq(0).all() and marks[12:30].eq(0).all()  # 8 and 9 alone are far under the share
+    assert marks[30:].tolist() == pytest.approx([fact] * 5)  # the query's own cached positions
+    assert skipping.settings()["skip"] == [6, 7] and "skip" not in QueryOverlapSelector().settings()
+    assert selector_from_dict(skipping.settings()).settings() == skipping.settings()
+    for bad in ("markup", [7, "8"], [True]):
+        with pytest.raises(ValueError, match="markup_ids"):
+            QueryOverlapSelector(skip=bad)
+
+
+def test_markup_ids_are_the_tokenizers_special_tokens():
+    special = types.SimpleNamespace(special=True)
+    plain = types.SimpleNamespace(special=False)
+    tokenizer = types.SimpleNamespace(all_special_ids=[5, 3], added_tokens_decoder={3: special, 9: special, 11: plain})
+    assert markup_ids(tokenizer) == [3, 5, 9]
 
 
 def test_query_overlap_needs_the_source_only_where_its_fill_does():

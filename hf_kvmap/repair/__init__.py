@@ -19,7 +19,7 @@ from .draft_coverage import DraftCoverageSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
-from .query_overlap import QueryOverlapSelector
+from .query_overlap import QueryOverlapSelector, markup_ids
 from .recompute import recompute_positions
 from .refresh import DecodeRefresh
 from .repair import RepairConfig, repair_cache
@@ -45,6 +45,7 @@ __all__ = [
     "TailSelector",
     "TargetAttentionSelector",
     "greedy_draft",
+    "markup_ids",
     "recompute_positions",
     "register_selector",
     "repair_cache",

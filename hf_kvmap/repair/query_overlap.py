@@ -91,6 +91,9 @@ class QueryOverlapSelector(Selector):
             ignored (single common words).
         fill (`str` or `dict`, *optional*, defaults to `"tail"`): the strategy (name or settings) that orders the
             positions no kept run marks.
+        skip (`list[int]`, *optional*): token ids that never match (a chat template's markup, [`markup_ids`]): a run
+            ends at one. The turn markers every turn repeats otherwise match the query's own, and in a short
+            conversation (few turns, so little repetition to discount them) outscore the fact the question names.
     """
 
     name = "query_overlap"
@@ -102,6 +105,7 @@ class QueryOverlapSelector(Selector):
         after: int = 12,
         min_share: float = 0.5,
         fill: str | dict = "tail",
+        skip: list[int] | tuple[int, ...] = (),
     ):
         check_int("last_tokens", last_tokens, 1)
         check_int("before", before, 0)
@@ -111,6 +115,12 @@ class QueryOverlapSelector(Selector):
         if (fill if isinstance(fill, str) else dict(fill).get("name")) == self.name:
             raise ValueError("query_overlap cannot fill with itself.")
         self.last_tokens, self.before, self.after, self.min_share = last_tokens, before, after, float(min_share)
+        if isinstance(skip, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):
+            raise ValueError(
+                f"skip={skip!r} must be a list of token ids (ints); hf_kvmap.repair.markup_ids(tokenizer) gives a chat "
+                "template's markup."
+            )
+        self.skip = sorted(set(skip))
         self.fill = selector_from_dict(fill)
         self.needs_source = self.fill.needs_source
 
@@ -123,6 +133,7 @@ class QueryOverlapSelector(Selector):
             "after": self.after,
             "min_share": self.min_share,
             "fill": fill["name"] if len(fill) == 1 else fill,
+            **({"skip": list(self.skip)} if self.skip else {}),
         }
 
     def marks(self, context: RepairContext) -> torch.Tensor:
@@ -134,14 +145,15 @@ class QueryOverlapSelector(Selector):
             tokens = ids[row][mask[row].bool()].tolist()
             offset = ids.shape[1] - len(tokens)  # left padding
             query_start = max(0, len(tokens) - self.last_tokens)
-            query = tokens[query_start:]
+            skip = set(self.skip)
+            query = [-2 if token in skip else token for token in tokens[query_start:]]  # -2 and -1 never match
             pool = candidates[row].nonzero().squeeze(-1).tolist()
             context_positions = [p for p in pool if p - offset < query_start]
             if not context_positions:
                 continue
             # runs are matched over the contiguous context before the query (candidates start at `start`)
             first, last = context_positions[0], context_positions[-1] + 1
-            context_ids = ids[row, first:last].tolist()
+            context_ids = [-1 if token in skip else token for token in ids[row, first:last].tolist()]
             counts = Counter(context_ids)
             n = len(context_ids)
             weights = {token: max(0.0, math.log(n / (1 + count))) for token, count in counts.items()}
@@ -163,4 +175,13 @@ class QueryOverlapSelector(Selector):
         return torch.where(marks > 0, 1.0 + marks / scale, rest)
 
 
-__all__ = ["QueryOverlapSelector", "run_scores"]
+def markup_ids(tokenizer) -> list[int]:
+    """The ids of `tokenizer`'s special tokens (its added tokens marked special, a chat template's turn markers among
+    them): `QueryOverlapSelector(skip=markup_ids(tokenizer))` matches what was said, not how turns are marked."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted(
+        set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+    )
+
+
+__all__ = ["QueryOverlapSelector", "markup_ids", "run_scores"]
