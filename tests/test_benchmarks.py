@@ -1096,18 +1096,35 @@ def test_results_name_the_cpu_and_the_kernels_that_computed_them():
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and info["cpu"]
 
 
-def test_portable_fit_says_which_settings_refit_one_mapper():
+def test_portable_fit_says_which_settings_refit_one_mapper_and_which_step_differs():
     from benchmarks import portable_fit
 
-    def fit(digest, env):
-        return {"env": env, "hash": "sha256:" + digest * 16, "seconds": 12.4}
+    def fit(digest, env, statistics=None, solve=None):
+        out = {"env": env, "hash": "sha256:" + digest * 16, "seconds": 12.4}
+        out.update({"statistics": statistics} if statistics else {})
+        return {**out, **({"solve": solve} if solve else {})}
 
-    fits = {name: fit("ab12", env) for name, env in portable_fit.SETTINGS.items()}
-    fits["native, AVX2 only"] = fit("cd34", portable_fit.AVX2_ONLY)
-    results = {"run": {"positions": "2 sequences of 256 tokens, top-k 8"}, "fits": fits}
-    results["verdict"] = portable_fit.verdict(fits)
-    assert results["verdict"] == {"native_same": False, "portable_same": True}
+    fits = {name: fit("ab12", env, "s1", "m1") for name, env in portable_fit.SETTINGS.items()}
+    fits["native, AVX2 only"] = fit("cd34", portable_fit.AVX2_ONLY, "s2", "m1")
+    fits["portable, one thread"] = fit("ef56", portable_fit.SETTINGS["portable, one thread"], "s1", "m2")
+    results = {"run": {"positions": "2 sequences of 256 tokens, top-k 8", "solved": "native"}, "fits": fits}
+    assert portable_fit.verdict(fits) == {
+        "native": {"mappers": 2, "statistics": 2, "solves": 1},
+        "portable": {"mappers": 2, "statistics": 1, "solves": 2},
+    }
     page = portable_fit.markdown(results)
-    assert "| native | as the machine runs | `ab12ab12ab12` | 12 |" in page
-    assert "| portable | `ATEN_CPU_CAPABILITY=default` `MKL_CBWR=COMPATIBLE` | `ab12ab12ab12` | 12 |" in page
-    assert page.endswith("Native settings: two mappers across the two CPU levels; portable settings: one mapper.")
+    assert "| native | as the machine runs | `s1` | `ab12ab12ab12` | `m1` | 12 |" in page
+    assert (
+        "| portable | `ATEN_CPU_CAPABILITY=default` `MKL_CBWR=COMPATIBLE` | `s1` | `ab12ab12ab12` | `m1` | 12 |"
+        in page
+    )
+    assert "the statistics of `native` solved again" in page
+    assert page.endswith(
+        "Native settings: 2 mappers from 2 statistics digests; the shared statistics solved to one mapper. "
+        "Portable settings: 2 mappers from one statistics digest; the shared statistics solved to 2 mappers."
+    )
+    # results of before the statistics were hashed: their parts read "-" and are not counted
+    old = {"native": fit("ab12", {}), "portable": fit("cd34", portable_fit.PORTABLE)}
+    page = portable_fit.markdown({"run": {"positions": "x"}, "fits": old})
+    assert "| native | as the machine runs | - | `ab12ab12ab12` | - | 12 |" in page
+    assert page.endswith("Native settings: one mapper. Portable settings: one mapper.")
