@@ -5,6 +5,11 @@ float64 by Cholesky (minimum-norm least squares when the system is singular, e.g
 than features). It is solved from centered moments, which come either from sufficient statistics
 (`hf_kvmap.fitting.solve_layer`) or from feature tensors kept in memory ([`ridge_solve`]).
 
+The solve runs on one CPU thread (on the CPU): LAPACK's Cholesky splits its blocks by the thread count, so two
+threads round otherwise than one, and a refit from the same statistics on a machine with another thread count would
+be another mapper (another content hash, refused by records measured with the first). Its cost is small beside the
+pass through the models that gathers the statistics.
+
 R^2 is `1 - SS_res / SS_tot` (1 for a target without variance, which the bias predicts exactly), summed over the
 dims of a head and averaged over heads wherever a score is reported (selection probe, calibration R^2, held-out
 metrics, diagnostics).
@@ -12,16 +17,33 @@ metrics, diagnostics).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
+@contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Torch's CPU work (and MKL's, which it sets with it) on one thread inside the block; the thread count as it was
+    after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def spd_solve(matrix: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """Solve `matrix @ x = rhs` for a (batch of) symmetric positive (semi)definite matrix in its dtype."""
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if not bool((info == 0).all()):
-        # singular: the minimum-norm solution (the `gelsd` driver runs on the CPU)
-        return torch.linalg.lstsq(matrix.cpu(), rhs.cpu(), driver="gelsd").solution.to(matrix.device)
-    return torch.cholesky_solve(rhs, factor)
+    """Solve `matrix @ x = rhs` for a (batch of) symmetric positive (semi)definite matrix in its dtype; on the CPU on
+    one thread, so the bytes do not depend on the thread count."""
+    with one_cpu_thread():
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if not bool((info == 0).all()):
+            # singular: the minimum-norm solution (the `gelsd` driver runs on the CPU)
+            return torch.linalg.lstsq(matrix.cpu(), rhs.cpu(), driver="gelsd").solution.to(matrix.device)
+        return torch.cholesky_solve(rhs, factor)
 
 
 def ridge_from_moments(
@@ -29,10 +51,11 @@ def ridge_from_moments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The centered ridge from centered moments `Xc^T Xc` `(F_x, F_x)` (its diagonal is modified in place) and
     `Xc^T Yc` `(F_x, F_y)` and the means; returns `(weight, bias)` in `nn.Linear` layout, `(F_y, F_x)` and `(F_y,)`."""
-    sxx.diagonal().add_(penalty)
-    weight = spd_solve(sxx, sxy)  # (in, out)
-    bias = mean_y - mean_x @ weight
-    return weight.T.contiguous(), bias
+    with one_cpu_thread():  # the bias's product too: every byte of the mapper whatever the thread count
+        sxx.diagonal().add_(penalty)
+        weight = spd_solve(sxx, sxy)  # (in, out)
+        bias = mean_y - mean_x @ weight
+        return weight.T.contiguous(), bias
 
 
 def ridge_solve(
@@ -89,4 +112,12 @@ def regression_metrics(predict, x: torch.Tensor, y: torch.Tensor, num_heads: int
     return mse, float(head_r2(ss_res, ss_tot, num_heads).mean())
 
 
-__all__ = ["head_r2", "r2_score", "regression_metrics", "ridge_from_moments", "ridge_solve", "spd_solve"]
+__all__ = [
+    "head_r2",
+    "one_cpu_thread",
+    "r2_score",
+    "regression_metrics",
+    "ridge_from_moments",
+    "ridge_solve",
+    "spd_solve",
+]

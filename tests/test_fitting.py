@@ -397,3 +397,27 @@ def test_given_features_are_fitted_on_for_a_per_position_ridge_too(mlp_pair, cal
     assert not torch.allclose(
         other.state_dict["layers.0.key_proj.weight"], plain.state_dict["layers.0.key_proj.weight"]
     )
+
+
+def test_the_ridge_solve_gives_the_same_bytes_at_any_thread_count():
+    # LAPACK's Cholesky splits its blocks by the thread count (two threads round otherwise than one): the solve runs
+    # on one thread, so a refit from the same statistics is the same mapper on a machine with other threads
+    from hf_kvmap.regression import ridge_from_moments, spd_solve
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 256, generator=g, dtype=torch.float64)
+    gram, cross = a.T @ a, torch.randn(256, 32, generator=g, dtype=torch.float64)
+    mean_x, mean_y = (
+        torch.randn(256, generator=g, dtype=torch.float64),
+        torch.randn(32, generator=g, dtype=torch.float64),
+    )
+    before = torch.get_num_threads()
+    solved = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            solved[threads] = (spd_solve(gram, cross), *ridge_from_moments(gram.clone(), cross, mean_x, mean_y, 0.1))
+            assert torch.get_num_threads() == threads  # the caller's count, as it was
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(x, y) for x, y in zip(solved[1], solved[2]))
