@@ -85,6 +85,8 @@ def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: in
         if seed != report_seed or not group.get("items") or task == "continuation":
             continue
         code = task == "humaneval"  # judged on the rung chosen elsewhere, never on its own best
+        if not code and length not in MIN_SPEEDUP:  # a length no target names (512 tokens): in the tables only
+            continue
         speedup = None if code else MIN_SPEEDUP.get(length)
         if code:
             found = (chosen, group["arms"][chosen]) if chosen in group["arms"] else None
@@ -221,7 +223,11 @@ def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
 def reverse_rows(long_switch: dict, direction: str = "1.5b:0.5b") -> list[tuple[str, ...]]:
     """The other direction's target: the same tasks with the frontier reported. Which (task, length) groups were
     measured there, with how many items, and which of the forward direction's are missing."""
-    forward = {name.split("#")[0] for name in long_switch["results"].get("0.5b:1.5b", {})}
+    forward = {  # the forward direction's groups at the lengths a target names
+        name.split("#")[0]
+        for name in long_switch["results"].get("0.5b:1.5b", {})
+        if name.startswith("humaneval@") or int(name.split("@")[1].split("#")[0]) in MIN_SPEEDUP
+    }
     mine = long_switch["results"].get(direction, {})
     measured = sorted(f"{name.split('#')[0]} ({group['items']})" for name, group in mine.items() if group.get("items"))
     missing = sorted(forward - {name.split("#")[0] for name in mine})

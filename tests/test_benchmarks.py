@@ -983,6 +983,8 @@ def test_switch_targets_reads_each_verdict_off_the_results():
                 ),
                 "long_doc@4096#1234": group(4000, 8, True, **{"a@0.2": arm(0.9, 0.5, 4.0, 0.2)}),  # the gap missed
                 "long_doc@2048#4321": group(2000, 6, True, **{"a@0.2": arm(1, 1, 9.0, 0.2)}),  # a selection set
+                # a length no target names: in the tables, not in the targets (nor missing from the other direction)
+                "long_chat@512#1234": group(500, 24, True, **{"a@0.1": arm(1, 1, 2.0, 0.1)}),
                 # HumanEval is judged on the rung the continuations' selection set chose (b@0.3), not its own best
                 "continuation@2048#4321": group(
                     2000, 6, True, **{"a@0.2": arm(0.3, 0.2, 3.0, 0.2), "b@0.3": arm(0.4, 0.35, None, 0.3)}
