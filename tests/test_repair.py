@@ -308,7 +308,7 @@ def test_query_overlap_skips_markup_so_the_fact_the_question_names_comes_first()
     assert marks[30:].tolist() == pytest.approx([fact] * 5)  # the query's own cached positions
     assert skipping.settings()["skip"] == [6, 7] and "skip" not in QueryOverlapSelector().settings()
     assert selector_from_dict(skipping.settings()).settings() == skipping.settings()
-    for bad in ("markup", [7, "8"], [True]):
+    for bad in ("markup", [7, "8"], [True], 7):
         with pytest.raises(ValueError, match="markup_ids"):
             QueryOverlapSelector(skip=bad)
 

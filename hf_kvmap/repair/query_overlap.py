@@ -5,9 +5,10 @@ The last `last_tokens` prompt tokens are the query. Every run of consecutive con
 order, in the query is scored by what it says and how specific it is: the sum of its tokens' weights, `log(n / (1 +
 count))` over the `n` context positions (a token the prompt repeats everywhere, "the", weighs little; a name it holds
 once weighs much), times `(log(n / runs) / log(n))^2` where `runs` is how often the run's whole token sequence occurs
-in the context (a phrase every paragraph repeats, a chat template's turn marker, counts little however long). Runs
-scoring at least `min_share` of the row's best run are kept; each marks itself, `before` tokens before it and `after`
-tokens after it (where a fact's value follows the words that name it) with its score. The query's own positions
+in the context (a phrase every paragraph repeats counts little however long; a chat template's turn markers, repeated
+only once a turn, are better not matched at all: `skip`). Runs scoring at least `min_share` of the row's best run are
+kept; each marks itself, `before` tokens before it and `after` tokens after it (where a fact's value follows the words
+that name it) with its score. The query's own positions
 score as the best run (every answer reads the question). Marked positions are recomputed first, by score; the rest
 of the budget goes to `fill`'s order.
 
@@ -115,7 +116,9 @@ class QueryOverlapSelector(Selector):
         if (fill if isinstance(fill, str) else dict(fill).get("name")) == self.name:
             raise ValueError("query_overlap cannot fill with itself.")
         self.last_tokens, self.before, self.after, self.min_share = last_tokens, before, after, float(min_share)
-        if isinstance(skip, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):
+        if not isinstance(skip, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in skip
+        ):
             raise ValueError(
                 f"skip={skip!r} must be a list of token ids (ints); hf_kvmap.repair.markup_ids(tokenizer) gives a chat "
                 "template's markup."
