@@ -47,11 +47,12 @@ from hf_kvmap.calibration.ladder_items import (
 from hf_kvmap.calibration.ladder_remeasure import has_source_answers
 from hf_kvmap.calibration.ladder_side import machines, with_side_measurements
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
+from hf_kvmap.repair import resolve_markup
 from hf_kvmap.reporting import environment_info, write_json
 
 from .formatting import strategy_text
 from .ladder_lengths import changed_outcome
-from .long_switch import parse_strategy, split_rungs, with_markup
+from .long_switch import parse_strategy, split_rungs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIRECTIONS = ("tiny-s:tiny-l", "tiny-m:tiny-l", "tiny-x:tiny-l")
@@ -127,7 +128,7 @@ def records_for(path: Path, pair, items, args) -> list[dict]:
         with path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    asked = [with_markup(parse_strategy(text), tokenizer) for text in split_rungs(args.strategies)]
+    asked = [resolve_markup(parse_strategy(text), tokenizer) for text in split_rungs(args.strategies)]
     # a records file keeps the strategies it was first measured with; one asked for later is measured beside it
     # (<set>.strategies.jsonl), against the target's answers the records hold
     held = list(done[0]["strategies"].values()) if done else asked

@@ -100,19 +100,6 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
     return text, parse_strategy(spec), share, refresh
 
 
-def with_markup(settings: dict | None, tokenizer) -> dict | None:
-    """Strategy settings with `skip=markup` (and a nested `fill`'s) read as the target tokenizer's markup ids
-    (`hf_kvmap.repair.markup_ids`): `query_overlap:fill=draft_branches,skip=markup@0.1` on the command line."""
-    if not isinstance(settings, dict):
-        return settings
-    out = {key: with_markup(value, tokenizer) if isinstance(value, dict) else value for key, value in settings.items()}
-    if out.get("skip") == "markup":
-        from hf_kvmap.repair import markup_ids
-
-        out["skip"] = markup_ids(tokenizer)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------- decoding
 def _forward(model, ids: torch.Tensor, cache):
     from hf_kvmap._compat import cache_kwargs
@@ -410,13 +397,13 @@ def cmd_run(args) -> None:
     from transformers import AutoTokenizer
 
     from hf_kvmap.real import converted_path
-    from hf_kvmap.repair import DecodeRefresh, RepairConfig
+    from hf_kvmap.repair import DecodeRefresh, RepairConfig, resolve_markup
 
     tokenizer = AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
     rungs = {}
     for label in split_rungs(args.rungs):
         label, settings, fraction, refresh = parse_rung(label)
-        rungs[label] = (label, with_markup(settings, tokenizer), fraction, refresh)
+        rungs[label] = (label, resolve_markup(settings, tokenizer), fraction, refresh)
 
     for label, settings, fraction, refresh in rungs.values():  # a typo fails here, before the models load
         if settings is not None:

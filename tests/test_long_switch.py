@@ -157,21 +157,6 @@ def test_rungs_parse_from_the_command_line(text, expected):
     assert long_switch.split_rungs(f"tail@0.1,{text},draft_attention@0.3") == ["tail@0.1", text, "draft_attention@0.3"]
 
 
-def test_skip_markup_reads_as_the_target_tokenizers_special_tokens():
-    special = types.SimpleNamespace(special=True)
-    tokenizer = types.SimpleNamespace(all_special_ids=[5], added_tokens_decoder={4: special})
-    _, settings, _, _ = long_switch.parse_rung("query_overlap:fill=draft_branches,skip=markup@0.1")
-    assert long_switch.with_markup(settings, tokenizer) == {
-        "name": "query_overlap",
-        "fill": "draft_branches",
-        "skip": [4, 5],
-    }
-    nested = {"name": "mix", "first": {"name": "query_overlap", "skip": "markup"}}
-    assert long_switch.with_markup(nested, tokenizer)["first"]["skip"] == [4, 5]
-    assert long_switch.with_markup(None, tokenizer) is None
-    assert long_switch.with_markup({"name": "tail"}, tokenizer) == {"name": "tail"}
-
-
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -320,6 +320,31 @@ def test_markup_ids_are_the_tokenizers_special_tokens():
     assert markup_ids(tokenizer) == [3, 5, 9]
 
 
+def test_skip_markup_reads_as_the_tokenizers_special_tokens_on_every_command_line():
+    import argparse
+
+    from benchmarks import long_switch
+    from hf_kvmap.commands import _args
+    from hf_kvmap.repair import resolve_markup
+
+    special = types.SimpleNamespace(special=True)
+    tokenizer = types.SimpleNamespace(all_special_ids=[5], added_tokens_decoder={4: special})
+    _, settings, _, _ = long_switch.parse_rung("query_overlap:fill=draft_branches,skip=markup@0.1")
+    want = {"name": "query_overlap", "fill": "draft_branches", "skip": [4, 5]}
+    assert resolve_markup(settings, tokenizer) == want
+    nested = {"name": "mix", "first": {"name": "query_overlap", "skip": "markup"}}
+    assert resolve_markup(nested, tokenizer)["first"]["skip"] == [4, 5]
+    assert resolve_markup("tail", tokenizer) == "tail" and resolve_markup({"name": "tail"}, tokenizer) == {
+        "name": "tail"
+    }
+    # calibrate-ladder's --strategies: checked at parse time, the markup kept for the command to read
+    parsed = _args.strategies('[{"name": "query_overlap", "skip": "markup"}, "tail"]')
+    assert parsed == [{"name": "query_overlap", "skip": "markup"}, {"name": "tail"}]
+    assert selector_from_dict(resolve_markup(parsed[0], tokenizer)).settings()["skip"] == [4, 5]
+    with pytest.raises(argparse.ArgumentTypeError, match="min_share"):
+        _args.strategies('[{"name": "query_overlap", "skip": "markup", "min_share": 2}]')
+
+
 def test_query_overlap_needs_the_source_only_where_its_fill_does():
     assert not QueryOverlapSelector().needs_source and QueryOverlapSelector(fill="draft_branches").needs_source
     nested = {"name": "draft_attention", "draft_tokens": 3}

@@ -48,8 +48,9 @@ def add_parser(subparsers) -> None:
         "--strategies",
         type=_args.strategies,
         default="tail,source_attention,draft_attention",
-        help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings; "
-        "the cheapest ladder's is kept",
+        help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings "
+        '(\'[{"name": "query_overlap", "skip": "markup"}]\': "markup" is the tokenizer\'s special tokens); the '
+        "cheapest ladder's is kept",
     )
     parser.add_argument(
         "--fractions", type=_args.fractions, default="0.1,0.2,0.3,0.5", help="repair fractions measured (0 is always)"
@@ -204,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     source, target = _models.load_causal_lm(args.source, dtype), _models.load_causal_lm(args.target, dtype)
     tokenizer = _models.load_tokenizer(args.source)
+    from ..repair import resolve_markup, selector_from_dict
+
+    strategies = [selector_from_dict(resolve_markup(s, tokenizer)).settings() for s in strategies]  # "skip": "markup"
     mapper_name = _models.resolve_mapper(args.mapper, args.source, args.target)
     mapper = _models.load_mapper(mapper_name, "calibrate-ladder")
     try:

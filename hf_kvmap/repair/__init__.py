@@ -19,7 +19,7 @@ from .draft_coverage import DraftCoverageSelector
 from .early_deviation import EarlyDeviationSelector
 from .mix import MixSelector
 from .oracle import OracleSelector
-from .query_overlap import QueryOverlapSelector, markup_ids
+from .query_overlap import QueryOverlapSelector, markup_ids, resolve_markup
 from .recompute import recompute_positions
 from .refresh import DecodeRefresh
 from .repair import RepairConfig, repair_cache
@@ -49,5 +49,6 @@ __all__ = [
     "recompute_positions",
     "register_selector",
     "repair_cache",
+    "resolve_markup",
     "selector_from_dict",
 ]

@@ -187,4 +187,18 @@ def markup_ids(tokenizer) -> list[int]:
     )
 
 
-__all__ = ["QueryOverlapSelector", "markup_ids", "run_scores"]
+def resolve_markup(settings, tokenizer):
+    """Strategy settings (a dict, or a name returned as it is) with `"skip": "markup"` anywhere in them (a nested
+    `fill`'s too) read as `markup_ids(tokenizer)`: how a command line names a chat template's markup before the
+    tokenizer is loaded (`query_overlap:skip=markup`, `{"name": "query_overlap", "skip": "markup"}`)."""
+    if not isinstance(settings, dict):
+        return settings
+    out = {
+        key: resolve_markup(value, tokenizer) if isinstance(value, dict) else value for key, value in settings.items()
+    }
+    if out.get("skip") == "markup":
+        out["skip"] = markup_ids(tokenizer)
+    return out
+
+
+__all__ = ["QueryOverlapSelector", "markup_ids", "resolve_markup", "run_scores"]
