@@ -202,18 +202,28 @@ def score(item: dict, text: str, tokens: list[int], reference: list[int] | None)
     return {"score": agree}
 
 
-class Runner:
-    """The models, the mapper and the settings one run serves every arm with."""
+def target_tokenizer(args):
+    """The tokenizer of `--direction`'s target (no model is loaded)."""
+    from transformers import AutoTokenizer
 
-    def __init__(self, args):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_kvmap.real import converted_path
+
+    return AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
+
+
+class Runner:
+    """The models, the mapper and the settings one run serves every arm with (`tokenizer`: the target's, where the
+    caller loaded it already)."""
+
+    def __init__(self, args, tokenizer=None):
+        from transformers import AutoModelForCausalLM
 
         from hf_kvmap import MapperModel
         from hf_kvmap.real import converted_path
 
         dtype = getattr(torch, args.dtype)
         source_name, target_name = (MODELS[side] for side in args.direction.split(":"))
-        self.tokenizer = AutoTokenizer.from_pretrained(converted_path(target_name, args.cache_dir))
+        self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer(args)
         self.source = AutoModelForCausalLM.from_pretrained(converted_path(source_name, args.cache_dir), dtype=dtype)
         self.target = AutoModelForCausalLM.from_pretrained(converted_path(target_name, args.cache_dir), dtype=dtype)
         self.source.eval(), self.target.eval()
@@ -365,15 +375,12 @@ def write_items(args) -> None:
     """`--write-items PATH`: the run's long_chat / long_doc items as exact-match JSONL (`hf_kvmap.evaluation`'s format,
     one task per task and length, e.g. `long_chat@2048`) for `hf-kvmap calibrate-ladder --tasks PATH`; no model is
     loaded, only the target's tokenizer."""
-    from transformers import AutoTokenizer
-
     from hf_kvmap.atomic import write_text_atomically
-    from hf_kvmap.real import converted_path
 
     tasks = args.tasks.split(",")
     if not set(tasks) <= {"long_chat", "long_doc"}:
         raise SystemExit(f"--write-items writes exact-match items: long_chat and long_doc, not {args.tasks!r}")
-    tokenizer = AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
+    tokenizer = target_tokenizer(args)
     lines = []
     for item in build_items(tokenizer, args):
         prompt = tokenizer.decode(item["ids"])
@@ -394,12 +401,9 @@ def cmd_run(args) -> None:
     for flag, value in (("--mapper", args.mapper), ("--records", args.records)):
         if not value:
             raise SystemExit(f"{flag} is required to measure (--mapper: a fitted map's folder; --records: a JSONL)")
-    from transformers import AutoTokenizer
-
-    from hf_kvmap.real import converted_path
     from hf_kvmap.repair import DecodeRefresh, RepairConfig, resolve_markup
 
-    tokenizer = AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
+    tokenizer = target_tokenizer(args)  # `skip=markup` reads it; the runner keeps it
     rungs = {}
     for label in split_rungs(args.rungs):
         label, settings, fraction, refresh = parse_rung(label)
@@ -414,7 +418,7 @@ def cmd_run(args) -> None:
             except TypeError as err:
                 raise SystemExit(f"--rungs entry {label!r}: {err} (DecodeRefresh's options)") from None
     torch.set_num_threads(args.threads)
-    runner = Runner(args)
+    runner = Runner(args, tokenizer)
     path = Path(args.records)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = long_switch_report.load(path) if path.is_file() else {}

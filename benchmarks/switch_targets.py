@@ -59,12 +59,25 @@ def _point(name: str, arm: dict, beats: bool, chosen: bool = False) -> str:
     return f"{label}: retention {number_text(arm['retention'])}, gap {gap}{wins}, first token {speed}"
 
 
+def group_parts(name: str) -> tuple[str, int, int]:
+    """A report group's name, `task@length#seed`, as `(task, length, seed)`."""
+    task, rest = name.split("@")
+    length, seed = (int(x) for x in rest.split("#"))
+    return task, length, seed
+
+
+def has_target(task: str, length: int) -> bool:
+    """Whether a target names this task at this length: HumanEval at any, the others at `MIN_SPEEDUP`'s lengths (a
+    group at another, 512 tokens, is in the tables only)."""
+    return task == "humaneval" or length in MIN_SPEEDUP
+
+
 def code_rung(groups: dict, report_seed: int = 1234) -> str | None:
     """The rung HumanEval is judged on, chosen on other tasks: the one of the continuations' selection set (long
     answers of code, item sets other than `report_seed`) that keeps most of the target's advantage at most
     `MAX_FRACTION` recomputed ([`best_arm`]); `None` where no continuation was measured."""
     for name, group in sorted(groups.items()):
-        task, seed = name.split("@")[0], int(name.split("#")[1])
+        task, _, seed = group_parts(name)
         if task == "continuation" and seed != report_seed and group.get("items"):
             found = best_arm(group)
             if found is not None:
@@ -80,13 +93,10 @@ def answer_rows(long_switch: dict, direction: str = "0.5b:1.5b", report_seed: in
     groups = long_switch["results"].get(direction, {})
     chosen = code_rung(groups, report_seed)
     for name, group in sorted(groups.items()):
-        task, rest = name.split("@")
-        length, seed = (int(x) for x in rest.split("#"))
-        if seed != report_seed or not group.get("items") or task == "continuation":
+        task, length, seed = group_parts(name)
+        if seed != report_seed or not group.get("items") or task == "continuation" or not has_target(task, length):
             continue
         code = task == "humaneval"  # judged on the rung chosen elsewhere, never on its own best
-        if not code and length not in MIN_SPEEDUP:  # a length no target names (512 tokens): in the tables only
-            continue
         speedup = None if code else MIN_SPEEDUP.get(length)
         if code:
             found = (chosen, group["arms"][chosen]) if chosen in group["arms"] else None
@@ -226,7 +236,7 @@ def reverse_rows(long_switch: dict, direction: str = "1.5b:0.5b") -> list[tuple[
     forward = {  # the forward direction's groups at the lengths a target names
         name.split("#")[0]
         for name in long_switch["results"].get("0.5b:1.5b", {})
-        if name.startswith("humaneval@") or int(name.split("@")[1].split("#")[0]) in MIN_SPEEDUP
+        if has_target(*group_parts(name)[:2])
     }
     mine = long_switch["results"].get(direction, {})
     measured = sorted(f"{name.split('#')[0]} ({group['items']})" for name, group in mine.items() if group.get("items"))

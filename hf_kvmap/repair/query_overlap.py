@@ -144,11 +144,11 @@ class QueryOverlapSelector(Selector):
         out = torch.zeros(context.batch, context.length, dtype=torch.float32)
         ids, mask = context.input_ids.cpu(), context.attention_mask.cpu()
         candidates = context.candidates.cpu()
+        skip = set(self.skip)
         for row in range(context.batch):
             tokens = ids[row][mask[row].bool()].tolist()
             offset = ids.shape[1] - len(tokens)  # left padding
             query_start = max(0, len(tokens) - self.last_tokens)
-            skip = set(self.skip)
             query = [-2 if token in skip else token for token in tokens[query_start:]]  # -2 and -1 never match
             pool = candidates[row].nonzero().squeeze(-1).tolist()
             context_positions = [p for p in pool if p - offset < query_start]
