@@ -13,7 +13,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .artifacts import EVALUATION_FILE, results_belong_to, results_hash
 from .atomic import write_file_atomically
 from .flops import mapper_parameters
-from .reporting import fmt_number, retention_cells, retention_measurable, write_json
+from .reporting import PORTABLE_KERNELS, fmt_number, retention_cells, retention_measurable, write_json
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "mapper_card.md.jinja"
 
@@ -88,6 +88,30 @@ _MLP_SETTINGS = (
     "seed",
     "torch_version",
 )
+
+
+def refit_reproducibility(config) -> str:
+    """Whether a refit of the same calibration on another CPU is expected to give this mapper's bytes, from the
+    kernel settings its statistics were gathered and solved with (`hf_kvmap.reporting.kernel_settings`; measured
+    for ridge fits by `benchmarks.portable_fit`, not for trained or fine-tuned maps)."""
+    calibration = config.calibration or {}
+    gathered, solved = calibration.get("kernel_settings"), calibration.get("solve_kernel_settings")
+    if gathered is None or solved is None:
+        return "unknown (the kernel settings were not recorded)"
+    if gathered != PORTABLE_KERNELS or solved != PORTABLE_KERNELS:
+        return (
+            f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set `ATEN_CPU_CAPABILITY="
+            "default MKL_CBWR=COMPATIBLE` for a reproducible refit"
+        )
+    trained = [key for key in ("mlp_training", "attention_finetune", "kl_finetune") if key in calibration]
+    if trained:
+        return (
+            f"the statistics and ridge are portable; not measured for the training after them ({', '.join(trained)})"
+        )
+    return (
+        "the same bytes on other x86 CPUs under the same settings (portable kernels: `ATEN_CPU_CAPABILITY=default "
+        "MKL_CBWR=COMPATIBLE`)"
+    )
 
 
 def _objective_rows(config) -> list[tuple[str, str]]:
@@ -347,6 +371,7 @@ def render_card(
         ridge_lambda=config.ridge_lambda,
         lambda_convention=config.lambda_convention,
         calibration=calibration,
+        refit=refit_reproducibility(config),
         mlp_settings=mlp_settings,
         mlp_rows=mlp_rows,
         library_version=config.library_version,

@@ -38,6 +38,7 @@ from .kinds import KIND_REGISTRY, map_inputs
 from .modeling_mapper import MapperModel
 from .objectives import finetune_fitted
 from .regression import head_r2, regression_metrics, ridge_from_moments
+from .reporting import joined_settings, kernel_settings
 from .selection import LayerSelection
 from .statistics import CalibrationStatistics
 
@@ -352,6 +353,9 @@ def fit(
     if options.key_norm:
         weights, key_norm_fields = target_key_norm(target_model)
         state.update({f"layers.{layer_idx}.key_norm_weight": weight for layer_idx, weight in enumerate(weights)})
+    settings = joined_settings(*(part.kernel_settings for part in parts))  # of the sums; of the solve, this process's
+    solved_on = device if on_features and device is not None else first.device
+    record = {"kernel_settings": settings, "solve_kernel_settings": kernel_settings(solved_on), **record}
     config = fitted_config(
         first,
         selection,

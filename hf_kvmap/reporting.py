@@ -74,6 +74,37 @@ def machine_info() -> dict:
     }
 
 
+# CPU settings under which a forward, a sum and a solve give the same bytes on any x86 CPU (ATen's portable kernels,
+# MKL's compatible code path; benchmarks/results/portable_fit.json measures it)
+PORTABLE_KERNELS = "cpu DEFAULT, MKL_CBWR=COMPATIBLE"
+
+
+def kernel_settings(device="cpu") -> str:
+    """The float kernels work on `device` runs with, as a label for provenance: on the CPU ATen's kernel level and
+    MKL's reproducibility mode (`MKL_CBWR`, where set), e.g. `"cpu AVX512"` or `PORTABLE_KERNELS`; on an
+    accelerator its type and name. Two runs with the same CPU label give the same bytes only where it is
+    `PORTABLE_KERNELS` (natively the kernels follow the CPU's instruction set)."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        label = f"cpu {torch.backends.cpu.get_cpu_capability()}"
+        return label + (f", MKL_CBWR={os.environ['MKL_CBWR']}" if os.environ.get("MKL_CBWR") else "")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def joined_settings(*labels: str | None) -> str | None:
+    """The kernel-settings label of a sum of parts gathered under `labels`: the label they share, `"mixed"` where
+    they differ, `None` (unknown) where any part's is unknown."""
+    if any(label is None for label in labels):
+        return None
+    return labels[0] if len(set(labels)) == 1 else "mixed"
+
+
 def _cpu_name() -> str | None:
     """The CPU's model name as Linux reports it, with its bf16 instructions where it has them (None elsewhere)."""
     try:

@@ -30,6 +30,7 @@ from .configuration_mapper import summarize_model_config
 from .features import PARTS, batch_features, feature_matrix, input_device
 from .geometry import KVGeometry
 from .moments import DTYPES, NUM_LIMBS, PER_PART, PartStatistics, dtype_name, fingerprint_hex, limbs, sequence_digest
+from .reporting import joined_settings, kernel_settings
 from .validation import check_int
 
 logger = logging.get_logger(__name__)
@@ -111,6 +112,7 @@ class CalibrationStatistics:
         target_model_id: str | None = None,
         target_revision: str | None = None,
         tokenizer_fingerprint: str | None = None,
+        kernel_settings: str | None = None,
         allocate: bool = True,
     ):
         self.source_summary = summarize_model_config(source_config)
@@ -132,6 +134,8 @@ class CalibrationStatistics:
         self.target_model_id = target_model_id
         self.target_revision = target_revision
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        # the float kernels the sums were gathered with (`hf_kvmap.reporting.kernel_settings`): None while unknown
+        self.kernel_settings = kernel_settings
         self.stats: dict[str, PartStatistics] = {}
         # Wall-clock seconds spent by `accumulate` (not saved, not merged): forwards, feature extraction + sums.
         self.timings = {"source_forward": 0.0, "target_forward": 0.0, "accumulate": 0.0}
@@ -199,6 +203,7 @@ class CalibrationStatistics:
             "parts": list(self.parts),
             "target_layers": self.target_layers,
             "statistics_dtype": dtype_name(self.dtype),
+            "kernel_settings": self.kernel_settings,
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -342,6 +347,8 @@ class CalibrationStatistics:
         """
         self._check_model(source_model, "source")
         self._check_model(target_model, "target")
+        devices = (input_device(source_model), input_device(target_model), self.device)  # forwards and sums
+        self._add_settings(joined_settings(*map(kernel_settings, devices)), int(self.tokens) > 0)
         for side, model in (("source", source_model), ("target", target_model)):
             if getattr(model, "training", False):
                 logger.warning(
@@ -416,6 +423,11 @@ class CalibrationStatistics:
         return stats.accumulate(source_model, target_model, calibration, progress=progress)
 
     # ------------------------------------------------------------------------------------------------ combining
+    def _add_settings(self, theirs: str | None, held: bool) -> None:
+        """The kernel settings once sums gathered under `theirs` are added; `held`: whether these sums held any
+        positions before (empty sums take the other's label)."""
+        self.kernel_settings = joined_settings(self.kernel_settings, theirs) if held else theirs
+
     def _compatibility(self) -> dict[str, Any]:
         return {
             "source_summary": self.source_summary,
@@ -448,6 +460,8 @@ class CalibrationStatistics:
     def merge(self, other: CalibrationStatistics) -> CalibrationStatistics:
         """Add `other`'s sums into `self` (in place) after checking compatibility; returns `self`."""
         self.check_compatible(other)
+        if int(other.tokens) > 0:
+            self._add_settings(other.kernel_settings, int(self.tokens) > 0)
         theirs = other.state_dict()
         for name, tensor in self.state_dict().items():
             tensor += theirs[name].to(tensor.device)
@@ -475,13 +489,16 @@ class CalibrationStatistics:
         if world == 1:
             return self
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, self._compatibility(), group=group)
-        for rank, theirs in enumerate(gathered):
+        mine = (self._compatibility(), int(self.tokens) > 0, self.kernel_settings)
+        dist.all_gather_object(gathered, mine, group=group)
+        for rank, (theirs, _, _) in enumerate(gathered):
             if theirs != self._compatibility():
                 diff = sorted(k for k in theirs if theirs[k] != self._compatibility()[k])
                 raise ValueError(f"Rank {rank} holds incompatible calibration statistics (differs in {diff}).")
         for tensor in self.state_dict().values():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        if labels := [settings for _, held, settings in gathered if held]:  # ranks without positions add nothing
+            self.kernel_settings = joined_settings(*labels)
         return self
 
     def to(self, device: torch.device | str) -> CalibrationStatistics:
@@ -557,10 +574,14 @@ class CalibrationStatistics:
             target_model_id=meta.get("target_model_id"),
             target_revision=meta.get("target_revision"),
             tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
+            kernel_settings=meta.get("calibration", {}).get("kernel_settings"),  # files before it: unknown
             allocate=False,
         )
         state = load_file(tensors_path, device=str(torch.device(device)))
-        expected = cls._expected_shapes(stats)
+        shared = {"tokens": (), "sequences": (), "fingerprint_limbs": (NUM_LIMBS,)}
+        expected = {name: (shape, torch.int64) for name, shape in shared.items()}
+        empty = PartStatistics.zeros(stats.source_width, stats.target_width, stats.dtype, "meta").tensors()  # shapes
+        expected |= {f"{part}.{name}": (tuple(t.shape), t.dtype) for part in stats.parts for name, t in empty.items()}
         if set(state) != set(expected):
             raise ValueError(f"{tensors_path} holds tensors {sorted(state)}; expected {sorted(expected)}.")
         for name, (shape, dtype) in expected.items():
@@ -573,27 +594,6 @@ class CalibrationStatistics:
         stats.tokens, stats.sequences = state["tokens"], state["sequences"]
         stats.fingerprint_limbs = state["fingerprint_limbs"]
         return stats
-
-    @staticmethod
-    def _expected_shapes(stats: CalibrationStatistics) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        f_s, f_t, dtype = stats.source_width, stats.target_width, stats.dtype
-        shapes = {
-            "tokens": ((), torch.int64),
-            "sequences": ((), torch.int64),
-            "fingerprint_limbs": ((NUM_LIMBS,), torch.int64),
-        }
-        for part in stats.parts:
-            shapes.update(
-                {
-                    f"{part}.count": ((), torch.int64),
-                    f"{part}.source_sum": ((f_s,), dtype),
-                    f"{part}.target_sum": ((f_t,), dtype),
-                    f"{part}.target_sumsq": ((f_t,), dtype),
-                    f"{part}.gram": ((f_s, f_s), dtype),
-                    f"{part}.cross": ((f_s, f_t), dtype),
-                }
-            )
-        return shapes
 
 
 __all__ = ["CalibrationStatistics"]

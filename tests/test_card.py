@@ -214,3 +214,43 @@ def test_card_parameter_count_is_what_the_mapper_holds_key_norm_weights_included
     row = f"| parameters (with the target's key-norm weights it copies) | {held:,} |"
     assert row in str(render_card(mapper))
     assert row in str(render_card(mapper.config))  # the same count from the config alone
+
+
+def test_card_says_whether_a_refit_reproduces_the_mapper(tiny, random_pair, monkeypatch, tmp_path):
+    """The fit records the kernels its statistics were gathered and solved with, and the card reads them: portable
+    kernels on both vouch for the bytes, native ones say another CPU refits other bytes, unrecorded ones say so."""
+    from hf_kvmap import CalibrationStatistics, mapper_from_statistics
+    from hf_kvmap.card import refit_reproducibility
+    from hf_kvmap.reporting import PORTABLE_KERNELS
+
+    source, target = random_pair
+    native = CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    portable = CalibrationStatistics.collect(source, target, tiny.batches(seed=2), stride=2, progress=False)
+    fitted = mapper_from_statistics(portable, top_k=2)
+    assert fitted.config.calibration["kernel_settings"] == PORTABLE_KERNELS
+    assert fitted.config.calibration["solve_kernel_settings"] == PORTABLE_KERNELS
+    fitted.save_pretrained(tmp_path / "portable")
+    text = (tmp_path / "portable" / "README.md").read_text()
+    assert "| a refit on another CPU | the same bytes on other x86 CPUs under the same settings" in text
+    assert f"| calibration kernel_settings | {PORTABLE_KERNELS} |" in text
+
+    monkeypatch.delenv("MKL_CBWR")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    solved_natively = mapper_from_statistics(portable, top_k=2)
+    assert refit_reproducibility(solved_natively.config) == (
+        f"other bytes on another CPU (gathered with {PORTABLE_KERNELS}, solved with cpu {capability}); set "
+        "`ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE` for a reproducible refit"
+    )
+    assert refit_reproducibility(mapper_from_statistics(native, top_k=2).config).startswith(
+        f"other bytes on another CPU (gathered with cpu {capability}, solved with cpu {capability})"
+    )
+    # maps fitted before the fields, and trained maps the benchmark never measured
+    assert refit_reproducibility(MapperModel.identity(tiny.SUPPORTED["qwen3"]()).config) == (
+        "unknown (the kernel settings were not recorded)"
+    )
+    trained = copy.deepcopy(fitted.config)
+    trained.calibration["kl_finetune"] = {"steps": 1}
+    assert refit_reproducibility(trained).startswith("the statistics and ridge are portable; not measured")

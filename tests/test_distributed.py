@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_kvmap import mapper_from_statistics
+from hf_kvmap.reporting import kernel_settings
 from hf_kvmap.statistics import CalibrationStatistics
 
 WORLD_SIZE = 2
@@ -54,6 +55,16 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         stats.all_reduce()
         stats.save(os.path.join(out_dir, f"rank{rank}"))
 
+        # Kernel settings: ranks gathering under other settings sum to "mixed"; a rank without positions adds none.
+        if rank == 1:
+            os.environ["MKL_CBWR"] = "AVX2"  # the label only: this process's MKL has read its setting already
+        labelled = CalibrationStatistics.collect(source, target, mine, stride=2, progress=False).all_reduce()
+        empty = CalibrationStatistics(source.config, target.config, stride=2)
+        rank0_only = empty if rank else CalibrationStatistics.collect(source, target, mine, stride=2, progress=False)
+        rank0_only.all_reduce()
+        with open(os.path.join(out_dir, f"settings{rank}.txt"), "w") as handle:
+            handle.write(f"{labelled.kernel_settings}|{rank0_only.kernel_settings}")
+
         # Ranks holding incompatible statistics all refuse, before any tensor is summed.
         odd = CalibrationStatistics(source.config, target.config, stride=2 + rank)
         try:
@@ -94,6 +105,8 @@ def test_all_reduce_equals_single_process(tmp_path):
                 assert torch.allclose(got, tensor, rtol=1e-9, atol=1e-9 * tensor.abs().max().item()), name
             else:
                 assert torch.equal(got, tensor), name
+        native = kernel_settings("cpu")
+        assert (tmp_path / f"settings{rank}.txt").read_text() == f"mixed|{native}"
         text = (tmp_path / f"incompatible{rank}.txt").read_text()
         assert text.startswith("refused") and "stride" in text, text
 

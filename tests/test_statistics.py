@@ -114,3 +114,45 @@ def test_non_finite_features_are_refused(random_pair):
     with pytest.raises(ValueError, match="NaN or inf"):
         stats.update(torch.zeros(3, stats.source_width), None, bad, None)
     assert stats.count() == 0 and not stats["key"].gram.any()
+
+
+def test_kernel_settings_are_recorded_kept_and_joined(tiny, random_pair, monkeypatch, tmp_path):
+    """The float kernels the sums were gathered with travel with them: collect records them, save/load keeps them,
+    a merge of parts gathered under other settings says "mixed", an empty part takes the other's, an unknown part
+    makes the sum unknown."""
+    from hf_kvmap.reporting import PORTABLE_KERNELS, kernel_settings
+
+    source, target = random_pair
+    data = tiny.batches(seed=2)
+    native = CalibrationStatistics.collect(source, target, data[:2], stride=2, progress=False)
+    assert native.kernel_settings == kernel_settings("cpu") == f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    portable = CalibrationStatistics.collect(source, target, data[2:], stride=2, progress=False)
+    assert portable.kernel_settings == PORTABLE_KERNELS == "cpu DEFAULT, MKL_CBWR=COMPATIBLE"
+    assert portable.provenance()["kernel_settings"] == PORTABLE_KERNELS
+    portable.save(tmp_path / "portable")
+    assert CalibrationStatistics.load(tmp_path / "portable").kernel_settings == PORTABLE_KERNELS
+
+    again = CalibrationStatistics.collect(source, target, data[:2], stride=2, progress=False)
+    assert again.merge(CalibrationStatistics.load(tmp_path / "portable")).kernel_settings == PORTABLE_KERNELS
+    assert CalibrationStatistics.load(tmp_path / "portable").merge(native).kernel_settings == "mixed"
+    empty = CalibrationStatistics(source.config, target.config, stride=2)
+    assert empty.kernel_settings is None and empty.merge(native).kernel_settings == native.kernel_settings
+    assert native.merge(CalibrationStatistics(source.config, target.config, stride=2)).kernel_settings is not None
+    unknown = CalibrationStatistics.load(tmp_path / "portable")
+    unknown.kernel_settings = None  # statistics saved before the field
+    assert unknown.merge(again).kernel_settings is None
+    # accumulating more under other kernels than the sums hold
+    portable.accumulate(source, target, data[:1], progress=False)
+    monkeypatch.delenv("MKL_CBWR")
+    assert portable.accumulate(source, target, data[1:2], progress=False).kernel_settings == "mixed"
+
+
+def test_statistics_saved_before_kernel_settings_load_as_unknown(random_pair_stats, tmp_path):
+    random_pair_stats.save(tmp_path / "old")
+    path = tmp_path / "old" / "statistics.json"
+    meta = json.loads(path.read_text())
+    del meta["calibration"]["kernel_settings"]
+    path.write_text(json.dumps(meta))
+    assert CalibrationStatistics.load(tmp_path / "old").kernel_settings is None
