@@ -179,6 +179,24 @@ def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+def _bound_points(data: dict) -> list[tuple[str, float, float]]:
+    """(label, the worst task's share of changed answers, mean cost) on the report set of each way a ladder
+    direction holds to the confidence bound (the probe alone, and with the check after the rung)."""
+    points = []
+    for name, label in (("ladder_confident", "probe only"), ("ladder_checked_confident", "with the check")):
+        if name in data:
+            report = data[name]["report"]
+            worst = max(g["changed_served"] for g in report["per_group"].values())
+            points.append((label, worst, report["mean_cost"]))
+    return points
+
+
+def _points_text(points: list[tuple[str, float, float]]) -> str:
+    return "; ".join(
+        f"{label}: cost {number_text(cost)}, worst task {pct(worst, 1)} changed" for label, worst, cost in points
+    )
+
+
 def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
     """The guard ladder's targets: at the length it was calibrated at, held to the bound, the changed answers served
     within the budget at a mean cost of at most `LADDER_COST`; and a report set of at least `LADDER_4K_ITEMS` items a
@@ -189,12 +207,7 @@ def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
         if data.get("report_tokens", calibrated) != calibrated:
             continue
         items = data["report_items_per_task"]
-        points = []  # (label, worst task's changed answers, mean cost) of each way held to the bound
-        for name, label in (("ladder_confident", "probe only"), ("ladder_checked_confident", "with the check")):
-            if name in data:
-                report = data[name]["report"]
-                worst = max(g["changed_served"] for g in report["per_group"].values())
-                points.append((label, worst, report["mean_cost"]))
+        points = _bound_points(data)
         within = [worst <= LADDER_CHANGED + 1e-9 for _, worst, _ in points]
         cheap = [cost <= LADDER_COST for _, _, cost in points]
         if any(a and b for a, b in zip(within, cheap)):
@@ -205,26 +218,27 @@ def ladder_rows(long_ladder: dict) -> list[tuple[str, ...]]:
             verdict = "changed answers within the budget; cost missed"
         else:
             verdict = "missed"
-        reached = "; ".join(
-            f"{label}: cost {number_text(cost)}, worst task {pct(worst, 1)} changed" for label, worst, cost in points
-        )
         rows.append(
             (
                 f"ladder at {calibrated} tokens held to the 0.95 bound: <= {pct(LADDER_CHANGED)} changed, mean cost "
                 f"<= {LADDER_COST}",
                 f"{key}, {items} report items a task",
-                reached,
+                _points_text(points),
                 verdict,
             )
         )
     at_4k = [d for d in long_ladder["directions"].values() if d.get("report_tokens") == 4096]
     items = max((d["report_items_per_task"] for d in at_4k), default=0)
+    widest = next((d for d in at_4k if d["report_items_per_task"] == items), None)
+    verdict = "met" if items >= LADDER_4K_ITEMS else "not yet measured"
+    if 0 < items < LADDER_4K_ITEMS:
+        verdict = f"not yet: {items} of {LADDER_4K_ITEMS} items a task"
     rows.append(
         (
             f"the ladder's frontier at 4K on >= {LADDER_4K_ITEMS} items a task",
             f"{items} items a task at 4096 tokens" if at_4k else "no 4K report set",
-            "-",
-            "met" if items >= LADDER_4K_ITEMS else "not yet measured",
+            _points_text(_bound_points(widest)) if widest else "-",
+            verdict,
         )
     )
     return rows

@@ -1040,13 +1040,25 @@ def test_switch_targets_reads_each_verdict_off_the_results():
                 "ladder_checked_confident": way(0.02, 0.08, 0.48),
                 "fixed_report": fixed(0.3, 0.95, 1.0, 0.5),
             },
-            "a-to-b at 4096 tokens": {"report_tokens": 4096, "report_items_per_task": 24},
+            "a-to-b at 4096 tokens": {
+                "report_tokens": 4096,
+                "report_items_per_task": 24,
+                "ladder_confident": way(0.0, 0.0, 0.64),
+            },
         },
     }
     first, at_4k = switch_targets.ladder_rows(ladder)
     assert first[3] == "cost met; changed answers over the budget on the report set"
     assert "with the check: cost 0.48, worst task 8.0 % changed" in first[2]
-    assert at_4k[3] == "not yet measured" and "24 items" in at_4k[1]
+    assert at_4k[1:] == (
+        "24 items a task at 4096 tokens",
+        "probe only: cost 0.64, worst task 0.0 % changed",
+        "not yet: 24 of 48 items a task",
+    )
+    ladder["directions"]["a-to-b at 4096 tokens"]["report_items_per_task"] = 48
+    assert switch_targets.ladder_rows(ladder)[1][3] == "met"
+    del ladder["directions"]["a-to-b at 4096 tokens"]
+    assert switch_targets.ladder_rows(ladder)[1][1:] == ("no 4K report set", "-", "not yet measured")
     ladder["directions"]["a-to-b"]["ladder_checked_confident"] = way(0.02, 0.05, 0.48)
     assert switch_targets.ladder_rows(ladder)[0][3] == "met"
     (row,) = switch_targets.fixed_rows(ladder)
