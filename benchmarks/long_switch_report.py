@@ -380,8 +380,11 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", required=True, nargs="+", help="records files of `benchmarks.long_switch`")
-    parser.add_argument("--out", default="benchmarks/results/long_switch.json")
-    parser.add_argument("--plot", default="benchmarks/results/long_switch.png")
+    # no defaults: a look at a few records must not overwrite the committed report (its command names both)
+    parser.add_argument(
+        "--out", required=True, help="results JSON (the committed: benchmarks/results/long_switch.json)"
+    )
+    parser.add_argument("--plot", required=True, help="plot PNG (the committed: benchmarks/results/long_switch.png)")
     parser.add_argument("--report-seed", type=int, default=1234, help="the item set the break-even lengths come from")
     parser.add_argument(
         "--pool-fits",
