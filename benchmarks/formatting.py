@@ -60,6 +60,8 @@ def strategy_text(strategy: dict | str) -> str:
     for key, value in sorted(options.items()):
         if value.startswith("{") and '"name"' in value:  # a nested strategy (a fill, a component) reads short too
             value = strategy_text(json.loads(value))
+        elif key == "skip" and value.startswith("["):  # token ids (`skip=markup` resolved): how many, not which
+            value = f"{len(json.loads(value))} ids"
         if defaults.get(key, object()) != value:
             kept.append(f"{key}={value}")
     return ":".join([name, *kept])

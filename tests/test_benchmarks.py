@@ -1100,6 +1100,8 @@ def test_a_strategy_reads_by_the_options_it_sets_otherwise_than_its_defaults():
         }
     )
     assert "fill=" in strategy_text(strategy_key(nested))
+    skipping = {"name": "query_overlap", "fill": "draft_branches", "skip": [151644, 151645, 151643]}
+    assert strategy_text(strategy_key(skipping)) == "query_overlap:fill=draft_branches:skip=3 ids"
     assert strategy_text({"name": "mix"}) == "mix" and strategy_text("unknown:x=1") == "unknown:x=1"
 
 
