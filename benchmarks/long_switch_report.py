@@ -114,6 +114,8 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
         wins = _wins_kept(complete, arm)
         if wins is not None:
             record["wins_kept"] = wins
+        if arm not in ("target", "source") and len(complete) >= MIN_ITEMS:
+            record.update(intervals(complete, arm))
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
             record["nll_gap_recovered"] = _nll_gap(complete, arm)
@@ -142,6 +144,45 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
             for depth in depths
         }
     return out
+
+
+#: resamples of the paired bootstrap behind each arm's intervals, its level, the share of resamples that must have a
+#: gap to recover (the target above the source) for the gap's interval to be given, and the fewest items a group
+#: needs for any interval (on a few items every resample can agree: a one-point interval that bounds nothing)
+BOOTSTRAP, LEVEL, GAP_DEFINED, MIN_ITEMS = 2000, 0.95, 0.95, 24
+
+
+def intervals(items: list[dict], arm: str, resamples: int = BOOTSTRAP, seed: int = 0) -> dict:
+    """`retention_interval` and `gap_interval`: `LEVEL` percentile intervals of `arm`'s retention and share of the
+    gap over a paired bootstrap of `items` (each resample draws items with replacement and scores the target, the
+    source and the arm on the same draw). The gap's is left out (None) where fewer than `GAP_DEFINED` of the
+    resamples have a gap (the target's score above the source's): on a few wins it is not bounded."""
+    import random
+
+    scores = [
+        (row["arms"]["target"]["score"], row["arms"]["source"]["score"], row["arms"][arm]["score"]) for row in items
+    ]
+    draw, n = random.Random(seed), len(scores)
+    retention, gap = [], []
+    for _ in range(resamples):
+        target = source = served = 0.0
+        for index in (draw.randrange(n) for _ in range(n)):
+            t, s, a = scores[index]
+            target, source, served = target + t, source + s, served + a
+        if target > 0:
+            retention.append(served / target)
+        if target > source:
+            gap.append((served - source) / (target - source))
+
+    def bounds(values: list[float]) -> list[float]:
+        values = sorted(values)
+        low, high = (1 - LEVEL) / 2, 1 - (1 - LEVEL) / 2
+        return [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
+
+    return {
+        "retention_interval": bounds(retention) if retention else None,
+        "gap_interval": bounds(gap) if len(gap) >= GAP_DEFINED * resamples else None,
+    }
 
 
 def _wins_kept(items: list[dict], arm: str) -> list[int] | None:

@@ -51,12 +51,19 @@ def best_arm(group: dict, min_speedup: float | None = None) -> tuple[str, dict] 
 CHOSEN = "(chosen on the continuations)"
 
 
+def _interval(arm: dict, key: str) -> str:
+    """` [low, high]`: the arm's 95 % bootstrap interval (`long_switch_report.intervals`) where the results hold one."""
+    bounds = arm.get(f"{key}_interval")
+    return f" [{number_text(bounds[0])}, {number_text(bounds[1])}]" if bounds else ""
+
+
 def _point(name: str, arm: dict, beats: bool, chosen: bool = False) -> str:
-    gap = number_text(arm["gap_recovered"]) if beats else "none to recover (target <= source)"
+    gap = number_text(arm["gap_recovered"]) + _interval(arm, "gap") if beats else "none to recover (target <= source)"
     speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
     wins = f", the target's wins kept {arm['wins_kept'][0]}/{arm['wins_kept'][1]}" if arm.get("wins_kept") else ""
     label = f"`{name}` {CHOSEN}" if chosen else f"`{name}`"
-    return f"{label}: retention {number_text(arm['retention'])}, gap {gap}{wins}, first token {speed}"
+    retention = number_text(arm["retention"]) + _interval(arm, "retention")
+    return f"{label}: retention {retention}, gap {gap}{wins}, first token {speed}"
 
 
 def group_parts(name: str) -> tuple[str, int, int]:
@@ -272,7 +279,9 @@ def markdown(long_switch: dict, long_ladder: dict) -> str:
         "Generated from `benchmarks/results/long_switch.json` and `benchmarks/results/guard_ladder_long2k.json` by "
         "`benchmarks/switch_targets.py` (0.5b -> 1.5b, report item sets; the best repair at most "
         f"{pct(MAX_FRACTION)} recomputed for each answer target, HumanEval's chosen on the continuations' selection "
-        "set).",
+        "set). In brackets: 95 % paired bootstrap intervals over the items (`long_switch_report.intervals`), given "
+        "on sets of at least 24 items (a gap's where enough items separate the two models to bound it). Verdicts "
+        "read the point estimates.",
         "",
         "| target | measured on | best point reached | verdict |",
         "|---|---|---|---|",

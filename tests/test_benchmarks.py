@@ -981,7 +981,9 @@ def test_switch_targets_reads_each_verdict_off_the_results():
                         "a@0.4": arm(1, 1, 2.6, 0.4),
                     },
                 ),
-                "long_doc@4096#1234": group(4000, 8, True, **{"a@0.2": arm(0.9, 0.5, 4.0, 0.2)}),  # the gap missed
+                "long_doc@4096#1234": group(
+                    4000, 8, True, **{"a@0.2": {**arm(0.9, 0.5, 4.0, 0.2), "gap_interval": [0.25, 0.75]}}
+                ),  # the gap missed (an interval, where the results hold one, beside it)
                 "long_doc@2048#4321": group(2000, 6, True, **{"a@0.2": arm(1, 1, 9.0, 0.2)}),  # a selection set
                 # a length no target names: in the tables, not in the targets (nor missing from the other direction)
                 "long_chat@512#1234": group(500, 24, True, **{"a@0.1": arm(1, 1, 2.0, 0.1)}),
@@ -1008,7 +1010,10 @@ def test_switch_targets_reads_each_verdict_off_the_results():
         "HumanEval behind 2048 tokens of code",
     }
     assert rows["long_chat @ 2000 tokens"][2].startswith("`a@0.2`") and rows["long_chat @ 2000 tokens"][3] == "met"
-    assert rows["long_doc @ 4000 tokens"][3] == "missed" and "gap 0.50" in rows["long_doc @ 4000 tokens"][2]
+    assert (
+        rows["long_doc @ 4000 tokens"][3] == "missed" and "gap 0.50 [0.25, 0.75]," in rows["long_doc @ 4000 tokens"][2]
+    )
+    assert "retention 0.90, gap" in rows["long_doc @ 4000 tokens"][2]  # no retention interval held: none shown
     assert rows["HumanEval bare"][3] == "not yet: 19 of 164 problems"
     assert rows["HumanEval bare"][2].startswith("`b@0.3` (chosen on the continuations): retention 0.95")
     assert (

@@ -542,3 +542,42 @@ def test_the_report_names_each_row_sets_mapper_and_refuses_two_mappers_for_one_i
     assert chat["items"] == 2 and chat["mappers"] == {"sha256:aaaa1111ffff": 1, "sha256:cccc3333ffff": 1}
     assert pooled["run"]["pool_fits"] is True
     assert "`aaaa1111` (1 item), `cccc3333` (1 item) for long_chat @ 2000 (1)" in long_switch_report.markdown(pooled)
+
+
+def test_bootstrap_intervals_bound_what_the_items_show_and_are_left_out_where_they_cannot():
+    """`long_switch_report.intervals`: a rung that answers as the target on every item has the one-point interval
+    [1, 1] of both; one that answers as the source has a gap interval of [0, 0]; a gap that few items carry is not
+    bounded; the same items give the same interval; a group under `MIN_ITEMS` items carries none."""
+
+    def rows(pattern):  # (target, source, rung) scores per item
+        return [
+            _row(
+                f"0.5b:1.5b/long_doc/2048/1/{i}",
+                "long_doc",
+                {"target": (t, 9), "source": (s, 0), "mapped": (0, 1), "rung@0.1": (a, 3)},
+            )
+            for i, (t, s, a) in enumerate(pattern)
+        ]
+
+    mixed = [(1, 0, 1)] * 10 + [(1, 1, 1)] * 10 + [(0, 0, 0)] * 5 + [(1, 0, 0)] * 3 + [(0, 1, 0)] * 2
+    as_target = [(t, s, t) for t, s, _ in mixed]
+    assert long_switch_report.intervals(rows(as_target), "rung@0.1") == {
+        "retention_interval": [1.0, 1.0],
+        "gap_interval": [1.0, 1.0],
+    }
+    as_source = [(t, s, s) for t, s, _ in mixed]
+    assert long_switch_report.intervals(rows(as_source), "rung@0.1")["gap_interval"] == [0.0, 0.0]
+    found = long_switch_report.intervals(rows(mixed), "rung@0.1")
+    low, high = found["retention_interval"]
+    assert low < 20 / 23 < high <= 1.0 and found == long_switch_report.intervals(rows(mixed), "rung@0.1")
+    low, high = found["gap_interval"]
+    assert low < (20 - 12) / (23 - 12) < high
+    few_wins = [(1, 1, 1)] * 28 + [(1, 0, 1), (0, 0, 0)]  # one item separates the models: most draws have no gap
+    assert long_switch_report.intervals(rows(few_wins), "rung@0.1")["gap_interval"] is None
+
+    def arms(pattern):
+        return long_switch_report.summarize(rows(pattern))["arms"]
+
+    assert "retention_interval" in arms(mixed)["rung@0.1"] and "retention_interval" in arms(mixed)["mapped"]
+    short = mixed[: long_switch_report.MIN_ITEMS - 1]
+    assert "retention_interval" not in arms(short)["rung@0.1"] and "retention_interval" not in arms(mixed)["target"]
