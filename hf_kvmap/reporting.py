@@ -80,10 +80,10 @@ PORTABLE_KERNELS = "cpu DEFAULT, MKL_CBWR=COMPATIBLE"
 
 
 def kernel_settings(device="cpu") -> str:
-    """The float kernels work on `device` runs with, as a label for provenance: on the CPU ATen's kernel level and
-    MKL's reproducibility mode (`MKL_CBWR`, where set), e.g. `"cpu AVX512"` or `PORTABLE_KERNELS`; on an
-    accelerator its type and name. Two runs with the same CPU label give the same bytes only where it is
-    `PORTABLE_KERNELS` (natively the kernels follow the CPU's instruction set)."""
+    """The float kernels that work on `device` runs with, as a label for provenance: on the CPU ATen's kernel level
+    and MKL's reproducibility mode (`MKL_CBWR` as the environment holds it: MKL reads it when the process starts),
+    e.g. `"cpu AVX512"` or `PORTABLE_KERNELS`; on an accelerator its type and name. Two runs with the same CPU label
+    give the same bytes only where it is `PORTABLE_KERNELS` (natively the kernels follow the CPU's instructions)."""
     import os
 
     import torch
