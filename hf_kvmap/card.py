@@ -96,22 +96,17 @@ def refit_reproducibility(config) -> str:
     for ridge fits by `benchmarks.portable_fit`, not for trained or fine-tuned maps)."""
     calibration = config.calibration or {}
     gathered, solved = calibration.get("kernel_settings"), calibration.get("solve_kernel_settings")
+    portable = "`ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`"  # the environment PORTABLE_KERNELS labels
     if gathered is None or solved is None:
         return "unknown (the kernel settings were not recorded)"
     if gathered != PORTABLE_KERNELS or solved != PORTABLE_KERNELS:
-        return (
-            f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set `ATEN_CPU_CAPABILITY="
-            "default MKL_CBWR=COMPATIBLE` for a reproducible refit"
-        )
+        return f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set {portable} for a reproducible refit"
     trained = [key for key in ("mlp_training", "attention_finetune", "kl_finetune") if key in calibration]
     if trained:
         return (
             f"the statistics and ridge are portable; not measured for the training after them ({', '.join(trained)})"
         )
-    return (
-        "the same bytes on other x86 CPUs under the same settings (portable kernels: `ATEN_CPU_CAPABILITY=default "
-        "MKL_CBWR=COMPATIBLE`)"
-    )
+    return f"the same bytes on other x86 CPUs under the same settings (portable kernels: {portable})"
 
 
 def _objective_rows(config) -> list[tuple[str, str]]:
