@@ -100,7 +100,10 @@ def refit_reproducibility(config) -> str:
     if gathered is None or solved is None:
         return "unknown (the kernel settings were not recorded)"
     if gathered != PORTABLE_KERNELS or solved != PORTABLE_KERNELS:
-        return f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set {portable} for a reproducible refit"
+        return (
+            f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set {portable} for a "
+            "reproducible refit"
+        )
     trained = [key for key in ("mlp_training", "attention_finetune", "kl_finetune") if key in calibration]
     if trained:
         return (
