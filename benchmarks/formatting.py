@@ -23,19 +23,21 @@ def number_text(value, digits: int = 2) -> str:
 
 
 def rung_order(name: str) -> tuple[int, float]:
-    """Sort key of a ladder outcome's rung names: `mapped`, then `repair:<fraction>` by fraction, then the fallback."""
+    """Sort key of a ladder outcome's rung names: `mapped`, then `repair:<fraction>` by fraction, then the fallback,
+    then `short` (below the ladder's `min_tokens`)."""
     if name == "mapped":
         return 0, 0.0
     if name.startswith("repair:"):
         return 1, float(name.split(":", 1)[1])
-    return 2, 0.0
+    return (3 if name == "short" else 2), 0.0
 
 
 def rung_label(name: str) -> str:
-    """`repair:0.2` -> `recompute 20 %`, `fallback` -> `prefill`, `mapped` as it is."""
+    """`repair:0.2` -> `recompute 20 %`, `fallback` -> `prefill`, `short` -> `prefill, too short to map`, `mapped`
+    as it is."""
     if name.startswith("repair:"):
         return f"recompute {fraction_text(float(name.split(':', 1)[1]))}"
-    return {"fallback": "prefill"}.get(name, name)
+    return {"fallback": "prefill", "short": "prefill, too short to map"}.get(name, name)
 
 
 def strategy_text(strategy: dict | str) -> str:

@@ -265,6 +265,15 @@ def _ladder(config) -> tuple[dict[str, str], list[dict[str, str]]]:
             f"worst task), mean cost {fmt_number(outcome.get('mean_cost'), 3)} of a prefill with the probe, the mapping, "
             f"the repairs and the fallbacks counted (net saving {fmt_number(outcome.get('net_saving'), 3)})."
         )
+    if stored.get("min_tokens") is not None:
+        summary["calibrated"] += (
+            f" A prompt of fewer than {stored['min_tokens']} tokens is not mapped: the target prefills it"
+            + (
+                f" ({fmt_number(shares['short'], 2)} of the calibration items)."
+                if shares.get("short") is not None
+                else "."
+            )
+        )
     if stored.get("min_margin") is not None:
         summary["calibrated"] += (
             (

@@ -302,6 +302,17 @@ def random_pair_stats(tiny, random_pair):
 
 
 @pytest.fixture(scope="module")
+def ladder_pair(tiny):
+    """`(source, target, identity mapper)`: two 3-layer tiny models (seeds 1 and 0, sdpa attention) of one config,
+    what the tests of the ladder's serving hand off."""
+    from hf_kvmap import MapperModel
+
+    config = tiny.config(layers=3)
+    source = tiny.model(config, seed=1, attn_implementation="sdpa")
+    return source, tiny.model(config, seed=0, attn_implementation="sdpa"), MapperModel.identity(config)
+
+
+@pytest.fixture(scope="module")
 def identity_handoff(tiny):
     """A 2-layer model handing off to itself through the identity mapper."""
     from hf_kvmap import MapperModel

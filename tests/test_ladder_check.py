@@ -40,13 +40,6 @@ TOL = 1e-5
 PROBE = {"name": "prefix_audit", "tokens": 8}
 
 
-@pytest.fixture(scope="module")
-def pair(tiny):
-    config = tiny.config(layers=3)
-    source = tiny.model(config, seed=1, attn_implementation="sdpa")
-    return source, tiny.model(config, seed=0, attn_implementation="sdpa"), MapperModel.identity(config)
-
-
 def _own_margins(target, ids, mask):
     """The margin from the target's own full forward: top-1 minus top-2 probability after the last prompt token."""
     positions = positions_from_attention_mask(mask, *ids.shape, ids.device)
@@ -58,8 +51,8 @@ def _own_margins(target, ids, mask):
 # ------------------------------------------------------------------------------------------------ the margin
 
 
-def test_answer_margin_is_the_targets_own_and_leaves_the_cache_as_it_was(pair, tiny):
-    target = pair[1]
+def test_answer_margin_is_the_targets_own_and_leaves_the_cache_as_it_was(ladder_pair, tiny):
+    target = ladder_pair[1]
     ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
     cache = target_prefill(target, ids, mask)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -76,8 +69,8 @@ def test_answer_margin_is_the_targets_own_and_leaves_the_cache_as_it_was(pair, t
         answer_margin(target, cache, ids[:, :-1], mask[:, :-1])
 
 
-def test_answer_margins_read_each_greedy_token_as_generate_scores_it_and_stop_at_the_end(pair, tiny):
-    target = pair[1]
+def test_answer_margins_read_each_greedy_token_as_generate_scores_it_and_stop_at_the_end(ladder_pair, tiny):
+    target = ladder_pair[1]
     ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
     cache = target_prefill(target, ids, mask)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -117,8 +110,8 @@ def test_answer_margins_read_each_greedy_token_as_generate_scores_it_and_stop_at
 # ------------------------------------------------------------------------------------------------ serving
 
 
-def _scores(pair, ids, mask):
-    _, report = handoff(*pair, ids, attention_mask=mask, probe=PROBE, threshold=1e9, audit_tokens=0)
+def _scores(ladder_pair, ids, mask):
+    _, report = handoff(*ladder_pair, ids, attention_mask=mask, probe=PROBE, threshold=1e9, audit_tokens=0)
     return report.scores
 
 
@@ -126,10 +119,10 @@ def _checked(rungs, min_margin):
     return GuardLadder(PROBE, "tail", rungs, min_margin=min_margin)
 
 
-def test_the_check_sends_back_exactly_the_rows_below_the_margin(pair, tiny):
-    source, target, mapper = pair
+def test_the_check_sends_back_exactly_the_rows_below_the_margin(ladder_pair, tiny):
+    source, target, mapper = ladder_pair
     ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
-    rungs = [LadderRung(max_risk=max(_scores(pair, ids, mask)) + 1.0, fraction=0.3)]  # every row repaired
+    rungs = [LadderRung(max_risk=max(_scores(ladder_pair, ids, mask)) + 1.0, fraction=0.3)]  # every row repaired
     unchecked, plain = handoff(
         source, target, mapper, ids, attention_mask=mask, ladder=_checked(rungs, None), audit_tokens=0
     )
@@ -218,10 +211,10 @@ def test_a_check_over_more_tokens_keeps_its_count_and_needs_a_margin():
         GuardLadder(PROBE, "tail", [], check_tokens=4)
 
 
-def test_the_card_says_how_many_answer_tokens_the_check_reads(pair):
+def test_the_card_says_how_many_answer_tokens_the_check_reads(ladder_pair):
     from hf_kvmap.card import render_card
 
-    mapper = copy.deepcopy(pair[2])
+    mapper = copy.deepcopy(ladder_pair[2])
     for tokens, phrase in ((1, "a row whose first answer token it takes"), (4, "decodes its first 4 greedy answer")):
         ladder = GuardLadder(PROBE, "tail", [LadderRung(0.5, 0.2)], min_margin=0.3, check_tokens=tokens)
         mapper.config.handoff_ladder = ladder.to_dict()
@@ -229,10 +222,10 @@ def test_the_card_says_how_many_answer_tokens_the_check_reads(pair):
         assert "After its rung each row is checked" in card and phrase in card
 
 
-def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(pair, tiny):
-    source, target, mapper = pair
+def test_the_check_over_k_tokens_sends_back_the_rows_whose_answer_wavers(ladder_pair, tiny):
+    source, target, mapper = ladder_pair
     ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
-    rungs = [LadderRung(max_risk=max(_scores(pair, ids, mask)) + 1.0, fraction=0.3)]
+    rungs = [LadderRung(max_risk=max(_scores(ladder_pair, ids, mask)) + 1.0, fraction=0.3)]
     context = prepare_context(source, target, mapper, ids, mask, None, 1)
     serve_rows(context, [0.3] * 3, "tail")
     first = answer_margin(target, context.cache, ids, mask).tolist()

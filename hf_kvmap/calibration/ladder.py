@@ -11,6 +11,9 @@ from typing import Any
 
 from ..serving.ladder import FALLBACK, GuardLadder, LadderRung, below_margin, rung_name
 
+#: the rung name, in a ladder outcome, of an item below the ladder's `min_tokens` (the target prefills it unmapped)
+SHORT = "short"
+
 
 def refused_by_check(
     margins: dict[float, Sequence[float]], min_margin: float | None
@@ -28,6 +31,7 @@ def ladder_outcome(
     costs: dict[float | str, float],
     groups: Sequence[str] | None = None,
     refused: dict[float, Sequence[bool]] | None = None,
+    short: Sequence[bool] | None = None,
 ) -> dict[str, Any]:
     """What serving `fractions` (one per item, `None` = fallback) gives on measured items: the share of changed answers
     served, the mean cost (relative to a prefill) and the net saving, overall and per group (task), and the share of
@@ -36,21 +40,37 @@ def ladder_outcome(
 
     With a check after the rung, `refused[f][i]` says that item `i`, served fraction `f`, falls back after it
     ([`refused_by_check`]): it serves the target's own answer and pays its rung and a prefill on top; `rungs` counts it
-    on the rung it was given and `checked_fallback` is the share of items the check sent back."""
+    on the rung it was given and `checked_fallback` is the share of items the check sent back.
+
+    `short[i]` says that item `i` is below the ladder's `min_tokens`: the target prefills it unmapped (rung `"short"`,
+    cost 1: no mapping, no probe) whatever its fraction."""
     groups = list(groups) if groups is not None else ["all"] * len(fractions)
+    short = [False] * len(fractions) if short is None else [bool(s) for s in short]
+    if len(short) != len(fractions):
+        raise ValueError(f"{len(short)} short flags for {len(fractions)} items.")
+    fractions = [None if below else f for f, below in zip(fractions, short)]
 
     def sent_back(i: int) -> bool:
         return refused is not None and fractions[i] is not None and bool(refused[fractions[i]][i])
+
+    def name(i: int) -> str:
+        return SHORT if short[i] else rung_name(fractions[i])
 
     def summary(index: list[int]) -> dict[str, Any]:
         n = max(len(index), 1)
         served_changed = sum(
             bool(changed[fractions[i]][i]) for i in index if fractions[i] is not None and not sent_back(i)
         )
-        cost = sum(costs[FALLBACK if fractions[i] is None else fractions[i]] + sent_back(i) for i in index) / n
+        cost = (
+            sum(
+                1.0 if short[i] else costs[FALLBACK if fractions[i] is None else fractions[i]] + sent_back(i)
+                for i in index
+            )
+            / n
+        )
         rungs: dict[str, float] = {}
         for i in index:
-            rungs[rung_name(fractions[i])] = rungs.get(rung_name(fractions[i]), 0) + 1 / n
+            rungs[name(i)] = rungs.get(name(i), 0) + 1 / n
         out = {
             "items": len(index),
             "changed_served": served_changed / n,
@@ -286,6 +306,7 @@ def calibrate_ladder(
 
 
 __all__ = [
+    "SHORT",
     "calibrate_ladder",
     "changed_budget",
     "changed_upper_bound",

@@ -488,7 +488,8 @@ def ladder_from_records(
 
 def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[str, Any]:
     """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): its probe, its strategy and every
-    rung it uses must have been measured there."""
+    rung it uses must have been measured there. With the ladder's `min_tokens`, a record of fewer prompt tokens is
+    served the target's prefill unmapped (rung `"short"`)."""
     ladder = GuardLadder.from_dict(ladder)
     key, name = probe_key(ladder.probe), strategy_key(ladder.strategy)
     if key not in records[0]["risks"]:
@@ -512,7 +513,17 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
         record_costs(records, key, name, check=checked, check_tokens=tokens),
         [r["task"] for r in records],
         refused_by_check(record_margins(records, name, tokens), ladder.min_margin) if checked else None,
+        [ladder.too_short(r["tokens"]) for r in records] if ladder.min_tokens is not None else None,
     )
+
+
+def with_min_tokens(ladder: GuardLadder, min_tokens: int, records: Sequence[dict]) -> GuardLadder:
+    """`ladder` (calibrated on `records`) with `min_tokens` set, its calibration outcome replayed on the records with
+    the records below it prefilled unmapped ([`replay_ladder`]). Serving fewer items the mapped cache only lowers the
+    changed answers served, so a budget the ladder held on the records still holds."""
+    gated = GuardLadder.from_dict({**ladder.to_dict(), "min_tokens": min_tokens})
+    gated.calibration = {**(ladder.calibration or {}), "outcome": replay_ladder(gated, records)}
+    return gated
 
 
 def cheapest_keeping(record: dict, strategy: str, costs: dict[float | str, float]) -> float | None:
@@ -574,4 +585,5 @@ __all__ = [
     "record_margins",
     "replay_ladder",
     "strategy_key",
+    "with_min_tokens",
 ]

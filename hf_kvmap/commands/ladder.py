@@ -70,6 +70,13 @@ def add_parser(subparsers) -> None:
         "where it is cheaper than no check)",
     )
     parser.add_argument(
+        "--min-tokens",
+        type=_args.positive_int,
+        default=None,
+        help="map no prompt shorter than this: the target prefills it (the break-even length "
+        "benchmarks/ladder_lengths.py measures); items below it count as prefilled in the calibration's outcome",
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16"),
@@ -182,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         perfect_probe_outcome,
         probe_key,
         strategy_key,
+        with_min_tokens,
     )
     from . import models as _models
     from ._output import finish
@@ -253,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:  # records of before margins were recorded, with --check
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+    if args.min_tokens is not None:  # served unmapped below it: only fewer changed answers than calibrated
+        ladder = with_min_tokens(ladder, args.min_tokens, records)
     mapper.config.handoff_ladder = ladder.to_dict()
     try:
         mapper.save_pretrained(args.out)
@@ -266,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
     for rung in ladder.rungs:
         print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
     print("  above: the target's own prefill")
+    if ladder.min_tokens is not None:
+        print(
+            f"  a prompt of fewer than {ladder.min_tokens} tokens: the target's own prefill, unmapped "
+            f"({outcome['rungs'].get('short', 0):.0%} of the items)"
+        )
     if ladder.min_margin is not None:
         read = (
             "a first answer token" if ladder.check_tokens == 1 else f"an answer's first {ladder.check_tokens} tokens"

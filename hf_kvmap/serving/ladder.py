@@ -16,7 +16,9 @@ every row it served after its rung: the target runs the prompt's last token on t
 starts with), and a row whose first answer token's probability margin (top-1 minus top-2) is below `min_margin` falls
 back after all (with `check_tokens=k`, its smallest margin over its first `k` greedy answer tokens: an answer whose
 first token is certain but whose later ones waver). A probe guesses before the repair how a row will fare; the check
-reads the repaired cache itself. The serving pipeline
+reads the repaired cache itself. A ladder with `min_tokens` maps no prompt shorter than that: below the break-even
+length the target's own prefill is sooner than any rung (`benchmarks/ladder_lengths.py` measures it), and a ladder
+calibrated on long prompts vouches for nothing on short ones. The serving pipeline
 (`hf_kvmap.serving.pipeline.serve_rows`) gives each row its rung; `hf_kvmap.calibration.ladder.calibrate_ladder`
 chooses the rungs on measured items (`hf-kvmap calibrate-ladder` measures them, `hf_kvmap.calibration.ladder_items`):
 the cheapest ladder whose changed answers stay within a budget on every task.
@@ -82,6 +84,10 @@ class GuardLadder:
         check_tokens (`int`, *optional*, defaults to 1): how many greedy answer tokens the check reads: a row falls
             back where its smallest margin over them is below `min_margin` (an answer that ends sooner is read to its
             end). Each token past the first costs the check one decoding step; needs `min_margin`.
+        min_tokens (`int`, *optional*): the fewest tokens a switch maps: a prompt with fewer real tokens gets the
+            target's own prefill (rung `"fallback"`, marked `short`) with no probe, and a batch of such prompts is
+            not mapped at all; in a `HandoffSession`, a switch with fewer unseen tokens than this has the model
+            prefill them. `None` (the default) maps every length.
 
     Example:
 
@@ -99,8 +105,15 @@ class GuardLadder:
     calibration: dict[str, Any] | None = None
     min_margin: float | None = None
     check_tokens: int = 1
+    min_tokens: int | None = None
 
     def __post_init__(self):
+        shortest = self.min_tokens
+        if shortest is not None and (isinstance(shortest, bool) or not isinstance(shortest, int) or shortest < 2):
+            raise ValueError(
+                f"GuardLadder min_tokens={shortest!r} must be an int >= 2 (the fewest prompt tokens a switch maps; "
+                "the break-even length of `benchmarks/ladder_lengths.py`), or None to map every length."
+            )
         tokens = self.check_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(
@@ -136,6 +149,10 @@ class GuardLadder:
                 return rung.fraction
         return None
 
+    def too_short(self, tokens: int) -> bool:
+        """Whether a prompt (or a session's span) of `tokens` tokens is below `min_tokens`: the target prefills it."""
+        return self.min_tokens is not None and tokens < self.min_tokens
+
     def plan(self, risks: Sequence[float] | torch.Tensor) -> list[float | None]:
         """`fraction_for` of every row."""
         return [self.fraction_for(float(risk)) for risk in risks]
@@ -151,6 +168,8 @@ class GuardLadder:
             settings["min_margin"] = self.min_margin
         if self.check_tokens != 1:  # likewise: a check of the first token alone keeps the settings it had
             settings["check_tokens"] = self.check_tokens
+        if self.min_tokens is not None:  # likewise: a ladder that maps every length keeps its settings
+            settings["min_tokens"] = self.min_tokens
         return settings
 
     @classmethod
@@ -160,11 +179,12 @@ class GuardLadder:
             return settings
         if not isinstance(settings, dict):
             raise TypeError(f"A ladder is a GuardLadder or a dict of its fields; got {type(settings).__name__}.")
-        unknown = set(settings) - {"probe", "strategy", "rungs", "calibration", "min_margin", "check_tokens"}
+        optional = {"calibration", "min_margin", "check_tokens", "min_tokens"}
+        unknown = set(settings) - {"probe", "strategy", "rungs"} - optional
         if unknown:
             raise ValueError(
                 f"Unknown ladder settings {sorted(unknown)}; a ladder has probe, strategy, rungs (and optionally "
-                "calibration, min_margin, check_tokens)."
+                f"{', '.join(sorted(optional))})."
             )
         missing = {"probe", "strategy", "rungs"} - set(settings)
         if missing:

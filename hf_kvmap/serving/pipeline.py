@@ -13,7 +13,8 @@ Stages, in order, each timed in the [`HandoffReport`]:
    exact mapping is served as it is, a gross one refused;
 7. `probe`: one risk per row;
 8. the decision: with a ladder, a rung per row ([`serve_rows`]: mapped, repaired, or the target's own prefill of
-   the row), then, where the ladder has a `min_margin`, the `check`: the target's margin on each served row's first
+   the row, which a row shorter than the ladder's `min_tokens` always gets; a batch of such rows is refused before
+   stage 2), then, where the ladder has a `min_margin`, the `check`: the target's margin on each served row's first
    answer token, or its smallest over the first `check_tokens` ([`answer_margin`]), and the fallback for a row below
    it ([`check_rows`]); without a ladder, the whole batch is served if every risk is within the threshold;
 9. `fallback_prefill`: a refused batch gets the target's own prefill (`policy="fallback"`) or raises
@@ -368,25 +369,31 @@ def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffRepo
 def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: Clock) -> Cache:
     """Stage 8 under a ladder: each row's rung from its risk (`report.scores`), then [`serve_rows`]."""
     plan = ladder.plan(report.scores)  # a NaN risk takes no rung: it falls back
-    settings = {"probe": ladder.probe, "strategy": ladder.strategy, "rungs": ladder.to_dict()["rungs"]}
+    short = [ladder.too_short(n) for n in real_lengths(context.input_ids, context.attention_mask)]
+    plan = [None if below else fraction for fraction, below in zip(plan, short)]
+    settings = ladder_settings(ladder)
     report.threshold = None
     if all(fraction is None for fraction in plan):
         report.ladder = {
             **settings,
-            "rows": [{"rung": rung_name(None), "fraction": None, "risk": r} for r in report.scores],
+            "rows": [
+                {"rung": rung_name(None), "fraction": None, "risk": r, **({"short": True} if below else {})}
+                for r, below in zip(report.scores, short)
+            ],
         }
         raise _Refused(
-            f"ladder: every row's risk is above the last rung (risks {[f'{r:.4g}' for r in report.scores]})"
+            f"ladder: every row's risk is above the last rung or its prompt below min_tokens (risks "
+            f"{[f'{r:.4g}' for r in report.scores]})"
         )
     if report.policy == "fail" and any(fraction is None for fraction in plan):
         raise _Refused(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
     with clock.stage("repair"):
         rows = serve_rows(context, plan, ladder.strategy)
-    for row, risk in zip(rows, report.scores):
+    for row, risk, below in zip(rows, report.scores, short):
         row["risk"] = risk
+        if below:
+            row["short"] = True
     if ladder.min_margin is not None:
-        # the check's settings as the ladder's own settings write them (check_tokens only where not 1)
-        settings.update({k: v for k, v in ladder.to_dict().items() if k in ("min_margin", "check_tokens")})
         with clock.stage("check"):
             margins = answer_margin(
                 context.target,
@@ -405,6 +412,34 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
     report.accepted = True
     report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))
     return context.cache
+
+
+def ladder_settings(ladder: GuardLadder) -> dict[str, Any]:
+    """The ladder's settings a report records: its own (`GuardLadder.to_dict`) but the calibration."""
+    return {k: v for k, v in ladder.to_dict().items() if k != "calibration"}
+
+
+def real_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Each row's real (unpadded) token count."""
+    if attention_mask is None:
+        return [input_ids.shape[1]] * input_ids.shape[0]
+    return [int(n) for n in attention_mask.sum(-1).tolist()]
+
+
+def _short_batch(ladder: GuardLadder, request: Request, report: HandoffReport) -> None:
+    """Before the mapping: a batch whose every prompt is below the ladder's `min_tokens` is refused (raises
+    `_Refused`), unmapped: the target's own prefill of it is sooner than any rung."""
+    lengths = real_lengths(request.input_ids, request.attention_mask)
+    if ladder.min_tokens is None or not all(ladder.too_short(n) for n in lengths):
+        return
+    report.ladder = {
+        **ladder_settings(ladder),
+        "rows": [{"rung": rung_name(None), "fraction": None, "short": True} for _ in lengths],
+    }
+    raise _Refused(
+        f"ladder: every prompt is shorter than min_tokens={ladder.min_tokens} (longest {max(lengths)} tokens): the "
+        "target's own prefill is sooner there"
+    )
 
 
 def _threshold(probe: Probe, scores: torch.Tensor, threshold: float, report: HandoffReport) -> None:
@@ -437,6 +472,8 @@ def _serve_mapped(
             report.probe = None
             logger.warning_once(f"handoff falls back to the target's own prefill on every such request: {err}")
             raise _Refused(f"incompatible: {err}") from None
+    if ladder is not None:
+        _short_batch(ladder, request, report)
     batch, length = input_ids.shape
     if source_cache is not None:
         positions = request.source_position_ids
@@ -542,9 +579,11 @@ __all__ = [
     "climb",
     "exactness_error",
     "first_layer_audit",
+    "ladder_settings",
     "map_and_repair",
     "own_rows",
     "prepare_context",
+    "real_lengths",
     "run_tokens",
     "serve",
     "serve_rows",

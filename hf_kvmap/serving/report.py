@@ -42,9 +42,10 @@ class HandoffReport:
         repair (`dict`, *optional*): what the target recomputed of the mapped cache (`mapping_info["repair"]`:
             strategy, budget, positions per row); `None` without `repair=`.
         ladder (`dict`, *optional*): what the guard ladder served each row (`rows`: `rung`, `fraction`, `risk`,
-            `recomputed` tokens; with a check after the rung, each served row's `margin`, and `checked`, the rung a
-            row the check sent back had) and the ladder's probe, strategy, `min_margin` and `check_tokens` (where
-            not 1); `None` without a ladder.
+            `recomputed` tokens; `short` on a row below the ladder's `min_tokens`; with a check after the rung, each
+            served row's `margin`, and `checked`, the rung a row the check sent back had) and the ladder's probe,
+            strategy, `min_margin`, `check_tokens` (where not 1) and `min_tokens` (where set); `None` without a
+            ladder.
         timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `repair`, `held_back`, `audit`,
             `probe`, `check`, `fallback_prefill`, `total`); a stage that did not run is absent.
     """

@@ -61,6 +61,8 @@ class SessionTurn:
         margin (`float`, *optional*): with a ladder that checks after its rung (`min_margin`), the answering model's
             margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.forwards.answer_margin`]).
         checked (`str`, *optional*): the rung the check sent back to the fallback (then `rung` is `"fallback"`).
+        short (`bool`): the ladder's `min_tokens` found the unseen tokens too few to map: the model prefilled them
+            (then `rung` is `"fallback"` and no probe ran).
         refresh (`dict`, *optional*): with `respond(refresh=...)` on a cache holding mapped positions, what
             [`~hf_kvmap.repair.DecodeRefresh`] recomputed of them while the model decoded (`refreshes`, `recomputed`,
             `seconds`, ...); `None` otherwise.
@@ -79,6 +81,7 @@ class SessionTurn:
     risk: float | None = None
     margin: float | None = None
     checked: str | None = None
+    short: bool = False
     refresh: dict | None = None
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -109,7 +112,8 @@ class HandoffSession:
             it, and the model keeps the mapped tokens, recomputes the share of them the rung calls for, or prefills
             them itself (then the tokens after them run again on what is kept). Recorded in `SessionTurn.rung`. A
             ladder with a `min_margin` then checks the served cache: below it, the model prefills the mapped tokens
-            after all (`SessionTurn.margin`, `SessionTurn.checked`).
+            after all (`SessionTurn.margin`, `SessionTurn.checked`). With a `min_tokens`, a switch with fewer unseen
+            tokens than that maps none: the model prefills them (`SessionTurn.short`).
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
     model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
@@ -226,7 +230,14 @@ class HandoffSession:
             for other in self.models
             if other != name and (other, name) in self.mappers and self.covered(other) > have
         ]
-        if donors:
+        if (
+            donors
+            and self.ladder is not None
+            and self.ladder.too_short(min(max(map(self.covered, donors)), end) - have)
+        ):
+            record.rung, record.short = rung_name(None), True  # too few to map: the model prefills them below
+            logger.info("%s prefills the tokens it has not seen: fewer than the ladder's min_tokens", name)
+        elif donors:
             donor = max(donors, key=self.covered)
             upto = min(self.covered(donor), end)
             start_time = time.perf_counter()
