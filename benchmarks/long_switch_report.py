@@ -102,6 +102,8 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
         "mappers": dict(sorted(mappers.items())),
         "arms": {},
     }
+    served = [arm for arm in arms if arm not in ("target", "source")]
+    bootstrap = intervals(complete, served) if len(complete) >= MIN_ITEMS else {}
     for arm in arms:
         record = {
             "score": scores[arm],
@@ -114,8 +116,7 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
         wins = _wins_kept(complete, arm)
         if wins is not None:
             record["wins_kept"] = wins
-        if arm not in ("target", "source") and len(complete) >= MIN_ITEMS:
-            record.update(intervals(complete, arm))
+        record.update(bootstrap.get(arm, {}))
         if "nll" in complete[0]["arms"][arm]:
             record["nll"] = mean(row["arms"][arm]["nll"] for row in complete)
             record["nll_gap_recovered"] = _nll_gap(complete, arm)
@@ -152,27 +153,28 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
 BOOTSTRAP, LEVEL, GAP_DEFINED, MIN_ITEMS = 2000, 0.95, 0.95, 24
 
 
-def intervals(items: list[dict], arm: str, resamples: int = BOOTSTRAP, seed: int = 0) -> dict:
-    """`retention_interval` and `gap_interval`: `LEVEL` percentile intervals of `arm`'s retention and share of the
-    gap over a paired bootstrap of `items` (each resample draws items with replacement and scores the target, the
-    source and the arm on the same draw). The gap's is left out (None) where fewer than `GAP_DEFINED` of the
-    resamples have a gap (the target's score above the source's): on a few wins it is not bounded."""
+def intervals(items: list[dict], arms: list[str], resamples: int = BOOTSTRAP, seed: int = 0) -> dict[str, dict]:
+    """Per arm of `arms`, `retention_interval` and `gap_interval`: `LEVEL` percentile intervals of its retention and
+    share of the gap over a paired bootstrap of `items` (each resample draws items with replacement once and scores
+    the target, the source and every arm on that draw). The gap's is left out (None) where fewer than `GAP_DEFINED`
+    of the resamples have a gap (the target's score above the source's): on a few wins it is not bounded."""
     import random
 
-    scores = [
-        (row["arms"]["target"]["score"], row["arms"]["source"]["score"], row["arms"][arm]["score"]) for row in items
-    ]
+    columns = ["target", "source", *arms]
+    scores = [[row["arms"][arm]["score"] for arm in columns] for row in items]
     draw, n = random.Random(seed), len(scores)
-    retention, gap = [], []
+    retention: dict[str, list[float]] = {arm: [] for arm in arms}
+    gap: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(resamples):
-        target = source = served = 0.0
+        sums = [0.0] * len(columns)
         for index in (draw.randrange(n) for _ in range(n)):
-            t, s, a = scores[index]
-            target, source, served = target + t, source + s, served + a
-        if target > 0:
-            retention.append(served / target)
-        if target > source:
-            gap.append((served - source) / (target - source))
+            sums = [total + score for total, score in zip(sums, scores[index])]
+        target, source = sums[0], sums[1]
+        for arm, served in zip(arms, sums[2:]):
+            if target > 0:
+                retention[arm].append(served / target)
+            if target > source:
+                gap[arm].append((served - source) / (target - source))
 
     def bounds(values: list[float]) -> list[float]:
         values = sorted(values)
@@ -180,8 +182,11 @@ def intervals(items: list[dict], arm: str, resamples: int = BOOTSTRAP, seed: int
         return [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
 
     return {
-        "retention_interval": bounds(retention) if retention else None,
-        "gap_interval": bounds(gap) if len(gap) >= GAP_DEFINED * resamples else None,
+        arm: {
+            "retention_interval": bounds(retention[arm]) if retention[arm] else None,
+            "gap_interval": bounds(gap[arm]) if len(gap[arm]) >= GAP_DEFINED * resamples else None,
+        }
+        for arm in arms
     }
 
 

@@ -561,19 +561,19 @@ def test_bootstrap_intervals_bound_what_the_items_show_and_are_left_out_where_th
 
     mixed = [(1, 0, 1)] * 10 + [(1, 1, 1)] * 10 + [(0, 0, 0)] * 5 + [(1, 0, 0)] * 3 + [(0, 1, 0)] * 2
     as_target = [(t, s, t) for t, s, _ in mixed]
-    assert long_switch_report.intervals(rows(as_target), "rung@0.1") == {
+    assert long_switch_report.intervals(rows(as_target), ["rung@0.1"])["rung@0.1"] == {
         "retention_interval": [1.0, 1.0],
         "gap_interval": [1.0, 1.0],
     }
     as_source = [(t, s, s) for t, s, _ in mixed]
-    assert long_switch_report.intervals(rows(as_source), "rung@0.1")["gap_interval"] == [0.0, 0.0]
-    found = long_switch_report.intervals(rows(mixed), "rung@0.1")
+    assert long_switch_report.intervals(rows(as_source), ["rung@0.1"])["rung@0.1"]["gap_interval"] == [0.0, 0.0]
+    found = long_switch_report.intervals(rows(mixed), ["rung@0.1", "mapped"])["rung@0.1"]
     low, high = found["retention_interval"]
-    assert low < 20 / 23 < high <= 1.0 and found == long_switch_report.intervals(rows(mixed), "rung@0.1")
+    assert low < 20 / 23 < high <= 1.0 and found == long_switch_report.intervals(rows(mixed), ["rung@0.1"])["rung@0.1"]
     low, high = found["gap_interval"]
     assert low < (20 - 12) / (23 - 12) < high
     few_wins = [(1, 1, 1)] * 28 + [(1, 0, 1), (0, 0, 0)]  # one item separates the models: most draws have no gap
-    assert long_switch_report.intervals(rows(few_wins), "rung@0.1")["gap_interval"] is None
+    assert long_switch_report.intervals(rows(few_wins), ["rung@0.1"])["rung@0.1"]["gap_interval"] is None
 
     def arms(pattern):
         return long_switch_report.summarize(rows(pattern))["arms"]

@@ -334,6 +334,7 @@ def test_skip_markup_reads_as_the_tokenizers_special_tokens_on_every_command_lin
     assert resolve_markup(settings, tokenizer) == want
     nested = {"name": "mix", "first": {"name": "query_overlap", "skip": "markup"}}
     assert resolve_markup(nested, tokenizer)["first"]["skip"] == [4, 5]
+    assert resolve_markup(nested, None)["first"]["skip"] == []  # before a tokenizer is loaded: no ids
     assert resolve_markup("tail", tokenizer) == "tail" and resolve_markup({"name": "tail"}, tokenizer) == {
         "name": "tail"
     }

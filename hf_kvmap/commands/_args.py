@@ -149,8 +149,6 @@ def probes(text: str) -> list:
 def strategies(text: str) -> list[dict]:
     """Repair strategies: comma-separated names (`tail,source_attention`) or a JSON list of names and settings
     (`[{"name": "tail"}]`; `"skip": "markup"` names the tokenizer's special tokens, read once it is loaded)."""
-    from types import SimpleNamespace
-
     from ..repair import resolve_markup, selector_from_dict
 
     if text.lstrip().startswith("["):
@@ -165,13 +163,12 @@ def strategies(text: str) -> list[dict]:
         listed = [part.strip() for part in text.split(",") if part.strip()]
     if not isinstance(listed, list) or not listed:
         raise argparse.ArgumentTypeError(f"{text!r} names no repair strategy; pass e.g. tail,source_attention.")
-    no_markup = SimpleNamespace(all_special_ids=[], added_tokens_decoder={})
     parsed = []
     try:
         for strategy in listed:
-            # checked with `"skip": "markup"` read as no ids; such a strategy is kept as given, and the command reads
-            # the markup once its tokenizer is loaded
-            checked = resolve_markup(strategy, no_markup)
+            # checked with `"skip": "markup"` read as no ids (no tokenizer yet); such a strategy is kept as given, and
+            # the command reads the markup once its tokenizer is loaded
+            checked = resolve_markup(strategy, None)
             settings = selector_from_dict(checked).settings()
             parsed.append(strategy if checked != strategy else settings)
     except (TypeError, ValueError) as err:

@@ -190,14 +190,15 @@ def markup_ids(tokenizer) -> list[int]:
 def resolve_markup(settings, tokenizer):
     """Strategy settings (a dict, or a name returned as it is) with `"skip": "markup"` anywhere in them (a nested
     `fill`'s too) read as `markup_ids(tokenizer)`: how a command line names a chat template's markup before the
-    tokenizer is loaded (`query_overlap:skip=markup`, `{"name": "query_overlap", "skip": "markup"}`)."""
+    tokenizer is loaded (`query_overlap:skip=markup`, `{"name": "query_overlap", "skip": "markup"}`). With `tokenizer`
+    `None` the markup reads as no ids: settings checked before any tokenizer is loaded."""
     if not isinstance(settings, dict):
         return settings
     out = {
         key: resolve_markup(value, tokenizer) if isinstance(value, dict) else value for key, value in settings.items()
     }
     if out.get("skip") == "markup":
-        out["skip"] = markup_ids(tokenizer)
+        out["skip"] = [] if tokenizer is None else markup_ids(tokenizer)
     return out
 
 
