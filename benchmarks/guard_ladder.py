@@ -51,7 +51,7 @@ from hf_kvmap.repair import resolve_markup
 from hf_kvmap.reporting import environment_info, write_json
 
 from .formatting import strategy_text
-from .ladder_lengths import changed_outcome
+from .ladder_lengths import GATED, changed_outcome, gated_way
 from .long_switch import parse_strategy, split_rungs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,6 +319,7 @@ def budget_sweep(
 def served_plan(ladder, records: list[dict]) -> list[float | None]:
     """The rung `ladder` serves each record: its probe's plan, and the fallback where its check sends the record back."""
     plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in records])
+    plan = [None if ladder.too_short(r["tokens"]) else f for f, r in zip(plan, records)]
     if ladder.min_margin is None:
         return plan
     margins = record_margins(records, strategy_key(ladder.strategy), ladder.check_tokens)
@@ -347,6 +348,8 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
         }
         if view is lost_only:  # what it serves measured as the others are: answers changed from the target's
             out[name]["report_changed"] = replay_ladder(ladder, report)
+        if name in GATED:
+            out[GATED[name]] = gated_way(ladder, view(selection), view(report))
     out["measured_beside"] = measured_beside(selection, report)
     out["machines"] = {"selection": machines(selection), "report": machines(report)}
     out["budget_sweep"] = budget_sweep(selection, report, confidence, checked, check_tokens)

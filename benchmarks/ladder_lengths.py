@@ -12,19 +12,38 @@ import argparse
 import json
 from pathlib import Path
 
+from hf_kvmap.calibration.ladder_items import replay_ladder, with_min_tokens
+
 from .formatting import break_even_text, number_text, pct, rung_label, rung_order
 from .long_switch_report import break_even_length
+
+#: the ways held to the bound, and the name of each served with `min_tokens` at its calibration set's shortest prompt
+GATED = {"ladder_confident": "ladder_confident_gated", "ladder_checked_confident": "ladder_checked_confident_gated"}
 
 #: the calibrated ways a run compares, as the tables and the plot name them
 WAYS = (
     ("ladder_confident", "ladder, bound"),
+    ("ladder_confident_gated", "ladder, bound, maps from its calibration length"),
     ("binary_guard_confident", "binary guard, bound"),
     ("ladder", "ladder"),
     ("binary_guard", "binary guard"),
     ("ladder_lost", "ladder, budget on lost answers"),
     ("ladder_checked_confident", "ladder + check, bound"),
+    ("ladder_checked_confident_gated", "ladder + check, bound, maps from its calibration length"),
     ("ladder_checked", "ladder + check"),
 )
+
+
+def gated_way(ladder, selection: list[dict], report: list[dict]) -> dict:
+    """`ladder` (calibrated on `selection`) with `min_tokens` at the selection set's shortest prompt, a rule fixed
+    before any report set is read (it maps only the lengths it was calibrated at and longer; a shorter prompt gets
+    the target's prefill unmapped), replayed on `report`."""
+    gated = with_min_tokens(ladder, min(r["tokens"] for r in selection), selection)
+    return {
+        "ladder": gated.to_dict(),
+        "selection": gated.calibration["outcome"],
+        "report": replay_ladder(gated, report),
+    }
 
 
 def markdown(result: dict) -> str:
@@ -108,6 +127,29 @@ def break_even_lines(result: dict) -> list[str]:
                 "no saving is vouched for there."
             )
         lines.append(line)
+    gated = _gated_lines(result)
+    return [*lines, "", *gated] if gated else lines
+
+
+def _gated_lines(result: dict) -> list[str]:
+    """Per direction: what the ladder held to the bound serves per length when it maps no prompt shorter than its
+    calibration set's shortest (`gated_way`)."""
+    lines, found = [], {}
+    for key, data in result["directions"].items():
+        if "ladder_confident_gated" in data:
+            way = data["ladder_confident_gated"]
+            found.setdefault(key.split(" at ")[0], []).append((data["tokens"], way))
+    for direction, points in found.items():
+        shortest = points[0][1]["ladder"]["min_tokens"]
+        measured = ", ".join(
+            f"{tokens:,.0f}: cost {way['report']['mean_cost']:.2f}, worst task {pct(_worst_served(way['report']), 1)} "
+            "changed"
+            for tokens, way in sorted(points, key=lambda point: point[0])
+        )
+        lines.append(
+            f"**{direction}**, the same ladder mapping no prompt shorter than its calibration set's shortest "
+            f"({shortest:,} tokens; a shorter one gets the target's prefill at cost 1): {measured}."
+        )
     return lines
 
 
@@ -172,7 +214,7 @@ def main(argv=None) -> None:
     print(f"wrote {args.plot}")
 
 
-__all__ = ["WAYS", "break_even_lines", "changed_outcome", "markdown", "per_length", "plot"]
+__all__ = ["GATED", "WAYS", "break_even_lines", "changed_outcome", "gated_way", "markdown", "per_length", "plot"]
 
 
 if __name__ == "__main__":

@@ -717,11 +717,12 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     directions = {"a-to-b": {"mapper": "m", **many}, "a-to-b at 4096 tokens": {"mapper": "m", **longer}}
     rows = ladder_lengths_markdown({"run": run, "directions": directions}).splitlines()[2:]
     assert (
-        len(rows) == 12
-        and rows[10] == ""
-        and [row.split(" | ")[4] for row in rows[:5]]
+        len(rows) == 16
+        and rows[12] == rows[14] == ""
+        and [row.split(" | ")[4] for row in rows[:6]]
         == [
             "ladder, bound",
+            "ladder, bound, maps from its calibration length",
             "binary guard, bound",
             "ladder",
             "binary guard",
@@ -730,7 +731,26 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     )
     bound = longer["ladder_confident"]["report"]
     worst = max(g["changed_served"] for g in bound["per_group"].values())
-    assert rows[-1].startswith("**a-to-b**: break-even length of the ladder held to the bound: ")
+    assert rows[-3].startswith("**a-to-b**: break-even length of the ladder held to the bound: ")
+    # the bound's ladder mapping no prompt shorter than its calibration set's shortest (every record here is 100
+    # tokens): the same ladder on these report sets; on a shorter report set, the target's prefill at cost 1
+    assert many["ladder_confident_gated"]["ladder"]["min_tokens"] == 100
+    assert many["ladder_confident_gated"]["report"] == many["ladder_confident"]["report"]
+    assert rows[-1] == (
+        "**a-to-b**, the same ladder mapping no prompt shorter than its calibration set's shortest (100 tokens; a "
+        f"shorter one gets the target's prefill at cost 1): 100: cost {many['ladder_confident']['report']['mean_cost']:.2f}, "
+        f"worst task {100 * _worst(many['ladder_confident']['report']):.1f} % changed, 100: cost {bound['mean_cost']:.2f}, "
+        f"worst task {100 * worst:.1f} % changed."
+    )
+    from benchmarks.ladder_lengths import gated_way
+    from hf_kvmap.serving.ladder import GuardLadder
+
+    shorter = [{**record, "tokens": 99} for record in records(40)]
+    calibrated = many["ladder_confident"]["ladder"]
+    gated = gated_way(GuardLadder.from_dict(calibrated), records(200), shorter)
+    assert gated["ladder"]["rungs"] == calibrated["rungs"] and gated["ladder"]["min_tokens"] == 100
+    assert gated["report"]["mean_cost"] == 1.0 and gated["report"]["rungs"] == {"short": 1.0}
+    assert _worst(gated["report"]) == 0.0
 
     # the break-even length: interpolated on 1 / mean cost between the lengths on either side of the prefill's cost
     from benchmarks.ladder_lengths import break_even_lines as ladder_break_even_lines
@@ -761,7 +781,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     rungs = ", ".join(
         f"{label} {100 * bound['rungs'][r]:.0f} %" for r, label in shares.items() if bound["rungs"].get(r)
     )
-    assert rows[5] == (
+    assert rows[6] == (
         f"| a-to-b | 100 | 100 | 1.0 | ladder, bound | {rungs} | {100 * worst:.1f} % | - | {bound['mean_cost']:.2f} | "
         f"{100 * bound['net_saving']:.0f} % |"
     )
