@@ -178,3 +178,5 @@ def test_the_cli_stores_min_tokens_with_the_calibrated_ladder(tmp_path, capsys):
         capsys.readouterr().out
     )
     assert "A prompt of fewer than 100000 tokens is not mapped" in (out / "README.md").read_text()
+    with pytest.raises(SystemExit, match="--min-tokens 1 maps every prompt"):
+        cli([*args, "--min-tokens", "1"])

@@ -197,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if not 0.0 <= args.max_changed <= 1.0:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --max-changed {args.max_changed} must be in [0, 1].")
+    if args.min_tokens is not None and args.min_tokens < 2:  # checked before anything is measured
+        raise SystemExit(
+            f"hf-kvmap calibrate-ladder: --min-tokens {args.min_tokens} maps every prompt; give at least 2 (the "
+            "break-even length benchmarks/ladder_lengths.py measures), or leave it out."
+        )
     if args.confidence is not None and not 0.0 < args.confidence < 1.0:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --confidence {args.confidence} must be in (0, 1), e.g. 0.9.")
     probes, strategies, fractions = args.probes, args.strategies, args.fractions  # parsed by their types (_args)
