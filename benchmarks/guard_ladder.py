@@ -318,8 +318,7 @@ def budget_sweep(
 
 def served_plan(ladder, records: list[dict]) -> list[float | None]:
     """The rung `ladder` serves each record: its probe's plan, and the fallback where its check sends the record back."""
-    plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in records])
-    plan = [None if ladder.too_short(r["tokens"]) else f for f, r in zip(plan, records)]
+    plan = ladder.plan([r["risks"][probe_key(ladder.probe)] for r in records], [r["tokens"] for r in records])
     if ladder.min_margin is None:
         return plan
     margins = record_margins(records, strategy_key(ladder.strategy), ladder.check_tokens)

@@ -312,6 +312,16 @@ def ladder_pair(tiny):
     return source, tiny.model(config, seed=0, attn_implementation="sdpa"), MapperModel.identity(config)
 
 
+@pytest.fixture
+def ladder_cli(tmp_path):
+    """`(args, out, records)` of `hf-kvmap calibrate-ladder` on tiny-m -> tiny-l (`draft_agreement:2`, a 30 % rung,
+    3 items a task), writing the mapper to `out` and the measurements to `records` under `tmp_path`."""
+    out, records = tmp_path / "m2l", tmp_path / "records.jsonl"
+    args = ["calibrate-ladder", "--source", "tiny-m", "--target", "tiny-l", "--items", "3", "--probes"]
+    args += ["draft_agreement:2", "--fractions", "0.3", "--records", str(records), "--out", str(out)]
+    return args, out, records
+
+
 @pytest.fixture(scope="module")
 def identity_handoff(tiny):
     """A 2-layer model handing off to itself through the identity mapper."""

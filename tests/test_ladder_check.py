@@ -468,12 +468,10 @@ def test_records_hold_every_answer_tokens_margin_and_a_check_over_k_tokens_repla
     assert 0 < sent_back < len(records)
 
 
-def test_the_cli_calibrates_a_check_with_the_ladder(tmp_path, capsys):
+def test_the_cli_calibrates_a_check_with_the_ladder(ladder_cli, capsys):
     from hf_kvmap.cli import main as cli
 
-    out, records = tmp_path / "m2l", tmp_path / "records.jsonl"
-    args = ["calibrate-ladder", "--source", "tiny-m", "--target", "tiny-l", "--items", "3", "--probes"]
-    args += ["draft_agreement:2", "--fractions", "0.3", "--records", str(records), "--out", str(out)]
+    args, out, records = ladder_cli
     assert cli(args) == 0
     plain = MapperModel.from_pretrained(out).config.handoff_ladder
     assert cli([*args, "--check", "--max-changed", "0.0"]) == 0

@@ -32,6 +32,9 @@ def test_min_tokens_is_kept_by_the_settings_and_checked():
     assert "min_tokens" not in _ladder().to_dict()  # ladders that map every length keep their settings (and hashes)
     assert [ladder.too_short(n) for n in (63, 64, 65)] == [True, False, False]
     assert not _ladder().too_short(1)
+    assert ladder.plan([0.1, 0.1, 2e9], [63, 64, 64]) == [None, 0.3, None] and ladder.plan([0.1]) == [0.3]
+    with pytest.raises(ValueError):  # one length per row
+        ladder.plan([0.1, 0.1], [64])
     for bad in (0, 1, -5, 2.5, True, "64"):
         with pytest.raises(ValueError, match="min_tokens"):
             _ladder(bad)
@@ -159,12 +162,10 @@ def test_the_card_says_which_prompts_the_ladder_does_not_map(ladder_pair):
     assert "is not mapped" not in str(render_card(mapper))
 
 
-def test_the_cli_stores_min_tokens_with_the_calibrated_ladder(tmp_path, capsys):
+def test_the_cli_stores_min_tokens_with_the_calibrated_ladder(ladder_cli, capsys):
     from hf_kvmap.cli import main as cli
 
-    out, records = tmp_path / "m2l", tmp_path / "records.jsonl"
-    args = ["calibrate-ladder", "--source", "tiny-m", "--target", "tiny-l", "--items", "2", "--probes"]
-    args += ["draft_agreement:2", "--fractions", "0.3", "--records", str(records), "--out", str(out)]
+    args, out, records = ladder_cli
     assert cli(args) == 0
     plain = MapperModel.from_pretrained(out).config.handoff_ladder
     capsys.readouterr()

@@ -153,9 +153,13 @@ class GuardLadder:
         """Whether a prompt (or a session's span) of `tokens` tokens is below `min_tokens`: the target prefills it."""
         return self.min_tokens is not None and tokens < self.min_tokens
 
-    def plan(self, risks: Sequence[float] | torch.Tensor) -> list[float | None]:
-        """`fraction_for` of every row."""
-        return [self.fraction_for(float(risk)) for risk in risks]
+    def plan(self, risks: Sequence[float] | torch.Tensor, tokens: Sequence[int] | None = None) -> list[float | None]:
+        """`fraction_for` of every row; with each row's prompt `tokens`, `None` (the fallback) for a row below
+        `min_tokens` whatever its risk."""
+        plan = [self.fraction_for(float(risk)) for risk in risks]
+        if tokens is None:
+            return plan
+        return [None if self.too_short(n) else fraction for fraction, n in zip(plan, tokens, strict=True)]
 
     def to_dict(self) -> dict[str, Any]:
         settings = {

@@ -368,9 +368,9 @@ def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffRepo
 
 def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: Clock) -> Cache:
     """Stage 8 under a ladder: each row's rung from its risk (`report.scores`), then [`serve_rows`]."""
-    plan = ladder.plan(report.scores)  # a NaN risk takes no rung: it falls back
-    short = [ladder.too_short(n) for n in real_lengths(context.input_ids, context.attention_mask)]
-    plan = [None if below else fraction for fraction, below in zip(plan, short)]
+    lengths = real_lengths(context.input_ids, context.attention_mask)
+    plan = ladder.plan(report.scores, lengths)  # a NaN risk takes no rung, nor a row below min_tokens: they fall back
+    short = [ladder.too_short(n) for n in lengths]
     settings = ladder_settings(ladder)
     report.threshold = None
     if all(fraction is None for fraction in plan):

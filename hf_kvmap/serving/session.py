@@ -230,16 +230,12 @@ class HandoffSession:
             for other in self.models
             if other != name and (other, name) in self.mappers and self.covered(other) > have
         ]
-        if (
-            donors
-            and self.ladder is not None
-            and self.ladder.too_short(min(max(map(self.covered, donors)), end) - have)
-        ):
+        donor = max(donors, key=self.covered) if donors else None
+        upto = min(self.covered(donor), end) if donor is not None else have
+        if donor is not None and self.ladder is not None and self.ladder.too_short(upto - have):
             record.rung, record.short = rung_name(None), True  # too few to map: the model prefills them below
             logger.info("%s prefills the tokens it has not seen: fewer than the ladder's min_tokens", name)
-        elif donors:
-            donor = max(donors, key=self.covered)
-            upto = min(self.covered(donor), end)
+        elif donor is not None:
             start_time = time.perf_counter()
             record.window_tokens = self._map_into(donor, name, have, upto)
             record.timings["map"] = time.perf_counter() - start_time
