@@ -1047,6 +1047,16 @@ def test_switch_targets_reads_each_verdict_off_the_results():
     assert reverse[3] == (
         "reported in part; not measured: continuation@2048, humaneval@0, humaneval@2048, long_doc@2048, long_doc@4096"
     )
+    # every group there, but HumanEval behind 2K stopped short of the 164 problems: named, with its count
+    long_switch["results"]["1.5b:0.5b"] = {
+        name: group(2000, 164 if name.startswith("humaneval@0") else 40 if name.startswith("humaneval") else 6, False)
+        for name in long_switch["results"]["0.5b:1.5b"]
+    }
+    (reverse,) = switch_targets.reverse_rows(long_switch)
+    assert reverse[3] == "reported in part; humaneval@2048 on 40 of 164 problems"
+    long_switch["results"]["1.5b:0.5b"]["humaneval@2048#1234"]["items"] = 164
+    (reverse,) = switch_targets.reverse_rows(long_switch)
+    assert reverse[3] == "reported"
 
     def way(chat, doc, cost):
         groups = {"long_chat": {"changed_served": chat}, "long_doc": {"changed_served": doc}}
