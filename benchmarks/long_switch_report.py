@@ -3,8 +3,9 @@
     python -m benchmarks.long_switch_report --records $WORK/long/records.jsonl \
         --out benchmarks/results/long_switch.json --plot benchmarks/results/long_switch.png
 
-Per direction, task and length: each arm's mean score over the items every arm was measured on, its retention
-(`score / target`, chance 0 on every task here), the share of the source-to-target gap it recovers
+Per direction, task and length: each arm's mean score over the items every arm was measured on, its floor-normalized
+retention (`(score - chance) / (target - chance)`, the chance of guessing one of the prompt's candidates,
+`long_tasks.CHANCE`; none where the target does not beat chance on the items by an exact binomial test), the share of the source-to-target gap it recovers
 (`(score - source) / (target - source)`, only where the target beats the source), its mean time to first token and
 the re-prefill's over it (measured side by side on the same items), how often it gives the target's own answer (right
 or wrong: what a switch promises), the seconds of the whole answer, the share of the
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from hf_kvmap.reporting import gap_recovered
+from hf_kvmap.real.long_tasks import CHANCE
+from hf_kvmap.reporting import floor_retention, gap_recovered
 
 from .formatting import break_even_text
 
@@ -95,19 +97,23 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
     arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
     target, source = scores["target"], scores["source"]
+    chance = CHANCE.get(complete[0]["task"], 0.0)
+    measurable = floor_retention(target, target, chance, len(complete)) is not None
     out = {
         "items": len(complete),
         "tokens": round(mean(row["tokens"] for row in complete)),
+        "chance": chance,
+        "target_beats_chance": measurable,
         "target_beats_source": target > source,
         "mappers": dict(sorted(mappers.items())),
         "arms": {},
     }
     served = [arm for arm in arms if arm not in ("target", "source")]
-    bootstrap = intervals(complete, served) if len(complete) >= MIN_ITEMS else {}
+    bootstrap = intervals(complete, served, chance) if len(complete) >= MIN_ITEMS and measurable else {}
     for arm in arms:
         record = {
             "score": scores[arm],
-            "retention": scores[arm] / target if target > 0 else None,
+            "retention": floor_retention(scores[arm], target, chance, len(complete)),
             "gap_recovered": gap_recovered(scores[arm], target, source),
             "ttft_s": mean(row["arms"][arm]["ttft_s"] for row in complete),
         }
@@ -153,10 +159,13 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
 BOOTSTRAP, LEVEL, GAP_DEFINED, MIN_ITEMS = 2000, 0.95, 0.95, 24
 
 
-def intervals(items: list[dict], arms: list[str], resamples: int = BOOTSTRAP, seed: int = 0) -> dict[str, dict]:
-    """Per arm of `arms`, `retention_interval` and `gap_interval`: `LEVEL` percentile intervals of its retention and
-    share of the gap over a paired bootstrap of `items` (each resample draws items with replacement once and scores
-    the target, the source and every arm on that draw). The gap's is left out (None) where fewer than `GAP_DEFINED`
+def intervals(
+    items: list[dict], arms: list[str], chance: float = 0.0, resamples: int = BOOTSTRAP, seed: int = 0
+) -> dict[str, dict]:
+    """Per arm of `arms`, `retention_interval` and `gap_interval`: `LEVEL` percentile intervals of its retention
+    (floor-normalized at `chance`; a resample whose target is not above it has none) and share of the gap over a
+    paired bootstrap of `items` (each resample draws items with replacement once and scores the target, the source
+    and every arm on that draw). The gap's is left out (None) where fewer than `GAP_DEFINED`
     of the resamples have a gap (the target's score above the source's): on a few wins it is not bounded."""
     import random
 
@@ -171,8 +180,8 @@ def intervals(items: list[dict], arms: list[str], resamples: int = BOOTSTRAP, se
             sums = [total + score for total, score in zip(sums, scores[index])]
         target, source = sums[0], sums[1]
         for arm, served in zip(arms, sums[2:]):
-            if target > 0:
-                retention[arm].append(served / target)
+            if target > chance * n:
+                retention[arm].append((served - chance * n) / (target - chance * n))
             if target > source:
                 gap[arm].append((served - source) / (target - source))
 
@@ -329,7 +338,12 @@ def _mapper_lines(groups: dict) -> list[str]:
 
 def markdown(results: dict, source: str = "benchmarks/results/long_switch.json") -> str:
     """One table per direction: a row per (task, length, arm)."""
-    lines = [f"Generated from `{source}` by `benchmarks/long_switch_report.py`."]
+    lines = [
+        f"Generated from `{source}` by `benchmarks/long_switch_report.py`. Retention is floor-normalized at the "
+        "chance of guessing one of the prompt's candidates (`long_tasks.CHANCE`: "
+        + ", ".join(f"{task} {chance:.2f}" for task, chance in CHANCE.items())
+        + "); it is not measurable where the target does not beat that chance on the items (exact binomial test)."
+    ]
     for direction, groups in results["results"].items():
         lines += [
             "",
@@ -348,11 +362,12 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             for arm in ordered:
                 row = group["arms"][arm]
                 gap = _fmt(row["gap_recovered"]) if group["target_beats_source"] else "target <= source"
+                kept = _fmt(row["retention"]) if group.get("target_beats_chance", True) else "not measurable"
                 speed = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
                 share = {"target": 1.0, "source": None, "mapped": 0.0}.get(arm, row.get("fraction"))
                 lines.append(
                     f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
-                    f"{_fmt(row['retention'])} | {gap} | {_wins_cell(row)} | {_fmt(row.get('same_as_target'))} | "
+                    f"{kept} | {gap} | {_wins_cell(row)} | {_fmt(row.get('same_as_target'))} | "
                     f"{'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from hf_kvmap.reporting import gap_recovered
+from hf_kvmap.real.long_tasks import CHANCE
+from hf_kvmap.reporting import floor_retention, gap_recovered
 
 from .formatting import fraction_text, number_text, pct, rung_label, rung_order, strategy_text
 
@@ -484,10 +485,13 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
         changed = max(task["changed"] for task in row["tasks"].values())
         return f"{number_text(row['mean_cost'])} · {pct(changed, 1)}"
 
-    def retention(task: str):
+    def retention(task: str):  # floor-normalized at guessing one of the prompt's candidates, as long_switch_report
+        chance, items = CHANCE.get(task, 0.0), data.get("report_items_per_task")
+
         def show(row: dict) -> str:
             result = row["tasks"][task]
-            kept = number_text(result["accuracy"] / result["target"]) if result["target"] else "-"
+            floor = floor_retention(result["accuracy"], result["target"], chance, items)
+            kept = "not measurable" if floor is None else number_text(floor)
             if "source" not in result:
                 return kept
             gap = gap_recovered(result["accuracy"], result["target"], result["source"])

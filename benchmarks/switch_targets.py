@@ -7,7 +7,8 @@ whether it is met, computed from `benchmarks/results/long_switch.json` (`benchma
 
 from __future__ import annotations
 
-from hf_kvmap.reporting import gap_recovered
+from hf_kvmap.real.long_tasks import CHANCE
+from hf_kvmap.reporting import floor_retention, gap_recovered
 
 from .formatting import number_text, pct, strategy_text
 
@@ -62,7 +63,9 @@ def _point(name: str, arm: dict, beats: bool, chosen: bool = False) -> str:
     speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
     wins = f", the target's wins kept {arm['wins_kept'][0]}/{arm['wins_kept'][1]}" if arm.get("wins_kept") else ""
     label = f"`{name}` {CHOSEN}" if chosen else f"`{name}`"
-    retention = number_text(arm["retention"]) + _interval(arm, "retention")
+    retention = (
+        "not measurable" if arm["retention"] is None else number_text(arm["retention"]) + _interval(arm, "retention")
+    )
     return f"{label}: retention {retention}, gap {gap}{wins}, first token {speed}"
 
 
@@ -153,14 +156,16 @@ def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
                     result = point["tasks"][task]
                     if not point["fraction"] or point["fraction"] > MAX_FRACTION + 1e-9 or "mean_cost" not in result:
                         continue
-                    retention = result["accuracy"] / result["target"] if result["target"] else 0.0
+                    retention = floor_retention(  # floor-normalized, as long_switch_report's
+                        result["accuracy"], result["target"], CHANCE.get(task, 0.0), data["report_items_per_task"]
+                    )
                     gap = (
                         gap_recovered(result["accuracy"], result["target"], result["source"])
                         if "source" in result
                         else None
                     )
                     beats = "source" in result and result["target"] > result["source"]
-                    kept = min(retention, gap if beats else 1.0)
+                    kept = min(retention or 0.0, gap if beats else 1.0)
                     fast = result["mean_cost"] <= 1.0 / MIN_SPEEDUP[calibrated]
                     candidate = ((fast, kept, -result["mean_cost"]), point["fraction"], retention, gap, result, beats)
                     if best is None or candidate[0] > best[0]:
@@ -178,7 +183,8 @@ def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
                         f">= {MIN_KEPT} retention and of the gap, cost <= {1.0 / MIN_SPEEDUP[calibrated]:g} of a "
                         f"prefill (a first token {MIN_SPEEDUP[calibrated]}x sooner)",
                         f"{task} @ {calibrated} tokens, the ladder's {data['report_items_per_task']} report items",
-                        f"`{strategy_text(strategy)}@{fraction:g}`: retention {number_text(retention)}, gap {gap_text}, "
+                        f"`{strategy_text(strategy)}@{fraction:g}`: retention "
+                        f"{'not measurable' if retention is None else number_text(retention)}, gap {gap_text}, "
                         f"cost {number_text(result['mean_cost'])}",
                         verdict,
                     )

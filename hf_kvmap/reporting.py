@@ -31,6 +31,17 @@ def retention_cells(row: dict) -> tuple[str, str]:
     return fmt_number(row.get("retention")), fmt_number(row.get("floor_normalized_retention"))
 
 
+def floor_retention(score: float, target: float, chance: float = 0.0, n_items: int | None = None) -> float | None:
+    """Floor-normalized retention, `(score - chance) / (target - chance)`: 1 is the target's score, 0 what guessing
+    gets. `None` where it cannot be read: the target does not beat `chance` over `n_items` items (exact binomial
+    test; without a count, where its score is not above chance)."""
+    if n_items:
+        measurable = retention_measurable({"target": target, "n_items": n_items, "chance": chance})
+    else:
+        measurable = target > chance
+    return (score - chance) / (target - chance) if measurable else None
+
+
 def gap_recovered(score: float, target: float, source: float) -> float | None:
     """The share of the source-to-target gap an arm's `score` recovers, `(score - source) / (target - source)`: 1 is
     the target's score, 0 the source's (what not switching serves), below 0 worse than not switching. `None` where the

@@ -1097,7 +1097,11 @@ def test_switch_targets_reads_each_verdict_off_the_results():
     ladder["directions"]["a-to-b"]["ladder_checked_confident"] = way(0.02, 0.05, 0.48)
     assert switch_targets.ladder_rows(ladder)[0][3] == "met"
     (row,) = switch_targets.fixed_rows(ladder)
-    assert row[2] == "`tail@0.2`: retention 0.95, gap 0.90, cost 0.30" and row[3] == "met"  # (0.95 - 0.5) / 0.5
+    # retention floor-normalized at guessing one of four dogs: (0.95 - 0.25) / (1 - 0.25); gap (0.95 - 0.5) / 0.5
+    assert row[2] == "`tail@0.2`: retention 0.93, gap 0.90, cost 0.30" and row[3] == "met"
+    ladder["directions"]["a-to-b"]["fixed_report"] = fixed(0.3, 0.3, 0.3, 0.2)  # the target no better than guessing
+    (row,) = switch_targets.fixed_rows(ladder)
+    assert row[2] == "`tail@0.2`: retention not measurable, gap 1.00, cost 0.30" and row[3] == "missed"
 
 
 def test_recorded_commands_name_mappers_and_models_where_the_readme_puts_them():

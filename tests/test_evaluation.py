@@ -180,6 +180,18 @@ def test_a_target_that_does_not_beat_chance_makes_retention_not_measurable():
     assert result["retention"] == pytest.approx(2 / 3)  # the average leaves the unmeasurable task out
 
 
+def test_floor_retention_reads_only_where_the_target_beats_guessing():
+    """`reporting.floor_retention`: `(score - chance) / (target - chance)` where the target beats chance by the exact
+    binomial test over the items (or, without a count, is above it), else None; the same numbers as the metric's."""
+    from hf_kvmap.reporting import floor_retention
+
+    assert floor_retention(0.5, 0.75, 0.25, 40) == pytest.approx(0.5)  # the metric's "choice" task above
+    assert floor_retention(0.3, 0.3, 0.25, 40) is None  # 0.3 of 40 does not beat one in four
+    assert floor_retention(0.6, 0.8, 0.0, 10) == pytest.approx(0.75)  # chance 0: score over target
+    assert floor_retention(0.1, 0.2, 0.25) is None and floor_retention(0.1, 0.5, 0.25) == pytest.approx(-0.6)
+    assert floor_retention(0.0, 0.0) is None
+
+
 def test_evaluate_tasks_reports_unmeasurable_retention_as_null(handoff):
     tasks = [TaskSpec("recall", "exact_match", corpus.make_eval_set("recall", 6, seed=1, n_chars=96), stop="\n")]
     row = evaluate_tasks(handoff, tasks, progress=False)["tasks"]["recall"]

@@ -233,12 +233,14 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     group = long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd")["results"]["0.5b:1.5b"]
     doc = group["long_doc@2048#1"]
     assert doc["items"] == 3 and doc["target_beats_source"]
+    # 2 of 3 right beats no exact binomial test against guessing one of six numbers: no retention on these items
+    assert doc["chance"] == pytest.approx(1 / 6) and doc["target_beats_chance"] is False
     rung = doc["arms"]["draft_attention@0.2"]
-    assert rung["score"] == pytest.approx(2 / 3) and rung["retention"] == pytest.approx(1.0)
+    assert rung["score"] == pytest.approx(2 / 3) and rung["retention"] is None
     assert rung["gap_recovered"] == pytest.approx(1.0) and rung["speedup"] == pytest.approx(5.0)
     assert rung["strategy"] == "draft_attention" and rung["fraction"] == 0.2
     mapped = doc["arms"]["mapped"]
-    assert mapped["retention"] == 0 and mapped["gap_recovered"] == pytest.approx(-1.0) and mapped["speedup"] == 25
+    assert mapped["retention"] is None and mapped["gap_recovered"] == pytest.approx(-1.0) and mapped["speedup"] == 25
     # of the one item the target answers and the source does not, the rung keeps it, the mapped cache does not
     assert (
         rung["wins_kept"] == [1, 1] and mapped["wins_kept"] == [0, 1] and doc["arms"]["source"]["wins_kept"] == [0, 1]
@@ -247,9 +249,46 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     assert doc["by_depth"]["0.1"]["target"] == 1 and doc["by_depth"]["0.9"]["target"] == 0
     table = long_switch_report.markdown({"results": {"0.5b:1.5b": group}})
     assert (
-        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | 1.00 | 1.00 | 1/1 | - | 20% | 10.0 | 5.0x | - | - |"
-        in table
+        "| long_doc @ 2000 | 1 | 3 | draft_attention@0.2 | 0.667 | not measurable | 1.00 | 1/1 | - | 20% | 10.0 | 5.0x "
+        "| - | - |" in table
     )
+
+
+def test_retention_is_floor_normalized_at_the_chance_of_guessing_a_candidate():
+    """A conversation names four dogs: retention is `(score - 1/4) / (target - 1/4)` once the target beats guessing
+    (7 of 8 does, by the exact binomial test), its bootstrap interval on the same scale; HumanEval is not guessed
+    (chance 0: `score / target`); a target at chance has none."""
+
+    def group(task, pattern, n=None):  # (target, source, rung) per item
+        rows = [
+            _row(
+                f"0.5b:1.5b/{task}/2048/1/{i}",
+                task,
+                {"target": (t, 9), "source": (s, 0), "mapped": (0, 1), "r@0.1": (a, 3)},
+            )
+            for i, (t, s, a) in enumerate(pattern)
+        ]
+        return long_switch_report.summarize(rows)
+
+    chat = group("long_chat", [(1, 0, 1)] * 5 + [(1, 1, 0)] * 2 + [(0, 0, 0)])
+    assert chat["chance"] == 0.25 and chat["target_beats_chance"] is True
+    assert chat["arms"]["r@0.1"]["retention"] == pytest.approx((5 / 8 - 1 / 4) / (7 / 8 - 1 / 4))  # 0.6
+    assert chat["arms"]["mapped"]["retention"] == pytest.approx(-0.4) and chat["arms"]["target"]["retention"] == 1
+    code = group("humaneval", [(1, 0, 1)] * 5 + [(1, 1, 0)] * 2 + [(0, 0, 0)])
+    assert code["chance"] == 0.0 and code["arms"]["r@0.1"]["retention"] == pytest.approx(5 / 7)
+    guessed = group("long_chat", [(1, 0, 1)] * 2 + [(0, 0, 0)] * 6)  # 2 of 8 is what guessing gets
+    assert guessed["target_beats_chance"] is False and guessed["arms"]["r@0.1"]["retention"] is None
+    many = [(1, 0, 1)] * 20 + [(1, 1, 0)] * 6 + [(0, 0, 0)] * 4  # 30 items: an interval, on the floor's scale
+    low, high = group("long_chat", many)["arms"]["r@0.1"]["retention_interval"]
+    assert low < (20 / 30 - 1 / 4) / (26 / 30 - 1 / 4) < high <= 1.0
+    plain = long_switch_report.intervals(
+        [
+            _row(f"k/long_chat/2048/1/{i}", "long_chat", {"target": (t, 9), "source": (s, 0), "r@0.1": (a, 3)})
+            for i, (t, s, a) in enumerate(many)
+        ],
+        ["r@0.1"],
+    )["r@0.1"]["retention_interval"]
+    assert plain[0] > low  # at chance 0 the same items read higher: the floor is what lowers them
 
 
 def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):

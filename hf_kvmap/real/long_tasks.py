@@ -29,6 +29,18 @@ from .tasks import _ADJECTIVES, _FACTS, _NOUNS, _chat, _whole_lines
 LONG_TASK_NAMES = ("long_chat", "long_doc", "humaneval", "continuation")
 #: where in a long document the asked-for fact sits (its share of the document before it)
 DEPTHS = (0.1, 0.5, 0.9)
+#: how many friends a conversation introduces, and a document's subjects (adjectives x nouns): the candidates the
+#: question picks one of
+CHAT_FRIENDS, DOC_SUBJECTS = 4, (2, 3)
+#: each task's floor: the share of items a reply gets right by guessing. A reply that names one of the prompt's
+#: candidates at random (one of its dogs, one of its registration numbers) is right once in that many; a completion
+#: that passes its tests or a continuation that agrees with the target's is not guessed.
+CHANCE = {
+    "long_chat": 1 / CHAT_FRIENDS,
+    "long_doc": 1 / (DOC_SUBJECTS[0] * DOC_SUBJECTS[1]),
+    "humaneval": 0.0,
+    "continuation": 0.0,
+}
 _FRIENDS = ("Anna", "Ben", "Carla", "David", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas")
 
 
@@ -82,10 +94,10 @@ def long_chat(tokenizer, documents, items: int, tokens: int = 2048, seed: int = 
     towns, dogs = list(_FACTS["home town"]), list(_FACTS["dog's name"])
     out = []
     for _ in range(items):
-        friends = rng.sample(_FRIENDS, 4)
-        places, names = rng.sample(towns, 4), rng.sample(dogs, 4)
+        friends = rng.sample(_FRIENDS, CHAT_FRIENDS)
+        places, names = rng.sample(towns, CHAT_FRIENDS), rng.sample(dogs, CHAT_FRIENDS)
         facts = " ".join(f"{f} lives in {t} and has a dog called {d}." for f, t, d in zip(friends, places, names))
-        asked = rng.randrange(4)
+        asked = rng.randrange(CHAT_FRIENDS)
         messages = [
             {"role": "user", "content": f"Some facts about my friends, please remember them. {facts}"},
             {"role": "assistant", "content": "Got it, I will remember your friends, their towns and their dogs."},
@@ -110,7 +122,7 @@ def long_doc(tokenizer, documents, items: int, tokens: int = 2048, seed: int = 1
     prose = _Prose(tokenizer, documents, 120, seed + 29)
     out = []
     for index in range(items):
-        adjectives, nouns = rng.sample(_ADJECTIVES, 2), rng.sample(_NOUNS, 3)
+        adjectives, nouns = rng.sample(_ADJECTIVES, DOC_SUBJECTS[0]), rng.sample(_NOUNS, DOC_SUBJECTS[1])
         subjects = [f"{a} {n}" for a in adjectives for n in nouns]
         rng.shuffle(subjects)
         numbers = [str(n) for n in rng.sample(range(10000, 99999), len(subjects))]
@@ -180,4 +192,4 @@ def continuation(
     return out
 
 
-__all__ = ["DEPTHS", "LONG_TASK_NAMES", "LongItem", "continuation", "humaneval", "long_chat", "long_doc"]
+__all__ = ["CHANCE", "DEPTHS", "LONG_TASK_NAMES", "LongItem", "continuation", "humaneval", "long_chat", "long_doc"]
