@@ -5,8 +5,9 @@
 
 Per direction, task and length: each arm's mean score over the items every arm was measured on, its floor-normalized
 retention (`(score - chance) / (target - chance)`, the chance of guessing one of the prompt's candidates,
-`long_tasks.CHANCE`; none where the target does not beat chance on the items by an exact binomial test), the share of the source-to-target gap it recovers
-(`(score - source) / (target - source)`, only where the target beats the source), its mean time to first token and
+`long_tasks.CHANCE`; none where the target does not beat chance on the items by an exact binomial test), the share
+of the source-to-target gap it recovers (`(score - source) / (target - source)`, only where the target beats the
+source), its mean time to first token and
 the re-prefill's over it (measured side by side on the same items), how often it gives the target's own answer (right
 or wrong: what a switch promises), the seconds of the whole answer, the share of the
 prompt recomputed (before the first token, plus what a `+refresh` rung recomputed while decoding), and for

@@ -48,6 +48,7 @@ def test_long_chat_asks_for_one_friends_dog_by_town(byte_tokenizer, documents):
         town = item.prompt.rsplit("who lives in ", 1)[1].split("?")[0]
         assert f"lives in {town} and has a dog called {item.answer}." in facts
         assert facts.count("has a dog called") == 4 and item.prompt.count(f"lives in {town} ") == 1
+        assert long_tasks.CHANCE["long_chat"] == 1 / 4  # the floor is guessing one of those four dogs
         assert item.meta["tokens"] >= 400 and item.meta["turns"] > 2  # real prose turns fill it to length
 
 
@@ -56,7 +57,7 @@ def test_long_doc_plants_six_similar_facts_and_asks_one_at_each_depth(byte_token
     assert [item.meta["depth"] for item in items] == list(long_tasks.DEPTHS) * 2
     for item in items:
         planted = [line for line in item.prompt.split("\n\n") if line.startswith("The registration number of the ")]
-        assert len(planted) == 6
+        assert len(planted) == 6 and long_tasks.CHANCE["long_doc"] == 1 / 6  # the floor: guessing one of the six
         subject = item.prompt.rsplit("registration number of the ", 1)[1].split("?")[0]
         (fact,) = [line for line in planted if f"the {subject} is" in line]
         assert fact.endswith(f" is {item.answer}.") and len({line.split(" is ")[-1] for line in planted}) == 6
