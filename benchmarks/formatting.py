@@ -22,6 +22,11 @@ def number_text(value, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def retention_text(value) -> str:
+    """A retention (`hf_kvmap.reporting.floor_retention`): `None` is a target that does not beat chance."""
+    return "not measurable" if value is None else number_text(value)
+
+
 def rung_order(name: str) -> tuple[int, float]:
     """Sort key of a ladder outcome's rung names: `mapped`, then `repair:<fraction>` by fraction, then the fallback,
     then `short` (below the ladder's `min_tokens`)."""

@@ -25,9 +25,9 @@ from pathlib import Path
 from statistics import mean
 
 from hf_kvmap.real.long_tasks import CHANCE
-from hf_kvmap.reporting import floor_retention, gap_recovered
+from hf_kvmap.reporting import floor_retention, gap_recovered, retention_measurable
 
-from .formatting import break_even_text
+from .formatting import break_even_text, retention_text
 
 #: `strategy@fraction`, optionally `+refresh:...` (a repair while decoding), or `mapped+refresh:...`
 RUNG = re.compile(r"^(?:(?P<strategy>[^@+]+)@(?P<fraction>[0-9.]+)|mapped)(?P<refresh>\+refresh\b.*)?$")
@@ -99,7 +99,7 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
     target, source = scores["target"], scores["source"]
     chance = CHANCE.get(complete[0]["task"], 0.0)
-    measurable = floor_retention(target, target, chance, len(complete)) is not None
+    measurable = retention_measurable({"target": target, "n_items": len(complete), "chance": chance})
     out = {
         "items": len(complete),
         "tokens": round(mean(row["tokens"] for row in complete)),
@@ -181,8 +181,9 @@ def intervals(
             sums = [total + score for total, score in zip(sums, scores[index])]
         target, source = sums[0], sums[1]
         for arm, served in zip(arms, sums[2:]):
-            if target > chance * n:
-                retention[arm].append((served - chance * n) / (target - chance * n))
+            kept = floor_retention(served / n, target / n, chance)  # a draw's target at chance has none
+            if kept is not None:
+                retention[arm].append(kept)
             if target > source:
                 gap[arm].append((served - source) / (target - source))
 
@@ -363,12 +364,11 @@ def markdown(results: dict, source: str = "benchmarks/results/long_switch.json")
             for arm in ordered:
                 row = group["arms"][arm]
                 gap = _fmt(row["gap_recovered"]) if group["target_beats_source"] else "target <= source"
-                kept = _fmt(row["retention"]) if group.get("target_beats_chance", True) else "not measurable"
                 speed = f"{row['speedup']:.1f}x" if row.get("speedup") else "-"
                 share = {"target": 1.0, "source": None, "mapped": 0.0}.get(arm, row.get("fraction"))
                 lines.append(
                     f"| {task} | {group['seed']} | {group['items']} | {arm} | {_fmt(row['score'], 3)} | "
-                    f"{kept} | {gap} | {_wins_cell(row)} | {_fmt(row.get('same_as_target'))} | "
+                    f"{retention_text(row['retention'])} | {gap} | {_wins_cell(row)} | {_fmt(row.get('same_as_target'))} | "
                     f"{'-' if share is None else f'{share:.0%}'} | "
                     f"{row['ttft_s']:.1f} | {speed} | {_fmt(row.get('answer_s'), 1)} | {_nll_cell(row)} |"
                 )

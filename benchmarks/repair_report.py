@@ -16,7 +16,7 @@ from pathlib import Path
 from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered
 
-from .formatting import fraction_text, number_text, pct, rung_label, rung_order, strategy_text
+from .formatting import fraction_text, number_text, pct, retention_text, rung_label, rung_order, strategy_text
 
 #: options whose values are paths on the machine that ran a benchmark (left out of the commands shown)
 LOCAL_OPTIONS = ("--out", "--plot", "--points", "--work", "--merge", "--cache-dir")
@@ -490,8 +490,7 @@ def _direction_markdown(tag: str, data: dict, tasks: list[str]) -> list[str]:
 
         def show(row: dict) -> str:
             result = row["tasks"][task]
-            floor = floor_retention(result["accuracy"], result["target"], chance, items)
-            kept = "not measurable" if floor is None else number_text(floor)
+            kept = retention_text(floor_retention(result["accuracy"], result["target"], chance, items))
             if "source" not in result:
                 return kept
             gap = gap_recovered(result["accuracy"], result["target"], result["source"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered
 
-from .formatting import number_text, pct, strategy_text
+from .formatting import number_text, pct, retention_text, strategy_text
 
 #: the most a repair may recompute for an answer target (a share of the prompt, refreshes while decoding included)
 MAX_FRACTION = 0.3
@@ -63,9 +63,7 @@ def _point(name: str, arm: dict, beats: bool, chosen: bool = False) -> str:
     speed = f"{arm['speedup']:.1f}x" if arm.get("speedup") else "not timed beside the re-prefill"
     wins = f", the target's wins kept {arm['wins_kept'][0]}/{arm['wins_kept'][1]}" if arm.get("wins_kept") else ""
     label = f"`{name}` {CHOSEN}" if chosen else f"`{name}`"
-    retention = (
-        "not measurable" if arm["retention"] is None else number_text(arm["retention"]) + _interval(arm, "retention")
-    )
+    retention = retention_text(arm["retention"]) + _interval(arm, "retention")
     return f"{label}: retention {retention}, gap {gap}{wins}, first token {speed}"
 
 
@@ -184,7 +182,7 @@ def fixed_rows(long_ladder: dict) -> list[tuple[str, ...]]:
                         f"prefill (a first token {MIN_SPEEDUP[calibrated]}x sooner)",
                         f"{task} @ {calibrated} tokens, the ladder's {data['report_items_per_task']} report items",
                         f"`{strategy_text(strategy)}@{fraction:g}`: retention "
-                        f"{'not measurable' if retention is None else number_text(retention)}, gap {gap_text}, "
+                        f"{retention_text(retention)}, gap {gap_text}, "
                         f"cost {number_text(result['mean_cost'])}",
                         verdict,
                     )
