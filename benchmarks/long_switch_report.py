@@ -427,10 +427,12 @@ def plot(results: dict, path: str) -> None:
                 axis.plot(xs, ys, style, marker="o", markersize=3, label=f"{strategy} @ {length}")
             axis.axhline(group["arms"]["target"]["score"], color="black", linestyle=style, linewidth=0.8)
             axis.axhline(group["arms"]["source"]["score"], color="grey", linestyle=style, linewidth=0.8)
-        axis.set_title(
-            f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n(black: target alone, grey: source alone)",
-            fontsize=9,
-        )
+        chance = max((g.get("chance", 0.0) for g in groups.values()), default=0.0)
+        legend = "black: target alone, grey: source alone"
+        if chance > 0:  # the floor retention is normalized at: a score there is one of the prompt's candidates guessed
+            axis.axhline(chance, color="tab:red", linestyle=":", linewidth=0.8)
+            legend += ", red: guessing"
+        axis.set_title(f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n({legend})", fontsize=9)
         axis.set_xlabel("fraction recomputed (incl. refreshes)", fontsize=8)
         axis.set_ylabel("score")
         axis.set_ylim(-0.05, 1.05)

@@ -255,6 +255,28 @@ def test_the_report_gives_retention_gap_and_speedup_over_the_items_every_arm_has
     )
 
 
+def test_the_plot_draws_the_guessing_floor_where_a_task_has_one(tmp_path, monkeypatch):
+    """A document panel carries a line at 1/6 (one of six numbers guessed); a HumanEval panel, not guessed, none."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    arms = {"target": (1, 40), "source": (0, 0), "mapped": (0, 2), "draft_attention@0.2": (1, 10)}
+    rows = [_row(f"0.5b:1.5b/{task}/2048/1/{i}", task, arms) for task in ("long_doc", "humaneval") for i in range(2)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, out, **kw: drawn.update(fig=fig))
+    long_switch_report.plot(long_switch_report.assemble(long_switch_report.load(path), str(path), "cmd"), "x.png")
+    floors = {
+        axis.get_title().split(",")[0]: [
+            line.get_ydata()[0] for line in axis.get_lines() if line.get_color() == "tab:red"
+        ]
+        for axis in drawn["fig"].axes
+        if axis.get_visible()
+    }
+    assert floors == {"long_doc": [pytest.approx(1 / 6)], "humaneval": []}
+
+
 def test_retention_is_floor_normalized_at_the_chance_of_guessing_a_candidate():
     """A conversation names four dogs: retention is `(score - 1/4) / (target - 1/4)` once the target beats guessing
     (7 of 8 does, by the exact binomial test), its bootstrap interval on the same scale; HumanEval is not guessed
