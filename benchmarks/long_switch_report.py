@@ -429,7 +429,7 @@ def plot(results: dict, path: str) -> None:
             axis.axhline(group["arms"]["source"]["score"], color="grey", linestyle=style, linewidth=0.8)
         chance = max((g.get("chance", 0.0) for g in groups.values()), default=0.0)
         legend = "black: target alone, grey: source alone"
-        if chance > 0:  # the floor retention is normalized at: a score there is one of the prompt's candidates guessed
+        if chance > 0:  # retention's zero: a score there is what guessing one of the prompt's candidates gets
             axis.axhline(chance, color="tab:red", linestyle=":", linewidth=0.8)
             legend += ", red: guessing"
         axis.set_title(f"{task}, {direction.replace(':', ' -> ')}, item set {seed}\n({legend})", fontsize=9)
