@@ -22,8 +22,9 @@ from .oracle import OracleSelector
 from .query_overlap import QueryOverlapSelector, markup_ids, resolve_markup
 from .recompute import recompute_positions
 from .refresh import DecodeRefresh
-from .repair import RepairConfig, repair_cache
+from .repair import RepairConfig, repair_cache, select_repair
 from .source_attention import SourceAttentionSelector
+from .sparse import SparseCache, SparseLayer, sparse_prefill
 from .tail import TailSelector
 from .target_attention import TargetAttentionSelector
 
@@ -42,6 +43,8 @@ __all__ = [
     "RepairContext",
     "Selector",
     "SourceAttentionSelector",
+    "SparseCache",
+    "SparseLayer",
     "TailSelector",
     "TargetAttentionSelector",
     "greedy_draft",
@@ -50,5 +53,7 @@ __all__ = [
     "register_selector",
     "repair_cache",
     "resolve_markup",
+    "select_repair",
     "selector_from_dict",
+    "sparse_prefill",
 ]

@@ -109,6 +109,109 @@ def _check(target, cache, input_ids, attention_mask, position_ids) -> int:
     return length
 
 
+def _candidates(input_ids, attention_mask, length: int, start: int) -> torch.Tensor:
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    candidates = mask.to(input_ids.device)[:, :length].bool().clone()
+    candidates[:, :start] = False
+    return candidates
+
+
+def _plan(
+    target,
+    cache,
+    input_ids,
+    repair,
+    length,
+    attention_mask,
+    position_ids,
+    source,
+    source_cache,
+    source_position_ids,
+    source_draft,
+    start,
+) -> tuple[RepairContext, list[int]]:
+    """The context a strategy reads and each row's budget (the checks of `repair_cache`, but the cache's own)."""
+    selector = repair.selector
+    if selector.needs_source and (source is None or source_cache is None):
+        raise ValueError(
+            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
+            "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
+        )
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
+        raise ValueError(f"start={start!r} must be an integer in [0, {length}].")
+    if source_cache is not None and not isinstance(source_cache, Cache):  # a sequence of (keys, values) pairs
+        source_cache = Cache(layers=[as_layer(keys, values) for keys, values in source_cache])
+    batch, width = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    mask = mask.to(input_ids.device).long()
+    if position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
+    candidates = _candidates(input_ids, attention_mask, length, start)
+    context = RepairContext(
+        target=target,
+        cache=cache,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        candidates=candidates,
+        source=source,
+        source_cache=source_cache,
+        source_position_ids=source_position_ids,
+        source_draft=source_draft,
+    )
+    return context, budget_counts(candidates, repair.fraction, repair.tokens)
+
+
+@torch.no_grad()
+def select_repair(
+    target,
+    input_ids: torch.Tensor,
+    repair: RepairConfig | dict[str, Any],
+    *,
+    length: int,
+    cache: Cache | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    source=None,
+    source_cache: Cache | None = None,
+    source_position_ids: torch.Tensor | None = None,
+    source_draft: Draft | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    The positions `repair`'s strategy selects among the first `length` prompt positions, without recomputing them:
+    what [`repair_cache`] recomputes given the same arguments, and what [`sparse_prefill`] prefills alone. A strategy
+    that reads the target-side cache (`target_attention`, `early_deviation`, `oracle`) needs `cache=`; the drafting
+    and query strategies read the prompt and the source only, so the selection costs no map.
+
+    Args:
+        length (`int`): cached prompt positions (the held-back tokens follow).
+        Others: as [`repair_cache`].
+
+    Returns:
+        `(positions, valid)`: `(batch, n)` long, each row's selections ascending then filler slots, and their mask
+        (`repair_cache(..., selection=)` takes the pair).
+    """
+    repair = RepairConfig.from_dict(repair)
+    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= input_ids.shape[1]:
+        raise ValueError(f"length={length!r} must be an int in [1, {input_ids.shape[1]}] (the cached positions).")
+    context, counts = _plan(
+        target,
+        cache,
+        input_ids,
+        repair,
+        length,
+        attention_mask,
+        position_ids,
+        source,
+        source_cache,
+        source_position_ids,
+        source_draft,
+        start,
+    )
+    return repair.selector.select(context, counts)
+
+
 @torch.no_grad()
 def repair_cache(
     target,
@@ -123,6 +226,7 @@ def repair_cache(
     source_position_ids: torch.Tensor | None = None,
     source_draft: Draft | None = None,
     start: int = 0,
+    selection: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Cache:
     r"""
     Have the target recompute the keys/values of the cached positions `repair`'s strategy selects, through every
@@ -146,6 +250,9 @@ def repair_cache(
             it again. Ignored unless it drafts after these `input_ids` at the source's positions.
         start (`int`, *optional*, defaults to 0): the first position a strategy may select (the ones before it are,
             e.g., the target's own already).
+        selection (`tuple`, *optional*): `(positions, valid)` as [`select_repair`] returned them for these
+            arguments: recompute those instead of selecting again (a sparse prefill and a repair served side by
+            side share one selection).
 
     Returns:
         `cache`. Where it has a `mapping_info` (a `MappedCache`), `mapping_info["repair"]` records the strategy, the
@@ -155,37 +262,30 @@ def repair_cache(
     """
     repair = RepairConfig.from_dict(repair)
     length = _check(target, cache, input_ids, attention_mask, position_ids)
-    selector = repair.selector
-    if selector.needs_source and (source is None or source_cache is None):
-        raise ValueError(
-            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
-            "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
+    if selection is None:
+        context, counts = _plan(
+            target,
+            cache,
+            input_ids,
+            repair,
+            length,
+            attention_mask,
+            position_ids,
+            source,
+            source_cache,
+            source_position_ids,
+            source_draft,
+            start,
         )
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
-        raise ValueError(f"start={start!r} must be an integer in [0, {length}].")
-    if source_cache is not None and not isinstance(source_cache, Cache):  # a sequence of (keys, values) pairs
-        source_cache = Cache(layers=[as_layer(keys, values) for keys, values in source_cache])
-    batch, width = input_ids.shape
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    mask = mask.to(input_ids.device).long()
+        positions, valid = repair.selector.select(context, counts)
+        candidates = context.candidates
+    else:
+        positions, valid = selection
+        candidates = _candidates(input_ids, attention_mask, length, start)
+        counts = valid.sum(-1).tolist()
+    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(input_ids.device).long()
     if position_ids is None:
-        position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
-    candidates = mask[:, :length].bool().clone()
-    candidates[:, :start] = False
-    context = RepairContext(
-        target=target,
-        cache=cache,
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        candidates=candidates,
-        source=source,
-        source_cache=source_cache,
-        source_position_ids=source_position_ids,
-        source_draft=source_draft,
-    )
-    counts = budget_counts(candidates, repair.fraction, repair.tokens)
-    positions, valid = selector.select(context, counts)
+        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
     recompute_positions(
         target,
         cache,
@@ -232,4 +332,4 @@ def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, 
     cache.recomputed = done
 
 
-__all__ = ["RepairConfig", "repair_cache"]
+__all__ = ["RepairConfig", "repair_cache", "select_repair"]
