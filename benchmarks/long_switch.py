@@ -38,6 +38,7 @@ from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.reporting import environment_info
 
 from . import long_switch_report
+from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
@@ -78,7 +79,16 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
     """`name[:option=value,...]@fraction[+refresh:option=value,...]` -> (label, strategy settings, fraction, refresh
     settings); e.g. `draft_attention@0.2`, `draft_attention:draft_tokens=64@0.2`,
     `draft_attention@0.1+refresh:every=16,tokens=32` (`DecodeRefresh` repairs while the target decodes), or
-    `mapped+refresh:every=16,fraction=0.02` (no repair before the first token)."""
+    `mapped+refresh:every=16,fraction=0.02` (no repair before the first token). `sparse:` before a repair rung
+    (`sparse:draft_branches@0.1`) is its map-free peer: the target prefills only the positions the repair selects
+    (`hf_kvmap.repair.sparse_prefill`), sharing the repair's selection where both are served."""
+    if text.startswith(SPARSE):
+        label, settings, fraction, refresh = parse_rung(text[len(SPARSE) :])
+        if settings is None or refresh is not None:
+            raise argparse.ArgumentTypeError(
+                f"--rungs entry {text!r}: sparse: takes a repair rung without a refresh, e.g. sparse:draft_branches@0.1"
+            )
+        return text, settings, fraction, None
     head, plus, tail = text.partition("+")
     refresh = None
     if plus:
@@ -244,7 +254,7 @@ class Runner:
         """Every arm of `arms` not in `done` on one item; returns `{arm: record}`."""
         from hf_kvmap import MappedCache
         from hf_kvmap._compat import output_cache
-        from hf_kvmap.repair import DecodeRefresh, RepairConfig
+        from hf_kvmap.repair import DecodeRefresh, RepairConfig, repair_cache, select_repair, sparse_prefill
 
         ids = torch.tensor([item["ids"]])
         last = ids[:, -1:]
@@ -290,21 +300,58 @@ class Runner:
         source_cache = None
         if mapped_arms or ("source" in arms and "source" not in done):
             source_cache = output_cache(self.source(input_ids=ids, use_cache=True))  # paid before a switch
+            selections: dict[str, tuple] = {}  # repair label -> (its selection, the seconds it took)
+
+            def selection_of(label: str):
+                """The positions rung `label` recomputes, selected once for it and its sparse peer (timed)."""
+                if label not in selections:
+                    _, settings, fraction, _ = rungs.get(label) or parse_rung(label)
+                    began = time.perf_counter()
+                    chosen = select_repair(
+                        self.target,
+                        ids,
+                        RepairConfig(settings, fraction=fraction),
+                        length=ids.shape[1] - 1,
+                        source=self.source,
+                        source_cache=source_cache,
+                    )
+                    selections[label] = (chosen, time.perf_counter() - began)
+                return selections[label]
+
             for arm in mapped_arms:
-                kwargs, refresh_settings = {}, None
-                if arm != "mapped":
-                    _, settings, fraction, refresh_settings = rungs[arm]
-                    if settings is not None:
-                        kwargs = {
-                            "repair": RepairConfig(settings, fraction=fraction),
-                            "target_model": self.target,
-                            "source_model": self.source,
-                            "input_ids": ids,
-                        }
+                refresh_settings = None
+                if arm.startswith(SPARSE):
+                    (positions, _), select_s = selection_of(arm[len(SPARSE) :])
+                    began = time.perf_counter()
+                    cache = sparse_prefill(self.target, ids, positions[0], length=ids.shape[1] - 1)
+                    finish(arm, self.target, cache, select_s + time.perf_counter() - began)  # a layout of its own
+                    out[arm]["selected"] = int(positions.shape[1])
+                    continue
                 began = time.perf_counter()
-                cache = MappedCache.from_source(source_cache, self.mapper, **kwargs)
+                if arm == "mapped":
+                    cache = MappedCache.from_source(source_cache, self.mapper)
+                    prepare = time.perf_counter() - began
+                else:
+                    _, settings, fraction, refresh_settings = rungs[arm]
+                    if settings is None:  # mapped+refresh
+                        cache = MappedCache.from_source(source_cache, self.mapper)
+                        prepare = time.perf_counter() - began
+                    else:
+                        selection, select_s = selection_of(arm)
+                        began = time.perf_counter()
+                        cache = MappedCache.from_source(
+                            source_cache,
+                            self.mapper,
+                            target_model=self.target,
+                            input_ids=ids,
+                            source_model=self.source,
+                        )
+                        repair_cache(
+                            self.target, cache, ids, RepairConfig(settings, fraction=fraction), selection=selection
+                        )
+                        prepare = select_s + time.perf_counter() - began
                 refresh = None if refresh_settings is None else DecodeRefresh(self.target, cache, **refresh_settings)
-                start(arm, cache, time.perf_counter() - began, refresh)
+                start(arm, cache, prepare, refresh)
         if batched:
             caches = [entry[1] for entry in batched]
             decoded, seconds = continue_batch(self.target, caches, [e[3] for e in batched], max_new, stop, self.eos)
@@ -397,10 +444,62 @@ def write_items(args) -> None:
     print(f"{len(lines)} items -> {args.write_items}")
 
 
+def apply_protocol(args):
+    """`--protocol FILE`: every choice from the sealed protocol (rungs, direction, dtype, threads, each task's cell:
+    items and seed), refusing a flag that would change one; returns the protocol (None without the flag)."""
+    if not args.protocol:
+        for flag, value, default in (
+            ("--rungs", args.rungs, "draft_attention@0.2"),
+            ("--direction", args.direction, "0.5b:1.5b"),
+            ("--dtype", args.dtype, "float32"),
+            ("--threads", args.threads, 2),
+        ):
+            setattr(args, flag[2:], default if value is None else value)
+        return None
+    try:
+        protocol = load_protocol(args.protocol)
+    except ProtocolError as err:
+        raise SystemExit(f"--protocol: {err}") from None
+    settings = protocol.settings
+    given = {"--rungs": args.rungs, "--direction": args.direction, "--dtype": args.dtype, "--threads": args.threads}
+    fixed = {"--rungs": None, "--direction": settings["direction"], "--dtype": settings["dtype"], "--threads": None}
+    for flag, value in given.items():
+        if value is not None and flag != "--threads" and value != fixed[flag]:
+            raise SystemExit(
+                f"{flag} {value!r}: the sealed protocol {args.protocol} fixes "
+                f"{'the rungs' if flag == '--rungs' else flag[2:]}; drop the flag (or write a new protocol)."
+            )
+    if args.map is None and len(settings["maps"]) == 1:
+        args.map = next(iter(settings["maps"]))
+    if args.map not in settings["maps"]:
+        raise SystemExit(f"--map {args.map!r}: the protocol's maps are {sorted(settings['maps'])}.")
+    args.rungs = ",".join(protocol.arms[2:-1])  # every rung and its sparse peer
+    args.direction, args.dtype = settings["direction"], settings["dtype"]
+    args.threads = args.threads if args.threads is not None else settings["threads"]
+    cells = []
+    for task in args.tasks.split(","):
+        try:
+            cells.append(protocol.cell(task, args.tokens))
+        except ProtocolError as err:
+            raise SystemExit(f"--tasks: {err}") from None
+    seeds = {cell["seed"] for cell in cells}
+    if args.seed is not None and {args.seed} != seeds:
+        raise SystemExit(f"--seed {args.seed}: the protocol's cells of {args.tasks} use seed {sorted(seeds)}.")
+    args.seed = seeds.pop() if len(seeds) == 1 else None
+    if args.seed is None:
+        raise SystemExit(f"--tasks {args.tasks}: their cells use different seeds; run them one at a time.")
+    most = min(cell["items"] for cell in cells)
+    args.items = most if args.items is None else args.items
+    if args.offset + args.items > most:
+        raise SystemExit(f"--offset {args.offset} --items {args.items}: the protocol's cell holds {most} items.")
+    return protocol
+
+
 def cmd_run(args) -> None:
     for flag, value in (("--mapper", args.mapper), ("--records", args.records)):
         if not value:
             raise SystemExit(f"{flag} is required to measure (--mapper: a fitted map's folder; --records: a JSONL)")
+    protocol = args.sealed
     from hf_kvmap.repair import DecodeRefresh, RepairConfig, resolve_markup
 
     tokenizer = target_tokenizer(args)  # `skip=markup` reads it; the runner keeps it
@@ -423,6 +522,8 @@ def cmd_run(args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     records = long_switch_report.load(path) if path.is_file() else {}
     setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
+    if protocol is not None:  # every record names the sealed choices it was made under
+        setup.update(protocol=protocol.sha256, map=args.map)
     arms = ["target", "mapped", *rungs, "source"]
     items = build_items(runner.tokenizer, args)
     run = {
@@ -466,16 +567,23 @@ def cmd_run(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", default=None, help="the mapper folder (every run but --write-items)")
-    parser.add_argument("--direction", default="0.5b:1.5b", choices=["0.5b:1.5b", "1.5b:0.5b"])
+    parser.add_argument("--direction", default=None, choices=["0.5b:1.5b", "1.5b:0.5b"], help="default 0.5b:1.5b")
     parser.add_argument("--tasks", default="long_chat,long_doc")
     parser.add_argument("--tokens", type=int, default=2048, help="context length (humaneval: code before the prompt)")
-    parser.add_argument("--items", type=int, default=16)
+    parser.add_argument("--items", type=int, default=None, help="default 16 (a protocol: its cell's items)")
     parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
-    parser.add_argument("--seed", type=int, default=4321)
-    parser.add_argument("--rungs", default="draft_attention@0.2")
+    parser.add_argument("--seed", type=int, default=None, help="default 4321 (a protocol: its cell's seed)")
+    parser.add_argument("--rungs", default=None, help="default draft_attention@0.2 (a protocol: its rungs)")
+    parser.add_argument(
+        "--protocol",
+        default=None,
+        help="a sealed protocol (benchmarks/protocols/*.json): rungs, direction, dtype, items and seed from it, its "
+        "sha256 in every record",
+    )
+    parser.add_argument("--map", default=None, help="with --protocol: the label of the map --mapper holds")
     parser.add_argument("--records", default=None, help="JSON lines of the measurements (resumes)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32")
+    parser.add_argument("--threads", type=int, default=None, help="default 2")
     parser.add_argument(
         "--no-batch",
         action="store_true",
@@ -490,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if not args.protocol:
+        args.items = 16 if args.items is None else args.items
+        args.seed = 4321 if args.seed is None else args.seed
+    args.sealed = apply_protocol(args)
     if args.write_items:
         write_items(args)
     else:

@@ -4,6 +4,7 @@ no download."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -329,7 +330,7 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
     ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:8], "answer": ""}
-    labels = ("tail@0.25", "draft_coverage:draft_tokens=4@0.5", "tail@0.1+refresh:every=3,tokens=4")
+    labels = ("tail@0.25", "draft_coverage:draft_tokens=4@0.5", "tail@0.1+refresh:every=3,tokens=4", "sparse:tail@1.0")
     rungs = {label: long_switch.parse_rung(label) for label in labels}
     arms = ["target", "mapped", *rungs, "source"]
     measured = runner.measure(item, arms, rungs, {})
@@ -338,12 +339,42 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
         assert record["tokens"] == measured["target"]["tokens"] and len(record["tokens"]) == 12, arm
         assert record["score"] == 1.0 and record["nll"] == pytest.approx(measured["target"]["nll"], abs=1e-4)
         assert record["ttft_s"] >= record["prepare_s"] >= 0.0
-        assert ("decoded_with" in record) == (arm not in ("source", "tail@0.1+refresh:every=3,tokens=4")), arm
+        alone = ("source", "tail@0.1+refresh:every=3,tokens=4", "sparse:tail@1.0")  # a layout or a decode of its own
+        assert ("decoded_with" in record) == (arm not in alone), arm
         assert record.get("answer_s", record["ttft_s"]) >= record["ttft_s"]
     refreshed = measured["tail@0.1+refresh:every=3,tokens=4"]["refresh"]
     assert refreshed["refreshes"] == 4 and refreshed["recomputed"] == [16]  # calls 3, 6, 9, 12 of 12 tokens
     again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
     assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
+
+
+def test_a_sparse_arm_prefills_its_repairs_selection_alone(tiny, monkeypatch):
+    """`sparse:R` serves the target's prefill of the positions rung R selects and nothing else: its tokens are greedy's
+    on `sparse_prefill` of that selection (the tail's last quarter here), it records how many it prefilled, and a
+    repair served beside it recomputes the same positions (one selection, timed once for both)."""
+    from hf_kvmap import MapperModel
+    from hf_kvmap.repair import sparse_prefill
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
+    model = tiny.model(seed=5)
+    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner.source = runner.target = model
+    runner.mapper = MapperModel.identity(model.config)
+    runner.eos, runner.batch = set(), True
+    runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(2)).tolist()
+    item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:6], "answer": ""}
+    rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "sparse:tail@0.25")}
+    measured = runner.measure(item, ["target", *rungs], rungs, {})
+    sparse = measured["sparse:tail@0.25"]
+    assert sparse["selected"] == 10  # floor(0.25 * 40) of the 40 cached positions: 30 .. 39
+    cache = sparse_prefill(model, torch.tensor([ids]), torch.arange(30, 40), length=40)
+    tokens, _, _ = long_switch.greedy(model, cache, torch.tensor([ids[-1:]]), 6, lambda t: False, set())
+    assert sparse["tokens"] == tokens
+    assert measured["tail@0.25"]["tokens"] == measured["target"]["tokens"]  # the identity map: the target's cache
+    assert sparse["ttft_s"] >= sparse["prepare_s"] > 0.0
+    with pytest.raises(argparse.ArgumentTypeError, match="sparse: takes a repair rung"):
+        long_switch.parse_rung("sparse:tail@0.1+refresh:every=2")
 
 
 def test_a_batch_decodes_each_row_as_greedy_decodes_it_alone(tiny):
@@ -546,7 +577,7 @@ def test_every_benchmarks_readme_long_command_parses(module):
     assert len(commands) >= 2
     for command in commands:
         args = script.build_parser().parse_args(shlex.split(command.replace("$WORK", "/w"), comments=True))
-        for rung in long_switch.split_rungs(getattr(args, "rungs", "") if module == "long_switch" else ""):
+        for rung in long_switch.split_rungs((getattr(args, "rungs", None) or "") if module == "long_switch" else ""):
             long_switch.parse_rung(rung)
 
 

@@ -1,0 +1,117 @@
+"""A sealed protocol: the choices of a real-pair study frozen in one committed JSON file before its report items are
+built.
+
+The file names the direction, dtype and threads, the maps (each a recipe and a label), the rungs every item is served
+with (`strategy[:options]@fraction`; each repair is also served as a sparse prefill of the same selection, the
+map-free peer), the rung the verdicts read, the report cells (tasks, context length, items and a seed that no
+selection ever used), the interval and the verdict rules. Its sha256 (of the file's bytes) is stamped into every
+record made under it; `benchmarks.long_switch --protocol` takes every choice from it and refuses flags that would
+change one, and `benchmarks.sealed.report` refuses a record stamped with another hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+#: the suffix of a repair rung's map-free peer: the sparse prefill of the same selection
+SPARSE = "sparse:"
+_KEYS = {
+    "name",
+    "what",
+    "direction",
+    "dtype",
+    "threads",
+    "maps",
+    "rungs",
+    "chosen",
+    "selection_seeds",
+    "cells",
+    "interval",
+    "verdicts",
+}
+_VERDICT_KEYS = {"gap", "gap_lower", "retention", "min_gap_items", "speedup", "map_adds", "map_adds_lower"}
+
+
+class ProtocolError(ValueError):
+    """A protocol file that does not say what it must, or a run or report that departs from it."""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A loaded protocol: `settings` as the file holds them, `sha256` of its bytes, `path` it was read from."""
+
+    settings: dict[str, Any]
+    sha256: str
+    path: str
+
+    @property
+    def rungs(self) -> list[str]:
+        return list(self.settings["rungs"])
+
+    @property
+    def arms(self) -> list[str]:
+        """Every arm a record holds: the target, the mapped cache, each rung and its sparse peer, the source."""
+        return ["target", "mapped", *self.rungs, *(SPARSE + rung for rung in self.rungs), "source"]
+
+    def cell(self, task: str, tokens: int) -> dict[str, Any]:
+        """The report cell of `task` at `tokens` (items, seed); refuses one the protocol does not name."""
+        for cell in self.settings["cells"]:
+            if task in cell["tasks"] and cell["tokens"] == tokens:
+                return cell
+        named = ", ".join(f"{','.join(c['tasks'])}@{c['tokens']}" for c in self.settings["cells"])
+        raise ProtocolError(f"{self.path} has no cell for {task} at {tokens} tokens; its cells: {named}.")
+
+    def chosen(self, task: str) -> str:
+        """The rung the verdicts of `task` read."""
+        chosen = self.settings["chosen"]
+        return chosen.get(task, chosen["default"])
+
+
+def _require(condition: bool, path, message: str) -> None:
+    if not condition:
+        raise ProtocolError(f"{path}: {message}")
+
+
+def load_protocol(path: str | Path) -> Protocol:
+    """Read and check a protocol file; its sha256 is of the bytes as committed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProtocolError(f"{path} is not a protocol file; the committed ones are in benchmarks/protocols/.")
+    raw = path.read_bytes()
+    try:
+        settings = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ProtocolError(f"{path} is not JSON ({err}).") from None
+    _require(isinstance(settings, dict), path, "a protocol is a JSON object.")
+    missing, unknown = _KEYS - set(settings), set(settings) - _KEYS
+    _require(not missing, path, f"missing {sorted(missing)}.")
+    _require(not unknown, path, f"unknown keys {sorted(unknown)}; a protocol holds {sorted(_KEYS)}.")
+    rungs = settings["rungs"]
+    _require(isinstance(rungs, list) and rungs and len(set(rungs)) == len(rungs), path, "rungs: distinct entries.")
+    for rung in rungs:
+        _require(isinstance(rung, str) and "@" in rung and "+" not in rung, path, f"rung {rung!r}: name@fraction.")
+    chosen = settings["chosen"]
+    _require(isinstance(chosen, dict) and "default" in chosen, path, "chosen: {'default': rung, task: rung ...}.")
+    for task, rung in chosen.items():
+        _require(rung in rungs, path, f"chosen[{task!r}] = {rung!r} is not one of the rungs.")
+    seeds = set(settings["selection_seeds"])
+    _require(isinstance(settings["maps"], dict) and settings["maps"], path, "maps: {label: recipe}.")
+    cells = settings["cells"]
+    _require(isinstance(cells, list) and cells, path, "cells: a list of {tasks, tokens, items, seed}.")
+    for cell in cells:
+        _require(set(cell) == {"tasks", "tokens", "items", "seed"}, path, f"cell {cell}: tasks, tokens, items, seed.")
+        _require(cell["seed"] not in seeds, path, f"cell seed {cell['seed']} was used while choosing.")
+        floor = 32 if cell["tokens"] >= 8192 else 64
+        _require(cell["items"] >= floor, path, f"cell {cell}: at least {floor} report items at {cell['tokens']}.")
+    _require(set(settings["verdicts"]) == _VERDICT_KEYS, path, f"verdicts: exactly {sorted(_VERDICT_KEYS)}.")
+    level = settings["interval"].get("level")
+    _require(isinstance(level, float) and 0.5 < level < 1, path, "interval.level: e.g. 0.95.")
+    return Protocol(settings, hashlib.sha256(raw).hexdigest(), str(path))
+
+
+__all__ = ["SPARSE", "Protocol", "ProtocolError", "load_protocol"]

@@ -1,0 +1,167 @@
+"""The sealed protocol: committed protocol files load and say what they must; a run under one takes every choice from
+it and stamps its sha256; the report refuses records made under other choices, gives every figure an interval, says
+"no gap to recover" below the protocol's count of wins, and reads its verdicts on lower bounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import long_switch
+from benchmarks.sealed import report
+from benchmarks.sealed.protocol import ProtocolError, load_protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = sorted((ROOT / "benchmarks" / "protocols").glob("*.json"))
+
+
+def _protocol(tmp_path, **changes) -> Path:
+    settings = json.loads(COMMITTED[0].read_text())
+    settings.update(changes)
+    path = tmp_path / "protocol.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_every_committed_protocol_loads_with_report_seeds_never_used_while_choosing(path):
+    protocol = load_protocol(path)
+    settings = protocol.settings
+    assert len(protocol.sha256) == 64
+    for cell in settings["cells"]:
+        assert cell["seed"] not in settings["selection_seeds"]
+        assert cell["items"] >= (32 if cell["tokens"] >= 8192 else 64)
+    assert protocol.arms[0] == "target" and protocol.arms[-1] == "source"
+    assert [arm for arm in protocol.arms if arm.startswith("sparse:")] == [f"sparse:{r}" for r in protocol.rungs]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"cells": [{"tasks": ["long_chat"], "tokens": 2048, "items": 64, "seed": 4321}]}, "used while choosing"),
+        ({"cells": [{"tasks": ["long_chat"], "tokens": 4096, "items": 48, "seed": 7}]}, "at least 64"),
+        ({"cells": [{"tasks": ["long_chat"], "tokens": 8192, "items": 31, "seed": 7}]}, "at least 32"),
+        ({"chosen": {"default": "tail@0.5"}}, "not one of the rungs"),
+        ({"rungs": ["tail@0.1", "tail@0.1"]}, "distinct"),
+        ({"rungs": ["tail@0.1+refresh:every=4"], "chosen": {"default": "tail@0.1+refresh:every=4"}}, "name@fraction"),
+        ({"extra": 1}, "unknown keys"),
+    ],
+)
+def test_a_protocol_that_does_not_say_what_it_must_is_refused(tmp_path, changes, message):
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(_protocol(tmp_path, **changes))
+
+
+def test_the_sha256_is_of_the_files_bytes(tmp_path):
+    first = load_protocol(_protocol(tmp_path))
+    path = tmp_path / "protocol.json"
+    path.write_text(path.read_text() + " ")
+    assert load_protocol(path).sha256 != first.sha256
+
+
+def _args(*extra: str):
+    argv = ["--protocol", str(COMMITTED[0]), "--tasks", "long_chat", "--tokens", "4096", *extra]
+    args = long_switch.build_parser().parse_args(argv)
+    return args
+
+
+def test_a_run_under_a_protocol_takes_every_choice_from_it():
+    args = _args()
+    protocol = long_switch.apply_protocol(args)
+    cell = protocol.cell("long_chat", 4096)
+    assert (args.seed, args.items, args.direction, args.dtype) == (
+        cell["seed"],
+        cell["items"],
+        "0.5b:1.5b",
+        "bfloat16",
+    )
+    assert long_switch.split_rungs(args.rungs) == protocol.arms[2:-1]
+    args = _args("--items", "8", "--threads", "1")  # a part of the cell, on one thread: allowed
+    long_switch.apply_protocol(args)
+    assert (args.items, args.threads) == (8, 1)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rungs", "tail@0.1"], "fixes the rungs"),
+        (["--seed", "4321"], "use seed"),
+        (["--dtype", "float32"], "fixes dtype"),
+        (["--items", "65"], "holds 64 items"),
+        (["--map", "other"], "maps are"),
+    ],
+)
+def test_a_run_that_would_change_a_sealed_choice_is_refused(extra, message):
+    with pytest.raises(SystemExit, match=message):
+        long_switch.apply_protocol(_args(*extra))
+
+
+def test_a_task_the_protocol_has_no_cell_for_is_refused():
+    args = long_switch.build_parser().parse_args(["--protocol", str(COMMITTED[0]), "--tokens", "1024"])
+    with pytest.raises(SystemExit, match="no cell for long_chat at 1024"):
+        long_switch.apply_protocol(args)
+
+
+def _records(path: Path, protocol, task: str, outcomes: list[tuple], stamp: str | None = None) -> Path:
+    """Rows of `outcomes`: per item (target, source, mapped, repaired, sparse) right (1) or wrong (0); every
+    repair rung gets the `repaired` outcome and every sparse peer the `sparse` one; times 10 s target, 1 s the rest."""
+    cell = protocol.cell(task, 4096)
+    lines = []
+    for index, (target, source, mapped, repaired, sparse) in enumerate(outcomes):
+        arms = {}
+        for arm in protocol.arms:
+            right = {"target": target, "source": source, "mapped": mapped}.get(
+                arm, sparse if arm.startswith("sparse:") else repaired
+            )
+            text = "Rex" if right else f"wrong{index}"
+            arms[arm] = {"score": float(right), "text": text, "ttft_s": 10.0 if arm == "target" else 1.0}
+        setup = {"mapper": "m", "protocol": stamp or protocol.sha256, "map": "ridge-k8-5k"}
+        key = f"0.5b:1.5b/{task}/4096/{cell['seed']}/{index}"
+        lines.append(
+            json.dumps({"key": key, "setup": setup, "task": task, "tokens": 4000, "length": 4096, "arms": arms})
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_report_refuses_records_made_under_other_choices(tmp_path):
+    protocol = load_protocol(COMMITTED[0])
+    path = _records(tmp_path / "r.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)], stamp="f" * 64)
+    with pytest.raises(SystemExit, match="made under protocol ffffffffffff"):
+        report.read_records(protocol, [str(path)])
+
+
+def test_the_report_gives_each_figure_an_interval_and_reads_verdicts_on_lower_bounds(tmp_path):
+    protocol = load_protocol(COMMITTED[0])
+    # 64 items: the 1.5B right on 48, the 0.5B on 16 (32 wins); the repair keeps every right answer, the sparse
+    # prefill of the same positions half of the wins
+    outcomes = [(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
+    path = _records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes)
+    results = report.assemble(protocol, [str(path)])
+    cell = next(c for c in results["cells"] if (c["task"], c["length"]) == ("long_chat", 4096))
+    rung = protocol.chosen("long_chat")
+    figures = cell["figures"]
+    assert cell["items"] == 64 and cell["target_wins"] == 32 and cell["gap_to_recover"]
+    assert figures[f"{rung}/gap"]["value"] == 1.0 and figures[f"{rung}/map_adds"]["value"] == 0.25
+    low, high = figures[f"{rung}/map_adds"]["interval"]
+    assert 0.1 < low < 0.25 < high < 0.4  # 16 of 64 items separate the two: bounded away from 0
+    assert figures[f"{rung}/speedup"]["value"] == 10.0 and figures[f"{rung}/changed"]["value"] == 0.0
+    assert figures[f"{rung}/retention"]["value"] == 1.0
+    assert figures["mapped/gap"]["value"] == pytest.approx(-0.5)
+    assert cell["verdict"] == {"rung": rung, "gap": "met", "retention": "met", "speedup": "met", "map_adds": "met"}
+    # a cell left unmeasured is listed with no figures
+    assert next(c for c in results["cells"] if c["length"] == 2048)["items"] == 0
+    assert "no gap to recover" not in report.markdown(results)
+
+
+def test_fewer_wins_than_the_protocol_asks_is_no_gap_to_recover(tmp_path):
+    protocol = load_protocol(COMMITTED[0])
+    outcomes = [(1, 1, 0, 1, 1)] * 50 + [(1, 0, 0, 1, 0)] * 14  # 14 wins: below min_gap_items (15)
+    path = _records(tmp_path / "r.jsonl", protocol, "long_doc", outcomes)
+    cell = next(c for c in report.assemble(protocol, [str(path)])["cells"] if c["task"] == "long_doc")
+    rung = protocol.chosen("long_doc")
+    assert not cell["gap_to_recover"] and cell["figures"][f"{rung}/gap"]["value"] is None
+    assert cell["verdict"]["gap"].startswith("no gap to recover (the target beats the source on 14")
+    assert "no gap to recover" in report.markdown({"cells": [cell], "arms": protocol.arms})
