@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import re
 import sys
 import time
@@ -546,9 +547,11 @@ def cmd_run(args) -> None:
             )
         if all(arm in stored["arms"] for arm in arms):
             continue
+        load = os.getloadavg()[0]  # what else ran on the machine: its times are read only where it was idle enough
         measured = runner.measure(item, arms, rungs, stored["arms"])
         for record in measured.values():  # times compare only within one run (the machine's load changes)
             record["run"] = run["id"]
+            record["load"] = round(max(load, os.getloadavg()[0]), 2)
         row = {
             "key": key,
             "setup": setup,

@@ -32,6 +32,7 @@ _KEYS = {
     "selection_seeds",
     "cells",
     "interval",
+    "timing",
     "verdicts",
 }
 _VERDICT_KEYS = {"gap", "gap_lower", "retention", "min_gap_items", "speedup", "map_adds", "map_adds_lower"}
@@ -109,6 +110,12 @@ def load_protocol(path: str | Path) -> Protocol:
         floor = 32 if cell["tokens"] >= 8192 else 64
         _require(cell["items"] >= floor, path, f"cell {cell}: at least {floor} report items at {cell['tokens']}.")
     _require(set(settings["verdicts"]) == _VERDICT_KEYS, path, f"verdicts: exactly {sorted(_VERDICT_KEYS)}.")
+    timing = settings["timing"]
+    _require(
+        isinstance(timing, dict) and set(timing) == {"max_load"} and timing["max_load"] > 0,
+        path,
+        "timing: {'max_load': the highest 1-minute load average an item's times are read at}.",
+    )
     level = settings["interval"].get("level")
     _require(isinstance(level, float) and 0.5 < level < 1, path, "interval.level: e.g. 0.95.")
     return Protocol(settings, hashlib.sha256(raw).hexdigest(), str(path))

@@ -59,12 +59,20 @@ def _changed(row: dict, arm: str) -> float:
     return float(row["arms"][arm]["text"].strip() != row["arms"]["target"]["text"].strip())
 
 
-def _statistics(rows: list[dict], arms: list[str], chance: float) -> dict[str, float | None]:
-    """Every figure of one cell on `rows` (the items as measured, or one bootstrap draw of them)."""
+def timed(row: dict, max_load: float) -> bool:
+    """Whether an item's times are read: every arm measured while the machine's 1-minute load average was at most
+    `max_load` (what else ran stretches each arm's seconds by its own share; a record without a load is not read)."""
+    return all(record.get("load", float("inf")) <= max_load for record in row["arms"].values())
+
+
+def _statistics(rows: list[dict], arms: list[str], chance: float, max_load: float) -> dict[str, float | None]:
+    """Every figure of one cell on `rows` (the items as measured, or one bootstrap draw of them); first tokens on the
+    items `timed` at `max_load`."""
     score = {arm: mean(row["arms"][arm]["score"] for row in rows) for arm in arms}
     target, source = score["target"], score["source"]
     out: dict[str, float | None] = {}
-    re_prefill = mean(row["arms"]["target"]["ttft_s"] for row in rows)
+    clocked = [row for row in rows if timed(row, max_load)]
+    re_prefill = mean(row["arms"]["target"]["ttft_s"] for row in clocked) if clocked else None
     for arm in arms:
         out[f"{arm}/score"] = score[arm]
         if arm in ("target", "source"):
@@ -72,7 +80,8 @@ def _statistics(rows: list[dict], arms: list[str], chance: float) -> dict[str, f
         out[f"{arm}/retention"] = (score[arm] - chance) / (target - chance) if target > chance else None
         out[f"{arm}/gap"] = (score[arm] - source) / (target - source) if target > source else None
         out[f"{arm}/changed"] = mean(_changed(row, arm) for row in rows)
-        out[f"{arm}/speedup"] = re_prefill / mean(row["arms"][arm]["ttft_s"] for row in rows)
+        if re_prefill is not None:
+            out[f"{arm}/speedup"] = re_prefill / mean(row["arms"][arm]["ttft_s"] for row in clocked)
         if SPARSE + arm in arms:
             out[f"{arm}/map_adds"] = score[arm] - score[SPARSE + arm]
     return out
@@ -87,15 +96,16 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
     if not complete:
         return out
     chance = CHANCE.get(task, 0.0)
-    point = _statistics(complete, arms, chance)
+    max_load = protocol.settings["timing"]["max_load"]
+    point = _statistics(complete, arms, chance, max_load)
     interval = protocol.settings["interval"]
     draw, n = random.Random(interval["seed"]), len(complete)
-    samples: dict[str, list[float]] = {name: [] for name in point}
+    samples: dict[str, list[float]] = {}
     for _ in range(interval["resamples"]):
         drawn = [complete[draw.randrange(n)] for _ in range(n)]
-        for name, value in _statistics(drawn, arms, chance).items():
+        for name, value in _statistics(drawn, arms, chance, max_load).items():
             if value is not None:
-                samples[name].append(value)
+                samples.setdefault(name, []).append(value)
     level = interval["level"]
     wins = sum(row["arms"]["target"]["score"] > row["arms"]["source"]["score"] for row in complete)
     verdicts = protocol.settings["verdicts"]
@@ -104,6 +114,7 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
         chance=chance,
         target_beats_chance=retention_measurable({"target": point["target/score"], "n_items": n, "chance": chance}),
         target_wins=wins,
+        timed_items=sum(timed(row, max_load) for row in complete),
         gap_to_recover=wins >= verdicts["min_gap_items"],
         figures={},
     )
@@ -112,7 +123,7 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
             value = None  # a target no better than guessing has no retention
         if name.endswith("/gap") and not out["gap_to_recover"]:
             value = None  # "no gap to recover"
-        values = sorted(samples[name])
+        values = sorted(samples.get(name, []))
         bounds = None
         if value is not None and len(values) >= level * interval["resamples"]:
             low, high = (1 - level) / 2, 1 - (1 - level) / 2
@@ -175,7 +186,8 @@ def markdown(results: dict) -> str:
             lines += [head + ": none measured yet)", ""]
             continue
         lines += [
-            head + f", mean {cell['tokens']} tokens; the 1.5B right where the 0.5B is wrong on {cell['target_wins']})",
+            head + f", mean {cell['tokens']} tokens; the 1.5B right where the 0.5B is wrong on {cell['target_wins']}; "
+            f"first tokens timed on the {cell['timed_items']} measured while the machine was otherwise idle)",
             "",
             "| arm | accuracy | retention | share of the gap | changed answers | first token vs re-prefill | map adds |",
             "|---|---|---|---|---|---|---|",
