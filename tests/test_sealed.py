@@ -104,7 +104,7 @@ def test_a_task_the_protocol_has_no_cell_for_is_refused():
         long_switch.apply_protocol(args)
 
 
-def _records(path: Path, protocol, task: str, outcomes: list[tuple], stamp: str | None = None) -> Path:
+def _records(path: Path, protocol, task: str, outcomes: list[tuple], stamp: str | None = None, mapper="m") -> Path:
     """Rows of `outcomes`: per item (target, source, mapped, repaired, sparse) right (1) or wrong (0); every
     repair rung gets the `repaired` outcome and every sparse peer the `sparse` one; times 10 s target, 1 s the rest."""
     cell = protocol.cell(task, 4096)
@@ -119,7 +119,7 @@ def _records(path: Path, protocol, task: str, outcomes: list[tuple], stamp: str 
             load = 9.0 if index % 8 == 7 else 2.0  # every eighth item measured on a busy machine: not timed
             ttft = (10.0 if arm == "target" else 1.0) * (5.0 if load > 3 else 1.0)
             arms[arm] = {"score": float(right), "text": text, "ttft_s": ttft, "load": load}
-        setup = {"mapper": "m", "protocol": stamp or protocol.sha256, "map": "ridge-k8-5k"}
+        setup = {"mapper": mapper, "protocol": stamp or protocol.sha256, "map": "ridge-k8-5k"}
         key = f"0.5b:1.5b/{task}/4096/{cell['seed']}/{index}"
         lines.append(
             json.dumps({"key": key, "setup": setup, "task": task, "tokens": 4000, "length": 4096, "arms": arms})
@@ -167,3 +167,12 @@ def test_fewer_wins_than_the_protocol_asks_is_no_gap_to_recover(tmp_path):
     assert not cell["gap_to_recover"] and cell["figures"][f"{rung}/gap"]["value"] is None
     assert cell["verdict"]["gap"].startswith("no gap to recover (the target beats the source on 14")
     assert "no gap to recover" in report.markdown({"cells": [cell], "arms": protocol.arms})
+
+
+def test_the_report_refuses_an_item_measured_on_two_fits_of_the_map(tmp_path):
+    protocol = load_protocol(COMMITTED[0])
+    first = _records(tmp_path / "a.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)])
+    second = _records(tmp_path / "b.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)], mapper="other")
+    assert report.read_records(protocol, [str(first)])[("long_chat", 4096)][0]["setup"]["mapper"] == "m"
+    with pytest.raises(SystemExit, match="two fits of the map"):
+        report.read_records(protocol, [str(first), str(second)])

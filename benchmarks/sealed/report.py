@@ -48,6 +48,11 @@ def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], 
             if int(key.split("/")[3]) != cell["seed"]:
                 raise SystemExit(f"{path}: {key} is not of the cell's seed {cell['seed']}.")
             rows = cells.setdefault((task, length), {})
+            if key in rows and rows[key]["setup"].get("mapper") != row["setup"].get("mapper"):
+                raise SystemExit(
+                    f"{path}: {key} was measured with two fits of the map ({rows[key]['setup'].get('mapper')} and "
+                    f"{row['setup'].get('mapper')}): an item is served on one; leave one of its records out."
+                )
             if key in rows:
                 rows[key]["arms"].update(row["arms"])
             else:
