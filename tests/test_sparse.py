@@ -100,9 +100,7 @@ def test_a_repair_and_a_sparse_prefill_share_one_selection(models, strategy):
     length = ids.shape[1] - 1
     source_cache = output_cache(source(input_ids=ids, use_cache=True))
     repair = RepairConfig(strategy, fraction=0.25)
-    positions, valid = select_repair(
-        target, ids, repair, length=length, source=source, source_cache=source_cache
-    )
+    positions, valid = select_repair(target, ids, repair, length=length, source=source, source_cache=source_cache)
     assert valid.all() and positions.shape == (1, length // 4)
     repaired = repair_cache(
         target,
@@ -157,3 +155,82 @@ def test_a_batch_is_refused_with_the_fix(models):
     _, target, _ = models
     with pytest.raises(ValueError, match="one row"):
         sparse_prefill(target, torch.randint(3, 100, (2, 12)), torch.tensor([1, 2]), length=11)
+
+
+# ------------------------------------------------------------------------------------------ the ladder's sparse rung
+def _single(pair_models, tokens=22, seed=7, hold_back=1):
+    from hf_kvmap.serving.pipeline import prepare_context
+
+    source, target, mapper = pair_models
+    ids = _prompt(tokens, seed)
+    return prepare_context(source, target, mapper, ids, torch.ones_like(ids), None, hold_back)
+
+
+@pytest.mark.parametrize("hold_back", [1, 3])
+def test_a_one_row_request_on_a_sparse_rung_is_served_the_sparse_prefill(models, hold_back):
+    from hf_kvmap.serving.pipeline import serve_rows
+
+    source, target, _ = models
+    context = _single(models, hold_back=hold_back)
+    ids = context.input_ids
+    rows = serve_rows(context, [0.25], "tail", [True])
+    mapped = ids.shape[1] - hold_back
+    count = int(0.25 * mapped)
+    assert rows == [{"rung": "sparse:0.25", "fraction": 0.25, "recomputed": count}]
+    assert isinstance(context.cache, SparseCache) and context.cache.get_seq_length() == ids.shape[1] - 1
+    alone = sparse_prefill(target, ids, torch.arange(mapped - count, mapped), length=mapped)
+    served = target.generate(ids, **cache_kwargs(context.cache), max_new_tokens=5, do_sample=False)
+    if hold_back > 1:  # the held-back tokens but the last run on the sparse prefill before the last one
+        target(input_ids=ids[:, mapped:-1], use_cache=True, **cache_kwargs(alone))
+    assert served.tolist() == target.generate(ids, **cache_kwargs(alone), max_new_tokens=5, do_sample=False).tolist()
+
+
+def test_a_batch_serves_its_sparse_rows_as_repairs_and_says_so(models, tiny):
+    from hf_kvmap.serving.pipeline import prepare_context, serve_rows
+
+    source, target, mapper = models
+    ids, mask = tiny.left_padded_batch((20, 24), seed=5)
+    context = prepare_context(source, target, mapper, ids, mask, None, 1)
+    rows = serve_rows(context, [0.25, 0.0], "tail", [True, False])
+    assert [row["rung"] for row in rows] == ["repair:0.25", "mapped"]
+    assert rows[0]["sparse_as_repair"] is True and "sparse_as_repair" not in rows[1]
+    again = prepare_context(source, target, mapper, ids, mask, None, 1)
+    serve_rows(again, [0.25, 0.0], "tail")
+    for mine, theirs in zip(context.cache.layers, again.cache.layers):
+        assert torch.equal(mine.keys, theirs.keys)
+
+
+def test_the_ladder_takes_sparse_rungs_below_a_repair_of_their_fraction():
+    from hf_kvmap.serving.ladder import GuardLadder, LadderRung
+
+    probe = {"name": "prefix_audit", "tokens": 8}
+    ladder = GuardLadder(probe, "tail", [{"max_risk": 0.1, "fraction": 0.1, "sparse": True}, LadderRung(0.5, 0.1)])
+    assert [ladder.rung_for(r).sparse for r in (0.05, 0.3)] == [True, False] and ladder.rung_for(0.9) is None
+    assert ladder.sparse_plan([0.05, 0.3, 0.9]) == [True, False, False]
+    assert GuardLadder.from_dict(ladder.to_dict()) == ladder
+    assert "sparse" not in GuardLadder(probe, "tail", [LadderRung(0.5, 0.1)]).to_dict()["rungs"][0]  # hashes hold
+    with pytest.raises(ValueError, match="a sparse rung may come before a repair"):
+        GuardLadder(probe, "tail", [LadderRung(0.1, 0.1), LadderRung(0.5, 0.1, sparse=True)])
+    with pytest.raises(ValueError, match="fraction in \\(0, 1\\)"):
+        LadderRung(0.1, 0.0, sparse=True)
+    with pytest.raises(TypeError, match="True or False"):
+        LadderRung(0.1, 0.1, sparse="yes")
+
+
+def test_handoff_serves_a_sparse_rung_and_falls_back_whole_when_its_check_refuses(models):
+    from hf_kvmap import handoff
+    from hf_kvmap.serving.ladder import GuardLadder, LadderRung
+
+    source, target, mapper = models
+    ids = _prompt(22, 7)
+    probe = {"name": "prefix_audit", "tokens": 8}
+    ladder = GuardLadder(probe, "tail", [LadderRung(1e9, 0.25, sparse=True)])
+    cache, report = handoff(source, target, mapper, ids, ladder=ladder, audit_tokens=0)
+    assert report.accepted and isinstance(cache, SparseCache)
+    assert report.ladder["rows"][0]["rung"] == "sparse:0.25"
+    checked = GuardLadder(probe, "tail", [LadderRung(1e9, 0.25, sparse=True)], min_margin=1.0)  # refuses any row
+    cache, report = handoff(source, target, mapper, ids, ladder=checked, audit_tokens=0)
+    row = report.ladder["rows"][0]
+    assert (row["rung"], row["checked"]) == ("fallback", "sparse:0.25") and not isinstance(cache, SparseCache)
+    plain = target.generate(ids, max_new_tokens=5, do_sample=False)
+    assert target.generate(ids, **cache_kwargs(cache), max_new_tokens=5, do_sample=False).tolist() == plain.tolist()

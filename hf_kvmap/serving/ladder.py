@@ -49,12 +49,21 @@ class LadderRung:
         max_risk (`float`): the highest probe risk this rung takes (rows above it go up the ladder).
         fraction (`float`): share of the row's mapped tokens the target recomputes, in `[0, 1)` (0: serve the mapped
             cache as it is).
+        sparse (`bool`, *optional*, defaults to `False`): serve the target's prefill of the selected positions alone
+            instead of repairing the mapped cache (the map-free rung, `hf_kvmap.repair.sparse_prefill`); a rung of one
+            row. In a batch of several rows, a sparse row is repaired at its fraction instead (a costlier rung of the
+            same selection), and its report row says so (`sparse_as_repair`).
     """
 
     max_risk: float
     fraction: float
+    sparse: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.sparse, bool):
+            raise TypeError(f"LadderRung sparse={self.sparse!r} must be True or False.")
+        if self.sparse and not self.fraction > 0:
+            raise ValueError("A sparse LadderRung prefills a share of the prompt: give it a fraction in (0, 1).")
         for name in ("max_risk", "fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -135,19 +144,27 @@ class GuardLadder:
         self.probe = probe_from_dict(self.probe).settings()  # unknown probes and options raise here
         self.strategy = selector_from_dict(self.strategy).settings()
         self.rungs = [_rung(rung) for rung in _rung_list(self.rungs)]
-        for low, high in zip(self.rungs, self.rungs[1:]):
-            if not (high.max_risk > low.max_risk and high.fraction > low.fraction):
+        for low, high in zip(self.rungs, self.rungs[1:]):  # a sparse rung is cheaper than a repair of its fraction
+            if not (
+                high.max_risk > low.max_risk and (high.fraction, not high.sparse) > (low.fraction, not low.sparse)
+            ):
                 raise ValueError(
-                    f"Ladder rungs must rise in both max_risk and fraction; got {low} then {high}. Drop the rung "
-                    "that does not."
+                    f"Ladder rungs must rise in both max_risk and fraction (a sparse rung may come before a repair of "
+                    f"its fraction); got {low} then {high}. Drop the rung that does not."
                 )
+
+    def rung_for(self, risk: float) -> LadderRung | None:
+        """The rung of a row with this risk, or `None` for the fallback (a NaN risk falls back)."""
+        return next((rung for rung in self.rungs if risk <= rung.max_risk), None)
 
     def fraction_for(self, risk: float) -> float | None:
         """The repair fraction of a row with this risk, or `None` for the fallback (a NaN risk falls back)."""
-        for rung in self.rungs:
-            if risk <= rung.max_risk:
-                return rung.fraction
-        return None
+        rung = self.rung_for(risk)
+        return None if rung is None else rung.fraction
+
+    def sparse_plan(self, risks: Sequence[float] | torch.Tensor) -> list[bool]:
+        """Whether each row's rung is a sparse one (`LadderRung.sparse`)."""
+        return [bool(rung is not None and rung.sparse) for rung in map(self.rung_for, map(float, risks))]
 
     def too_short(self, tokens: int) -> bool:
         """Whether a prompt (or a session's span) of `tokens` tokens is below `min_tokens`: the target prefills it."""
@@ -165,7 +182,10 @@ class GuardLadder:
         settings = {
             "probe": dict(self.probe),
             "strategy": dict(self.strategy),
-            "rungs": [{"max_risk": rung.max_risk, "fraction": rung.fraction} for rung in self.rungs],
+            "rungs": [  # `sparse` only where set: the settings (and hashes) of ladders without one hold
+                {"max_risk": rung.max_risk, "fraction": rung.fraction, **({"sparse": True} if rung.sparse else {})}
+                for rung in self.rungs
+            ],
             "calibration": self.calibration,
         }
         if self.min_margin is not None:  # absent otherwise: the settings (and hashes) of ladders without a check hold
@@ -215,10 +235,12 @@ def _rung(rung) -> LadderRung:
             f"A ladder rung is a LadderRung or a dict {{'max_risk': ..., 'fraction': ...}}; got a "
             f"{type(rung).__name__} ({rung!r}). Write [0.5, 0.2] as {{'max_risk': 0.5, 'fraction': 0.2}}."
         )
-    unknown, missing = set(rung) - {"max_risk", "fraction"}, {"max_risk", "fraction"} - set(rung)
+    unknown, missing = set(rung) - {"max_risk", "fraction", "sparse"}, {"max_risk", "fraction"} - set(rung)
     if unknown or missing:
         what = f"unknown {sorted(unknown)}" if unknown else f"missing {sorted(missing)}"
-        raise ValueError(f"A ladder rung has max_risk and fraction; got {sorted(rung)} ({what}).")
+        raise ValueError(
+            f"A ladder rung has max_risk and fraction (and optionally sparse); got {sorted(rung)} ({what})."
+        )
     return LadderRung(**rung)
 
 
@@ -227,10 +249,12 @@ def below_margin(margin: float, min_margin: float) -> bool:
     return not float(margin) >= min_margin
 
 
-def rung_name(fraction: float | None) -> str:
-    """`"mapped"`, `"repair:<fraction>"` or `"fallback"`."""
+def rung_name(fraction: float | None, sparse: bool = False) -> str:
+    """`"mapped"`, `"repair:<fraction>"`, `"sparse:<fraction>"` or `"fallback"`."""
     if fraction is None:
         return FALLBACK
+    if sparse:
+        return f"sparse:{fraction:g}"
     return "mapped" if fraction == 0.0 else f"repair:{fraction:g}"
 
 

@@ -35,15 +35,17 @@ from .._compat import output_cache
 from ..cache import CACHE_DTYPES, MappedCache, source_pairs
 from ..cache_views import row_cache, write_rows
 from ..drafting import Draft
-from ..input_checks import check_source_cache, first_layer_error
-from ..repair import RepairConfig, selector_from_dict
+from ..input_checks import check_source_cache
+from ..repair import RepairConfig, SparseCache, selector_from_dict
 from ..rope import positions_from_attention_mask
+from .audit import exactness_error, first_layer_audit
 from .forwards import answer_margin, run_tokens, target_prefill
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import Probe, ProbeContext
 from .probes.prefix_audit import PrefixAuditProbe
 from .repairing import apply_repair
 from .report import Clock, HandoffRefusedError, HandoffReport
+from .sparse_rows import can_serve_sparse, serve_sparse
 
 logger = logging.get_logger(__name__)
 
@@ -233,6 +235,7 @@ def serve_rows(
     context: ProbeContext,
     fractions: Sequence[float | None],
     strategy: dict[str, Any] | str,
+    sparse: Sequence[bool] | None = None,
 ) -> list[dict[str, Any]]:
     r"""
     Give every row of `context.cache` its rung, in place: rows with fraction 0 keep the mapped cache, rows with a
@@ -244,9 +247,13 @@ def serve_rows(
         context ([`~hf_kvmap.serving.probes.ProbeContext`]): what [`prepare_context`] built (`T - 1` tokens).
         fractions (sequence of `float` or `None`): one per row.
         strategy (`dict` or `str`): the repair strategy.
+        sparse (sequence of `bool`, *optional*): rows whose rung is a sparse one (`LadderRung.sparse`): a one-row
+            request is served the target's prefill of the selected positions alone (`context.cache` is replaced);
+            in a batch such rows are repaired at their fraction (`sparse_as_repair`).
 
     Returns:
-        One dict per row: `rung` (`"mapped"`, `"repair:<f>"`, `"fallback"`), `fraction`, and `recomputed` tokens.
+        One dict per row: `rung` (`"mapped"`, `"repair:<f>"`, `"sparse:<f>"`, `"fallback"`), `fraction`, and
+        `recomputed` tokens.
     """
     ids, mask, positions, cache = context.input_ids, context.attention_mask, context.position_ids, context.cache
     source_position_ids = context.source_position_ids
@@ -255,6 +262,14 @@ def serve_rows(
         raise ValueError(f"{len(fractions)} rung fractions for a batch of {batch} rows.")
     mapped = length - context.hold_back
     rows = [{"rung": rung_name(f), "fraction": f, "recomputed": 0} for f in fractions]
+    sparse = [bool(s) and f is not None for s, f in zip(sparse or [], fractions)]
+    if any(sparse):
+        if can_serve_sparse(context) and fractions[0] is not None:
+            context.cache, recomputed = serve_sparse(context, fractions[0], strategy)
+            rows[0].update(rung=rung_name(fractions[0], True), recomputed=recomputed)
+            return rows
+        for row, planned in zip(rows, sparse):
+            row.update({"sparse_as_repair": True} if planned else {})
     if all(f == 0.0 for f in fractions):
         return rows
     held = cache.get_seq_length() - mapped
@@ -309,7 +324,10 @@ def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
             use_cache=True,
         )
     )
-    write_rows(context.cache, index, own)
+    if isinstance(context.cache, SparseCache):  # a one-row sparse rung's cache: replaced whole
+        context.cache = own
+    else:
+        write_rows(context.cache, index, own)
     return mask[index, :end].sum(-1).tolist()
 
 
@@ -329,23 +347,6 @@ def check_rows(
 
 
 # ------------------------------------------------------------------------------------------------ the audit
-
-
-def first_layer_audit(target, context: ProbeContext) -> float:
-    """The worst relative error of the cache's first layer against the one `target` computes from the prompt's ids,
-    over every cached position (real tokens only)."""
-    layer = context.cache.layers[0]
-    seq = layer.keys.shape[2]
-    ids, positions, mask = context.input_ids[:, :seq], context.position_ids[:, :seq], context.attention_mask[:, :seq]
-    return float(first_layer_error(target, ids, positions, mask, layer.keys, layer.values).max())
-
-
-def exactness_error(target, input_ids, attention_mask, cache: Cache, *, audit_tokens: int = 8) -> float:
-    """The audit `handoff` certifies exactness with, for a cache of the first `T - 1` tokens of `input_ids`: every
-    layer on the first `audit_tokens` tokens, and the first layer at every position (relative error, worst)."""
-    positions = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
-    context = ProbeContext(None, target, input_ids, attention_mask, positions, cache, None)
-    return max(PrefixAuditProbe(audit_tokens).score(context).max().item(), first_layer_audit(target, context))
 
 
 def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffReport, clock: Clock) -> bool:
@@ -388,7 +389,7 @@ def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clo
     if report.policy == "fail" and any(fraction is None for fraction in plan):
         raise _Refused(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
     with clock.stage("repair"):
-        rows = serve_rows(context, plan, ladder.strategy)
+        rows = serve_rows(context, plan, ladder.strategy, ladder.sparse_plan(report.scores))
     for row, risk, below in zip(rows, report.scores, short):
         row["risk"] = risk
         if below:
