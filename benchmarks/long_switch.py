@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvmap.input_checks import eos_token_ids
+from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
 
 from . import long_switch_report
@@ -44,6 +45,7 @@ from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
 MAX_NEW = {"long_chat": 12, "long_doc": 12, "humaneval": 320, "continuation": 128}
+MAX_NEW.update({name: task.max_new for name, task in CONTEXT_TASKS.items()})  # hf_kvmap.real.context_tasks
 
 
 def parse_options(options: str) -> dict:
@@ -205,6 +207,11 @@ def score(item: dict, text: str, tokens: list[int], reference: list[int] | None)
     """An arm's score on one item (see the module docstring)."""
     if item["task"] in ("long_chat", "long_doc"):
         return {"score": float(text.strip() == item["answer"])}
+    if item["task"] in CONTEXT_TASKS:  # the family's own rule, on the item's fields (`meta` flattened into it)
+        from hf_kvmap.real.context_tasks import score as context_score
+        from hf_kvmap.real.long_tasks import LongItem
+
+        return {"score": context_score(LongItem(item["task"], "", item["answer"], item), text)}
     if item["task"] == "humaneval":
         from hf_kvmap.real.humaneval import passes, truncate_completion
 
@@ -244,7 +251,7 @@ class Runner:
         self.eos |= set(eos_token_ids(self.target))
 
     def _stop(self, task: str):
-        if task != "humaneval":
+        if task != "humaneval" and not (task in CONTEXT_TASKS and CONTEXT_TASKS[task].code):
             return lambda tokens: False
         from hf_kvmap.real.humaneval import STOP_SEQUENCES
 
@@ -388,13 +395,18 @@ def build_items(tok, args) -> list[dict]:
             from hf_kvmap.real.humaneval import humaneval_problems
 
             problems = humaneval_problems(args.cache_dir)[args.offset : args.offset + args.items]
-            built = long_tasks.humaneval(tok, documents, problems, args.tokens, args.seed)
+            built = long_tasks.humaneval(tok, documents, problems, args.tokens, args.seed, contexts=args.contexts)
             for item, problem in zip(built, problems):
                 item.meta["problem"] = problem
         elif task == "continuation":
             built = long_tasks.continuation(tok, documents, args.items, args.tokens, seed=args.seed)
+        elif task in CONTEXT_TASKS:
+            from hf_kvmap.real.context_tasks import build_items as build_context_items
+
+            built = build_context_items(task, tok, documents, args.items, args.tokens, args.seed)
         else:
-            raise SystemExit(f"--tasks: unknown task {task!r}; known: {', '.join(long_tasks.LONG_TASK_NAMES)}")
+            known = ", ".join(long_tasks.LONG_TASK_NAMES + CONTEXT_TASK_NAMES)
+            raise SystemExit(f"--tasks: unknown task {task!r}; known: {known}")
         for index, item in enumerate(built):
             ids = item.meta.get("context_ids") or tok(item.prompt, add_special_tokens=False)["input_ids"]
             extra = {k: v for k, v in item.meta.items() if k != "context_ids"}
@@ -416,18 +428,22 @@ def build_items(tok, args) -> list[dict]:
 
 
 def key_of(args, item: dict) -> str:
-    return f"{args.direction}/{item['task']}/{args.tokens}/{args.seed}/{item['index']}"
+    key = f"{args.direction}/{item['task']}/{args.tokens}/{args.seed}/{item['index']}"
+    distinct = item["task"] == "humaneval" and getattr(args, "contexts", "sequential") == "distinct"
+    return key + "/distinct" if distinct else key  # a records file keeps the two kinds of code context apart
 
 
 def write_items(args) -> None:
-    """`--write-items PATH`: the run's long_chat / long_doc items as exact-match JSONL (`hf_kvmap.evaluation`'s format,
-    one task per task and length, e.g. `long_chat@2048`) for `hf-kvmap calibrate-ladder --tasks PATH`; no model is
-    loaded, only the target's tokenizer."""
+    """`--write-items PATH`: the run's long_chat / long_doc items, or those of a whole-context chat family
+    (`hf_kvmap.real.context_tasks`, with its `references` and `questions` where it has them), as exact-match JSONL
+    (`hf_kvmap.evaluation`'s format, one task per task and length, e.g. `long_chat@2048`) for `hf-kvmap calibrate-ladder
+    --tasks PATH`; no model is loaded, only the target's tokenizer."""
     from hf_kvmap.atomic import write_text_atomically
 
     tasks = args.tasks.split(",")
-    if not set(tasks) <= {"long_chat", "long_doc"}:
-        raise SystemExit(f"--write-items writes exact-match items: long_chat and long_doc, not {args.tasks!r}")
+    chat = {"long_chat", "long_doc"} | {name for name, task in CONTEXT_TASKS.items() if not task.code}
+    if not set(tasks) <= chat:
+        raise SystemExit(f"--write-items writes exact-match items: {', '.join(sorted(chat))}, not {args.tasks!r}")
     tokenizer = target_tokenizer(args)
     lines = []
     for item in build_items(tokenizer, args):
@@ -440,6 +456,7 @@ def write_items(args) -> None:
             "answer": item["answer"],
             "stop": "<|im_end|>",
         }
+        row.update({k: item[k] for k in ("references", "questions") if k in item})
         lines.append(json.dumps(row))
     write_text_atomically(args.write_items, "\n".join(lines) + "\n")
     print(f"{len(lines)} items -> {args.write_items}")
@@ -558,7 +575,7 @@ def cmd_run(args) -> None:
             "task": item["task"],
             "tokens": len(item["ids"]),
             "length": args.tokens,
-            "meta": {k: item[k] for k in ("depth", "task_id", "kind") if k in item},
+            "meta": {k: item[k] for k in ("depth", "task_id", "kind", "contexts") if k in item},
             "arms": measured,
         }
         with path.open("a") as handle:
@@ -575,6 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=2048, help="context length (humaneval: code before the prompt)")
     parser.add_argument("--items", type=int, default=None, help="default 16 (a protocol: its cell's items)")
     parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
+    parser.add_argument(
+        "--contexts",
+        default="sequential",
+        choices=["sequential", "distinct"],
+        help="humaneval: 'distinct' gives each problem its own code window whatever --offset (new runs); "
+        "'sequential' the windows in turn from --offset's problem (how the records before it were built)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="default 4321 (a protocol: its cell's seed)")
     parser.add_argument("--rungs", default=None, help="default draft_attention@0.2 (a protocol: its rungs)")
     parser.add_argument(
@@ -599,12 +623,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line with its defaults, or a sealed protocol's choices (`args.sealed`: the protocol, or None)."""
     args = build_parser().parse_args(argv)
     if not args.protocol:
         args.items = 16 if args.items is None else args.items
         args.seed = 4321 if args.seed is None else args.seed
     args.sealed = apply_protocol(args)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.write_items:
         write_items(args)
     else:

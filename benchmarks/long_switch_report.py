@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from statistics import mean
 
+from hf_kvmap.real.context_tasks import CHANCE as CONTEXT_CHANCE
 from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered, retention_measurable
 
@@ -98,7 +99,7 @@ def summarize(items: list[dict], pool_fits: bool = False) -> dict:
     arms = sorted(set.intersection(*(set(row["arms"]) for row in complete)))
     scores = {arm: mean(row["arms"][arm]["score"] for row in complete) for arm in arms}
     target, source = scores["target"], scores["source"]
-    chance = CHANCE.get(complete[0]["task"], 0.0)
+    chance = CHANCE.get(complete[0]["task"], CONTEXT_CHANCE.get(complete[0]["task"], 0.0))
     measurable = retention_measurable({"target": target, "n_items": len(complete), "chance": chance})
     out = {
         "items": len(complete),

@@ -9,7 +9,8 @@ built from the held-out split of the real corpus (`hf_kvmap.real.corpus`) and Hu
   similarly named subjects at evenly spaced depths; the question asks for the number at one of `DEPTHS` (recorded
   per item as `depth`).
 - `humaneval` (pass@1 by the problem's tests): a HumanEval prompt, bare (`tokens=0`) or behind `tokens` tokens of
-  real held-out Python code (whole lines), as a long coding session would have it.
+  real held-out Python code (whole lines), as a long coding session would have it; with `contexts="distinct"` each
+  problem's code is its own window, chosen by the seed and the problem's index alone.
 - `continuation` (agreement and NLL): `tokens` tokens of held-out code or prose, and the `new_tokens` real tokens
   that follow; scored by the agreement of a greedy continuation with the target's own and by the NLL of the real
   text.
@@ -19,7 +20,9 @@ Everything but the planted facts, questions and names is real text; a seed fixes
 
 from __future__ import annotations
 
+import io
 import random
+import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -145,23 +148,121 @@ def long_doc(tokenizer, documents, items: int, tokens: int = 2048, seed: int = 1
     return out
 
 
+#: how `humaneval` gives each problem its code: "sequential" (the windows in turn, in the order of the problems
+#: passed: the records before distinct contexts were built so) or "distinct" (a function of the seed and the problem's
+#: index only)
+HUMANEVAL_CONTEXTS = ("sequential", "distinct")
+
+
+class TooFewContextsError(ValueError):
+    """The held-out code holds fewer distinct windows of the length asked than the problems need."""
+
+
+def problem_index(problem: dict) -> int:
+    """A HumanEval problem's index, the number its `task_id` ends with (`"HumanEval/17"` -> 17)."""
+    head, _, number = str(problem.get("task_id", "")).rpartition("/")
+    if not head or not number.isdigit():
+        raise ValueError(f"task_id {problem.get('task_id')!r} does not end with a problem number ('HumanEval/17').")
+    return int(number)
+
+
+def _string_lines(source: str) -> set[int] | None:
+    """The (0-based) lines of `source` that continue a string begun on an earlier line (a cut before them would split
+    it); `None` where Python cannot tokenize the source."""
+    inside: set[int] = set()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+                inside.update(
+                    range(token.start[0], token.end[0])
+                )  # rows are 1-based: these are the 0-based lines after
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    return inside
+
+
+def code_contexts(tokenizer, documents, tokens: int, seed: int = 1234) -> list[str]:
+    """Every window of `tokens` token ids the held-out code holds (consecutive, none overlapping another, a file
+    shorter than one left out) as whole lines of its file that split no string (nor end on a line opening a block),
+    those left with at least half their tokens, in an order fixed by `seed`: context `i` is HumanEval problem `i`'s under `contexts="distinct"`."""
+    contexts = []
+    for text in code_texts(documents, "heldout", seed + 41):
+        source = text.strip()
+        inside = _string_lines(source)
+        if inside is None:
+            continue
+        offsets, lines = (
+            tokenizer(source, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"],
+            source.split("\n"),
+        )
+        starts = [0]
+        for line in lines:
+            starts.append(starts[-1] + len(line) + 1)
+        for start in range(0, len(offsets) - tokens + 1, tokens):
+            begin, end = offsets[start][0], offsets[start + tokens - 1][1]
+            first = next(i for i in range(len(lines) + 1) if starts[i] >= begin)  # the first line that starts within
+            last = max((i for i in range(len(lines)) if starts[i + 1] - 1 <= end), default=-1)  # the last that ends
+            while first <= last and first in inside:
+                first += 1
+            while last >= first and (
+                last + 1 in inside or lines[last].rstrip().endswith(":") or lines[last].lstrip().startswith("@")
+            ):
+                last -= 1
+            context = "\n".join(lines[first : last + 1]).strip("\n")
+            if _length(tokenizer, context) >= tokens // 2:  # not a window that is mostly one long string
+                contexts.append(context)
+    random.Random(f"{seed}-humaneval-contexts-{tokens}").shuffle(contexts)
+    return contexts
+
+
 def humaneval(
-    tokenizer, documents, problems: Sequence[dict], tokens: int = 0, seed: int = 1234, items: int | None = None
+    tokenizer,
+    documents,
+    problems: Sequence[dict],
+    tokens: int = 0,
+    seed: int = 1234,
+    items: int | None = None,
+    contexts: str = "sequential",
 ) -> list[LongItem]:
     """HumanEval prompts, bare (`tokens=0`) or each behind its own `tokens`-token window of held-out code (whole
-    lines, then two blank lines). `problems` from `humaneval.humaneval_problems()`; `items` takes the first ones."""
+    lines, then two blank lines). `problems` from `humaneval.humaneval_problems()`; `items` takes the first ones.
+
+    Args:
+        contexts (`str`, *optional*, defaults to `"sequential"`): `"distinct"` gives problem `i` (its `task_id`'s
+            number) context `i` of `code_contexts(tokenizer, documents, tokens, seed)`: one distinct context per
+            problem, whichever problems are built together; `"sequential"` gives the problems passed the windows in
+            turn (so a problem's context depends on the problems before it in the list: what the records made before
+            `"distinct"` were built with).
+
+    Raises:
+        `TooFewContextsError`: under `"distinct"`, a problem's index is past the windows the held-out code holds.
+    """
+    if contexts not in HUMANEVAL_CONTEXTS:
+        raise ValueError(f"contexts={contexts!r} must be one of {HUMANEVAL_CONTEXTS}.")
     chosen = list(problems)[:items] if items is not None else list(problems)
-    windows = _token_windows(tokenizer, code_texts(documents, "heldout", seed + 41), tokens) if tokens else None
+    sequential = tokens and contexts == "sequential"
+    windows = _token_windows(tokenizer, code_texts(documents, "heldout", seed + 41), tokens) if sequential else None
+    distinct = code_contexts(tokenizer, documents, tokens, seed) if tokens and contexts == "distinct" else None
     out = []
     for problem in chosen:
         context = ""
-        if windows is not None:
+        if distinct is not None:
+            index = problem_index(problem)
+            if index >= len(distinct):
+                raise TooFewContextsError(
+                    f"The held-out code holds {len(distinct)} distinct windows of {tokens} tokens, too few for problem "
+                    f"{problem['task_id']} (index {index}); ask for a shorter length (tokens) or fewer problems."
+                )
+            context = distinct[index] + "\n\n\n"
+        elif windows is not None:
             try:
                 context = _whole_lines(tokenizer.decode(next(windows))).rstrip() + "\n\n\n"
             except StopIteration:
                 raise ValueError("The held-out code ran out; build fewer or shorter items.") from None
         prompt = context + problem["prompt"]
         meta = {"task_id": problem["task_id"], "tokens": _length(tokenizer, prompt), "context_tokens": tokens}
+        if distinct is not None:
+            meta["contexts"] = contexts
         out.append(LongItem("humaneval", prompt, "", meta))
     return out
 
@@ -192,4 +293,17 @@ def continuation(
     return out
 
 
-__all__ = ["CHANCE", "DEPTHS", "LONG_TASK_NAMES", "LongItem", "continuation", "humaneval", "long_chat", "long_doc"]
+__all__ = [
+    "CHANCE",
+    "DEPTHS",
+    "HUMANEVAL_CONTEXTS",
+    "LONG_TASK_NAMES",
+    "LongItem",
+    "TooFewContextsError",
+    "code_contexts",
+    "continuation",
+    "humaneval",
+    "long_chat",
+    "long_doc",
+    "problem_index",
+]
