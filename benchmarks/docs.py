@@ -33,6 +33,7 @@ from . import (
 )
 from .formatting import pct
 from .real import family_report, guard, scale_report
+from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,6 +351,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "long-switch": lambda: long_switch_report.markdown(_json("long_switch.json")),
         "long-ladder": _long_ladder,
         "long-ladder-headroom": _long_ladder_headroom,
+    },
+    "docs/sealed.md": {
+        "sealed-chat-doc": lambda: sealed_report.markdown(_json("sealed/switch-chat-doc.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),

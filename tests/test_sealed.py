@@ -176,3 +176,12 @@ def test_the_report_refuses_an_item_measured_on_two_fits_of_the_map(tmp_path):
     assert report.read_records(protocol, [str(first)])[("long_chat", 4096)][0]["setup"]["mapper"] == "m"
     with pytest.raises(SystemExit, match="two fits of the map"):
         report.read_records(protocol, [str(first), str(second)])
+
+
+def test_a_cell_measured_in_part_gives_no_verdict_and_no_interval_on_a_few_items(tmp_path):
+    protocol = load_protocol(COMMITTED[0])
+    path = _records(tmp_path / "r.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)] * 10)
+    cell = next(c for c in report.assemble(protocol, [str(path)])["cells"] if c["task"] == "long_chat")
+    rung = protocol.chosen("long_chat")
+    assert cell["items"] == 10 and cell["verdict"] == {"rung": rung, "pending": "10 of 64 items measured"}
+    assert cell["figures"][f"{rung}/map_adds"] == {"value": 1.0, "interval": None}

@@ -60,6 +60,11 @@ def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], 
     return {cell: list(rows.values()) for cell, rows in sorted(cells.items())}
 
 
+#: the fewest items a figure's interval is given on (on a few items every resample can agree: a one-point interval
+#: that bounds nothing)
+MIN_ITEMS = 24
+
+
 def _changed(row: dict, arm: str) -> float:
     return float(row["arms"][arm]["text"].strip() != row["arms"]["target"]["text"].strip())
 
@@ -130,11 +135,14 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
             value = None  # "no gap to recover"
         values = sorted(samples.get(name, []))
         bounds = None
-        if value is not None and len(values) >= level * interval["resamples"]:
+        if value is not None and n >= MIN_ITEMS and len(values) >= level * interval["resamples"]:
             low, high = (1 - level) / 2, 1 - (1 - level) / 2
             bounds = [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
         out["figures"][name] = {"value": value, "interval": bounds}
-    out["verdict"] = verdict(protocol, out, protocol.chosen(task))
+    if n < cell["items"]:  # a verdict reads the whole cell
+        out["verdict"] = {"rung": protocol.chosen(task), "pending": f"{n} of {cell['items']} items measured"}
+    else:
+        out["verdict"] = verdict(protocol, out, protocol.chosen(task))
     return out
 
 
@@ -151,7 +159,8 @@ def verdict(protocol: Protocol, cell: dict, rung: str) -> dict:
 
     out = {"rung": rung}
     if not cell["gap_to_recover"]:
-        out["gap"] = f"no gap to recover (the target beats the source on {cell['target_wins']} items)"
+        wins = cell["target_wins"]
+        out["gap"] = f"no gap to recover (the target beats the source on {wins} item{'s' * (wins != 1)})"
     elif value("gap") is None or low("gap") is None:
         out["gap"] = "not measurable"
     else:
@@ -163,7 +172,8 @@ def verdict(protocol: Protocol, cell: dict, rung: str) -> dict:
     )
     floor = rules["speedup"].get(str(cell["length"]))
     if floor is not None:
-        out["speedup"] = "met" if (low("speedup") or 0.0) >= floor else "missed"
+        measured = low("speedup")
+        out["speedup"] = "not timed" if measured is None else ("met" if measured >= floor else "missed")
     adds = value("map_adds")
     if adds is not None:
         out["map_adds"] = (
@@ -209,7 +219,11 @@ def markdown(results: dict) -> str:
                 else:
                     row.append(_cell_text(figure))
             lines.append("| " + " | ".join(row) + " |")
-        judged = ", ".join(f"{key} {value}" for key, value in cell["verdict"].items() if key != "rung")
+        judged = ", ".join(
+            f"{key} {value}" for key, value in cell["verdict"].items() if key not in ("rung", "pending")
+        )
+        if "pending" in cell["verdict"]:
+            judged = f"pending, {cell['verdict']['pending']}; intervals from {MIN_ITEMS} items on"
         lines += ["", f"Verdicts of `{cell['verdict']['rung']}` (lower bounds): {judged}.", ""]
     return "\n".join(lines)
 
