@@ -878,3 +878,228 @@ def test_cli_eval_plot_without_diagnostics_is_refused_before_any_model_loads(tmp
     assert "--plot draws the diagnostics" in text and "--diagnostics N" in text
     with pytest.raises(RuntimeError, match="a model was loaded"):  # the control: with --diagnostics it goes on
         cli_main([*EVAL, "--plot", str(tmp_path / "d.png"), "--diagnostics", "2"])
+
+
+# ---------------------------------------------------------------- 15. model output executed by the HumanEval judge
+
+ADD = {
+    "task_id": "Demo/0",
+    "prompt": 'def add(a, b):\n    """The sum of a and b."""\n',
+    "entry_point": "add",
+    "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-4, 4) == 0\n",
+}
+RIGHT = "    return a + b\n"
+#: what each run of a guard test uses: the whole judge, the interpreter's guard alone (no namespaces), the
+#: namespaces alone (no interpreter guard; only where this system can create them)
+LAYERS = {"judge": {}, "interpreter guard alone": {"namespaces": False}, "namespaces alone": {"guard": False}}
+
+
+def _judge(completion: str, layers: str = "judge", timeout: float = 10.0):
+    from hf_kvmap.real.humaneval import program
+    from hf_kvmap.real.judge import namespace_command, run_program
+
+    if layers == "namespaces alone" and not namespace_command():
+        pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
+    return run_program(program(ADD, completion), ADD["entry_point"], timeout, **LAYERS[layers])
+
+
+def _body(code: str) -> str:
+    """`code` as the body of `add`, ahead of the right answer."""
+    return "".join(f"    {line}\n" for line in code.strip().splitlines()) + RIGHT
+
+
+def test_the_judge_passes_a_right_completion_and_nothing_else():
+    """The controls of every guard case below: a right completion passes (also one that uses the standard library's
+    frame readers, namedtuple and the functional Enum), a wrong one, an error, a timeout and a syntax error do not."""
+    from hf_kvmap.real.humaneval import judge
+
+    assert judge(ADD, RIGHT).passed and judge(ADD, RIGHT).reason == "passed"
+    library = "from collections import namedtuple\nimport enum\nP = namedtuple('P', 'x')\nenum.Enum('E', 'a b')"
+    assert judge(ADD, _body(library)).passed
+    assert judge(ADD, "    return a - b\n").reason == "failed (exit code 1)"
+    assert "ZeroDivisionError" in judge(ADD, "    return a / 0\n").stderr
+    assert judge(ADD, "    while True:\n        pass\n", timeout=1).reason == "timed out after 1 s"
+    assert "SyntaxError" in judge(ADD, "    return a +\n").stderr
+
+
+FAKED_PASSES = {
+    "sys.exit(0) in the body": "import sys\nsys.exit(0)",
+    "raise SystemExit(0)": "raise SystemExit(0)",
+    "os._exit(0) in the body": "import os\nos._exit(0)",
+    "an atexit hook calling os._exit(0)": "import atexit, os\natexit.register(lambda: os._exit(0))\nreturn 0",
+    "a wrong answer printing a marker-like line": "import secrets\nprint(secrets.token_hex(16))\nreturn 0",
+    "a wrong answer reading standard input": "import sys\nprint(sys.stdin.read())\nreturn 0",
+    "a wrong answer reading /proc/self/fd/0": "print(open('/proc/self/fd/0').read())\nreturn 0",
+    "a walk up the frames": "import sys\nf = sys._getframe()\nwhile f.f_back: f = f.f_back\nprint(f.f_locals)\nreturn 0",
+    "inspect.stack": "import inspect\nprint([f.frame.f_locals for f in inspect.stack()])\nreturn 0",
+    "the objects gc knows": "import gc\nprint([o for o in gc.get_objects() if isinstance(o, dict)])\nreturn 0",
+    "a signal handler's frame": "import signal\nsignal.signal(signal.SIGALRM, lambda s, f: print(f.f_back))\nreturn 0",
+    "ctypes": "import ctypes\nreturn 0",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKED_PASSES))
+def test_an_exit_code_or_a_guessed_line_is_no_pass(case):
+    """Before: exit code 0 was the pass, so `sys.exit(0)` or an atexit `os._exit(0)` passed a wrong answer. After:
+    only the run's random marker, printed by the harness after `check` returns, is a pass; the completion cannot read
+    it back (stdin is /dev/null before it runs; frames, gc, signal handlers, ctypes and /proc are refused)."""
+    judgement = _judge(_body(FAKED_PASSES[case]) if "return 0" not in FAKED_PASSES[case] else _body_only(case))
+    assert not judgement.passed and judgement.reason.startswith("failed")
+    assert _judge(RIGHT).passed  # the control
+
+
+def _body_only(case: str) -> str:
+    return "".join(f"    {line}\n" for line in FAKED_PASSES[case].splitlines())
+
+
+@pytest.mark.parametrize("layers", ["judge", "interpreter guard alone"])
+@pytest.mark.parametrize("how", ["os.remove", "posix.unlink", "pathlib", "shutil.rmtree", "open for writing"])
+def test_a_completion_deletes_nothing_outside_its_folder(how, layers, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    code = {
+        "os.remove": f"import os\nos.remove({str(victim)!r})",
+        "posix.unlink": f"import posix\nposix.unlink({str(victim)!r})",
+        "pathlib": f"import pathlib\npathlib.Path({str(victim)!r}).unlink()",
+        "shutil.rmtree": f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        "open for writing": f"open({str(victim)!r}, 'w').write('gone')",
+    }[how]
+    judgement = _judge(_body(code), layers)
+    assert not judgement.passed and ("PermissionError" in judgement.stderr or "TypeError" in judgement.stderr)
+    assert victim.read_text() == "keep"
+    assert _judge(_body("open('mine.txt', 'w').write('x')\nimport os\nassert os.listdir('.')"), layers).passed
+
+
+def test_a_completion_finds_neither_the_callers_folder_nor_home_nor_environment(tmp_path, monkeypatch):
+    """Before: `$PWD` led to the caller's working folder, `~` and the environment were the caller's. After: the
+    environment is scrubbed and HOME, TMPDIR, PWD and the working folder are the run's own temporary folder."""
+    (tmp_path / "mine.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_KVMAP_SECRET", "s3cret")
+    show = "import os\nprint(os.environ['PWD'], os.listdir(os.path.expanduser('~')), dict(os.environ))"
+    judgement = _judge(_body(show))
+    assert judgement.passed  # the control: reading its own environment is allowed
+    assert str(tmp_path) not in judgement.stdout and "s3cret" not in judgement.stdout
+    assert judgement.folder in judgement.stdout and "['candidate.py']" in judgement.stdout
+    for code in (
+        f"import os\nprint(os.listdir({str(tmp_path)!r}))",
+        f"print(open({str(tmp_path / 'mine.txt')!r}).read())",
+    ):
+        assert not _judge(_body(code)).passed  # the caller's folder by its absolute path
+    delete = (
+        "import os\nfor name in os.listdir(os.environ['PWD']):\n    os.remove(os.path.join(os.environ['PWD'], name))"
+    )
+    assert not _judge(_body(delete)).passed and (tmp_path / "mine.txt").read_text() == "keep"
+    assert not os.path.exists(judgement.folder)  # the run's folder is removed
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+def test_a_completion_opens_no_connection(layers):
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        for module in ("socket", "_socket"):
+            code = f"import {module}\ns = {module}.socket()\ns.connect(('127.0.0.1', {port}))\ns.send(b'x')"
+            assert not _judge(_body(code), layers).passed
+        with pytest.raises(TimeoutError):
+            server.accept()
+    assert _judge(RIGHT, layers).passed
+
+
+def _processes_of(folder: str) -> list[int]:
+    """Processes whose command line or environment names `folder` (a judged run's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    environ = handle.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    command = handle.read()
+            except OSError:
+                continue
+            if folder.encode() in environ or folder.encode() in command:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+@pytest.mark.parametrize("how", ["os.fork and setsid", "subprocess with a new session"])
+def test_a_completion_leaves_no_process_behind(how, layers):
+    """Before: only the direct child was killed, and only on timeout. After: its process group is killed whole after
+    it returns; in a PID namespace everything it started dies with it; the interpreter's guard refuses starting one."""
+    import time
+
+    code = {
+        "os.fork and setsid": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)",
+        "subprocess with a new session": "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)",
+    }[how]
+    judgement = _judge(_body(code), layers)
+    assert judgement.passed == (layers == "namespaces alone")  # the guard refuses the fork; alone, it runs
+    deadline = time.monotonic() + 5
+    while _processes_of(judgement.folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_of(judgement.folder) == []
+
+
+def _judge_in_a_process(completion: str, layers: str) -> subprocess.CompletedProcess:
+    """`run_program` in a fresh interpreter (the judge module loaded alone), which prints the judgement and the
+    process's peak memory before and after."""
+    from pathlib import Path
+
+    from hf_kvmap.real.humaneval import program
+
+    judge_file = Path(__file__).resolve().parents[1] / "hf_kvmap" / "real" / "judge.py"
+    script = (
+        "import importlib.util, json, resource, sys\n"
+        f"spec = importlib.util.spec_from_file_location('judge', {str(judge_file)!r})\n"
+        "judge = sys.modules['judge'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(judge)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"j = judge.run_program({program(ADD, completion)!r}, 'add', 20, **{LAYERS[layers]!r})\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'passed': j.passed, 'reason': j.reason, 'kib': after - before, 'shown': len(j.stdout)}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+@pytest.mark.parametrize("how", ["os.kill", "posix.kill", "os.killpg"])
+def test_a_completion_cannot_kill_the_judge(how, layers):
+    """Before: `os.kill(os.getppid(), 9)` killed the judging process. After: refused by the guard; in a PID
+    namespace the parent is not even visible (`getppid()` is 0)."""
+    if layers == "namespaces alone":
+        from hf_kvmap.real.judge import namespace_command
+
+        if not namespace_command():
+            pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
+    code = {
+        "os.kill": "import os\nos.kill(os.getppid(), 9)",
+        "posix.kill": "import os, posix\nposix.kill(os.getppid(), 9)",
+        "os.killpg": "import os\nos.killpg(os.getpgid(os.getppid()), 9)",
+    }[how]
+    done = _judge_in_a_process(_body(code), layers)
+    assert done.returncode == 0, done.stderr  # the judging process lived
+    result = json.loads(done.stdout)
+    assert result["reason"] != "passed" or layers == "namespaces alone"
+    assert json.loads(_judge_in_a_process(RIGHT, layers).stdout)["passed"]  # the control
+
+
+def test_a_completion_printing_150_mb_costs_no_memory():
+    """Before: the judge held all it printed. After: output beyond the file-size limit fails the run, and the judge
+    reads it in chunks and keeps the first `SHOWN_BYTES`."""
+    from hf_kvmap.real.judge import SHOWN_BYTES
+
+    flood = _body("import sys\nfor _ in range(150):\n    sys.stdout.write('x' * (1 << 20))")
+    result = json.loads(_judge_in_a_process(flood, "judge").stdout)
+    assert not result["passed"] and result["shown"] == SHOWN_BYTES
+    assert result["kib"] < 32 * 1024  # far below the 150 MB printed
+    control = json.loads(_judge_in_a_process(_body("print('x' * 1000)"), "judge").stdout)
+    assert control["passed"] and control["shown"] == 2 * 1001 + 34  # its line per call of `add`, then the marker
