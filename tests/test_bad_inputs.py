@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1103,3 +1104,367 @@ def test_a_completion_printing_150_mb_costs_no_memory():
     assert result["kib"] < 32 * 1024  # far below the 150 MB printed
     control = json.loads(_judge_in_a_process(_body("print('x' * 1000)"), "judge").stdout)
     assert control["passed"] and control["shown"] == 2 * 1001 + 34  # its line per call of `add`, then the marker
+
+
+# ----------------------------------------------------------------------- 16. the long-switch benchmark's command
+
+BAD_RUNGS = {
+    "x": "entry 'x' needs a fraction",
+    "x@abc": "entry 'x@abc': fraction 'abc' is not a number",
+    "@0": "entry '@0' names no repair strategy",
+    "tail@1.5": r"entry 'tail@1.5': the fraction 1.5 must be a number in \(0, 1\]",
+    "tail@nan": r"the fraction nan must be a number in \(0, 1\]",
+    "+foo": r"entry '\+foo': after '\+' comes refresh",
+    ",,,": "',,,' names no rung",
+    "bogus@0.2": "entry 'bogus@0.2': Unknown repair strategy 'bogus'",
+    "draft_attention:bogus=1@0.2": "does not take these options.*bogus",
+    "mapped+refresh:bogus=1": "entry 'mapped\\+refresh:bogus=1': .*bogus",
+}
+
+
+def _benchmark_error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code not in (0, None)
+    text = info.value.code if isinstance(info.value.code, str) else capsys.readouterr().err
+    assert "Traceback" not in text
+    return text
+
+
+@pytest.mark.parametrize("rungs", sorted(BAD_RUNGS))
+def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
+    """Before: tracebacks (an `ArgumentTypeError` raised outside the parser, `RepairConfig` errors), and `,,,`
+    measured no rung. After: argparse's error naming the flag and the entry, before any tokenizer or model loads."""
+    import re
+
+    from benchmarks import long_switch
+
+    text = _benchmark_error(long_switch.build_parser().parse_args, ["--rungs", rungs], capsys)
+    assert "argument --rungs: " in text and re.search(BAD_RUNGS[rungs], text), text
+    good = "tail@0.2,draft_attention:draft_tokens=16@0.1+refresh:every=16,tokens=32,mapped+refresh:fraction=0.05"
+    assert long_switch.build_parser().parse_args(["--rungs", good]).rungs == good  # the control
+    assert long_switch.split_rungs(good)[1] == "draft_attention:draft_tokens=16@0.1+refresh:every=16,tokens=32"
+
+
+def test_long_switch_refuses_an_unknown_task_and_a_folder_as_records(tmp_path, capsys):
+    from benchmarks import long_switch
+
+    parse = long_switch.build_parser().parse_args
+    assert "argument --tasks: unknown task 'chat'" in _benchmark_error(parse, ["--tasks", "long_doc,chat"], capsys)
+    assert "argument --records: " in _benchmark_error(parse, ["--records", str(tmp_path)], capsys)
+    args = parse(["--tasks", "long_doc,humaneval", "--records", str(tmp_path / "r.jsonl")])  # the controls
+    assert args.tasks == "long_doc,humaneval" and str(args.records) == str(tmp_path / "r.jsonl")
+
+
+RUN_LINE = '{"run": {"id": "r1"}}\n'
+ITEM = '{"key": "%s", "setup": {}, "task": "long_doc", "length": 2048, "arms": {"target": {"score": 1}}}\n'
+BAD_RECORDS = {
+    "a JSON list": (RUN_LINE + ITEM % "k1" + "[1, 2]\n", r"records.jsonl:3: a list, expected"),
+    "a row without arms": (RUN_LINE + '{"key": "k1", "task": "long_doc"}\n', r"records.jsonl:2: .*without its 'arms'"),
+    "not JSON, then more rows": (RUN_LINE + '{"key": "k1", "ar\n' + ITEM % "k2", r"records.jsonl:2: not valid JSON"),
+    "neither item nor run": (RUN_LINE + '{"note": 1}\n', r"records.jsonl:2: neither a measured item"),
+}
+
+
+@pytest.fixture
+def switch_run(monkeypatch):
+    """`benchmarks.long_switch.main` with no tokenizer, and loading the models failing the test."""
+    from benchmarks import long_switch
+
+    def no_models(*args, **kwargs):
+        raise RuntimeError("the models were loaded")
+
+    monkeypatch.setattr(long_switch, "target_tokenizer", lambda args: None)
+    monkeypatch.setattr(long_switch, "Runner", no_models)
+    return lambda records: long_switch.main(["--mapper", "m", "--rungs", "tail@0.1", "--records", str(records)])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
+def test_long_switch_refuses_a_bad_records_line_by_file_and_line(case, tmp_path, switch_run):
+    """Before: a JSON list was skipped silently, a row without `arms` gave KeyError, a bad line a JSONDecodeError
+    naming neither file nor line. After: refused by file and line before the models load; the file is kept."""
+    import re
+
+    path = tmp_path / "records.jsonl"
+    text, message = BAD_RECORDS[case]
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        switch_run(path)
+    assert re.search(message, str(info.value)), info.value
+    assert path.read_text() == text
+    path.write_text(RUN_LINE + ITEM % "k1")  # the control: a good file goes on to load the models
+    with pytest.raises(RuntimeError, match="the models were loaded"):
+        switch_run(path)
+
+
+def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_path, switch_run, capsys):
+    """A kill while a row is appended leaves a line without its end: cut (the item is measured again), as
+    calibrate-ladder's records; the report reads such a file and leaves it as it is."""
+    from benchmarks import long_switch_report
+
+    path = tmp_path / "records.jsonl"
+    torn = RUN_LINE + ITEM % "k1" + '{"key": "k2", "arms": {"tar'
+    path.write_text(torn)
+    assert sorted(long_switch_report.load(path)) == ["k1"] and path.read_text() == torn  # the report cuts nothing
+    with pytest.raises(RuntimeError, match="the models were loaded"):
+        switch_run(path)
+    assert path.read_text() == RUN_LINE + ITEM % "k1" and "incomplete record" in capsys.readouterr().err
+    assert sorted(long_switch_report.load(path)) == ["k1"]  # k2 is measured again: it is not in the records
+
+
+def test_long_switch_names_obtain_for_a_missing_model(tmp_path, capsys):
+    """Before: transformers' "Repo id must be ..." traceback. After: the command that obtains the model."""
+    from benchmarks import long_switch
+    from hf_kvmap.real.obtain import obtained_path
+
+    argv = ["--mapper", "m", "--records", str(tmp_path / "r.jsonl"), "--cache-dir", str(tmp_path / "cache")]
+    text = _benchmark_error(long_switch.main, argv, capsys)
+    assert f"run `hf-kvmap obtain qwen2.5-coder-1.5b-instruct --cache-dir {tmp_path / 'cache'}`" in text
+    folder = tmp_path / "cache" / "models" / "qwen2.5-coder-1.5b-instruct"
+    folder.mkdir(parents=True)
+    (folder / "obtain.json").write_text("{}")  # the control: an obtained model's folder
+    assert obtained_path("qwen2.5-coder-1.5b-instruct", tmp_path / "cache") == folder
+
+
+# ----------------------------------------------------------- 17. every CLI output path is checked before any work
+
+
+def _read_only_mount_works() -> bool:
+    import shutil
+
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    probe = "mkdir -p /tmp && mount --bind /tmp /tmp && mount -o remount,ro,bind /tmp /tmp && ! touch /tmp/.probe"
+    return subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+READ_ONLY_SCRIPT = """
+import json, sys
+from hf_kvmap.cli import main
+ro, rw, mapper = sys.argv[1:4]
+ladder = ["calibrate-ladder", "--source", "tiny-s", "--target", "tiny-l"]
+cases = {
+    "eval --plot": ["eval", "--source", "tiny-s", "--target", "tiny-l", "--diagnostics", "2", "--plot", ro + "/d.png"],
+    "calibrate-ladder --records, a new file": [*ladder, "--out", rw + "/m", "--records", ro + "/new.jsonl"],
+    "calibrate-ladder --records, a file there": [*ladder, "--out", rw + "/m", "--records", ro + "/records.jsonl"],
+    "card": ["card", mapper],
+    "fit --out": ["fit", "--source", "s", "--target", "t", "--data", rw + "/d.txt", "--out", ro + "/m"],
+}
+found = {}
+for case, argv in cases.items():
+    try:
+        main(argv)
+        found[case] = "no error"
+    except SystemExit as err:
+        found[case] = str(err.code)
+    except BaseException as err:
+        found[case] = "raised " + type(err).__name__ + ": " + str(err)
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not _read_only_mount_works(), reason="needs a private read-only bind mount (unshare -m, root)")
+def test_cli_refuses_an_output_path_on_a_read_only_mount_before_any_work(pair, tmp_path):
+    """Before: `eval --plot` and `fit --out` failed after the whole run, `calibrate-ladder --records` after the first
+    item, `card` with a raw OSError. After: each is refused before any model loads, naming the path and why."""
+    ro, rw = tmp_path / "ro", tmp_path / "rw"
+    ro.mkdir(), rw.mkdir()
+    (ro / "records.jsonl").write_text("")
+    (rw / "d.txt").write_text("calibration text\n")
+    MapperModel.identity(pair[3]).save_pretrained(ro / "mapper")
+    mount = f'mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} {ro} && exec "$0" -c "$1" {ro} {rw} {ro}/mapper'
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", mount, sys.executable, READ_ONLY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, text in found.items():
+        assert "read-only file system" in text and "cannot" in text and str(ro) in text, (case, text)
+        assert "Traceback" not in text and not text.startswith("raised")
+    # the controls: the same arguments in a folder that takes writes pass the checks
+    from hf_kvmap.cli import build_parser
+
+    assert build_parser().parse_args(["eval", "--source", "s", "--target", "t", "--plot", str(rw / "d.png")]).plot
+    assert build_parser().parse_args([*LADDER, "--out", str(rw / "m"), "--records", str(rw / "r.jsonl")]).records
+
+
+def test_cli_eval_names_its_flag_for_a_mapper_of_another_pair(capsys):
+    """Before: a ValueError traceback whose hint named the Python argument `allow_mismatch=True`. After: a clean exit
+    naming `--allow-mismatch`, which then evaluates."""
+    from hf_kvmap import zoo
+
+    other = str(zoo.mapper_path("tiny-m", "tiny-l"))
+    text = _cli_error([*EVAL, "--mapper", other], capsys)
+    assert "does not match the models" in text and "--allow-mismatch" in text and "allow_mismatch=True" not in text
+    text = _cli_error([*EVAL, "--mapper", other, "--allow-mismatch", "--items", "1"], capsys)
+    assert "does not match the models" not in text and "layers" in text  # let through, then refused by the mapping
+    assert cli_main([*EVAL, "--items", "1"]) == 0  # the control: the mapper fitted for the pair evaluates
+
+
+def test_cli_fit_names_a_source_it_cannot_load_and_data_that_is_not_utf8(pair, tmp_path, capsys, monkeypatch):
+    """Before: the source tokenizer of a Hub id offline ended in a traceback (the target's was caught), and so did
+    --data that is not UTF-8. After: both refused by flag before any model loads."""
+    from transformers import AutoTokenizer
+
+    from hf_kvmap import zoo
+    from hf_kvmap.commands.fit import _loaded, check_data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "d.txt").write_text("some calibration text\n")
+    argv = ["fit", "--source", "org/not-cached", "--target", "org/other", "--data", str(tmp_path / "d.txt")]
+    text = _cli_error([*argv, "--out", str(tmp_path / "m")], capsys)
+    assert "cannot load the tokenizer of --source org/not-cached" in text and "HF_HUB_OFFLINE=1" in text
+    zoo.load_tokenizer().save_pretrained(tmp_path / "tok")  # the control: a local folder loads
+    assert _loaded("--source", str(tmp_path / "tok"), "tokenizer", AutoTokenizer.from_pretrained).get_vocab()
+    (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok\nthen \xff\xfe here\n")
+    text = _cli_error(
+        ["fit", "--source", "s", "--target", "t", "--data", str(tmp_path / "bad.txt"), "--out", "m"], capsys
+    )
+    assert "--data" in text and "is not UTF-8 text (byte 14: invalid start byte)" in text
+    assert check_data(str(tmp_path / "d.txt")) is None  # the control
+
+
+# ------------------------------------------------------------------ 18. options a session or a handoff cannot serve
+
+
+RESPOND_OPTIONS = {
+    "num_beams=2": ({"num_beams": 2}, ValueError, "num_beams=2.*one beam.*pass num_beams=1"),
+    "num_return_sequences=2": ({"num_return_sequences": 2}, ValueError, "num_return_sequences=2.*pass"),
+    "refresh with an unknown option": ({"refresh": {"bogus": 1}}, ValueError, r"refresh= does not take 'bogus'"),
+    "refresh not a dict": ({"refresh": 16}, TypeError, "refresh= takes the settings"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESPOND_OPTIONS))
+def test_session_respond_refuses_what_one_conversation_cannot_serve(pair, case):
+    """Before: `num_beams=2` or `num_return_sequences=2` hit the batch-1 cache with a torch size error, an unknown
+    refresh option a raw TypeError (and none at all where nothing was mapped). After: refused by name, before the
+    cache is brought up to date."""
+    model, _, _, _ = pair
+    session = HandoffSession({"a": model}, {})
+    session.append(ids_of(10, length=6)[0])
+    kwargs, error, message = RESPOND_OPTIONS[case]
+    with pytest.raises(error, match=message):
+        session.respond("a", 2, **kwargs)
+    assert session.covered("a") == 0 and session.input_ids.shape == (1, 6) and not session.turns
+    turn = session.respond("a", 2, num_beams=1, num_return_sequences=1, refresh={"every": 4, "tokens": 1})
+    assert len(turn.tokens) == 2 and session.input_ids.shape == (1, 8)  # the control
+
+
+def test_handoff_refuses_a_legacy_cache_a_tokenizer_name_and_a_non_bool_same_weights(pair, tiny):
+    """Before: a tuple `source_cache` passed the checks and failed in drafting with an AttributeError,
+    `tokenizer="gpt2"` an AttributeError, and `same_weights="no"` was read as True (the model ids went unchecked).
+    After: each refused by name at the check."""
+    from hf_kvmap import zoo
+
+    model, _, identity, _ = pair
+    ids = ids_of(11)
+    own = tiny.prefill(model, ids)
+    legacy = tuple((layer.keys, layer.values) for layer in own.layers)
+    with pytest.raises(
+        TypeError, match="source_cache is a tuple.*legacy tuple.*DynamicCache\\(ddp_cache_data=pairs\\)"
+    ):
+        handoff(model, model, identity, ids, source_cache=legacy)
+    with pytest.raises(TypeError, match=r"tokenizer is a str.*AutoTokenizer.from_pretrained\('gpt2'\)"):
+        handoff(model, model, identity, ids, tokenizer="gpt2")
+    with pytest.raises(TypeError, match="same_weights='no' must be True or False"):
+        handoff(model, model, identity, ids, same_weights="no")
+    with pytest.raises(TypeError, match="same_weights='no' must be True or False"):
+        identity.check_compatible(model, model, same_weights="no")
+    # the controls: the same request with a Cache, a tokenizer object and a bool is served exactly
+    cache, report = handoff(
+        model, model, identity, ids, source_cache=DynamicCache(ddp_cache_data=legacy), tokenizer=zoo.load_tokenizer()
+    )
+    assert report.accepted and report.reason.startswith("exact mapping")
+    assert torch.equal(tiny.greedy(model, ids, cache=cache), tiny.greedy(model, ids))
+    assert handoff(model, model, identity, ids, same_weights=False)[1].accepted
+
+
+# ------------------------------------------------------------- 19. a save through a link, a load racing a save
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["a link to a file", "a dangling link"])
+def test_a_file_save_through_a_link_writes_the_file_it_points_to(tmp_path, dangling):
+    """Before: the link was replaced by a regular file and the linked file left old. After: the linked file is
+    written and the link kept, as folder saves follow links."""
+    from hf_kvmap.atomic import write_text_atomically
+
+    target, link = tmp_path / "real" / "a.json", tmp_path / "link.json"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_text("old")
+    link.symlink_to(target)
+    assert write_text_atomically(link, "new") == target
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.read_text() == "new"
+    assert write_text_atomically(tmp_path / "plain.json", "x") == tmp_path / "plain.json"  # the control
+    assert not (tmp_path / "plain.json").is_symlink() and (tmp_path / "plain.json").read_text() == "x"
+
+
+def test_a_load_racing_a_save_reads_the_version_the_save_left(pair, tmp_path, monkeypatch):
+    """Before: a load read config.json of one version and the weights of the other and reported a content-hash
+    mismatch. After: when the folder changed during the read, it is read again, and the model loaded is one
+    version whole. Here the save lands between reading the config and verifying the weights."""
+    from hf_kvmap import modeling_mapper
+
+    _, _, _, config = pair
+    old, new = MapperModel.identity(config), MapperModel.identity(config)
+    with torch.no_grad():
+        for parameter in new.parameters():
+            parameter.mul_(2.0)
+    old.save_pretrained(tmp_path / "m")
+    assert MapperModel.from_pretrained(tmp_path / "m").config.content_hash == old.config.content_hash  # the control
+    verify, calls = modeling_mapper.verify_artifact, []
+
+    def save_in_between(name, config, **kwargs):
+        calls.append(config.content_hash)
+        if len(calls) == 1:  # another process's save, after this load read config.json
+            new.save_pretrained(tmp_path / "m")
+        return verify(name, config, **kwargs)
+
+    monkeypatch.setattr(modeling_mapper, "verify_artifact", save_in_between)
+    loaded = MapperModel.from_pretrained(tmp_path / "m")
+    assert calls == [old.config.content_hash, new.config.content_hash]  # read twice: the second time, the new one
+    assert loaded.config.content_hash == new.config.content_hash
+    for name, tensor in new.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor)
+
+
+def test_loads_racing_another_process_saving_read_one_version_each(pair, tmp_path):
+    """The race between processes: another process saves one of two versions into the folder every 0.2 s while this
+    one loads it over and over; every load succeeds and is one of the two versions whole."""
+    import time
+
+    _, _, _, config = pair
+    versions = []
+    for scale, name in ((1.0, "a"), (3.0, "b")):
+        mapper = MapperModel.identity(config)
+        with torch.no_grad():
+            for parameter in mapper.parameters():
+                parameter.mul_(scale)
+        mapper.save_pretrained(tmp_path / name)
+        versions.append(mapper.config.content_hash)
+    mapper = MapperModel.identity(config)
+    mapper.save_pretrained(tmp_path / "m")
+    swapper = (
+        "import shutil, sys, time\nfrom hf_kvmap.atomic import write_folder_atomically\n"
+        "end = time.monotonic() + 6\nn = 0\n"
+        "while time.monotonic() < end:\n"
+        f"    source = {str(tmp_path)!r} + ('/a' if n % 2 else '/b')\n"
+        f"    write_folder_atomically({str(tmp_path / 'm')!r}, lambda f: shutil.copytree(source, f, dirs_exist_ok=True))\n"
+        "    n += 1\n    time.sleep(0.2)\nprint(n)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", swapper],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    time.sleep(1.0)
+    loaded = []
+    while process.poll() is None:
+        loaded.append(MapperModel.from_pretrained(tmp_path / "m").config.content_hash)
+    assert int(process.stdout.read()) > 10 and len(loaded) > 10
+    assert set(loaded) <= set(versions)
