@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_kvmap.commands._args import appendable_file
 from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
@@ -138,6 +137,19 @@ def rungs_argument(text: str) -> str:
         except (TypeError, ValueError) as err:
             raise argparse.ArgumentTypeError(f"entry {entry!r}: {err}") from None
     return text
+
+
+def records_argument(text: str) -> Path:
+    """`--records`: a JSONL file this run can append to (not a folder), checked while parsing."""
+    from hf_kvmap.atomic import unwritable
+
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; name the JSONL file the records are appended to.")
+    problem = unwritable(path, append=True)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
 
 def tasks_argument(text: str) -> str:
@@ -653,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--map", default=None, help="with --protocol: the label of the map --mapper holds")
     parser.add_argument(
-        "--records", type=appendable_file, default=None, help="JSON lines of the measurements (resumes)"
+        "--records", type=records_argument, default=None, help="JSON lines of the measurements (resumes)"
     )
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32")
     parser.add_argument("--threads", type=int, default=None, help="default 2")

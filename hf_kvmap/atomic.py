@@ -91,6 +91,29 @@ def remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
+def unwritable(path: str | os.PathLike, *, append: bool = False, inside: bool = False) -> str | None:
+    """What keeps this process from writing `path` (`None`: nothing), found without writing anything: the folder a
+    save creates its entries in (the nearest existing one above `path`, where a save writes beside the destination
+    and renames; `path` itself with `inside`, for a folder written into) must take new entries, which a read-only
+    mount or a folder without write permission does not; with `append`, an existing file must take writes itself."""
+    path = Path(os.path.abspath(path))
+    start = path if inside and path.is_dir() else path.parent
+    folder = next((parent for parent in (start, *start.parents) if parent.is_dir()), start)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only(folder) else "no write permission"
+        return f"{path}: cannot write in {folder} ({why}); name a path in a folder you can write."
+    if append and path.is_file() and not os.access(path, os.W_OK):
+        return f"{path}: cannot append to this file (no write permission or a read-only file system); pass another."
+    return None
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 # ------------------------------------------------------------------------------------------------------ files
 
 
@@ -257,6 +280,7 @@ __all__ = [
     "remove",
     "stale_leftovers",
     "staging_prefix",
+    "unwritable",
     "write_file_atomically",
     "write_folder_atomically",
     "write_text_atomically",

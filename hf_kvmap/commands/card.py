@@ -23,6 +23,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..artifacts import results_hash
+    from ..atomic import unwritable
     from .models import load_mapper
 
     try:
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"hf-kvmap card: {err}") from None
     mapper = load_mapper(args.directory, "card", flag=None)
-    problem = _args.unwritable(args.directory, inside=True)  # the card is written into the folder
+    problem = unwritable(args.directory, inside=True)  # the card is written into the folder
     if problem:
         raise SystemExit(f"hf-kvmap card: {problem} (the card, README.md, is written into the mapper's folder)")
     if results is not None and results_hash(results) is None:

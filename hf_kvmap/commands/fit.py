@@ -320,10 +320,11 @@ def _check_tokenizers(source_tokenizer, target: str) -> None:
 def _check_out(out: str, source_id: str | None, target_id: str | None, overwrite: bool) -> None:
     """Refuse (before any model runs) an --out folder that is not empty and not a mapper of the same pair."""
     from ..artifacts import foreign_files
+    from ..atomic import unwritable
     from ..configuration_mapper import MapperConfig
 
     folder = Path(out)
-    problem = _args.unwritable(folder)
+    problem = unwritable(folder)
     if problem:
         raise SystemExit(f"hf-kvmap fit: --out {problem}")
     if overwrite or not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
