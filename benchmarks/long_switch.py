@@ -40,6 +40,7 @@ from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
 
 from . import long_switch_report
+from .long_switch_args import records_argument, rungs_argument
 from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,52 +117,6 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"entry {text!r}: the fraction {fraction} must be a number in (0, 1]")
     return text, parse_strategy(spec), share, refresh
-
-
-def rungs_argument(text: str) -> str:
-    """`--rungs`, checked while the command line is parsed (before the tokenizer or a model loads): every entry
-    parses (`parse_rung`), names a registered repair strategy with options it takes (`RepairConfig`) and refresh
-    options `DecodeRefresh` takes, and there is at least one. Returns `text`."""
-    from hf_kvmap.repair import DecodeRefresh, RepairConfig, resolve_markup
-
-    entries = split_rungs(text)
-    if not entries:
-        raise argparse.ArgumentTypeError(f"{text!r} names no rung; pass e.g. draft_attention@0.2,draft_attention@0.3")
-    for entry in entries:
-        _, settings, fraction, refresh = parse_rung(entry)
-        try:
-            if settings is not None:  # `skip=markup` is read as no ids here, and with the tokenizer at the run
-                RepairConfig(resolve_markup(settings, None), fraction=fraction)
-            if refresh is not None:
-                inspect.signature(DecodeRefresh).bind(None, None, **refresh)
-        except (TypeError, ValueError) as err:
-            raise argparse.ArgumentTypeError(f"entry {entry!r}: {err}") from None
-    return text
-
-
-def records_argument(text: str) -> Path:
-    """`--records`: a JSONL file this run can append to (not a folder), checked while parsing."""
-    from hf_kvmap.atomic import unwritable
-
-    path = Path(text).expanduser()
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a folder; name the JSONL file the records are appended to.")
-    problem = unwritable(path, append=True)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return path
-
-
-def tasks_argument(text: str) -> str:
-    """`--tasks`: comma-separated names of `long_tasks.LONG_TASK_NAMES`, checked while parsing. Returns `text`."""
-    from hf_kvmap.real.long_tasks import LONG_TASK_NAMES
-
-    unknown = [name for name in text.split(",") if name not in LONG_TASK_NAMES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown task {unknown[0]!r} in {text!r}; known: {', '.join(LONG_TASK_NAMES)}"
-        )
-    return text
 
 
 # ----------------------------------------------------------------------------------------------------------- decoding
@@ -642,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mapper", default=None, help="the mapper folder (every run but --write-items)")
     parser.add_argument("--direction", default=None, choices=["0.5b:1.5b", "1.5b:0.5b"], help="default 0.5b:1.5b")
-    parser.add_argument("--tasks", type=tasks_argument, default="long_chat,long_doc")
+    parser.add_argument("--tasks", default="long_chat,long_doc")
     parser.add_argument("--tokens", type=int, default=2048, help="context length (humaneval: code before the prompt)")
     parser.add_argument("--items", type=int, default=None, help="default 16 (a protocol: its cell's items)")
     parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
