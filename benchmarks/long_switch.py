@@ -40,6 +40,7 @@ from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
 
 from . import long_switch_report
+from .long_switch_args import records_argument, rungs_argument
 from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,12 +85,13 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
     `draft_attention@0.1+refresh:every=16,tokens=32` (`DecodeRefresh` repairs while the target decodes), or
     `mapped+refresh:every=16,fraction=0.02` (no repair before the first token). `sparse:` before a repair rung
     (`sparse:draft_branches@0.1`) is its map-free peer: the target prefills only the positions the repair selects
-    (`hf_kvmap.repair.sparse_prefill`), sharing the repair's selection where both are served."""
+    (`hf_kvmap.repair.sparse_prefill`), sharing the repair's selection where both are served. A malformed entry
+    raises `argparse.ArgumentTypeError` naming it."""
     if text.startswith(SPARSE):
         label, settings, fraction, refresh = parse_rung(text[len(SPARSE) :])
         if settings is None or refresh is not None:
             raise argparse.ArgumentTypeError(
-                f"--rungs entry {text!r}: sparse: takes a repair rung without a refresh, e.g. sparse:draft_branches@0.1"
+                f"entry {text!r}: sparse: takes a repair rung without a refresh, e.g. sparse:draft_branches@0.1"
             )
         return text, settings, fraction, None
     head, plus, tail = text.partition("+")
@@ -97,19 +99,23 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
     if plus:
         kind, _, options = tail.partition(":")
         if kind != "refresh":
-            raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: after '+' comes refresh[:option=value,...]")
+            raise argparse.ArgumentTypeError(f"entry {text!r}: after '+' comes refresh[:option=value,...]")
         refresh = parse_options(options)
         if head == "mapped":
             return text, None, 0.0, refresh
     if "@" not in head:
-        raise argparse.ArgumentTypeError(f"--rungs entry {text!r} needs a fraction: name[:option=value]@fraction")
+        raise argparse.ArgumentTypeError(f"entry {text!r} needs a fraction: name[:option=value]@fraction")
     spec, fraction = head.rsplit("@", 1)
+    if not spec.partition(":")[0]:
+        raise argparse.ArgumentTypeError(
+            f"entry {text!r} names no repair strategy: name[:option=value]@fraction (e.g. draft_attention@0.2)"
+        )
     try:
         share = float(fraction)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: fraction {fraction!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"entry {text!r}: fraction {fraction!r} is not a number") from None
     if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(f"--rungs entry {text!r}: the fraction must be in (0, 1]")
+        raise argparse.ArgumentTypeError(f"entry {text!r}: the fraction {fraction} must be a number in (0, 1]")
     return text, parse_strategy(spec), share, refresh
 
 
@@ -224,9 +230,9 @@ def target_tokenizer(args):
     """The tokenizer of `--direction`'s target (no model is loaded)."""
     from transformers import AutoTokenizer
 
-    from hf_kvmap.real import converted_path
+    from hf_kvmap.real.obtain import obtained_path
 
-    return AutoTokenizer.from_pretrained(converted_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
+    return AutoTokenizer.from_pretrained(obtained_path(MODELS[args.direction.split(":")[1]], args.cache_dir))
 
 
 class Runner:
@@ -237,13 +243,13 @@ class Runner:
         from transformers import AutoModelForCausalLM
 
         from hf_kvmap import MapperModel
-        from hf_kvmap.real import converted_path
+        from hf_kvmap.real.obtain import obtained_path
 
         dtype = getattr(torch, args.dtype)
         source_name, target_name = (MODELS[side] for side in args.direction.split(":"))
         self.tokenizer = tokenizer if tokenizer is not None else target_tokenizer(args)
-        self.source = AutoModelForCausalLM.from_pretrained(converted_path(source_name, args.cache_dir), dtype=dtype)
-        self.target = AutoModelForCausalLM.from_pretrained(converted_path(target_name, args.cache_dir), dtype=dtype)
+        self.source = AutoModelForCausalLM.from_pretrained(obtained_path(source_name, args.cache_dir), dtype=dtype)
+        self.target = AutoModelForCausalLM.from_pretrained(obtained_path(target_name, args.cache_dir), dtype=dtype)
         self.source.eval(), self.target.eval()
         self.mapper = MapperModel.from_pretrained(args.mapper, dtype=dtype)
         self.batch = not args.no_batch
@@ -534,11 +540,14 @@ def cmd_run(args) -> None:
                 inspect.signature(DecodeRefresh).bind(None, None, **refresh)
             except TypeError as err:
                 raise SystemExit(f"--rungs entry {label!r}: {err} (DecodeRefresh's options)") from None
+    path = Path(args.records)
+    try:  # an incomplete last line (a stopped run) is cut and its item measured again; any other bad line refused
+        records = long_switch_report.load(path, resume=True) if path.is_file() else {}
+    except ValueError as err:
+        raise SystemExit(f"--records {path} is not a records file of this benchmark:\n  {err}") from None
     torch.set_num_threads(args.threads)
     runner = Runner(args, tokenizer)
-    path = Path(args.records)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = long_switch_report.load(path) if path.is_file() else {}
     setup = {"mapper": runner.mapper.config.content_hash, "dtype": args.dtype, "direction": args.direction}
     if protocol is not None:  # every record names the sealed choices it was made under
         setup.update(protocol=protocol.sha256, map=args.map)
@@ -600,7 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'sequential' the windows in turn from --offset's problem (how the records before it were built)",
     )
     parser.add_argument("--seed", type=int, default=None, help="default 4321 (a protocol: its cell's seed)")
-    parser.add_argument("--rungs", default=None, help="default draft_attention@0.2 (a protocol: its rungs)")
+    parser.add_argument(
+        "--rungs", type=rungs_argument, default=None, help="default draft_attention@0.2 (a protocol: its rungs)"
+    )
     parser.add_argument(
         "--protocol",
         default=None,
@@ -608,7 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sha256 in every record",
     )
     parser.add_argument("--map", default=None, help="with --protocol: the label of the map --mapper holds")
-    parser.add_argument("--records", default=None, help="JSON lines of the measurements (resumes)")
+    parser.add_argument(
+        "--records", type=records_argument, default=None, help="JSON lines of the measurements (resumes)"
+    )
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32")
     parser.add_argument("--threads", type=int, default=None, help="default 2")
     parser.add_argument(
@@ -634,11 +647,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    from hf_kvmap.real import ObtainError
+
     args = parse_args(argv)
-    if args.write_items:
-        write_items(args)
-    else:
-        cmd_run(args)
+    try:
+        write_items(args) if args.write_items else cmd_run(args)
+    except ObtainError as err:  # a model not obtained: the message names `hf-kvmap obtain NAME`
+        raise SystemExit(f"benchmarks.long_switch: {err}") from None
 
 
 if __name__ == "__main__":

@@ -35,12 +35,20 @@ RUNG = re.compile(r"^(?:(?P<strategy>[^@+]+)@(?P<fraction>[0-9.]+)|mapped)(?P<re
 FIXED_ARMS = ("target", "source", "mapped")
 
 
-def load(path: str | Path) -> dict:
-    """`{key: row}` with every arm a key was measured on (later lines add arms to earlier ones)."""
+def load(path: str | Path, *, resume: bool = False) -> dict:
+    """`{key: row}` with every arm a key was measured on (later lines add arms to earlier ones). An incomplete last
+    line (a run stopped while writing it) is left out, and with `resume` cut off the file; any other bad line raises
+    `ValueError` naming the file and the line (`reporting.resumable_jsonl`)."""
+    from hf_kvmap.reporting import resumable_jsonl
+
     rows: dict[str, dict] = {}
     current = f"{path}#0"
-    for number, line in enumerate(Path(path).read_text().splitlines()):
-        row = json.loads(line) if line.strip() else {}
+    lines, note = resumable_jsonl(
+        path, "a record of benchmarks.long_switch (a JSON object)", check=_problem, cut=resume
+    )
+    if note:
+        print(note, file=sys.stderr)
+    for number, row in ((number - 1, row) for number, row in lines):
         if "run" in row:  # a line without a key says what ran the rows after it
             current = row["run"].get("id") or f"{path}#{number}"
         if "key" in row:
@@ -48,6 +56,18 @@ def load(path: str | Path) -> dict:
                 record.setdefault("run", current)  # rows written before runs had ids: the run line above them
             rows.setdefault(row["key"], {**row, "arms": {}})["arms"].update(row["arms"])
     return rows
+
+
+def _problem(row: dict) -> str | None:
+    """What is wrong with a records line that is a JSON object (`None`: nothing)."""
+    if "key" in row:
+        arms = row.get("arms")
+        if not isinstance(arms, dict) or not all(isinstance(record, dict) for record in arms.values()):
+            return "a measured item without its 'arms' (an object of one record per arm)"
+        return None
+    if not isinstance(row.get("run"), dict):
+        return "neither a measured item ('key', 'arms') nor a run line ('run')"
+    return None
 
 
 def merge(loaded: dict[str, dict]) -> dict:

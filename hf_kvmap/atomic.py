@@ -91,6 +91,29 @@ def remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
+def unwritable(path: str | os.PathLike, *, append: bool = False, inside: bool = False) -> str | None:
+    """What keeps this process from writing `path` (`None`: nothing), found without writing anything: the folder a
+    save creates its entries in (the nearest existing one above `path`, where a save writes beside the destination
+    and renames; `path` itself with `inside`, for a folder written into) must take new entries, which a read-only
+    mount or a folder without write permission does not; with `append`, an existing file must take writes itself."""
+    path = Path(os.path.abspath(path))
+    start = path if inside and path.is_dir() else path.parent
+    folder = next((parent for parent in (start, *start.parents) if parent.is_dir()), start)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only(folder) else "no write permission"
+        return f"{path}: cannot write in {folder} ({why}); name a path in a folder you can write."
+    if append and path.is_file() and not os.access(path, os.W_OK):
+        return f"{path}: cannot append to this file (no write permission or a read-only file system); pass another."
+    return None
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 # ------------------------------------------------------------------------------------------------------ files
 
 
@@ -99,10 +122,14 @@ def write_file_atomically(path: str | os.PathLike, write: Callable[[Path], None]
     over `path`: a kill or an error at any point leaves `path` as it was or complete. Temporary files of killed
     saves are removed first. `write` must not rely on the file's suffix (pass a format explicitly).
 
+    A symbolic link is followed: the file it points to is replaced and the link kept (as folder saves follow links).
+
     Returns:
-        `Path`: `path`.
+        `Path`: the file written (a link's target where `path` is a link).
     """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a folder; name a file to write", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +250,22 @@ def write_folder_atomically(destination: str | os.PathLike, write: Callable[[Pat
     return destination
 
 
+def folder_version(folder: str | os.PathLike) -> tuple:
+    """What changes whenever a save replaces `folder` or a file in it: the folder's inode and each entry's name,
+    inode, size and modification time (`()` where no folder is there). Two equal versions around a read mean the
+    read saw one version."""
+    try:
+        top = os.stat(folder)
+        entries = sorted(
+            (entry.name, info.st_ino, info.st_size, info.st_mtime_ns)
+            for entry in os.scandir(folder)
+            for info in (entry.stat(),)
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return ()
+    return (top.st_dev, top.st_ino, tuple(entries))
+
+
 def _stay(cwd: Path, destination: Path) -> None:
     """A process standing in the replaced folder moves to the same path in the new one."""
     if cwd == destination or destination in cwd.parents:
@@ -232,10 +275,12 @@ def _stay(cwd: Path, destination: Path) -> None:
 __all__ = [
     "clean_stale_saves",
     "exchange",
+    "folder_version",
     "recover_folder",
     "remove",
     "stale_leftovers",
     "staging_prefix",
+    "unwritable",
     "write_file_atomically",
     "write_folder_atomically",
     "write_text_atomically",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from .modeling_mlp import HeadwiseMLP
 from .placement import execution_devices
 from .rope import RotaryCodec
 
+#: reads of a local mapper folder before `from_pretrained` gives up on a folder that other saves keep replacing
+LOAD_ATTEMPTS = 5
 logger = logging.get_logger(__name__)
 
 
@@ -426,15 +429,34 @@ class MapperModel(MapperPreTrainedModel):
         artifact raises `ValueError`, before any weight is loaded; so do a missing local folder, a folder without
         `config.json` and a config that does not validate, each by name.
         """
+        from .atomic import folder_version
         from .input_checks import check_mapper_location
 
-        check_mapper_location(pretrained_model_name_or_path, kwargs.get("subfolder"))
-        if verify:
-            location = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
-            location = {k: kwargs[k] for k in location if k in kwargs}
-            config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **location)
-            verify_artifact(pretrained_model_name_or_path, config, **location)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **mapper_load_kwargs(kwargs))
+        name = pretrained_model_name_or_path
+        folder = os.path.join(os.path.expanduser(str(name)), kwargs.get("subfolder") or "")
+        local = os.path.isdir(os.path.expanduser(str(name)))
+        location = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
+        location = {k: kwargs[k] for k in location if k in kwargs}
+        for attempt in range(LOAD_ATTEMPTS):  # a save by another process may replace the folder while it is read
+            check_mapper_location(name, kwargs.get("subfolder"))
+            before = folder_version(folder) if local else None
+            try:
+                if verify:
+                    config = cls.config_class.from_pretrained(name, **location)
+                    verify_artifact(name, config, **location)
+                model = super().from_pretrained(name, *args, **mapper_load_kwargs(dict(kwargs)))
+            except (OSError, ValueError):
+                if not local or folder_version(folder) == before or attempt == LOAD_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.02 * 2**attempt)  # the folder changed under the read: read the version now there
+                continue
+            if not local or folder_version(folder) == before:
+                return model
+            time.sleep(0.02 * 2**attempt)
+        raise ValueError(
+            f"{name} was replaced by another save {LOAD_ATTEMPTS} times while it was read; load it again once the "
+            "process saving there is done."
+        )
 
     def push_to_hub(
         self,
@@ -483,6 +505,10 @@ class MapperModel(MapperPreTrainedModel):
         models are the weights the mapper was fitted for, loaded from another location (a local copy, whose model id
         is its path): the ids are not compared, everything else is.
         """
+        from .validation import check_bool
+
+        check_bool("allow_mismatch", allow_mismatch)
+        check_bool("same_weights", same_weights)
         problems = []
         for side, model in (("source", source_model), ("target", target_model)):
             if model is None:

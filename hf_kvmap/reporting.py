@@ -166,6 +166,57 @@ def jsonl_objects(path: str | Path, errors: list[str], expected: str = "an objec
             yield number, row
 
 
+def resumable_jsonl(
+    path: str | Path, expected: str = "an object", *, check=None, cut: bool = True
+) -> tuple[list[tuple[int, dict]], str | None]:
+    """The rows of a JSONL file that a run appends to as it measures, read to resume it.
+
+    An incomplete last line after complete rows (the run was stopped while writing it: no newline, not an object) is
+    cut off the file, so its item is measured again (`cut=False`: left out of the rows, the file unchanged); a complete
+    last row without its newline gets one, so the next row starts a line of its own. Any other bad line is refused.
+
+    Args:
+        path (`str` or `Path`): the records file.
+        expected (`str`, *optional*): what a line holds, for the messages (e.g. `"a measured item (a JSON object)"`).
+        check (`Callable[[dict], str | None]`, *optional*): what is wrong with a row that is an object (`None`: nothing).
+        cut (`bool`, *optional*, defaults to `True`): cut an incomplete last line off the file.
+
+    Returns:
+        `(rows, note)`: `(line number, row)` for every row, and a note to show when an incomplete last line was cut
+        or left out (else `None`).
+
+    Raises:
+        `ValueError`: a bad line other than an incomplete last one; the message lists up to five as
+        `path:line: what is wrong`.
+    """
+    errors: list[str] = []
+    rows = []
+    for number, row in jsonl_objects(path, errors, expected):
+        problem = check(row) if check is not None else None
+        if problem:
+            errors.append(f"{path}:{number}: {problem}")
+        else:
+            rows.append((number, row))
+    data = Path(path).read_bytes()
+    end = data.rfind(b"\n") + 1
+    note = None
+    if data[end:].strip():  # the last line lacks its newline: a stopped run, or a file no run of this kind wrote
+        lines = data.count(b"\n") + 1
+        last = f"{path}:{lines}:"
+        if rows and len(errors) == 1 and errors[0].startswith(last):
+            errors = []
+            if cut:
+                with open(path, "r+b") as handle:
+                    handle.truncate(end)
+            note = f"note: {path} ends in an incomplete record (a stopped run); that item is measured again."
+        elif not errors and cut:
+            with open(path, "ab") as handle:
+                handle.write(b"\n")
+    if errors:
+        raise ValueError("\n  ".join(errors[:5]) + ("\n  ..." if len(errors) > 5 else ""))
+    return rows, note
+
+
 def write_json(path: str | Path, data: dict) -> None:
     """`data` as strict JSON (non-finite floats as null), written atomically: a kill leaves the previous file or the
     complete new one."""

@@ -4,6 +4,12 @@ be."""
 from __future__ import annotations
 
 
+def check_bool(name: str, value) -> None:
+    """Raise `TypeError` unless `value` is `True` or `False` (a string such as `"no"` would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not a {type(value).__name__}.")
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     """Raise `ValueError` unless `value` is one of `choices`."""
     if value not in choices:
@@ -28,4 +34,4 @@ def check_number(name: str, value, minimum: float, *, strict: bool = False, belo
         raise ValueError(f"{name}={value!r} must be a number {bound}.")
 
 
-__all__ = ["check_choice", "check_int", "check_number"]
+__all__ = ["check_bool", "check_choice", "check_int", "check_number"]

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -878,3 +879,591 @@ def test_cli_eval_plot_without_diagnostics_is_refused_before_any_model_loads(tmp
     assert "--plot draws the diagnostics" in text and "--diagnostics N" in text
     with pytest.raises(RuntimeError, match="a model was loaded"):  # the control: with --diagnostics it goes on
         cli_main([*EVAL, "--plot", str(tmp_path / "d.png"), "--diagnostics", "2"])
+
+
+# ---------------------------------------------------------------- 15. model output executed by the HumanEval judge
+
+ADD = {
+    "task_id": "Demo/0",
+    "prompt": 'def add(a, b):\n    """The sum of a and b."""\n',
+    "entry_point": "add",
+    "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-4, 4) == 0\n",
+}
+RIGHT = "    return a + b\n"
+#: what each run of a guard test uses: the whole judge, the interpreter's guard alone (no namespaces), the
+#: namespaces alone (no interpreter guard; only where this system can create them)
+LAYERS = {"judge": {}, "interpreter guard alone": {"namespaces": False}, "namespaces alone": {"guard": False}}
+
+
+def _judge(completion: str, layers: str = "judge", timeout: float = 10.0):
+    from hf_kvmap.real.humaneval import program
+    from hf_kvmap.real.judge import namespace_command, run_program
+
+    if layers == "namespaces alone" and not namespace_command():
+        pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
+    return run_program(program(ADD, completion), ADD["entry_point"], timeout, **LAYERS[layers])
+
+
+def _body(code: str) -> str:
+    """`code` as the body of `add`, ahead of the right answer."""
+    return "".join(f"    {line}\n" for line in code.strip().splitlines()) + RIGHT
+
+
+def test_the_judge_passes_a_right_completion_and_nothing_else():
+    """The controls of every guard case below: a right completion passes (also one that uses the standard library's
+    frame readers, namedtuple and the functional Enum), a wrong one, an error, a timeout and a syntax error do not."""
+    from hf_kvmap.real.humaneval import judge
+
+    assert judge(ADD, RIGHT).passed and judge(ADD, RIGHT).reason == "passed"
+    library = "from collections import namedtuple\nimport enum\nP = namedtuple('P', 'x')\nenum.Enum('E', 'a b')"
+    assert judge(ADD, _body(library)).passed
+    assert judge(ADD, "    return a - b\n").reason == "failed (exit code 1)"
+    assert "ZeroDivisionError" in judge(ADD, "    return a / 0\n").stderr
+    assert judge(ADD, "    while True:\n        pass\n", timeout=1).reason == "timed out after 1 s"
+    assert "SyntaxError" in judge(ADD, "    return a +\n").stderr
+
+
+FAKED_PASSES = {
+    "sys.exit(0) in the body": "import sys\nsys.exit(0)",
+    "raise SystemExit(0)": "raise SystemExit(0)",
+    "os._exit(0) in the body": "import os\nos._exit(0)",
+    "an atexit hook calling os._exit(0)": "import atexit, os\natexit.register(lambda: os._exit(0))\nreturn 0",
+    "a wrong answer printing a marker-like line": "import secrets\nprint(secrets.token_hex(16))\nreturn 0",
+    "a wrong answer reading standard input": "import sys\nprint(sys.stdin.read())\nreturn 0",
+    "a wrong answer reading /proc/self/fd/0": "print(open('/proc/self/fd/0').read())\nreturn 0",
+    "a walk up the frames": "import sys\nf = sys._getframe()\nwhile f.f_back: f = f.f_back\nprint(f.f_locals)\nreturn 0",
+    "inspect.stack": "import inspect\nprint([f.frame.f_locals for f in inspect.stack()])\nreturn 0",
+    "the objects gc knows": "import gc\nprint([o for o in gc.get_objects() if isinstance(o, dict)])\nreturn 0",
+    "a signal handler's frame": "import signal\nsignal.signal(signal.SIGALRM, lambda s, f: print(f.f_back))\nreturn 0",
+    "ctypes": "import ctypes\nreturn 0",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKED_PASSES))
+def test_an_exit_code_or_a_guessed_line_is_no_pass(case):
+    """Before: exit code 0 was the pass, so `sys.exit(0)` or an atexit `os._exit(0)` passed a wrong answer. After:
+    only the run's random marker, printed by the harness after `check` returns, is a pass; the completion cannot read
+    it back (stdin is /dev/null before it runs; frames, gc, signal handlers, ctypes and /proc are refused)."""
+    judgement = _judge(_body(FAKED_PASSES[case]) if "return 0" not in FAKED_PASSES[case] else _body_only(case))
+    assert not judgement.passed and judgement.reason.startswith("failed")
+    assert _judge(RIGHT).passed  # the control
+
+
+def _body_only(case: str) -> str:
+    return "".join(f"    {line}\n" for line in FAKED_PASSES[case].splitlines())
+
+
+@pytest.mark.parametrize("layers", ["judge", "interpreter guard alone"])
+@pytest.mark.parametrize("how", ["os.remove", "posix.unlink", "pathlib", "shutil.rmtree", "open for writing"])
+def test_a_completion_deletes_nothing_outside_its_folder(how, layers, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    code = {
+        "os.remove": f"import os\nos.remove({str(victim)!r})",
+        "posix.unlink": f"import posix\nposix.unlink({str(victim)!r})",
+        "pathlib": f"import pathlib\npathlib.Path({str(victim)!r}).unlink()",
+        "shutil.rmtree": f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        "open for writing": f"open({str(victim)!r}, 'w').write('gone')",
+    }[how]
+    judgement = _judge(_body(code), layers)
+    assert not judgement.passed and ("PermissionError" in judgement.stderr or "TypeError" in judgement.stderr)
+    assert victim.read_text() == "keep"
+    assert _judge(_body("open('mine.txt', 'w').write('x')\nimport os\nassert os.listdir('.')"), layers).passed
+
+
+def test_a_completion_finds_neither_the_callers_folder_nor_home_nor_environment(tmp_path, monkeypatch):
+    """Before: `$PWD` led to the caller's working folder, `~` and the environment were the caller's. After: the
+    environment is scrubbed and HOME, TMPDIR, PWD and the working folder are the run's own temporary folder."""
+    (tmp_path / "mine.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_KVMAP_SECRET", "s3cret")
+    show = "import os\nprint(os.environ['PWD'], os.listdir(os.path.expanduser('~')), dict(os.environ))"
+    judgement = _judge(_body(show))
+    assert judgement.passed  # the control: reading its own environment is allowed
+    assert str(tmp_path) not in judgement.stdout and "s3cret" not in judgement.stdout
+    assert judgement.folder in judgement.stdout and "['candidate.py']" in judgement.stdout
+    for code in (
+        f"import os\nprint(os.listdir({str(tmp_path)!r}))",
+        f"print(open({str(tmp_path / 'mine.txt')!r}).read())",
+    ):
+        assert not _judge(_body(code)).passed  # the caller's folder by its absolute path
+    delete = (
+        "import os\nfor name in os.listdir(os.environ['PWD']):\n    os.remove(os.path.join(os.environ['PWD'], name))"
+    )
+    assert not _judge(_body(delete)).passed and (tmp_path / "mine.txt").read_text() == "keep"
+    assert not os.path.exists(judgement.folder)  # the run's folder is removed
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+def test_a_completion_opens_no_connection(layers):
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        for module in ("socket", "_socket"):
+            code = f"import {module}\ns = {module}.socket()\ns.connect(('127.0.0.1', {port}))\ns.send(b'x')"
+            assert not _judge(_body(code), layers).passed
+        with pytest.raises(TimeoutError):
+            server.accept()
+    assert _judge(RIGHT, layers).passed
+
+
+def _processes_of(folder: str) -> list[int]:
+    """Processes whose command line or environment names `folder` (a judged run's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    environ = handle.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    command = handle.read()
+            except OSError:
+                continue
+            if folder.encode() in environ or folder.encode() in command:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+@pytest.mark.parametrize("how", ["os.fork and setsid", "subprocess with a new session"])
+def test_a_completion_leaves_no_process_behind(how, layers):
+    """Before: only the direct child was killed, and only on timeout. After: its process group is killed whole after
+    it returns; in a PID namespace everything it started dies with it; the interpreter's guard refuses starting one."""
+    import time
+
+    code = {
+        "os.fork and setsid": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)",
+        "subprocess with a new session": "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)",
+    }[how]
+    judgement = _judge(_body(code), layers)
+    assert judgement.passed == (layers == "namespaces alone")  # the guard refuses the fork; alone, it runs
+    deadline = time.monotonic() + 5
+    while _processes_of(judgement.folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_of(judgement.folder) == []
+
+
+def _judge_in_a_process(completion: str, layers: str) -> subprocess.CompletedProcess:
+    """`run_program` in a fresh interpreter (the judge module loaded alone), which prints the judgement and the
+    process's peak memory before and after."""
+    from pathlib import Path
+
+    from hf_kvmap.real.humaneval import program
+
+    judge_file = Path(__file__).resolve().parents[1] / "hf_kvmap" / "real" / "judge.py"
+    script = (
+        "import importlib.util, json, resource, sys\n"
+        f"spec = importlib.util.spec_from_file_location('judge', {str(judge_file)!r})\n"
+        "judge = sys.modules['judge'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(judge)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"j = judge.run_program({program(ADD, completion)!r}, 'add', 20, **{LAYERS[layers]!r})\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'passed': j.passed, 'reason': j.reason, 'kib': after - before, 'shown': len(j.stdout)}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+@pytest.mark.parametrize("how", ["os.kill", "posix.kill", "os.killpg"])
+def test_a_completion_cannot_kill_the_judge(how, layers):
+    """Before: `os.kill(os.getppid(), 9)` killed the judging process. After: refused by the guard; in a PID
+    namespace the parent is not even visible (`getppid()` is 0)."""
+    if layers == "namespaces alone":
+        from hf_kvmap.real.judge import namespace_command
+
+        if not namespace_command():
+            pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
+    code = {
+        "os.kill": "import os\nos.kill(os.getppid(), 9)",
+        "posix.kill": "import os, posix\nposix.kill(os.getppid(), 9)",
+        "os.killpg": "import os\nos.killpg(os.getpgid(os.getppid()), 9)",
+    }[how]
+    done = _judge_in_a_process(_body(code), layers)
+    assert done.returncode == 0, done.stderr  # the judging process lived
+    result = json.loads(done.stdout)
+    assert result["reason"] != "passed" or layers == "namespaces alone"
+    assert json.loads(_judge_in_a_process(RIGHT, layers).stdout)["passed"]  # the control
+
+
+def test_a_completion_printing_150_mb_costs_no_memory():
+    """Before: the judge held all it printed. After: output beyond the file-size limit fails the run, and the judge
+    reads it in chunks and keeps the first `SHOWN_BYTES`."""
+    from hf_kvmap.real.judge import SHOWN_BYTES
+
+    flood = _body("import sys\nfor _ in range(150):\n    sys.stdout.write('x' * (1 << 20))")
+    result = json.loads(_judge_in_a_process(flood, "judge").stdout)
+    assert not result["passed"] and result["shown"] == SHOWN_BYTES
+    assert result["kib"] < 32 * 1024  # far below the 150 MB printed
+    control = json.loads(_judge_in_a_process(_body("print('x' * 1000)"), "judge").stdout)
+    assert control["passed"] and control["shown"] == 2 * 1001 + 34  # its line per call of `add`, then the marker
+
+
+# ----------------------------------------------------------------------- 16. the long-switch benchmark's command
+
+BAD_RUNGS = {
+    "x": "entry 'x' needs a fraction",
+    "x@abc": "entry 'x@abc': fraction 'abc' is not a number",
+    "@0": "entry '@0' names no repair strategy",
+    "tail@1.5": r"entry 'tail@1.5': the fraction 1.5 must be a number in \(0, 1\]",
+    "tail@nan": r"the fraction nan must be a number in \(0, 1\]",
+    "+foo": r"entry '\+foo': after '\+' comes refresh",
+    ",,,": "',,,' names no rung",
+    "bogus@0.2": "entry 'bogus@0.2': Unknown repair strategy 'bogus'",
+    "draft_attention:bogus=1@0.2": "does not take these options.*bogus",
+    "mapped+refresh:bogus=1": "entry 'mapped\\+refresh:bogus=1': .*bogus",
+}
+
+
+def _benchmark_error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code not in (0, None)
+    text = info.value.code if isinstance(info.value.code, str) else capsys.readouterr().err
+    assert "Traceback" not in text
+    return text
+
+
+@pytest.mark.parametrize("rungs", sorted(BAD_RUNGS))
+def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
+    """Before: tracebacks (an `ArgumentTypeError` raised outside the parser, `RepairConfig` errors), and `,,,`
+    measured no rung. After: argparse's error naming the flag and the entry, before any tokenizer or model loads."""
+    import re
+
+    from benchmarks import long_switch
+
+    text = _benchmark_error(long_switch.build_parser().parse_args, ["--rungs", rungs], capsys)
+    assert "argument --rungs: " in text and re.search(BAD_RUNGS[rungs], text), text
+    good = "tail@0.2,draft_attention:draft_tokens=16@0.1+refresh:every=16,tokens=32,mapped+refresh:fraction=0.05"
+    assert long_switch.build_parser().parse_args(["--rungs", good]).rungs == good  # the control
+    assert long_switch.split_rungs(good)[1] == "draft_attention:draft_tokens=16@0.1+refresh:every=16,tokens=32"
+
+
+def test_long_switch_refuses_a_folder_as_records(tmp_path, capsys):
+    """Before: `IsADirectoryError` after the models loaded. After: refused while parsing."""
+    from benchmarks import long_switch
+
+    parse = long_switch.build_parser().parse_args
+    assert "argument --records: " in _benchmark_error(parse, ["--records", str(tmp_path)], capsys)
+    assert str(parse(["--records", str(tmp_path / "r.jsonl")]).records) == str(tmp_path / "r.jsonl")  # the control
+
+
+RUN_LINE = '{"run": {"id": "r1"}}\n'
+ITEM = '{"key": "%s", "setup": {}, "task": "long_doc", "length": 2048, "arms": {"target": {"score": 1}}}\n'
+BAD_RECORDS = {
+    "a JSON list": (RUN_LINE + ITEM % "k1" + "[1, 2]\n", r"records.jsonl:3: a list, expected"),
+    "a row without arms": (RUN_LINE + '{"key": "k1", "task": "long_doc"}\n', r"records.jsonl:2: .*without its 'arms'"),
+    "not JSON, then more rows": (RUN_LINE + '{"key": "k1", "ar\n' + ITEM % "k2", r"records.jsonl:2: not valid JSON"),
+    "neither item nor run": (RUN_LINE + '{"note": 1}\n', r"records.jsonl:2: neither a measured item"),
+}
+
+
+@pytest.fixture
+def switch_run(monkeypatch):
+    """`benchmarks.long_switch.main` with no tokenizer, and loading the models failing the test."""
+    from benchmarks import long_switch
+
+    def no_models(*args, **kwargs):
+        raise RuntimeError("the models were loaded")
+
+    monkeypatch.setattr(long_switch, "target_tokenizer", lambda args: None)
+    monkeypatch.setattr(long_switch, "Runner", no_models)
+    return lambda records: long_switch.main(["--mapper", "m", "--rungs", "tail@0.1", "--records", str(records)])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
+def test_long_switch_refuses_a_bad_records_line_by_file_and_line(case, tmp_path, switch_run):
+    """Before: a JSON list was skipped silently, a row without `arms` gave KeyError, a bad line a JSONDecodeError
+    naming neither file nor line. After: refused by file and line before the models load; the file is kept."""
+    import re
+
+    path = tmp_path / "records.jsonl"
+    text, message = BAD_RECORDS[case]
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        switch_run(path)
+    assert re.search(message, str(info.value)), info.value
+    assert path.read_text() == text
+    path.write_text(RUN_LINE + ITEM % "k1")  # the control: a good file goes on to load the models
+    with pytest.raises(RuntimeError, match="the models were loaded"):
+        switch_run(path)
+
+
+def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_path, switch_run, capsys):
+    """A kill while a row is appended leaves a line without its end: cut (the item is measured again), as
+    calibrate-ladder's records; the report reads such a file and leaves it as it is."""
+    from benchmarks import long_switch_report
+
+    path = tmp_path / "records.jsonl"
+    torn = RUN_LINE + ITEM % "k1" + '{"key": "k2", "arms": {"tar'
+    path.write_text(torn)
+    assert sorted(long_switch_report.load(path)) == ["k1"] and path.read_text() == torn  # the report cuts nothing
+    with pytest.raises(RuntimeError, match="the models were loaded"):
+        switch_run(path)
+    assert path.read_text() == RUN_LINE + ITEM % "k1" and "incomplete record" in capsys.readouterr().err
+    assert sorted(long_switch_report.load(path)) == ["k1"]  # k2 is measured again: it is not in the records
+
+
+def test_long_switch_names_obtain_for_a_missing_model(tmp_path, capsys):
+    """Before: transformers' "Repo id must be ..." traceback. After: the command that obtains the model."""
+    from benchmarks import long_switch
+    from hf_kvmap.real.obtain import obtained_path
+
+    argv = ["--mapper", "m", "--records", str(tmp_path / "r.jsonl"), "--cache-dir", str(tmp_path / "cache")]
+    text = _benchmark_error(long_switch.main, argv, capsys)
+    assert f"run `hf-kvmap obtain qwen2.5-coder-1.5b-instruct --cache-dir {tmp_path / 'cache'}`" in text
+    folder = tmp_path / "cache" / "models" / "qwen2.5-coder-1.5b-instruct"
+    folder.mkdir(parents=True)
+    (folder / "obtain.json").write_text("{}")  # the control: an obtained model's folder
+    assert obtained_path("qwen2.5-coder-1.5b-instruct", tmp_path / "cache") == folder
+
+
+# ----------------------------------------------------------- 17. every CLI output path is checked before any work
+
+
+def _read_only_mount_works() -> bool:
+    import shutil
+
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    probe = "mkdir -p /tmp && mount --bind /tmp /tmp && mount -o remount,ro,bind /tmp /tmp && ! touch /tmp/.probe"
+    return subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+READ_ONLY_SCRIPT = """
+import json, sys
+from hf_kvmap.cli import main
+ro, rw, mapper = sys.argv[1:4]
+ladder = ["calibrate-ladder", "--source", "tiny-s", "--target", "tiny-l"]
+cases = {
+    "eval --plot": ["eval", "--source", "tiny-s", "--target", "tiny-l", "--diagnostics", "2", "--plot", ro + "/d.png"],
+    "calibrate-ladder --records, a new file": [*ladder, "--out", rw + "/m", "--records", ro + "/new.jsonl"],
+    "calibrate-ladder --records, a file there": [*ladder, "--out", rw + "/m", "--records", ro + "/records.jsonl"],
+    "card": ["card", mapper],
+    "fit --out": ["fit", "--source", "s", "--target", "t", "--data", rw + "/d.txt", "--out", ro + "/m"],
+}
+found = {}
+for case, argv in cases.items():
+    try:
+        main(argv)
+        found[case] = "no error"
+    except SystemExit as err:
+        found[case] = str(err.code)
+    except BaseException as err:
+        found[case] = "raised " + type(err).__name__ + ": " + str(err)
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not _read_only_mount_works(), reason="needs a private read-only bind mount (unshare -m, root)")
+def test_cli_refuses_an_output_path_on_a_read_only_mount_before_any_work(pair, tmp_path):
+    """Before: `eval --plot` and `fit --out` failed after the whole run, `calibrate-ladder --records` after the first
+    item, `card` with a raw OSError. After: each is refused before any model loads, naming the path and why."""
+    ro, rw = tmp_path / "ro", tmp_path / "rw"
+    ro.mkdir(), rw.mkdir()
+    (ro / "records.jsonl").write_text("")
+    (rw / "d.txt").write_text("calibration text\n")
+    MapperModel.identity(pair[3]).save_pretrained(ro / "mapper")
+    mount = f'mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} {ro} && exec "$0" -c "$1" {ro} {rw} {ro}/mapper'
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", mount, sys.executable, READ_ONLY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, text in found.items():
+        assert "read-only file system" in text and "cannot" in text and str(ro) in text, (case, text)
+        assert "Traceback" not in text and not text.startswith("raised")
+    # the controls: the same arguments in a folder that takes writes pass the checks
+    from hf_kvmap.cli import build_parser
+
+    assert build_parser().parse_args(["eval", "--source", "s", "--target", "t", "--plot", str(rw / "d.png")]).plot
+    assert build_parser().parse_args([*LADDER, "--out", str(rw / "m"), "--records", str(rw / "r.jsonl")]).records
+
+
+def test_cli_eval_names_its_flag_for_a_mapper_of_another_pair(capsys):
+    """Before: a ValueError traceback whose hint named the Python argument `allow_mismatch=True`. After: a clean exit
+    naming `--allow-mismatch`, which then evaluates."""
+    from hf_kvmap import zoo
+
+    other = str(zoo.mapper_path("tiny-m", "tiny-l"))
+    text = _cli_error([*EVAL, "--mapper", other], capsys)
+    assert "does not match the models" in text and "--allow-mismatch" in text and "allow_mismatch=True" not in text
+    text = _cli_error([*EVAL, "--mapper", other, "--allow-mismatch", "--items", "1"], capsys)
+    assert "does not match the models" not in text and "layers" in text  # let through, then refused by the mapping
+    assert cli_main([*EVAL, "--items", "1"]) == 0  # the control: the mapper fitted for the pair evaluates
+
+
+def test_cli_fit_names_a_source_it_cannot_load_and_data_that_is_not_utf8(pair, tmp_path, capsys, monkeypatch):
+    """Before: the source tokenizer of a Hub id offline ended in a traceback (the target's was caught), and so did
+    --data that is not UTF-8. After: both refused by flag before any model loads."""
+    from transformers import AutoTokenizer
+
+    from hf_kvmap import zoo
+    from hf_kvmap.commands.fit import _loaded, check_data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "d.txt").write_text("some calibration text\n")
+    argv = ["fit", "--source", "org/not-cached", "--target", "org/other", "--data", str(tmp_path / "d.txt")]
+    text = _cli_error([*argv, "--out", str(tmp_path / "m")], capsys)
+    assert "cannot load the tokenizer of --source org/not-cached" in text and "HF_HUB_OFFLINE=1" in text
+    zoo.load_tokenizer().save_pretrained(tmp_path / "tok")  # the control: a local folder loads
+    assert _loaded("--source", str(tmp_path / "tok"), "tokenizer", AutoTokenizer.from_pretrained).get_vocab()
+    (tmp_path / "bad.txt").write_bytes(b"caf\xc3\xa9 ok\nthen \xff\xfe here\n")
+    text = _cli_error(
+        ["fit", "--source", "s", "--target", "t", "--data", str(tmp_path / "bad.txt"), "--out", "m"], capsys
+    )
+    assert "--data" in text and "is not UTF-8 text (byte 14: invalid start byte)" in text
+    assert check_data(str(tmp_path / "d.txt")) is None  # the control
+
+
+# ------------------------------------------------------------------ 18. options a session or a handoff cannot serve
+
+
+RESPOND_OPTIONS = {
+    "num_beams=2": ({"num_beams": 2}, ValueError, "num_beams=2.*one beam.*pass num_beams=1"),
+    "num_return_sequences=2": ({"num_return_sequences": 2}, ValueError, "num_return_sequences=2.*pass"),
+    "refresh with an unknown option": ({"refresh": {"bogus": 1}}, ValueError, r"refresh= does not take 'bogus'"),
+    "refresh not a dict": ({"refresh": 16}, TypeError, "refresh= takes the settings"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESPOND_OPTIONS))
+def test_session_respond_refuses_what_one_conversation_cannot_serve(pair, case):
+    """Before: `num_beams=2` or `num_return_sequences=2` hit the batch-1 cache with a torch size error, an unknown
+    refresh option a raw TypeError (and none at all where nothing was mapped). After: refused by name, before the
+    cache is brought up to date."""
+    model, _, _, _ = pair
+    session = HandoffSession({"a": model}, {})
+    session.append(ids_of(10, length=6)[0])
+    kwargs, error, message = RESPOND_OPTIONS[case]
+    with pytest.raises(error, match=message):
+        session.respond("a", 2, **kwargs)
+    assert session.covered("a") == 0 and session.input_ids.shape == (1, 6) and not session.turns
+    turn = session.respond("a", 2, num_beams=1, num_return_sequences=1, refresh={"every": 4, "tokens": 1})
+    assert len(turn.tokens) == 2 and session.input_ids.shape == (1, 8)  # the control
+
+
+def test_handoff_refuses_a_legacy_cache_a_tokenizer_name_and_a_non_bool_same_weights(pair, tiny):
+    """Before: a tuple `source_cache` passed the checks and failed in drafting with an AttributeError,
+    `tokenizer="gpt2"` an AttributeError, and `same_weights="no"` was read as True (the model ids went unchecked).
+    After: each refused by name at the check."""
+    from hf_kvmap import zoo
+
+    model, _, identity, _ = pair
+    ids = ids_of(11)
+    own = tiny.prefill(model, ids)
+    legacy = tuple((layer.keys, layer.values) for layer in own.layers)
+    with pytest.raises(
+        TypeError, match="source_cache is a tuple.*legacy tuple.*DynamicCache\\(ddp_cache_data=pairs\\)"
+    ):
+        handoff(model, model, identity, ids, source_cache=legacy)
+    with pytest.raises(TypeError, match=r"tokenizer is a str.*AutoTokenizer.from_pretrained\('gpt2'\)"):
+        handoff(model, model, identity, ids, tokenizer="gpt2")
+    with pytest.raises(TypeError, match="same_weights='no' must be True or False"):
+        handoff(model, model, identity, ids, same_weights="no")
+    with pytest.raises(TypeError, match="same_weights='no' must be True or False"):
+        identity.check_compatible(model, model, same_weights="no")
+    # the controls: the same request with a Cache, a tokenizer object and a bool is served exactly
+    cache, report = handoff(
+        model, model, identity, ids, source_cache=DynamicCache(ddp_cache_data=legacy), tokenizer=zoo.load_tokenizer()
+    )
+    assert report.accepted and report.reason.startswith("exact mapping")
+    assert torch.equal(tiny.greedy(model, ids, cache=cache), tiny.greedy(model, ids))
+    assert handoff(model, model, identity, ids, same_weights=False)[1].accepted
+
+
+# ------------------------------------------------------------- 19. a save through a link, a load racing a save
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["a link to a file", "a dangling link"])
+def test_a_file_save_through_a_link_writes_the_file_it_points_to(tmp_path, dangling):
+    """Before: the link was replaced by a regular file and the linked file left old. After: the linked file is
+    written and the link kept, as folder saves follow links."""
+    from hf_kvmap.atomic import write_text_atomically
+
+    target, link = tmp_path / "real" / "a.json", tmp_path / "link.json"
+    target.parent.mkdir()
+    if not dangling:
+        target.write_text("old")
+    link.symlink_to(target)
+    assert write_text_atomically(link, "new") == target
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.read_text() == "new"
+    assert write_text_atomically(tmp_path / "plain.json", "x") == tmp_path / "plain.json"  # the control
+    assert not (tmp_path / "plain.json").is_symlink() and (tmp_path / "plain.json").read_text() == "x"
+
+
+def test_a_load_racing_a_save_reads_the_version_the_save_left(pair, tmp_path, monkeypatch):
+    """Before: a load read config.json of one version and the weights of the other and reported a content-hash
+    mismatch. After: when the folder changed during the read, it is read again, and the model loaded is one
+    version whole. Here the save lands between reading the config and verifying the weights."""
+    from hf_kvmap import modeling_mapper
+
+    _, _, _, config = pair
+    old, new = MapperModel.identity(config), MapperModel.identity(config)
+    with torch.no_grad():
+        for parameter in new.parameters():
+            parameter.mul_(2.0)
+    old.save_pretrained(tmp_path / "m")
+    assert MapperModel.from_pretrained(tmp_path / "m").config.content_hash == old.config.content_hash  # the control
+    verify, calls = modeling_mapper.verify_artifact, []
+
+    def save_in_between(name, config, **kwargs):
+        calls.append(config.content_hash)
+        if len(calls) == 1:  # another process's save, after this load read config.json
+            new.save_pretrained(tmp_path / "m")
+        return verify(name, config, **kwargs)
+
+    monkeypatch.setattr(modeling_mapper, "verify_artifact", save_in_between)
+    loaded = MapperModel.from_pretrained(tmp_path / "m")
+    assert calls == [old.config.content_hash, new.config.content_hash]  # read twice: the second time, the new one
+    assert loaded.config.content_hash == new.config.content_hash
+    for name, tensor in new.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor)
+
+
+def test_loads_racing_another_process_saving_read_one_version_each(pair, tmp_path):
+    """The race between processes: another process saves one of two versions into the folder every 0.2 s while this
+    one loads it over and over; every load succeeds and is one of the two versions whole."""
+    import time
+
+    _, _, _, config = pair
+    versions = []
+    for scale, name in ((1.0, "a"), (3.0, "b")):
+        mapper = MapperModel.identity(config)
+        with torch.no_grad():
+            for parameter in mapper.parameters():
+                parameter.mul_(scale)
+        mapper.save_pretrained(tmp_path / name)
+        versions.append(mapper.config.content_hash)
+    mapper = MapperModel.identity(config)
+    mapper.save_pretrained(tmp_path / "m")
+    swapper = (
+        "import shutil, sys, time\nfrom hf_kvmap.atomic import write_folder_atomically\n"
+        "end = time.monotonic() + 6\nn = 0\n"
+        "while time.monotonic() < end:\n"
+        f"    source = {str(tmp_path)!r} + ('/a' if n % 2 else '/b')\n"
+        f"    write_folder_atomically({str(tmp_path / 'm')!r}, lambda f: shutil.copytree(source, f, dirs_exist_ok=True))\n"
+        "    n += 1\n    time.sleep(0.2)\nprint(n)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", swapper],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    time.sleep(1.0)
+    loaded = []
+    while process.poll() is None:
+        loaded.append(MapperModel.from_pretrained(tmp_path / "m").config.content_hash)
+    assert int(process.stdout.read()) > 10 and len(loaded) > 10
+    assert set(loaded) <= set(versions)

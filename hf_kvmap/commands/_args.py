@@ -34,12 +34,17 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0)
 
 
-def _parent_is_usable(path: Path) -> None:
+def _parent_is_usable(path: Path, *, append: bool = False, write: bool = True) -> None:
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise argparse.ArgumentTypeError(f"{path}: {parent} is a file, not a folder; name a path in a folder.")
-            return
+            break
+    from ..atomic import unwritable
+
+    problem = unwritable(path, append=append) if write else None
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
 
 
 def output_file(text: str) -> Path:
@@ -51,12 +56,19 @@ def output_file(text: str) -> Path:
     return path
 
 
+def appendable_file(text: str) -> Path:
+    """A file a run appends records to (JSONL): `output_file`, and an existing one must take writes."""
+    path = output_file(text)
+    _parent_is_usable(path, append=True)
+    return path
+
+
 def folder(text: str) -> Path:
     """A folder to read from or write into (made when missing): not an existing file, not below one."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a file; name a folder.")
-    _parent_is_usable(path)
+    _parent_is_usable(path, write=False)  # read from, too (`obtain --list`): written where the command writes
     return path
 
 

@@ -23,6 +23,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..artifacts import results_hash
+    from ..atomic import unwritable
     from .models import load_mapper
 
     try:
@@ -30,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"hf-kvmap card: {err}") from None
     mapper = load_mapper(args.directory, "card", flag=None)
+    problem = unwritable(args.directory, inside=True)  # the card is written into the folder
+    if problem:
+        raise SystemExit(f"hf-kvmap card: {problem} (the card, README.md, is written into the mapper's folder)")
     if results is not None and results_hash(results) is None:
         raise SystemExit(
             f"hf-kvmap card: {args.results} records no mapper content hash (run.mapper_content_hash), so nothing "
@@ -40,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
         card = mapper.write_card(args.directory, evaluation=results, repo_id=args.name)
     except ValueError as err:
         raise SystemExit(f"hf-kvmap card: {args.results}: {err}") from None
+    except OSError as err:  # a folder that became unwritable since the check
+        raise SystemExit(f"hf-kvmap card: cannot write the card into {args.directory}: {err.strerror}.") from None
     print(f"wrote {card}")
     return 0

@@ -66,11 +66,18 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.source)
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
     mapper = _models.load_mapper(mapper_name, "eval")
-    mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
+    try:
+        mismatches = mapper.check_compatible(source, target, tokenizer, allow_mismatch=args.allow_mismatch)
+    except ValueError as err:  # the hint names the command's flag, not the Python argument
+        message = str(err).replace("allow_mismatch=True", "pass --allow-mismatch to evaluate anyway")
+        raise SystemExit(f"hf-kvmap eval: --mapper {mapper_name}: {message}") from None
     if args.tasks == "tiny-family":
         tasks = zoo.tiny_family_tasks(args.items, args.seed)
     handoff = HandoffEvaluation(source=source, target=target, mapper=mapper, tokenizer=tokenizer)
-    results = evaluate_tasks(handoff, tasks)
+    try:
+        results = evaluate_tasks(handoff, tasks)
+    except ValueError as err:  # e.g. --allow-mismatch with a mapper of another geometry: the mapping refuses it
+        raise SystemExit(f"hf-kvmap eval: {err}") from None
     if args.diagnostics:
         from ..diagnostics import diagnose
         from ..zoo import corpus

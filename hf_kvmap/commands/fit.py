@@ -198,6 +198,7 @@ def check_data(path: str) -> None:
     if path.endswith(".txt"):
         if os.path.getsize(path) == 0:
             raise SystemExit(f"hf-kvmap fit: {path} is empty.")
+        _check_utf8(path)
         return
     from ..reporting import jsonl_objects
 
@@ -211,6 +212,26 @@ def check_data(path: str) -> None:
             errors.append(f"{path}:{number}: text is empty.")
     if errors:
         raise SystemExit(f"hf-kvmap fit: {path}: {len(errors)} malformed line(s):\n" + "\n".join(errors))
+
+
+def _check_utf8(path: str) -> None:
+    """Refuse a text file that is not UTF-8, naming the first bad byte's offset (read in 16 MiB blocks)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(1 << 24)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                raise SystemExit(
+                    f"hf-kvmap fit: --data {path} is not UTF-8 text (byte {offset + err.start}: {err.reason}); save "
+                    "it as UTF-8."
+                ) from None
+            if not block:
+                return
+            offset += len(block)
 
 
 def _texts(path: str) -> Iterator[str]:
@@ -252,17 +273,32 @@ def calibration_sequences(tokenizer, path: str, seq_len: int, max_sequences: int
     needed = seq_len * max_sequences
     stream: list[int] = []
     separator = [tokenizer.eos_token_id] if path.endswith(".jsonl") and tokenizer.eos_token_id is not None else []
-    for text in _texts(path):
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        stream.extend(separator)
-        if len(stream) >= needed:
-            break
+    try:
+        for text in _texts(path):
+            stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+            stream.extend(separator)
+            if len(stream) >= needed:
+                break
+    except UnicodeDecodeError as err:  # read before any model loads
+        raise SystemExit(f"hf-kvmap fit: --data {path} is not UTF-8 text ({err.reason}); save it as UTF-8.") from None
     count = min(max_sequences, len(stream) // seq_len)
     if count == 0:
         raise SystemExit(f"hf-kvmap fit: {path} holds {len(stream)} tokens, fewer than one sequence of {seq_len}.")
     if count < max_sequences:
         logger.warning(f"{path} yields only {count} sequences of {seq_len} tokens (asked for {max_sequences}).")
     return [stream[i * seq_len : (i + 1) * seq_len] for i in range(count)]
+
+
+def _loaded(flag: str, name: str, what: str, load, **kwargs):
+    """`load(name, **kwargs)`; a failure (a Hub id that is neither cached nor reachable, a folder without the files)
+    as a clean exit naming the flag and the fix."""
+    try:
+        return load(name, **kwargs)
+    except (OSError, ValueError) as err:
+        raise SystemExit(
+            f"hf-kvmap fit: cannot load the {what} of {flag} {name}: {str(err).splitlines()[0]} Pass a local model "
+            "folder, or a Hub id that is reachable or already in the Hub cache (HF_HUB_OFFLINE=1 reads it from there)."
+        ) from None
 
 
 def _check_tokenizers(source_tokenizer, target: str) -> None:
@@ -284,9 +320,13 @@ def _check_tokenizers(source_tokenizer, target: str) -> None:
 def _check_out(out: str, source_id: str | None, target_id: str | None, overwrite: bool) -> None:
     """Refuse (before any model runs) an --out folder that is not empty and not a mapper of the same pair."""
     from ..artifacts import foreign_files
+    from ..atomic import unwritable
     from ..configuration_mapper import MapperConfig
 
     folder = Path(out)
+    problem = unwritable(folder)
+    if problem:
+        raise SystemExit(f"hf-kvmap fit: --out {problem}")
     if overwrite or not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
         return
     config = folder / "config.json"
@@ -381,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
                 f"hf-kvmap fit: pass {', '.join('--' + flag for flag in missing)} (or --from-stats DIR to solve from "
                 "saved statistics)."
             )
-        tokenizer = AutoTokenizer.from_pretrained(args.source)
+        tokenizer = _loaded("--source", args.source, "tokenizer", AutoTokenizer.from_pretrained)
         _check_tokenizers(tokenizer, args.target)
         sequences = calibration_sequences(tokenizer, args.data, args.seq_len, args.max_sequences)
         batches = list(torch.tensor(sequences, dtype=torch.long).split(max(1, args.batch_size)))
@@ -390,8 +430,8 @@ def run(args: argparse.Namespace) -> int:
         load_kwargs = {"dtype": "auto" if args.model_dtype == "auto" else getattr(torch, args.model_dtype)}
         if args.device_map:
             load_kwargs["device_map"] = args.device_map
-        source = AutoModelForCausalLM.from_pretrained(args.source, **load_kwargs).eval()
-        target = AutoModelForCausalLM.from_pretrained(args.target, **load_kwargs).eval()
+        source = _loaded("--source", args.source, "model", AutoModelForCausalLM.from_pretrained, **load_kwargs).eval()
+        target = _loaded("--target", args.target, "model", AutoModelForCausalLM.from_pretrained, **load_kwargs).eval()
         stats = collect_statistics(
             source,
             target,

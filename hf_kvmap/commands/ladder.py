@@ -82,7 +82,9 @@ def add_parser(subparsers) -> None:
         choices=("float32", "bfloat16"),
         help="the models' dtype (bfloat16 halves a long prompt's prefill on CPUs with bf16 matmuls)",
     )
-    parser.add_argument("--records", type=_args.output_file, default=None, help="JSONL of the measurements (resumes)")
+    parser.add_argument(
+        "--records", type=_args.appendable_file, default=None, help="JSONL of the measurements (resumes)"
+    )
     parser.add_argument(
         "--out",
         type=_args.mapper_folder,
@@ -123,33 +125,21 @@ def _items(args):
 def _records(path: Path | None) -> list[dict]:
     """The records a stopped run wrote to `path` (JSONL), read before any model loads: a malformed line is refused by
     number; an incomplete last line after complete records (the run was stopped while writing it) is cut off and
-    that item measured again."""
-    from ..reporting import jsonl_objects
+    that item measured again (`reporting.resumable_jsonl`)."""
+    from ..reporting import resumable_jsonl
 
     if path is None or not path.is_file():
         return []
-    errors: list[str] = []
-    records = [record for _, record in jsonl_objects(path, errors, "a measured item (a JSON object)")]
-    data = path.read_bytes()
-    cut = data.rfind(b"\n") + 1
-    if data[cut:].strip():  # the last line lacks its newline: a stopped run, or a file this command did not write
-        number = data.count(b"\n") + 1
-        last = f"{path}:{number}:"
-        if records and len(errors) == 1 and errors[0].startswith(last):
-            print(f"note: {path} ends in an incomplete record (a stopped run); that item is measured again.")
-            errors = []
-            with path.open("r+b") as handle:
-                handle.truncate(cut)
-        elif not errors:
-            with path.open("ab") as handle:  # the next record starts on a line of its own
-                handle.write(b"\n")
-    if errors:
-        shown = "\n  ".join(errors[:5]) + ("\n  ..." if len(errors) > 5 else "")
+    try:
+        rows, note = resumable_jsonl(path, "a measured item (a JSON object)")
+    except ValueError as err:
         raise SystemExit(
-            f"hf-kvmap calibrate-ladder: --records {path} is not a records file of this command:\n  {shown}\n"
+            f"hf-kvmap calibrate-ladder: --records {path} is not a records file of this command:\n  {err}\n"
             "Pass a new file (or the one a stopped run of these items wrote)."
-        )
-    return records
+        ) from None
+    if note:
+        print(note)
+    return [record for _, record in rows]
 
 
 def _with_strategies_beside(args, done: list[dict], items, pair, strategies, fractions) -> list[dict]:

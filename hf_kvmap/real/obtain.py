@@ -60,6 +60,22 @@ def converted_path(name: str, cache_dir: str | os.PathLike | None = None) -> Pat
     return Path(cache_dir or default_cache_dir()) / "models" / get_model(name).name
 
 
+def obtained_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The converted model's folder once `obtain(name)` has completed for this cache directory.
+
+    Raises:
+        `ObtainError`: it has not; the message names the command that obtains it (`hf-kvmap obtain NAME`).
+    """
+    folder = converted_path(name, cache_dir)
+    if not is_converted(name, cache_dir):
+        option = f" --cache-dir {cache_dir}" if cache_dir else ""
+        raise ObtainError(
+            f"{name} is not obtained ({folder} holds no converted model): run `hf-kvmap obtain {name}{option}` "
+            "first (it downloads, verifies and converts the model once)."
+        )
+    return folder
+
+
 def is_converted(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
     """Whether `obtain(name)` has completed for this cache directory."""
     return (converted_path(name, cache_dir) / "obtain.json").is_file()

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from .._compat import cache_argument
 from ..input_checks import check_left_padding_mask, check_threshold, check_token_ids, derive_mask
 from ..repair import RepairConfig
-from ..validation import check_choice, check_int
+from ..validation import check_bool, check_choice, check_int
 from .ladder import GuardLadder
 from .pipeline import Request, serve, uncalibrated_error
 from .probes import Probe, probe_from_dict
@@ -97,6 +97,9 @@ def handoff(
     """
     check_choice("policy", policy, POLICIES)
     check_int("audit_tokens", audit_tokens, 0, meaning=" (0 turns the audit off)")
+    check_bool("same_weights", same_weights)
+    check_bool("target_first_layer", target_first_layer)
+    _check_tokenizer(tokenizer)
     input_ids, attention_mask, notes = _check_inputs(source, target, mapper, input_ids, attention_mask, source_cache)
     ladder = resolve_ladder(mapper, ladder, probe=probe, threshold=threshold, repair=repair)
     if ladder is not None:
@@ -159,6 +162,19 @@ def resolve_ladder(mapper, ladder=None, *, probe=None, threshold=None, repair=No
     return GuardLadder.from_dict(ladder)
 
 
+def _check_tokenizer(tokenizer) -> None:
+    """Refuse a tokenizer given by name or as anything without a vocabulary (its fingerprint is checked)."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "get_vocab", None)):
+        raise TypeError(
+            f"tokenizer is a {type(tokenizer).__name__}; pass the tokenizer object, e.g. "
+            f"`AutoTokenizer.from_pretrained({tokenizer!r})`"
+            if isinstance(tokenizer, str)
+            else f"tokenizer is a {type(tokenizer).__name__} without get_vocab(); pass a transformers tokenizer."
+        )
+
+
 def _check_inputs(source, target, mapper, input_ids, attention_mask, source_cache):
     """`(input_ids, attention_mask, notes)` checked; the mask `generate` would infer when none is given."""
     from ..modeling_mapper import MapperModel
@@ -177,8 +193,14 @@ def _check_inputs(source, target, mapper, input_ids, attention_mask, source_cach
         )
     if attention_mask is not None:
         check_left_padding_mask(attention_mask)
+    if source_cache is not None and not isinstance(source_cache, Cache):
+        raise TypeError(
+            f"source_cache is a {type(source_cache).__name__}; pass a transformers `Cache` (the legacy tuple of "
+            f"(key, value) pairs is gone in transformers 5): `source(input_ids, use_cache=True).{cache_argument()}`, "
+            "or `DynamicCache(ddp_cache_data=pairs)` to wrap the pairs."
+        )
     if source_cache is not None:
-        seq = source_cache.get_seq_length() if isinstance(source_cache, Cache) else source_cache[0][0].shape[2]
+        seq = source_cache.get_seq_length()
         if seq != input_ids.shape[1]:
             raise ValueError(
                 f"source_cache covers {seq} tokens but input_ids has {input_ids.shape[1]}: pass the source's cache of "

@@ -313,6 +313,36 @@ class HandoffSession:
                 record.checked, record.rung = record.rung, rung_name(None)
                 self._own_span(name, record, start, upto, end)
 
+    def _check_generate_options(self, name: str, refresh, generate_kwargs: dict) -> None:
+        """Refuse, by name, what a turn cannot serve: a conversation is one row, so one sequence of one beam
+        (`num_beams`, `num_return_sequences`, also from the model's generation config), and refresh settings that
+        `DecodeRefresh` does not take."""
+        import inspect
+
+        if name in self.models:
+            config = generate_kwargs.get("generation_config") or self.models[name].generation_config
+            for option in ("num_beams", "num_return_sequences"):
+                value = generate_kwargs.get(option, getattr(config, option, 1))
+                if value not in (None, 1):
+                    where = "" if option in generate_kwargs else f" (from {name!r}'s generation config)"
+                    raise ValueError(
+                        f"{option}={value!r}{where}: a session's turn continues its one conversation, one sequence of "
+                        f"one beam on a batch-1 cache; pass {option}=1 (sample several answers in separate sessions)."
+                    )
+        if refresh is None:
+            return
+        if not isinstance(refresh, dict):
+            raise TypeError(
+                f"refresh= takes the settings of a DecodeRefresh as a dict (e.g. {{'every': 16, 'fraction': 0.0125}}); "
+                f"got a {type(refresh).__name__}."
+            )
+        known = [
+            p for p in inspect.signature(DecodeRefresh).parameters if p not in ("target", "cache", "attention_mask")
+        ]
+        unknown = sorted(set(refresh) - set(known))
+        if unknown:
+            raise ValueError(f"refresh= does not take {', '.join(map(repr, unknown))}; DecodeRefresh takes {known}.")
+
     @staticmethod
     def _refresher(model, cache, refresh: dict | None) -> DecodeRefresh | None:
         """The refresh while decoding of `respond(refresh=...)` on `cache`, with every position but the mapped ones
@@ -365,6 +395,7 @@ class HandoffSession:
 
         Returns the [`SessionTurn`], with the first step's logits.
         """
+        self._check_generate_options(name, refresh, generate_kwargs)  # before the sync changes anything
         record = self.sync(name)
         model = self.models[name]
         cache = self.caches[name]
