@@ -229,3 +229,21 @@ def test_hf_kvmap_eval_runs_lm_evals_command_line_with_the_model_registered(lm_e
     assert len(written) == 1
     assert set(written[0]["results"]) == {"tiny_choice"}
     assert written[0]["config"]["model"] == "hf-kvmap"
+
+
+def test_a_ladder_no_risk_fits_serves_every_prompt_the_targets_prefill(lm_eval, task_manager, stock, tmp_path):
+    from hf_kvmap.serving.ladder import GuardLadder, LadderRung
+
+    path = tmp_path / "ladder.json"  # one rung for risks below -1: every row climbs past it to the target's prefill
+    path.write_text(
+        json.dumps(GuardLadder({"name": "confident_draft", "tokens": 2}, "tail", [LadderRung(-1.0, 0.0)]).to_dict())
+    )
+    reports = tmp_path / "handoffs.jsonl"
+    args = f"source=tiny-m,target=tiny-l,rung=ladder,ladder={path},reports={reports}"
+    results = _evaluate(lm_eval, task_manager, "hf-kvmap", args, tasks=["tiny_choice"])
+    lines = [json.loads(line) for line in reports.read_text().splitlines()]
+    assert len(lines) == 8 * 4
+    assert all([row["rung"] for row in line["ladder"]["rows"]] == ["fallback"] for line in lines)
+    assert _metrics(results)["tiny_choice"] == _metrics(stock)["tiny_choice"]
+    for got, want in zip(_responses(results)["tiny_choice"], _responses(stock)["tiny_choice"], strict=True):
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4)
