@@ -15,15 +15,16 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
-MIN_TRANSFORMERS = version.parse("5.23.0")
+MIN_TRANSFORMERS = version.parse("5.16.1")
 
 
 def check_transformers_version() -> None:
-    """Raise if the installed transformers is older than the one whose cache layout hf-kvmap was written against."""
+    """Raise if the installed transformers is older than the lowest one the suite runs on (5.16.1, the lowest that
+    vLLM 0.32/0.33 and SGLang 0.5.23 allow; `.ci/run` tests it and the newest release)."""
     if TRANSFORMERS_VERSION < MIN_TRANSFORMERS:
         raise ImportError(
             f"hf-kvmap needs transformers>={MIN_TRANSFORMERS} (found {transformers.__version__}): "
-            "`pip install -U 'transformers>=5.23,<6'`."
+            "`pip install -U 'transformers>=5.16.1,<6'`."
         )
 
 
@@ -92,8 +93,8 @@ def cache_argument() -> str:
     """The name under which the installed transformers' causal LMs take a cache.
 
     transformers 5.24 renamed `past_key_values` to `cache` (outputs' `.cache`): its `forward` and `generate` take
-    `cache=` and warn (FutureWarning, removal in 6.0) on `past_key_values=`, while 5.23, the lowest supported
-    version, declares only `past_key_values`, and a `cache=` given to its `forward` lands in `**kwargs` and is
+    `cache=` and warn (FutureWarning, removal in 6.0) on `past_key_values=`, while 5.16.1 to 5.23 declare only
+    `past_key_values`, and a `cache=` given to its `forward` lands in `**kwargs` and is
     ignored without an error. Read from the signature of a model class, so the library passes the name the
     installed version declares.
     """
@@ -111,7 +112,7 @@ def cache_kwargs(cache) -> dict:
 
 def output_cache(outputs):
     """The cache a model (or `generate`) output carries: `.cache` where the installed transformers has it (5.24,
-    where reading `.past_key_values` logs a deprecation), else `.past_key_values` (5.23)."""
+    where reading `.past_key_values` logs a deprecation), else `.past_key_values` (5.16.1 to 5.23)."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else outputs.past_key_values
 
@@ -131,6 +132,6 @@ def mapper_load_kwargs(kwargs: dict) -> dict:
     transformers 5.25 kernelizes every model it loads by default (`use_kernels=None` means on where the `kernels`
     package is installed, and 5.25 installs it), and `kernels` refuses a device map whose first accelerator is
     `meta` ("Unsupported device type 'meta'"). A mapper has no layer a hub kernel replaces, so kernelizing it does
-    nothing but can fail; 5.23 and 5.24 already default to `use_kernels=False`, which this keeps on every version.
+    nothing but can fail; 5.16.1 to 5.24 already default to `use_kernels=False`, which this keeps on every version.
     """
     return {"use_kernels": False, **kwargs}
