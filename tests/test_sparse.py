@@ -234,3 +234,16 @@ def test_handoff_serves_a_sparse_rung_and_falls_back_whole_when_its_check_refuse
     assert (row["rung"], row["checked"]) == ("fallback", "sparse:0.25") and not isinstance(cache, SparseCache)
     plain = target.generate(ids, max_new_tokens=5, do_sample=False)
     assert target.generate(ids, **cache_kwargs(cache), max_new_tokens=5, do_sample=False).tolist() == plain.tolist()
+
+
+def test_the_sparse_rung_named_in_one_word_serves_the_sparse_prefill(models):
+    from hf_kvmap.serving.rungs import parse_rung
+
+    source, target, mapper = models
+    ids = _prompt(22, 7)
+    cache, report = parse_rung("sparse:tail@0.25").serve(source, target, mapper, ids)
+    assert isinstance(cache, SparseCache) and report["ladder"]["rows"][0]["rung"] == "sparse:0.25"
+    length = ids.shape[1] - 1
+    alone = sparse_prefill(target, ids, torch.arange(length - length // 4, length), length=length)
+    expected = target.generate(ids, **cache_kwargs(alone), max_new_tokens=4, do_sample=False)
+    assert target.generate(ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False).tolist() == expected.tolist()

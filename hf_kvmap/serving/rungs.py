@@ -8,8 +8,8 @@ cache, report = rung.serve(source, target, mapper, input_ids)  # cache=None: the
 
 Each kind is one entry of `RUNG_KINDS`: a function from the text after the kind's `:` (and the options a front end
 holds, such as a ladder file) to the keyword arguments of `handoff`, or `None` for the target alone. A new way of
-serving (a map-free sparse prefill) is one more entry there; `sparse` is reserved for it and refused until a serving
-function for it exists.
+serving is one more entry there. `sparse:<strategy>@<fraction>` serves the map-free rung (`hf_kvmap.repair.sparse_prefill`)
+as a one-rung ladder; a batch of several rows is repaired at that fraction instead (its report rows say so).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from ..repair import RepairConfig, selector_from_dict
 from .handoff import handoff
-from .ladder import GuardLadder
+from .ladder import GuardLadder, LadderRung
 from .probes.prefix_audit import PrefixAuditProbe
 
 #: the probe of a forced rung: it reads the first prompt token only and never refuses (threshold `inf`), so the rung
@@ -43,22 +43,27 @@ def _mapped(argument: str, options: dict) -> dict:
     return dict(_FORCED)
 
 
-def _repaired(argument: str, options: dict) -> dict:
+def _strategy_at(kind: str, argument: str) -> tuple[dict, float]:
+    """`<strategy>@<fraction>` (or `@<fraction>` for `tail`) -> (the strategy's settings, the fraction)."""
     strategy, at, fraction = argument.rpartition("@")
     if not at:
         raise ValueError(
-            f"rung 'repaired:{argument}' names no fraction; pass `repaired:<strategy>@<fraction>` "
-            "(e.g. `repaired:draft_attention@0.2`, or `repaired@0.2` for the default strategy `tail`)."
+            f"rung '{kind}:{argument}' names no fraction; pass `{kind}:<strategy>@<fraction>` "
+            f"(e.g. `{kind}:draft_attention@0.2`, or `{kind}@0.2` for the default strategy `tail`)."
         )
     try:
         share = float(fraction)
     except ValueError:
         raise ValueError(
-            f"rung 'repaired:{argument}': {fraction!r} after '@' is not a number; pass a fraction in [0, 1] "
-            "(e.g. `repaired:tail@0.2`)."
+            f"rung '{kind}:{argument}': {fraction!r} after '@' is not a number; pass a fraction in [0, 1] "
+            f"(e.g. `{kind}:tail@0.2`)."
         ) from None
-    selector = selector_from_dict(strategy.strip() or "tail")  # an unknown strategy raises, naming the known ones
-    return dict(_FORCED, repair=RepairConfig(selector.settings(), fraction=share))
+    return selector_from_dict(strategy.strip() or "tail").settings(), share  # an unknown strategy raises
+
+
+def _repaired(argument: str, options: dict) -> dict:
+    strategy, share = _strategy_at("repaired", argument)
+    return dict(_FORCED, repair=RepairConfig(strategy, fraction=share))
 
 
 def _guarded(argument: str, options: dict) -> dict:
@@ -81,10 +86,12 @@ def _ladder(argument: str, options: dict) -> dict:
 
 
 def _sparse(argument: str, options: dict) -> dict:
-    raise ValueError(
-        "rung 'sparse' (a map-free sparse prefill) is not served by this version of hf-kvmap; use `target`, `mapped`, "
-        "`repaired:<strategy>@<fraction>`, `guarded` or `ladder`."
-    )
+    strategy, share = _strategy_at("sparse", argument)
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"rung 'sparse:{argument}': the fraction prefilled must be in (0, 1); got {share}.")
+    # a one-rung ladder taking every risk: the target's prefill of the strategy's selection alone (one row a request)
+    ladder = GuardLadder({"name": "prefix_audit", "tokens": 1}, strategy, [LadderRung(1e300, share, sparse=True)])
+    return {"ladder": ladder, "audit_tokens": 0, "policy": "fail"}
 
 
 def _no_argument(kind: str, argument: str) -> None:
@@ -110,7 +117,8 @@ class Rung:
     One way of serving a request, parsed from its text by [`parse_rung`].
 
     Args:
-        text (`str`): what was parsed (`"target"`, `"mapped"`, `"repaired:tail@0.2"`, `"guarded"`, `"ladder"`).
+        text (`str`): what was parsed (`"target"`, `"mapped"`, `"repaired:tail@0.2"`, `"sparse:tail@0.2"`, `"guarded"`,
+            `"ladder"`).
         kind (`str`): the key of `RUNG_KINDS`.
         handoff_kwargs (`dict`, *optional*): the keyword arguments of `handoff`; `None` for the target alone.
 
@@ -156,8 +164,9 @@ def parse_rung(text: str, **options) -> Rung:
     if not isinstance(text, str):
         raise TypeError(f"rung={text!r} must be a string such as 'target', 'mapped' or 'repaired:tail@0.2'.")
     kind, _, argument = text.strip().partition(":")
-    if kind.startswith("repaired@"):  # `repaired@0.2`: the default strategy
-        kind, argument = "repaired", kind[len("repaired") :]
+    for name in ("repaired", "sparse"):
+        if kind.startswith(f"{name}@"):  # `repaired@0.2`: the default strategy
+            kind, argument = name, kind[len(name) :]
     if kind not in RUNG_KINDS:
         raise ValueError(f"Unknown rung {text!r}; the kinds are {', '.join(RUNG_KINDS)} (e.g. `repaired:tail@0.2`).")
     return Rung(text.strip(), kind, RUNG_KINDS[kind](argument.strip(), options))
