@@ -341,3 +341,16 @@ def test_distinct_code_contexts_are_whole_lines_that_split_no_string(tokenizer, 
         assert all(line in held_out for line in context.splitlines()) and _length(tokenizer, context) >= 300
         list(tokenize.generate_tokens(io.StringIO(context + "\n").readline))  # no string left open
         assert not context.rstrip().endswith(":")
+
+
+def test_exact_match_reads_the_answer_whatever_its_case_and_a_closing_full_stop():
+    item = long_tasks.LongItem("followups", "prompt", "ochre")
+    assert [
+        context_tasks.exact_match(item, reply) for reply in ("Ochre", " ochre.", "OCHRE", "ochre red", "teal")
+    ] == [
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]

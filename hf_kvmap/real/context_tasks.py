@@ -57,8 +57,9 @@ class UnknownTaskError(ValueError):
 
 
 def exact_match(item: LongItem, reply: str) -> float:
-    """1.0 where the reply, stripped, is the item's answer (as `long_chat` is scored), else 0.0."""
-    return float(reply.strip() == item.answer)
+    """1.0 where the reply is the item's answer, whatever its case and a closing full stop (`Ochre.` for `ochre`: the
+    candidates of an item differ in more than case), else 0.0."""
+    return float(reply.strip().rstrip(".").strip().lower() == item.answer.strip().lower())
 
 
 def references_found(item: LongItem, reply: str) -> float:
