@@ -189,3 +189,30 @@ def test_body_replay_runs_each_batch_once(tiny):
 def test_statistics_folders_keep_the_benchmark_layout():
     assert calibrating.statistics_name(SOURCE, TARGET, {SOURCE: "0.5b", TARGET: "1.5b"}) == "statistics-0.5b-to-1.5b"
     assert Path(calibrating.statistics_name("a", "b")).name == "statistics-a-to-b"
+
+
+def test_the_printed_next_command_serves_a_prompt_through_the_pair(stand_ins, tmp_path, tiny):
+    """`serve_prompt` (what `hf-kvmap pair` prints) serves the rung of `serving.json`: a repair of every position
+    decodes exactly the target's own greedy tokens; the default rung reports itself."""
+    models, loads, manifest = stand_ins
+    out = tmp_path / "pair"
+    pairing.make_pair(SOURCE, TARGET, out, manifest=manifest, rung="repaired:tail@1.0", **SHORT)
+    served = pairing.serve_prompt(out, "the cat sat on the mat and the dog", max_new_tokens=6)
+    assert served["report"]["rung"] == "repaired:tail@1.0"
+    tokenizer = pairing.load_tokenizer(TARGET, None)
+    ids = tokenizer("the cat sat on the mat and the dog", return_tensors="pt")["input_ids"]
+    own = tiny.greedy(models[TARGET], ids, new=6)
+    assert served["text"] == tokenizer.decode(own[0, ids.shape[1] :], skip_special_tokens=True)
+    assert "serve_prompt" in pairing.next_command(out) and str(out) in pairing.next_command(out)
+
+
+def test_more_sequences_extend_a_finished_calibration(stand_ins, tmp_path):
+    """Sequence `i` does not depend on the count (as in the benchmark's setting): asking for more sums only the new
+    chunks into the same statistics, the sums of a run of that count from the start."""
+    models, loads, manifest = stand_ins
+    pairing.make_pair(SOURCE, TARGET, tmp_path / "grown", manifest=manifest, **{**SHORT, "sequences": 2})
+    grown = pairing.make_pair(SOURCE, TARGET, tmp_path / "grown", manifest=manifest, **SHORT)
+    assert grown.complete and grown.calibration.done == 4 and grown.serving["fit"]["positions"] == 4 * 24
+    pairing.make_pair(SOURCE, TARGET, tmp_path / "whole", manifest=manifest, **SHORT)
+    one, two = (calibrating.load_statistics(tmp_path / f / "calibration", SOURCE, TARGET) for f in ("grown", "whole"))
+    assert torch.equal(one["key"].gram, two["key"].gram) and torch.equal(one["value"].cross, two["value"].cross)

@@ -5,8 +5,9 @@ The output folder holds:
 
     manifest.json       the corpus this run calibrates on (this machine's files, built on the first run, or a copy of
                         the one given), pinned by its sha256 in the setting
-    setting.json        what the statistics depend on (the models, the corpus, the sequences, the stride, the dtype);
-                        a run of another setting is refused
+    setting.json        what the statistics depend on (the models, the corpus, the sequence length, the chunk, the
+                        stride, the seed, the dtype); a run of another setting is refused, a run asking for more
+                        sequences extends the calibration (sequence `i` is the same whatever the count)
     calibration/        resumable checkpoints (`hf_kvmap.real.calibrating`)
     mapper/             the fitted `MapperModel` (`save_pretrained`: weights, config, model card)
     serving.json        the serving choice: the models, the rung to serve (`hf_kvmap.serving.rungs`), the dtype
@@ -187,7 +188,6 @@ def make_pair(
         "source": source,
         "target": target,
         "manifest_sha256": manifest_sha,
-        "sequences": sequences,
         "seq_len": seq_len,
         "chunk": chunk,
         "stride": stride,
