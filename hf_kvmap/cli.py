@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines `add_parser(subparsers)` (which sets `func`) and is imported only when the CLI runs.
-COMMANDS = ("benchmark", "card", "demo", "eval", "fit", "ladder", "obtain")
+COMMANDS = ("benchmark", "card", "demo", "eval", "fit", "ladder", "obtain", "pair")
 
 
 class Parser(argparse.ArgumentParser):

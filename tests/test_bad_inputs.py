@@ -750,6 +750,18 @@ CLI_WALK = {
         ["obtain", "--list", "--download-dir", "{tmp}/wheels"],
         ("download_dir", "{tmp}/wheels"),
     ),
+    "pair unknown model": (
+        ["pair", "qwen-9b", "qwen2.5-coder-1.5b-instruct", "--out", "{tmp}/new"],
+        r"argument source: unknown model 'qwen-9b'; the registered models are .*qwen2.5-coder-0.5b-instruct",
+        ["pair", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "--out", "{tmp}/new"],
+        ("source", "qwen2.5-coder-0.5b-instruct"),
+    ),
+    "pair --out a file": (
+        ["pair", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "--out", "{tmp}/file.txt"],
+        r"argument --out: .*file.txt is a file; name a folder",
+        ["pair", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "--out", "{tmp}/new"],
+        ("out", "{tmp}/new"),
+    ),
     "card --results missing": (
         ["card", "{tmp}/mapper", "--results", "{tmp}/missing.json"],
         r"argument --results: .*missing.json: no such file",
@@ -1248,6 +1260,7 @@ cases = {
     "calibrate-ladder --records, a file there": [*ladder, "--out", rw + "/m", "--records", ro + "/records.jsonl"],
     "card": ["card", mapper],
     "fit --out": ["fit", "--source", "s", "--target", "t", "--data", rw + "/d.txt", "--out", ro + "/m"],
+    "pair --out": ["pair", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "--out", ro + "/pair"],
 }
 found = {}
 for case, argv in cases.items():

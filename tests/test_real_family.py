@@ -136,32 +136,6 @@ def test_self_map_statistics_recover_the_identity(script, tiny):
         script.self_statistics(stats, "target")
 
 
-def test_checkpoint_swap_keeps_a_complete_one(script, tmp_path):
-    assert script.checkpoint_dir(tmp_path) is None
-    (tmp_path / "progress.json").write_text("{}")  # the first layout
-    assert script.checkpoint_dir(tmp_path) == tmp_path
-    tmp = tmp_path / "checkpoint.tmp"
-    tmp.mkdir()
-    (tmp / "progress.json").write_text('{"n": 1}')
-    script._swap_in(tmp_path, tmp)
-    assert script.checkpoint_dir(tmp_path) == tmp_path / "checkpoint" and not (tmp_path / "progress.json").exists()
-    # killed between the two renames of the next swap: the previous checkpoint is still found
-    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")
-    assert script.checkpoint_dir(tmp_path) == tmp_path / "checkpoint.old"
-
-
-def test_body_replay_runs_each_batch_once(script, tiny):
-    model = tiny.model(tiny.arch_config("qwen2-biased-k"))
-    replay = script.BodyReplay(model)
-    ids = torch.randint(3, 128, (1, 12))
-    first = replay(ids, use_cache=True)
-    assert replay(ids.clone(), use_cache=True) is first
-    assert replay(torch.randint(3, 128, (1, 12)), use_cache=True) is not first
-    with torch.no_grad():
-        truth = model(ids, use_cache=True).past_key_values
-    torch.testing.assert_close(first.past_key_values.layers[1].keys, truth.layers[1].keys)
-
-
 def test_assemble_computes_retention_only_against_the_pair(script):
     scores = {}
     values = {"alone|0.5b": 0.5, "alone|1.5b": 1.0, "0.5b-to-1.5b|ridge-k8": 0.25, "1.5b-to-0.5b|ridge-k8": 0.5}

@@ -4,7 +4,6 @@ prefill store, the result paths and how scores become one handoff's results."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -55,36 +54,10 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-class BodyReplay:
-    """A causal LM seen through its body only (no LM head: the statistics need the cache, not the logits), run once
-    per batch and replayed for the second direction, so each calibration batch costs one forward per model."""
-
-    def __init__(self, model):
-        self.model = model
-        self.config = model.config
-        self.training = False
-        self._key = None
-        self._out = None
-        self.forward_seconds = 0.0
-
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def __call__(self, input_ids, **kwargs):
-        key = (input_ids.shape, hash(input_ids.cpu().numpy().tobytes()))
-        if key != self._key:
-            start = time.perf_counter()
-            self._out = self.model.get_decoder()(input_ids, **kwargs)
-            self.forward_seconds += time.perf_counter() - start
-            self._key = key
-        return self._out
-
-
 def stats_dir(checkpoint: Path, source: str, target: str) -> Path:
-    return checkpoint / f"statistics-{direction_name(source, target)}"
+    from hf_kvmap.real.calibrating import statistics_name
+
+    return checkpoint / statistics_name(source, target, SHORT)
 
 
 def mapper_dir(work: Path, source: str, target: str, variant: str) -> Path:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import checkpoint_dir
+from hf_kvmap.real.calibrating import checkpoint_dir
+
 from .common import DIRECTIONS, VARIANTS, direction_name, mapper_dir, save_atomically, stats_dir, write_json
 
 

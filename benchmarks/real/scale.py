@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .calibrate import checkpoint_dir, cmd_calibrate
+from hf_kvmap.real.calibrating import checkpoint_dir
+
+from .calibrate import cmd_calibrate
 from .common import (
     BENCHMARKS,
     DIRECTIONS,
