@@ -75,9 +75,14 @@ def split_rungs(text: str) -> list[str]:
 
 
 def parse_strategy(text: str) -> dict:
-    """`name[:option=value,...]` -> strategy settings, e.g. `query_overlap:fill=draft_branches,after=24`."""
-    name, _, options = text.partition(":")
-    return {"name": name, **parse_options(options)}
+    """`name[:option=value,...]` -> strategy settings, e.g. `query_overlap:fill=draft_branches,after=24` (the
+    library's one syntax, `hf_kvmap.repair.base.strategy_from_text`)."""
+    from hf_kvmap.repair.base import strategy_from_text
+
+    try:
+        return strategy_from_text(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:

@@ -1067,3 +1067,25 @@ def test_repair_attention_reads_the_own_cache_when_everything_is_recomputed(one_
            "dtype": "float32"}  # fmt: skip
     page = bench.markdown({"run": run, "summary": bench.summary(rows)})
     assert "| 10 % | 1.000 / 2.000 / 2.250 | 0.10 / 0.30 / 0.10 (1 items) | 0.30 / 0.30 / 0.30 (1 items) |" in page
+
+
+def test_a_strategy_reads_from_its_text_the_one_way_every_front_end_writes_it():
+    from hf_kvmap.repair.base import strategy_from_text
+    from hf_kvmap.serving.rungs import parse_rung
+
+    text = "query_overlap:fill=draft_branches,after=24"
+    assert strategy_from_text(text) == {"name": "query_overlap", "fill": "draft_branches", "after": 24}
+    assert selector_from_dict(text).settings() == selector_from_dict(strategy_from_text(text)).settings()
+    assert long_switch_parse(text) == strategy_from_text(text)
+    assert (
+        parse_rung(f"repaired:{text}@0.1").handoff_kwargs["repair"].selector.settings()["fill"]["name"]
+        == "draft_branches"
+    )
+    with pytest.raises(ValueError, match="option 'after' is not key=value"):
+        strategy_from_text("query_overlap:after")
+
+
+def long_switch_parse(text):
+    from benchmarks.long_switch import parse_strategy
+
+    return parse_strategy(text)

@@ -113,12 +113,32 @@ class Selector:
         return f"{type(self).__name__}({options})"
 
 
+def strategy_from_text(text: str) -> dict[str, Any]:
+    """A strategy's settings from its text, `name[:option=value,...]` (each value read as JSON where it is one, else
+    kept as text): `query_overlap:fill=draft_branches,after=24` -> `{"name": "query_overlap", "fill":
+    "draft_branches", "after": 24}`. The one syntax the command line, the rungs and the benchmarks write."""
+    import json
+
+    name, _, options = text.strip().partition(":")
+    settings: dict[str, Any] = {"name": name}
+    for option in filter(None, (part.strip() for part in options.split(","))):
+        key, equals, raw = option.partition("=")
+        if not equals or not key:
+            raise ValueError(f"Repair strategy {text!r}: option {option!r} is not key=value.")
+        try:
+            settings[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            settings[key] = raw
+    return settings
+
+
 def selector_from_dict(settings: Selector | dict[str, Any] | str) -> Selector:
-    """A registered selector from `{"name": ..., **options}` (or just its name); a `Selector` is returned as is."""
+    """A registered selector from `{"name": ..., **options}`, its name, or its text (`name:option=value,...`,
+    `strategy_from_text`); a `Selector` is returned as is."""
     if isinstance(settings, Selector):
         return settings
     if isinstance(settings, str):
-        settings = {"name": settings}
+        settings = strategy_from_text(settings)
     if not isinstance(settings, dict):
         raise TypeError(f"A repair strategy is a name, a settings dict or a Selector; got {type(settings).__name__}.")
     settings = dict(settings)
@@ -207,4 +227,5 @@ __all__ = [
     "register_selector",
     "select_positions",
     "selector_from_dict",
+    "strategy_from_text",
 ]
