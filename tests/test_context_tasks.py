@@ -354,3 +354,16 @@ def test_exact_match_reads_the_answer_whatever_its_case_and_a_closing_full_stop(
         0.0,
         0.0,
     ]
+
+
+def test_a_reply_that_copies_every_candidate_scores_its_precision():
+    from hf_kvmap.real.task_text import string_match_all, string_match_listed
+
+    references = ["velvet", "walnut", "badge"]
+    dump = "attic, velvet, ladder, walnut, gopher, badge"  # the whole list: every reference, and three that are not
+    assert string_match_all(dump, references) == 1.0 and string_match_listed(dump, references) == 0.5
+    assert string_match_listed("velvet, walnut and badge.", references) == 1.0
+    assert string_match_listed(" VAR VELVET, VAR cedar, and VAR badge.", references) == pytest.approx(2 / 3)
+    assert string_match_listed("The number for the key is velvet.", ["velvet"]) == 1.0
+    item = long_tasks.LongItem("ruler_cwe", "", "", {"references": references})
+    assert context_tasks.score(item, dump) == 0.5

@@ -19,8 +19,8 @@ function of the seed and the item's index only.
   switch left. Why a sparse prefill fails there: a prefill of question 1's spans computed one of the three turns;
   questions 2 and 3 ask about the other two, at positions it never computed.
 - `code_defs` (pass@1 by executed tests): see `hf_kvmap.real.code_tasks`.
-- `ruler_multikey`, `ruler_multivalue`, `ruler_vt`, `ruler_cwe`, `ruler_fwe` (RULER's `string_match_all`): see
-  `hf_kvmap.real.ruler_tasks` (the needle families are its control: there the question's spans hold the answer).
+- `ruler_multikey`, `ruler_multivalue`, `ruler_vt`, `ruler_cwe`, `ruler_fwe` (RULER's `string_match_all`, held to
+  the length of the list asked for): see `hf_kvmap.real.ruler_tasks` (the needle families are its control: there the question's spans hold the answer).
 
 ```python
 from hf_kvmap.real.context_tasks import CONTEXT_TASKS, build_items, score
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from . import code_tasks, ruler_tasks
 from .corpus import Document
 from .long_tasks import LongItem
-from .task_text import COLORS, NAMES, PETS, TOWNS, TextStream, fit_to_length, string_match_all, token_length
+from .task_text import COLORS, NAMES, PETS, TOWNS, TextStream, fit_to_length, string_match_listed, token_length
 
 #: friends of a `chat_split` item (the candidates a guess picks from), people of each `followups` turn
 CHAT_SPLIT_FRIENDS, FOLLOWUP_PEOPLE = 4, 4
@@ -63,8 +63,9 @@ def exact_match(item: LongItem, reply: str) -> float:
 
 
 def references_found(item: LongItem, reply: str) -> float:
-    """RULER's `string_match_all` of the reply against `item.meta["references"]`."""
-    return string_match_all(reply, item.meta["references"])
+    """RULER's `string_match_all` of the reply against `item.meta["references"]`, held to the length of the list asked
+    for (`task_text.string_match_listed`: a reply that copies every candidate scores its precision)."""
+    return string_match_listed(reply, item.meta["references"])
 
 
 def _filler_turns(stream: TextStream, start: int, count: int) -> list[dict]:

@@ -4,7 +4,9 @@ at a length in tokens of the tokenizer given (2K, 4K and 8K for the real pair). 
 turn (instruction, context, question) followed by the start of the answer, which the model continues, as RULER prompts
 chat models; the filler is binary-searched so the prompt is at most `tokens` and within `LENGTH_TOLERANCE` of it.
 
-Scored by RULER's `string_match_all` (the share of the item's `meta["references"]` found in the reply, case-insensitive).
+Scored by RULER's `string_match_all` (the share of the item's `meta["references"]` found in the reply, case-insensitive),
+held to the length of the list asked for: a reply naming more items than there are references is divided by its count
+(`task_text.string_match_listed`), so copying every candidate is not credited with the references among them.
 
 Why a sparse prefill of the question's spans falls short on each (the target prefilling only the positions a selector
 such as `query_overlap` picks, the spans repeating the question's words, with nothing computed around them):

@@ -188,6 +188,17 @@ def string_match_all(reply: str, references: Sequence[str]) -> float:
     return sum(reference.lower() in text for reference in references) / len(references)
 
 
+def string_match_listed(reply: str, references: Sequence[str]) -> float:
+    """RULER's `string_match_all` held to the length of the list asked for: the references found in `reply`
+    (case-insensitive substrings) over the larger of their count and the count of items the reply names (split at
+    commas, semicolons, new lines and "and"). A reply that copies the whole list of candidates (which RULER's score
+    credits with most references) scores its precision instead; a reply naming as many items as asked scores as
+    RULER does."""
+    found = string_match_all(reply, references) * len(references)
+    named = [part for part in re.split(r",|;|\n|\band\b", reply) if re.search(r"[A-Za-z0-9]", part)]
+    return found / max(len(references), len(named))
+
+
 def words_of(text: str) -> set[str]:
     """The lowercase words of `text` (letters and digits; `Anna's` gives `anna` and `s`)."""
     return set(re.findall(r"[a-z0-9]+", text.lower()))
