@@ -354,6 +354,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/sealed.md": {
         "sealed-chat-doc": lambda: sealed_report.markdown(_json("sealed/switch-chat-doc.json")),
+        "sealed-whole-context": lambda: sealed_report.markdown(_json("sealed/whole-context.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
