@@ -1480,3 +1480,15 @@ def test_loads_racing_another_process_saving_read_one_version_each(pair, tmp_pat
         loaded.append(MapperModel.from_pretrained(tmp_path / "m").config.content_hash)
     assert int(process.stdout.read()) > 10 and len(loaded) > 10
     assert set(loaded) <= set(versions)
+
+
+def test_cli_calibrate_ladder_names_the_fix_for_a_mapper_of_another_pair(tmp_path, capsys):
+    """Before: the hint named the Python argument `allow_mismatch=True`, which calibrate-ladder has no flag for. After:
+    it says to calibrate a ladder for the mapper of these models."""
+    from hf_kvmap import zoo
+
+    other = str(zoo.mapper_path("tiny-m", "tiny-l"))
+    argv = [*LADDER, "--mapper", other, "--items", "2", "--out", str(tmp_path / "m")]
+    text = _cli_error(argv, capsys)
+    assert "does not match the models" in text and "calibrate a ladder for the mapper fitted for these models" in text
+    assert "allow_mismatch" not in text

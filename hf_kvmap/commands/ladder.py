@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         mapper.check_compatible(source, target, tokenizer, same_weights=args.same_weights)
     except ValueError as err:
-        raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
+        hint = "calibrate a ladder for the mapper fitted for these models (a ladder vouches for one pair)"
+        raise SystemExit(f"hf-kvmap calibrate-ladder: {str(err).replace('or allow_mismatch=True', hint)}") from None
     if done:
         print(f"resuming: {len(done)} of {len(items)} items measured in {args.records}")
         done = _with_strategies_beside(args, done, items, (source, target, mapper, tokenizer), strategies, fractions)
