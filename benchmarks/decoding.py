@@ -97,4 +97,20 @@ def text_nll(model, cache, last: torch.Tensor, continuation: list[int]) -> float
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(continuation)))
 
 
-__all__ = ["continue_batch", "first_token", "greedy", "text_nll"]
+@torch.no_grad()
+def follow_ups(model, tokenizer, cache, last: torch.Tensor, questions: list[dict], max_new: int, stop, eos: set[int]):
+    """The replies to a conversation's follow-up questions, asked on `cache` as the switch left it (no new prefill of
+    the conversation): each `questions[i]` (`i >= 1`) is asked after the previous one's reference answer and its
+    `append` text (the end of that turn and the new question), read on top of `last` (the held-back tokens) and what
+    came before; the cache is cropped back after each. Returns one `{"tokens", "text", "ttft_s"}` per follow-up."""
+    feed, replies = last, []
+    for previous, question in zip(questions, questions[1:]):
+        new = tokenizer(previous["answer"] + question["append"], add_special_tokens=False)["input_ids"]
+        feed = torch.cat([feed, torch.tensor([new], dtype=feed.dtype)], dim=1)
+        tokens, first, _ = greedy(model, cache, feed, max_new, stop, eos)
+        text = tokenizer.decode([t for t in tokens if t not in eos])
+        replies.append({"tokens": tokens, "text": text, "ttft_s": first})
+    return replies
+
+
+__all__ = ["continue_batch", "first_token", "follow_ups", "greedy", "text_nll"]

@@ -40,7 +40,7 @@ from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
 
 from . import long_switch_report
-from .decoding import continue_batch, first_token, greedy, text_nll
+from .decoding import continue_batch, first_token, follow_ups, greedy, text_nll
 from .long_switch_args import records_argument, rungs_argument
 from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 
@@ -206,7 +206,7 @@ class Runner:
             if refresh is not None:  # called as generate calls a logits processor
                 step = lambda tokens: refresh(torch.tensor([item["ids"] + tokens]), None)  # noqa: E731
             tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step)
-            out[arm] = record_of(model, cache, tokens, prepare, first)
+            out[arm], kept[arm] = record_of(model, cache, tokens, prepare, first), (model, cache)
             out[arm]["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
             if refresh is not None:
                 info = cache.mapping_info["refresh"]
@@ -215,6 +215,7 @@ class Runner:
                 }
 
         batched: list[tuple] = []  # (arm, cache, prepare, first token, its seconds): decoded together below
+        kept: dict[str, tuple] = {}  # arm -> (model, its served cache of the prompt): what follow-ups are asked on
 
         def start(arm: str, cache, prepare: float, refresh=None) -> None:
             if refresh is not None or not self.batch:
@@ -289,7 +290,7 @@ class Runner:
             for i in range(len(batched)):
                 arm, cache, prepare, _, first = batched[i]
                 cache.crop(-last.shape[1])  # back to the prompt's cache, for the NLL
-                out[arm] = record_of(self.target, cache, decoded[i], prepare, first)
+                out[arm], kept[arm] = record_of(self.target, cache, decoded[i], prepare, first), (self.target, cache)
                 out[arm]["decoded_with"] = len(batched)  # rows of the batch that decoded it (its seconds shared)
                 out[arm]["batch_s"] = seconds
         if source_cache is not None and "source" in arms and "source" not in done:
@@ -298,6 +299,12 @@ class Runner:
         reference = out["target"]["tokens"] if "target" in out else reference  # continuations agree with it
         for arm, record in out.items():
             record.update(score(item, record["text"], record["tokens"], reference if arm != "target" else None))
+        if len(item.get("questions", [])) > 1:  # the next questions, asked on the cache each arm served
+            for arm, (model, cache) in kept.items():
+                replies = follow_ups(model, self.tokenizer, cache, last, item["questions"], max_new, stop, self.eos)
+                for reply, question in zip(replies, item["questions"][1:]):
+                    reply.update(score({**item, "answer": question["answer"]}, reply["text"], reply["tokens"], None))
+                out[arm]["followups"] = replies
         return {arm: out[arm] for arm in arms if arm in out}
 
 

@@ -674,3 +674,47 @@ def test_bootstrap_intervals_bound_what_the_items_show_and_are_left_out_where_th
     assert "retention_interval" in arms(mixed)["rung@0.1"] and "retention_interval" in arms(mixed)["mapped"]
     short = mixed[: long_switch_report.MIN_ITEMS - 1]
     assert "retention_interval" not in arms(short)["rung@0.1"] and "retention_interval" not in arms(mixed)["target"]
+
+
+def test_follow_up_questions_are_asked_on_the_cache_each_arm_served(tiny, monkeypatch):
+    """`followups`' second and third questions, each after the previous reference answer and its appended turn, read
+    on the cache the switch left: on the target's own cache the replies are greedy's on a fresh prefill of the whole
+    conversation so far; every arm records one scored reply per follow-up and its cache keeps its length."""
+    from benchmarks.decoding import follow_ups, greedy
+    from hf_kvmap import MapperModel
+    from hf_kvmap._compat import output_cache
+
+    class Chars:  # a tokenizer of the test: one id per character
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+        def decode(self, tokens):
+            return "".join(chr(t) for t in tokens)
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "followups", 4)
+    model = tiny.model(seed=5)
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(4))
+    questions = [{"answer": "ab"}, {"answer": "cd", "append": "xyz"}, {"answer": "ef", "append": "uv"}]
+    cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
+    replies = follow_ups(model, Chars(), cache, ids[:, -1:], questions, 4, lambda t: False, set())
+    assert cache.get_seq_length() == 29 and len(replies) == 2
+    seen = ids
+    for reply, (previous, question) in zip(replies, zip(questions, questions[1:])):
+        seen = torch.cat([seen, torch.tensor([Chars()(previous["answer"] + question["append"])["input_ids"]])], 1)
+        fresh = output_cache(model(input_ids=seen[:, :-1], use_cache=True))
+        assert reply["tokens"] == greedy(model, fresh, seen[:, -1:], 4, lambda t: False, set())[0]
+
+    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner.source = runner.target = model
+    runner.mapper = MapperModel.identity(model.config)
+    runner.eos, runner.batch, runner.tokenizer = set(), True, Chars()
+    item = {"task": "followups", "ids": ids[0].tolist(), "answer": "ab", "questions": questions}
+    rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "sparse:tail@0.25")}
+    measured = runner.measure(item, ["target", "mapped", *rungs, "source"], rungs, {})
+    for arm, record in measured.items():
+        assert [r["score"] for r in record["followups"]] == [
+            float(r["text"].strip().rstrip(".").lower() == q["answer"])
+            for r, q in zip(record["followups"], questions[1:])
+        ], arm
+    assert [r["tokens"] for r in measured["target"]["followups"]] == [r["tokens"] for r in replies]
+    assert [r["tokens"] for r in measured["tail@0.25"]["followups"]] == [r["tokens"] for r in replies]  # identity map

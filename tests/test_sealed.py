@@ -185,3 +185,24 @@ def test_a_cell_measured_in_part_gives_no_verdict_and_no_interval_on_a_few_items
     rung = protocol.chosen("long_chat")
     assert cell["items"] == 10 and cell["verdict"] == {"rung": rung, "pending": "10 of 64 items measured"}
     assert cell["figures"][f"{rung}/map_adds"] == {"value": 1.0, "interval": None}
+
+
+def test_follow_up_questions_and_the_tasks_floor_are_reported_as_cells_of_their_own(tmp_path):
+    cells = [{"tasks": ["followups"], "tokens": 4096, "items": 64, "seed": 7}]
+    protocol = load_protocol(_protocol(tmp_path, cells=cells))
+    path = _records(tmp_path / "r.jsonl", protocol, "followups", [(1, 0, 0, 1, 1)] * 32 + [(1, 1, 0, 1, 1)] * 32)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:  # question 2: the repair keeps it, the sparse prefill (which never read its turn) does not
+        for arm, record in row["arms"].items():
+            right = arm in ("target",) or not (arm.startswith("sparse:") or arm in ("mapped", "source"))
+            record["followups"] = [{"text": "x", "tokens": [1], "ttft_s": 0.5, "score": float(right)}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    results = report.assemble(protocol, [str(path)])
+    first, second = results["cells"]
+    rung = protocol.chosen("followups")
+    assert (first["task"], second["task"]) == ("followups", "followups:q2") and second["items"] == 64
+    assert first["chance"] == second["chance"] == 0.25  # a question picks one of four candidates
+    assert (
+        first["figures"][f"{rung}/map_adds"]["value"] == 0.0 and second["figures"][f"{rung}/map_adds"]["value"] == 1.0
+    )
+    assert second["figures"]["target/score"]["value"] == 1.0 and second["target_wins"] == 64

@@ -60,7 +60,9 @@ class Protocol:
         return ["target", "mapped", *self.rungs, *(SPARSE + rung for rung in self.rungs), "source"]
 
     def cell(self, task: str, tokens: int) -> dict[str, Any]:
-        """The report cell of `task` at `tokens` (items, seed); refuses one the protocol does not name."""
+        """The report cell of `task` at `tokens` (items, seed); refuses one the protocol does not name. A follow-up
+        question's task (`followups:q2`) is its conversation's."""
+        task = task.split(":")[0]
         for cell in self.settings["cells"]:
             if task in cell["tasks"] and cell["tokens"] == tokens:
                 return cell
@@ -70,7 +72,7 @@ class Protocol:
     def chosen(self, task: str) -> str:
         """The rung the verdicts of `task` read."""
         chosen = self.settings["chosen"]
-        return chosen.get(task, chosen["default"])
+        return chosen.get(task.split(":")[0], chosen["default"])
 
 
 def _require(condition: bool, path, message: str) -> None:

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from hf_kvmap.real.long_tasks import CHANCE
+from hf_kvmap.real.context_tasks import CHANCE as CONTEXT_CHANCE
+from hf_kvmap.real.long_tasks import CHANCE as LONG_CHANCE
 from hf_kvmap.reporting import retention_measurable, write_json
 
 from ..long_switch_report import load
@@ -47,6 +48,8 @@ def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], 
                 raise SystemExit(f"{path}: {key}: {err}") from None
             if int(key.split("/")[3]) != cell["seed"]:
                 raise SystemExit(f"{path}: {key} is not of the cell's seed {cell['seed']}.")
+            for extra, follow in follow_up_rows(key, row):  # each follow-up question, a cell of its own
+                cells.setdefault((follow["task"], length), {})[extra] = follow
             rows = cells.setdefault((task, length), {})
             if key in rows and rows[key]["setup"].get("mapper") != row["setup"].get("mapper"):
                 raise SystemExit(
@@ -59,6 +62,30 @@ def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], 
                 rows[key] = {**row, "arms": dict(row["arms"])}
     return {cell: list(rows.values()) for cell, rows in sorted(cells.items())}
 
+
+def follow_up_rows(key: str, row: dict) -> list[tuple[str, dict]]:
+    """A conversation's follow-up questions as rows of their own (`followups:q2`, `followups:q3`): every arm's reply
+    to question `i`, asked on the cache that arm served (`benchmarks.long_switch`); its first token is the
+    follow-up's."""
+    arms = row["arms"]
+    count = min((len(record.get("followups", [])) for record in arms.values()), default=0)
+    out = []
+    for index in range(count):
+        name = f"{row['task']}:q{index + 2}"
+        follow = {
+            arm: {
+                **record["followups"][index],
+                "load": record.get("load"),
+                "score": record["followups"][index]["score"],
+            }
+            for arm, record in arms.items()
+        }
+        out.append((f"{key}:q{index + 2}", {**row, "task": name, "arms": follow}))
+    return out
+
+
+#: each task's floor: the chance of guessing one of a prompt's candidates (`long_tasks`, `context_tasks`)
+CHANCE = {**LONG_CHANCE, **CONTEXT_CHANCE}
 
 #: the fewest items a figure's interval is given on (on a few items every resample can agree: a one-point interval
 #: that bounds nothing)
@@ -105,7 +132,7 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
     out = {"task": task, "length": length, "items": len(complete), "planned": cell["items"], "seed": cell["seed"]}
     if not complete:
         return out
-    chance = CHANCE.get(task, 0.0)
+    chance = CHANCE.get(task.split(":")[0], 0.0)
     max_load = protocol.settings["timing"]["max_load"]
     point = _statistics(complete, arms, chance, max_load)
     interval = protocol.settings["interval"]
@@ -231,6 +258,7 @@ def markdown(results: dict) -> str:
 def assemble(protocol: Protocol, paths: list[str]) -> dict:
     cells = read_records(protocol, paths)
     planned = [(task, cell["tokens"]) for cell in protocol.settings["cells"] for task in cell["tasks"]]
+    planned += sorted(set(cells) - set(planned))  # the follow-up questions of a conversation measured
     return {
         "protocol": {"path": protocol.path, "sha256": protocol.sha256, "name": protocol.settings["name"]},
         "arms": protocol.arms,
