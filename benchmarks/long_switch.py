@@ -396,6 +396,7 @@ def apply_protocol(args):
     """`--protocol FILE`: every choice from the sealed protocol (rungs, direction, dtype, threads, each task's cell:
     items and seed), refusing a flag that would change one; returns the protocol (None without the flag)."""
     if not args.protocol:
+        args.contexts = args.contexts or "sequential"
         for flag, value, default in (
             ("--rungs", args.rungs, "draft_attention@0.2"),
             ("--direction", args.direction, "0.5b:1.5b"),
@@ -436,6 +437,9 @@ def apply_protocol(args):
     args.seed = seeds.pop() if len(seeds) == 1 else None
     if args.seed is None:
         raise SystemExit(f"--tasks {args.tasks}: their cells use different seeds; run them one at a time.")
+    if args.contexts not in (None, "distinct"):
+        raise SystemExit(f"--contexts {args.contexts}: a sealed protocol draws one code context a problem (distinct).")
+    args.contexts = "distinct"
     most = min(cell["items"] for cell in cells)
     args.items = most if args.items is None else args.items
     if args.offset + args.items > most:
@@ -527,10 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offset", type=int, default=0, help="humaneval: the first problem")
     parser.add_argument(
         "--contexts",
-        default="sequential",
+        default=None,
         choices=["sequential", "distinct"],
-        help="humaneval: 'distinct' gives each problem its own code window whatever --offset (new runs); "
-        "'sequential' the windows in turn from --offset's problem (how the records before it were built)",
+        help="humaneval: 'distinct' gives each problem its own code window whatever --offset (new runs; a protocol's "
+        "cells); 'sequential' (the default) the windows in turn from --offset's problem (how the records before it "
+        "were built)",
     )
     parser.add_argument("--seed", type=int, default=None, help="default 4321 (a protocol: its cell's seed)")
     parser.add_argument(

@@ -15,10 +15,11 @@ from benchmarks.sealed.protocol import ProtocolError, load_protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = sorted((ROOT / "benchmarks" / "protocols").glob("*.json"))
+CHAT_DOC = ROOT / "benchmarks" / "protocols" / "switch-chat-doc.json"
 
 
 def _protocol(tmp_path, **changes) -> Path:
-    settings = json.loads(COMMITTED[0].read_text())
+    settings = json.loads(CHAT_DOC.read_text())
     settings.update(changes)
     path = tmp_path / "protocol.json"
     path.write_text(json.dumps(settings))
@@ -62,7 +63,7 @@ def test_the_sha256_is_of_the_files_bytes(tmp_path):
 
 
 def _args(*extra: str):
-    argv = ["--protocol", str(COMMITTED[0]), "--tasks", "long_chat", "--tokens", "4096", *extra]
+    argv = ["--protocol", str(CHAT_DOC), "--tasks", "long_chat", "--tokens", "4096", *extra]
     args = long_switch.build_parser().parse_args(argv)
     return args
 
@@ -99,7 +100,7 @@ def test_a_run_that_would_change_a_sealed_choice_is_refused(extra, message):
 
 
 def test_a_task_the_protocol_has_no_cell_for_is_refused():
-    args = long_switch.build_parser().parse_args(["--protocol", str(COMMITTED[0]), "--tokens", "1024"])
+    args = long_switch.build_parser().parse_args(["--protocol", str(CHAT_DOC), "--tokens", "1024"])
     with pytest.raises(SystemExit, match="no cell for long_chat at 1024"):
         long_switch.apply_protocol(args)
 
@@ -129,14 +130,14 @@ def _records(path: Path, protocol, task: str, outcomes: list[tuple], stamp: str 
 
 
 def test_the_report_refuses_records_made_under_other_choices(tmp_path):
-    protocol = load_protocol(COMMITTED[0])
+    protocol = load_protocol(CHAT_DOC)
     path = _records(tmp_path / "r.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)], stamp="f" * 64)
     with pytest.raises(SystemExit, match="made under protocol ffffffffffff"):
         report.read_records(protocol, [str(path)])
 
 
 def test_the_report_gives_each_figure_an_interval_and_reads_verdicts_on_lower_bounds(tmp_path):
-    protocol = load_protocol(COMMITTED[0])
+    protocol = load_protocol(CHAT_DOC)
     # 64 items: the 1.5B right on 48, the 0.5B on 16 (32 wins); the repair keeps every right answer, the sparse
     # prefill of the same positions half of the wins
     outcomes = [(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
@@ -159,7 +160,7 @@ def test_the_report_gives_each_figure_an_interval_and_reads_verdicts_on_lower_bo
 
 
 def test_fewer_wins_than_the_protocol_asks_is_no_gap_to_recover(tmp_path):
-    protocol = load_protocol(COMMITTED[0])
+    protocol = load_protocol(CHAT_DOC)
     outcomes = [(1, 1, 0, 1, 1)] * 50 + [(1, 0, 0, 1, 0)] * 14  # 14 wins: below min_gap_items (15)
     path = _records(tmp_path / "r.jsonl", protocol, "long_doc", outcomes)
     cell = next(c for c in report.assemble(protocol, [str(path)])["cells"] if c["task"] == "long_doc")
@@ -170,7 +171,7 @@ def test_fewer_wins_than_the_protocol_asks_is_no_gap_to_recover(tmp_path):
 
 
 def test_the_report_refuses_an_item_measured_on_two_fits_of_the_map(tmp_path):
-    protocol = load_protocol(COMMITTED[0])
+    protocol = load_protocol(CHAT_DOC)
     first = _records(tmp_path / "a.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)])
     second = _records(tmp_path / "b.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)], mapper="other")
     assert report.read_records(protocol, [str(first)])[("long_chat", 4096)][0]["setup"]["mapper"] == "m"
@@ -179,7 +180,7 @@ def test_the_report_refuses_an_item_measured_on_two_fits_of_the_map(tmp_path):
 
 
 def test_a_cell_measured_in_part_gives_no_verdict_and_no_interval_on_a_few_items(tmp_path):
-    protocol = load_protocol(COMMITTED[0])
+    protocol = load_protocol(CHAT_DOC)
     path = _records(tmp_path / "r.jsonl", protocol, "long_chat", [(1, 0, 0, 1, 0)] * 10)
     cell = next(c for c in report.assemble(protocol, [str(path)])["cells"] if c["task"] == "long_chat")
     rung = protocol.chosen("long_chat")
@@ -206,3 +207,13 @@ def test_follow_up_questions_and_the_tasks_floor_are_reported_as_cells_of_their_
         first["figures"][f"{rung}/map_adds"]["value"] == 0.0 and second["figures"][f"{rung}/map_adds"]["value"] == 1.0
     )
     assert second["figures"]["target/score"]["value"] == 1.0 and second["target_wins"] == 64
+
+
+def test_a_humaneval_cell_draws_one_code_context_a_problem():
+    path = ROOT / "benchmarks" / "protocols" / "humaneval-code.json"
+    args = long_switch.parse_args(["--protocol", str(path), "--tasks", "humaneval", "--tokens", "2048"])
+    assert (args.contexts, args.items, args.seed) == ("distinct", 164, 20261209)
+    assert long_switch.key_of(args, {"task": "humaneval", "index": 3}).endswith("/3/distinct")
+    with pytest.raises(SystemExit, match="one code context a problem"):
+        long_switch.parse_args(["--protocol", str(path), "--tasks", "humaneval", "--contexts", "sequential"])
+    assert long_switch.parse_args(["--tasks", "humaneval"]).contexts == "sequential"  # without a protocol

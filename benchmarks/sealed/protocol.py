@@ -107,7 +107,11 @@ def load_protocol(path: str | Path) -> Protocol:
     cells = settings["cells"]
     _require(isinstance(cells, list) and cells, path, "cells: a list of {tasks, tokens, items, seed}.")
     for cell in cells:
-        _require(set(cell) == {"tasks", "tokens", "items", "seed"}, path, f"cell {cell}: tasks, tokens, items, seed.")
+        keys = set(cell) - {"contexts"}  # `contexts`: how HumanEval's code contexts are drawn (long_switch --contexts)
+        _require(keys == {"tasks", "tokens", "items", "seed"}, path, f"cell {cell}: tasks, tokens, items, seed.")
+        _require(
+            cell.get("contexts", "distinct") == "distinct", path, "a cell's contexts are 'distinct' (one a problem)."
+        )
         _require(cell["seed"] not in seeds, path, f"cell seed {cell['seed']} was used while choosing.")
         floor = 32 if cell["tokens"] >= 8192 else 64
         _require(cell["items"] >= floor, path, f"cell {cell}: at least {floor} report items at {cell['tokens']}.")
