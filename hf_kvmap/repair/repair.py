@@ -263,26 +263,23 @@ def repair_cache(
     repair = RepairConfig.from_dict(repair)
     length = _check(target, cache, input_ids, attention_mask, position_ids)
     if selection is None:
-        context, counts = _plan(
+        selection = select_repair(
             target,
-            cache,
             input_ids,
             repair,
-            length,
-            attention_mask,
-            position_ids,
-            source,
-            source_cache,
-            source_position_ids,
-            source_draft,
-            start,
+            length=length,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            source=source,
+            source_cache=source_cache,
+            source_position_ids=source_position_ids,
+            source_draft=source_draft,
+            start=start,
         )
-        positions, valid = repair.selector.select(context, counts)
-        candidates = context.candidates
-    else:
-        positions, valid = selection
-        candidates = _candidates(input_ids, attention_mask, length, start)
-        counts = valid.sum(-1).tolist()
+    positions, valid = selection
+    candidates = _candidates(input_ids, attention_mask, length, start)
+    counts = valid.sum(-1).tolist()
     mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(input_ids.device).long()
     if position_ids is None:
         position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
