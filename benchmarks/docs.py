@@ -281,6 +281,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {
         "headline-tiny": headline_tiny,
         "headline-repair": headline_repair,
+        "headline-sealed": lambda: sealed_report.headline(
+            [_json("sealed/whole-context.json"), _json("sealed/switch-chat-doc.json")]
+        ),
         "package-weight": lambda: package_size.markdown(_json("package_size.json")),
     },
     "docs/results-tiny-family.md": {

@@ -217,3 +217,16 @@ def test_a_humaneval_cell_draws_one_code_context_a_problem():
     with pytest.raises(SystemExit, match="one code context a problem"):
         long_switch.parse_args(["--protocol", str(path), "--tasks", "humaneval", "--contexts", "sequential"])
     assert long_switch.parse_args(["--tasks", "humaneval"]).contexts == "sequential"  # without a protocol
+
+
+def test_the_readme_headline_names_each_complete_cell_with_its_intervals(tmp_path):
+    protocol = load_protocol(CHAT_DOC)
+    outcomes = [(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
+    results = report.assemble(protocol, [str(_records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes))])
+    text = report.headline([results])
+    rung = protocol.chosen("long_chat")
+    assert text.count("\n- ") == 1  # one complete cell; the cells measured in part or not at all are left out
+    assert f"- long_chat at 4096 tokens (64 items, protocol `switch-chat-doc`): `{rung}` keeps 1.00" in text
+    assert "first token 10.00x [" in text and "the map adds 0.25 [" in text
+    empty = report.assemble(protocol, [str(_records(tmp_path / "s.jsonl", protocol, "long_chat", outcomes[:10]))])
+    assert report.headline([empty]).endswith("no sealed cell is complete yet.")
