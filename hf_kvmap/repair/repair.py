@@ -109,57 +109,12 @@ def _check(target, cache, input_ids, attention_mask, position_ids) -> int:
     return length
 
 
-def _candidates(input_ids, attention_mask, length: int, start: int) -> torch.Tensor:
+def candidate_positions(input_ids, attention_mask, length: int, start: int = 0) -> torch.Tensor:
+    """`(batch, length)` bool: the cached positions a strategy may select (the real tokens, from `start` on)."""
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     candidates = mask.to(input_ids.device)[:, :length].bool().clone()
     candidates[:, :start] = False
     return candidates
-
-
-def _plan(
-    target,
-    cache,
-    input_ids,
-    repair,
-    length,
-    attention_mask,
-    position_ids,
-    source,
-    source_cache,
-    source_position_ids,
-    source_draft,
-    start,
-) -> tuple[RepairContext, list[int]]:
-    """The context a strategy reads and each row's budget (the checks of `repair_cache`, but the cache's own)."""
-    selector = repair.selector
-    if selector.needs_source and (source is None or source_cache is None):
-        raise ValueError(
-            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
-            "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
-        )
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
-        raise ValueError(f"start={start!r} must be an integer in [0, {length}].")
-    if source_cache is not None and not isinstance(source_cache, Cache):  # a sequence of (keys, values) pairs
-        source_cache = Cache(layers=[as_layer(keys, values) for keys, values in source_cache])
-    batch, width = input_ids.shape
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    mask = mask.to(input_ids.device).long()
-    if position_ids is None:
-        position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
-    candidates = _candidates(input_ids, attention_mask, length, start)
-    context = RepairContext(
-        target=target,
-        cache=cache,
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        candidates=candidates,
-        source=source,
-        source_cache=source_cache,
-        source_position_ids=source_position_ids,
-        source_draft=source_draft,
-    )
-    return context, budget_counts(candidates, repair.fraction, repair.tokens)
 
 
 @torch.no_grad()
@@ -195,21 +150,35 @@ def select_repair(
     repair = RepairConfig.from_dict(repair)
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= input_ids.shape[1]:
         raise ValueError(f"length={length!r} must be an int in [1, {input_ids.shape[1]}] (the cached positions).")
-    context, counts = _plan(
-        target,
-        cache,
-        input_ids,
-        repair,
-        length,
-        attention_mask,
-        position_ids,
-        source,
-        source_cache,
-        source_position_ids,
-        source_draft,
-        start,
+    selector = repair.selector
+    if selector.needs_source and (source is None or source_cache is None):
+        raise ValueError(
+            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
+            "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
+        )
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
+        raise ValueError(f"start={start!r} must be an integer in [0, {length}].")
+    if source_cache is not None and not isinstance(source_cache, Cache):  # a sequence of (keys, values) pairs
+        source_cache = Cache(layers=[as_layer(keys, values) for keys, values in source_cache])
+    batch, width = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    mask = mask.to(input_ids.device).long()
+    if position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
+    candidates = candidate_positions(input_ids, attention_mask, length, start)
+    context = RepairContext(
+        target=target,
+        cache=cache,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        candidates=candidates,
+        source=source,
+        source_cache=source_cache,
+        source_position_ids=source_position_ids,
+        source_draft=source_draft,
     )
-    return repair.selector.select(context, counts)
+    return selector.select(context, budget_counts(candidates, repair.fraction, repair.tokens))
 
 
 @torch.no_grad()
@@ -278,7 +247,7 @@ def repair_cache(
             start=start,
         )
     positions, valid = selection
-    candidates = _candidates(input_ids, attention_mask, length, start)
+    candidates = candidate_positions(input_ids, attention_mask, length, start)
     counts = valid.sum(-1).tolist()
     mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(input_ids.device).long()
     if position_ids is None:

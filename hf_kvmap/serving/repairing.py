@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 from ..drafting import Draft
 from ..repair import RepairConfig, repair_cache
 from ..repair.base import budget_counts
+from ..repair.repair import candidate_positions
 
 
 @torch.no_grad()
@@ -49,10 +50,7 @@ def apply_repair(
         source_draft=source_draft,
         start=start,
     )
-    length = cache.get_seq_length()
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    candidates = mask[:, :length].bool().clone()
-    candidates[:, :start] = False
+    candidates = candidate_positions(input_ids, attention_mask, cache.get_seq_length(), start)
     return budget_counts(candidates, repair.fraction, repair.tokens)
 
 
