@@ -718,3 +718,47 @@ def test_follow_up_questions_are_asked_on_the_cache_each_arm_served(tiny, monkey
         ], arm
     assert [r["tokens"] for r in measured["target"]["followups"]] == [r["tokens"] for r in replies]
     assert [r["tokens"] for r in measured["tail@0.25"]["followups"]] == [r["tokens"] for r in replies]  # identity map
+
+
+def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch, tmp_path):
+    """`benchmarks.map_compare`: two maps on one item. The target, source and sparse arms are measured once and stand
+    in both maps' files (the same records); the identity map's rungs answer as the target, a halved map's mapped cache
+    does not; each file is a complete long_switch records file; a rerun measures nothing again."""
+    from benchmarks import map_compare
+    from hf_kvmap import MapperModel
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
+    model = tiny.model(seed=5)
+    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner.source = runner.target = model
+    runner.eos, runner.batch = set(), True
+    runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    identity, halved = MapperModel.identity(model.config), MapperModel.identity(model.config)
+    with torch.no_grad():
+        for parameter in halved.parameters():
+            parameter.mul_(0.5)
+    identity.config.content_hash, halved.config.content_hash = "id", "half"
+    ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(2)).tolist()
+    item = {"task": "continuation", "index": 0, "ids": ids, "continuation_ids": ids[:6], "answer": ""}
+    rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "sparse:tail@0.25")}
+    args = types.SimpleNamespace(direction="0.5b:1.5b", tokens=40, seed=1, dtype="float32", tasks="continuation")
+    calls = []
+    measure = runner.measure
+    monkeypatch.setattr(runner, "measure", lambda *a: calls.append(sorted(a[1])) or measure(*a), raising=False)
+    map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path, args)
+    rows = {label: list(long_switch_report.load(tmp_path / f"{label}.jsonl").values()) for label in ("id", "half")}
+    assert [len(r) for r in rows.values()] == [1, 1]
+    one, two = rows["id"][0]["arms"], rows["half"][0]["arms"]
+    assert sorted(one) == sorted(two) == sorted(["target", "mapped", "tail@0.25", "sparse:tail@0.25", "source"])
+    for arm in ("target", "source", "sparse:tail@0.25"):
+        assert one[arm] == two[arm]  # measured once, the same record in both files
+    assert one["mapped"]["tokens"] == one["target"]["tokens"] and one["tail@0.25"]["tokens"] == one["target"]["tokens"]
+    assert two["mapped"]["nll"] != pytest.approx(one["mapped"]["nll"])  # the other map served its own caches
+    assert rows["id"][0]["setup"]["map"] == "id" and rows["half"][0]["setup"]["mapper"] == "half"
+    calls.clear()
+    map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path, args)
+    assert len(calls) == 1  # the warm-up only: every arm of both maps is on file
+    with pytest.raises(SystemExit, match="at least two maps"):
+        map_compare.parse_maps(f"a={tmp_path}")
+    with pytest.raises(SystemExit, match="is not a folder"):
+        map_compare.parse_maps(f"a={tmp_path},b={tmp_path / 'nothing'}")

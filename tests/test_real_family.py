@@ -74,6 +74,22 @@ def test_calibration_sequences_are_fixed_and_extend(tmp_path, byte_tokenizer, ti
         corpus.calibration_sequences(tokenizer, documents, 10_000, length=64)
 
 
+def test_conversation_sequences_are_long_chats_of_the_calibration_split(tmp_path, byte_tokenizer, tiny):
+    tokenizer = byte_tokenizer
+    documents = corpus.discover(*tiny.fake_machine(tmp_path, files=30))
+    short = corpus.conversation_sequences(tokenizer, documents, 2, length=96, turn_tokens=12)
+    longer = corpus.conversation_sequences(tokenizer, documents, 4, length=96, turn_tokens=12)
+    assert longer[:2] == short and all(len(seq) == 96 for seq in longer)
+    assert longer[0] != longer[1]  # each conversation goes on with the next passages
+    text = tokenizer.decode(longer[0])
+    assert text.startswith("<user>") and text.count("<assistant>") >= 2  # many turns, both roles, in the template
+    split = "\n".join([*corpus.code_texts(documents, "calibration"), *corpus.prose_texts(documents, "calibration")])
+    turns = re.findall(r"<(?:user|assistant)>(.*?)<eos>", text, flags=re.S)
+    assert len(turns) >= 4 and all(turn.strip() and turn in split for turn in turns)  # passages of that split only
+    with pytest.raises(ValueError, match="ran out after"):
+        corpus.conversation_sequences(tokenizer, documents, 10_000, length=96, turn_tokens=12)
+
+
 def test_tasks_from_the_held_out_split(tmp_path, byte_tokenizer, tiny):
     tokenizer = byte_tokenizer
     documents = corpus.discover(*tiny.fake_machine(tmp_path, files=30))

@@ -40,7 +40,11 @@ def cmd_calibrate(args, models: dict | None = None, after_checkpoint=None) -> in
     tokenizer = load_tokenizer(SMALL, args.cache_dir)
     if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(load_tokenizer(LARGE, args.cache_dir)):
         raise SystemExit("The two Qwen sizes should share a tokenizer, and these do not.")
-    sequences = corpus.calibration_sequences(tokenizer, documents, args.sequences, args.seq_len, seed=args.seed)
+    corpus_form = getattr(args, "corpus", "mixed")  # `scale follow` calibrates the mixed corpus
+    if corpus_form == "conversations":  # long multi-turn chats of calibration text, for serving at length
+        sequences = corpus.conversation_sequences(tokenizer, documents, args.sequences, args.seq_len, seed=args.seed)
+    else:
+        sequences = corpus.calibration_sequences(tokenizer, documents, args.sequences, args.seq_len, seed=args.seed)
     chunks = [sequences[i : i + args.chunk] for i in range(0, len(sequences), args.chunk)]
     setting = {
         "manifest_sha256": manifest_sha,
@@ -50,6 +54,8 @@ def cmd_calibrate(args, models: dict | None = None, after_checkpoint=None) -> in
         "seed": args.seed,
         "dtype": args.dtype,
     }
+    if corpus_form != "mixed":  # named only when not the default, so checkpoints made before the flag still resume
+        setting["corpus"] = corpus_form
 
     def report(progress, snapshot):
         index = list(progress["done"])[-1]  # chunks are done in order, each recorded last

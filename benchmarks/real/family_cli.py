@@ -42,6 +42,13 @@ def add_commands(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--manifest", type=Path, default=MANIFEST)
     p.add_argument("--sequences", type=int, default=500, help="total sequences (paper: 500)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (paper: 1024)")
+    p.add_argument(
+        "--corpus",
+        choices=["mixed", "conversations"],
+        default="mixed",
+        help="mixed: code, prose and two-turn chats in turn (the paper's kind of text); conversations: long multi-turn "
+        "chats of the same split's passages (hf_kvmap.real.corpus.conversation_sequences), for maps served at length",
+    )
     p.add_argument("--chunk", type=int, default=2, help="sequences per checkpoint")
     p.add_argument("--stride", type=int, default=2, help="keep every n-th position")
     p.add_argument("--seed", type=int, default=0)

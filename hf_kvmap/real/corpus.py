@@ -11,7 +11,9 @@ A *manifest* pins the text: every file's path, sha256, kind and split (calibrati
 the path so that it does not depend on the order files were found). `load_documents` refuses files whose content
 no longer matches, so a fit records exactly which text it saw. Calibration sequences are cut from three streams
 (code, prose, and prose in chat form, rendered with the tokenizer's chat template) in a fixed interleaving, so
-sequence `i` is the same on every run and a collection job can stop after any chunk and resume.
+sequence `i` is the same on every run and a collection job can stop after any chunk and resume. Long conversations
+(`conversation_sequences`: many turns of calibration text in the chat template) are the other form a map can be
+calibrated on, for serving at length.
 """
 
 from __future__ import annotations
@@ -256,6 +258,54 @@ def calibration_sequences(
                 "tokens; use fewer or shorter sequences, or a manifest with more files."
             )
         sequences.append(window)
+    return sequences
+
+
+def _passages(tokenizer, texts: Iterator[str], tokens: int) -> Iterator[str]:
+    """Consecutive passages of `tokens` token ids from `texts`, decoded (a file's tail shorter than one is dropped)."""
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids) - tokens + 1, tokens):
+            yield tokenizer.decode(ids[start : start + tokens])
+
+
+def conversation_sequences(
+    tokenizer, documents: Sequence[Document], count: int, length: int = 4096, seed: int = 0, turn_tokens: int = 192
+) -> list[list[int]]:
+    """`count` long conversations of exactly `length` token ids from the calibration split: turns of about
+    `turn_tokens` tokens (a code or a prose passage, in turn) said by the user and the assistant in turn, rendered
+    with the tokenizer's chat template (its default system turn included) and cut at `length`.
+
+    What a served conversation looks like at length (many turns, the template's markers every few hundred tokens),
+    from text of the calibration split only: the held-out split that the evaluation tasks draw on never enters.
+    Sequence `i` depends only on the manifest, the tokenizer, `length`, `turn_tokens` and `seed` (not on `count`).
+
+    Raises:
+        `ValueError`: the calibration split runs out before `count` conversations are built.
+    """
+    streams = [
+        _passages(tokenizer, code_texts(documents, "calibration", seed), turn_tokens),
+        _passages(tokenizer, prose_texts(documents, "calibration", seed), turn_tokens),
+    ]
+    sequences = []
+    turn = 0
+    for _ in range(count):
+        messages: list[dict] = []
+        ids: list[int] = []
+        while len(ids) < length:
+            try:
+                passage = next(streams[turn % 2])
+            except StopIteration:
+                raise ValueError(
+                    f"The calibration split ran out after {len(sequences)} conversations of {length} tokens; use "
+                    "fewer or shorter ones, or a manifest with more files."
+                ) from None
+            role = "user" if len(messages) % 2 == 0 else "assistant"
+            messages.append({"role": role, "content": passage})
+            turn += 1
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        sequences.append(list(ids[:length]))
     return sequences
 
 

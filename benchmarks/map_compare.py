@@ -1,0 +1,184 @@
+"""Which map carries the context: several fitted maps of one pair served on the same items in one run, each beside
+the sparse prefill of the same positions (no map), the target's own prefill computed once for all of them.
+
+Per item, as `benchmarks.long_switch` measures it: the target alone, the source alone, each rung's sparse prefill
+(map-free: the same for every map) and, for every map, the mapped cache and each rung's repair of it. The shared arms
+are measured once, with the first map, and written into every map's row, so each map's records file is a complete
+`benchmarks.long_switch` records file (its report and `benchmarks.sealed.report` read it alone) and two maps compare
+item by item. A rerun resumes: an item is measured again only for the maps whose file lacks it.
+
+    python -m benchmarks.map_compare --maps ridge-k8-5k=$A,ridge-k8-conv=$B --tasks ruler_vt,chat_split \
+        --tokens 4096 --items 8 --seed 4321 --dtype bfloat16 \
+        --rungs 'query_overlap:fill=draft_branches@0.1,sparse:query_overlap:fill=draft_branches@0.1' \
+        --records-dir benchmarks/results/map-choice/4096
+    python -m benchmarks.map_compare --summary --records-dir benchmarks/results/map-choice/4096
+
+Made for choosing among maps on selection items (never the report items of a sealed protocol); the map chosen is
+then reported under a protocol of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_kvmap.reporting import environment_info
+
+from . import long_switch, long_switch_report
+from .sealed.protocol import SPARSE
+
+SHARED = ("target", "source")  # and every sparse arm: none of them reads a map
+
+
+def parse_maps(text: str) -> dict[str, Path]:
+    """`label=folder,label=folder` -> `{label: folder}` (at least two maps, distinct labels, folders that exist)."""
+    maps: dict[str, Path] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        label, sep, folder = entry.partition("=")
+        if not sep or not label or not folder:
+            raise SystemExit(f"--maps entry {entry!r}: write label=folder (e.g. ridge-k8-5k=$WORK/mappers/...)")
+        if label in maps:
+            raise SystemExit(f"--maps: the label {label!r} is given twice")
+        if not Path(folder).expanduser().is_dir():
+            raise SystemExit(f"--maps {label}: {folder} is not a folder (a fitted map's folder, with config.json)")
+        maps[label] = Path(folder).expanduser()
+    if len(maps) < 2:
+        raise SystemExit(f"--maps {text!r}: name at least two maps to compare (one map: benchmarks.long_switch)")
+    return maps
+
+
+def shared(arm: str) -> bool:
+    return arm in SHARED or arm.startswith(SPARSE)
+
+
+def run(args) -> None:
+    from hf_kvmap import MapperModel
+    from hf_kvmap.repair import resolve_markup
+
+    maps = parse_maps(args.maps)
+    tokenizer = long_switch.target_tokenizer(args)
+    rungs = {}
+    for entry in long_switch.split_rungs(args.rungs):
+        label, settings, fraction, refresh = long_switch.parse_rung(entry)
+        rungs[label] = (label, resolve_markup(settings, tokenizer), fraction, refresh)
+    torch.set_num_threads(args.threads)
+    args.mapper = str(maps[next(iter(maps))])
+    runner = long_switch.Runner(args, tokenizer)
+    dtype = getattr(torch, args.dtype)
+    mappers = {label: MapperModel.from_pretrained(folder, dtype=dtype) for label, folder in maps.items()}
+    items = long_switch.build_items(runner.tokenizer, args)
+    compare(runner, mappers, items, rungs, Path(args.records_dir), args)
+
+
+def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, args) -> None:
+    """Serve `items` with every map of `mappers` (`{label: MapperModel}`) through `runner` (a
+    `benchmarks.long_switch.Runner`), appending one row an item to `out/<label>.jsonl` (resumes what is there)."""
+    out.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for label in mappers:
+        path = out / f"{label}.jsonl"
+        records[label] = long_switch_report.load(path, resume=True) if path.is_file() else {}
+    arms = ["target", "mapped", *rungs, "source"]
+    own = [arm for arm in arms if not shared(arm)]
+    setups = {
+        label: {"mapper": m.config.content_hash, "dtype": args.dtype, "direction": args.direction, "map": label}
+        for label, m in mappers.items()
+    }
+    run_info = {
+        "id": time.strftime("%Y%m%dT%H%M%S"),
+        "command": "python -m benchmarks.map_compare " + " ".join(sys.argv[1:]),
+        "environment": environment_info(),
+    }
+    for label in mappers:
+        with (out / f"{label}.jsonl").open("a") as handle:
+            handle.write(json.dumps({"run": run_info}) + "\n")
+    if items:  # first-call costs paid before the first item's times
+        runner.mapper = next(iter(mappers.values()))
+        runner.measure({**items[0], "ids": items[0]["ids"][-64:]}, arms, rungs, {})
+    bar = tqdm(items, desc=f"{args.tasks} at {args.tokens}, {len(mappers)} maps", unit="item")
+    for item in bar:
+        key = long_switch.key_of(args, item)
+        stored = {label: records[label].get(key, {"arms": {}}) for label in mappers}
+        for label in mappers:
+            if stored[label].get("setup", setups[label]) != setups[label]:
+                raise SystemExit(f"{out / label}.jsonl holds {key} under {stored[label]['setup']}: another map")
+        missing = [label for label in mappers if not all(arm in stored[label]["arms"] for arm in arms)]
+        if not missing:
+            continue
+        done = {}  # the shared arms, from whichever map's file has them
+        for label in mappers:
+            done.update({a: r for a, r in stored[label]["arms"].items() if shared(a) and a not in done})
+        load = os.getloadavg()[0]
+        for label in missing:
+            runner.mapper = mappers[label]
+            measured = runner.measure(item, arms, rungs, {**done, **stored[label]["arms"]})
+            load = max(load, os.getloadavg()[0])
+            for record in measured.values():
+                record["run"], record["load"] = run_info["id"], round(load, 2)
+            done.update({a: r for a, r in measured.items() if shared(a) and a not in done})
+            row_arms = {**{a: done[a] for a in arms if shared(a) and a not in stored[label]["arms"]}, **measured}
+            row = {
+                "key": key,
+                "setup": setups[label],
+                "task": item["task"],
+                "tokens": len(item["ids"]),
+                "length": args.tokens,
+                "meta": {k: item[k] for k in ("depth", "task_id", "kind", "contexts") if k in item},
+                "arms": row_arms,
+            }
+            with (out / f"{label}.jsonl").open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            records[label].setdefault(key, {**row, "arms": {}})["arms"].update(row_arms)
+        bar.set_postfix(
+            {f"{label}:{arm}": round(records[label][key]["arms"][arm]["score"], 2) for label in mappers for arm in own}
+        )
+
+
+def summary(args) -> dict:
+    """Per map, task and arm: items, mean score, and the map's arms minus their sparse peers (paired, same items)."""
+    out = Path(args.records_dir)
+    result: dict = {}
+    for path in sorted(out.glob("*.jsonl")):
+        rows = long_switch_report.load(path).values()
+        for row in rows:
+            cell = result.setdefault(path.stem, {}).setdefault(row["task"], {})
+            for arm, record in row["arms"].items():
+                cell.setdefault(arm, []).append(record["score"])
+    table = {}
+    for label, tasks in result.items():
+        for task, arms in tasks.items():
+            means = {arm: round(sum(s) / len(s), 3) for arm, s in arms.items()}
+            adds = {arm: round(means[arm] - means[SPARSE + arm], 3) for arm in arms if SPARSE + arm in arms}
+            table.setdefault(label, {})[task] = {"items": len(arms["target"]), "mean": means, "map_adds": adds}
+    print(json.dumps(table, indent=1))
+    return table
+
+
+def main(argv=None) -> None:
+    parser = long_switch.build_parser()
+    parser.description = __doc__
+    parser.add_argument("--maps", default=None, help="label=folder,label=folder: the fitted maps compared")
+    parser.add_argument("--records-dir", required=True, help="one records file per map (<label>.jsonl) here")
+    parser.add_argument("--summary", action="store_true", help="print the means of the records and stop")
+    args = parser.parse_args(argv)
+    if args.summary:
+        summary(args)
+        return
+    if args.protocol or args.map or args.mapper:
+        raise SystemExit("--protocol/--map/--mapper: map_compare takes its maps from --maps and no protocol")
+    if not args.maps:
+        raise SystemExit("--maps is required to measure (label=folder,label=folder)")
+    args.items = 16 if args.items is None else args.items
+    args.seed = 4321 if args.seed is None else args.seed
+    long_switch.apply_protocol(args)  # the unsealed defaults for what was not given
+    run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
