@@ -33,6 +33,7 @@ from . import (
 )
 from .formatting import pct
 from .real import family_report, guard, scale_report
+from .sealed import decisions as sealed_decisions
 from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
 
@@ -348,6 +349,11 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "published-latency": published_latency,
     },
     "docs/switch.md": {
+        "switch-decisions": lambda: sealed_decisions.markdown(
+            [_json("sealed/whole-context.json"), _json("sealed/switch-chat-doc.json")]
+        ),
+    },
+    "docs/notes/2026-12-07-switch-history.md": {
         "switch-targets": lambda: switch_targets.markdown(
             _json("long_switch.json"), _json("guard_ladder_long2k.json")
         ),

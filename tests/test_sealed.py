@@ -230,3 +230,39 @@ def test_the_readme_headline_names_each_complete_cell_with_its_intervals(tmp_pat
     assert "first token 10.00x [" in text and "the map adds 0.25 [" in text
     empty = report.assemble(protocol, [str(_records(tmp_path / "s.jsonl", protocol, "long_chat", outcomes[:10]))])
     assert report.headline([empty]).endswith("no sealed cell is complete yet.")
+
+
+@pytest.mark.parametrize(
+    "outcomes, decision",
+    [
+        # the repair keeps every win, the sparse prefill half of them: the map earns its place
+        ([(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16, "repair"),
+        # both keep every win: the map adds nothing, the sparse prefill serves
+        ([(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 32 + [(0, 0, 0, 0, 0)] * 16, "sparse prefill"),
+        # only the sparse prefill keeps them (a map that hurts)
+        ([(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 0, 1)] * 32 + [(0, 0, 0, 0, 0)] * 16, "sparse prefill"),
+        # neither keeps enough of the gap: re-prefill
+        (
+            [(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(1, 0, 0, 0, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16,
+            "re-prefill",
+        ),
+        # 14 wins: nothing to recover
+        ([(1, 1, 0, 1, 1)] * 50 + [(1, 0, 0, 1, 0)] * 14, "stay on the 0.5B"),
+    ],
+)
+def test_the_switch_decision_reads_the_verdicts_of_the_repair_and_its_sparse_peer(tmp_path, outcomes, decision):
+    from benchmarks.sealed import decisions
+
+    protocol = load_protocol(CHAT_DOC)
+    path = _records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes)
+    results = report.assemble(protocol, [str(path)])
+    results["protocol"]["path"] = str(CHAT_DOC)
+    cell = next(c for c in results["cells"] if (c["task"], c["length"]) == ("long_chat", 4096))
+    assert decision in decisions.decide(protocol, cell)
+    table = decisions.markdown([results])
+    assert f"| long_chat | 4096 | 64/64 | {decisions.decide(protocol, cell)} |" in table
+    assert "| long_chat | 2048 | 0/64 | measuring (0 of 64 items) |" in table
+    half = report.assemble(protocol, [str(_records(tmp_path / "h.jsonl", protocol, "long_chat", outcomes[:40]))])
+    assert decisions.decide(protocol, next(c for c in half["cells"] if c["length"] == 4096)) == (
+        "measuring (40 of 64 items)"
+    )
