@@ -13,8 +13,9 @@ item by item. A rerun resumes: an item is measured again only for the maps whose
         --records-dir benchmarks/results/map-choice/4096
     python -m benchmarks.map_compare --summary --records-dir benchmarks/results/map-choice/4096
 
-Made for choosing among maps on selection items (never the report items of a sealed protocol); the map chosen is
-then reported under a protocol of its own.
+Made for choosing among maps on selection items (no protocol: the items and seed given), and for reporting the maps of
+a sealed protocol side by side (`--protocol FILE`: every map a label of its `maps`, every other choice from it, its
+sha256 in every record, as `benchmarks.long_switch --protocol` stamps them).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
         label: {"mapper": m.config.content_hash, "dtype": args.dtype, "direction": args.direction, "map": label}
         for label, m in mappers.items()
     }
+    if getattr(args, "sealed", None) is not None:  # as long_switch stamps a protocol's records
+        for setup in setups.values():
+            setup["protocol"] = args.sealed.sha256
     run_info = {
         "id": time.strftime("%Y%m%dT%H%M%S"),
         "command": "python -m benchmarks.map_compare " + " ".join(sys.argv[1:]),
@@ -170,13 +174,21 @@ def main(argv=None) -> None:
     if args.summary:
         summary(args)
         return
-    if args.protocol or args.map or args.mapper:
-        raise SystemExit("--protocol/--map/--mapper: map_compare takes its maps from --maps and no protocol")
+    if args.map or args.mapper:
+        raise SystemExit("--map/--mapper: map_compare takes its maps from --maps (label=folder,...)")
     if not args.maps:
         raise SystemExit("--maps is required to measure (label=folder,label=folder)")
-    args.items = 16 if args.items is None else args.items
-    args.seed = 4321 if args.seed is None else args.seed
-    long_switch.apply_protocol(args)  # the unsealed defaults for what was not given
+    if args.protocol:  # report items: every map a label of the protocol's, every choice from it, its sha256 stamped
+        labels = list(parse_maps(args.maps))
+        args.map = labels[0]
+        args.sealed = long_switch.apply_protocol(args)
+        unknown = sorted(set(labels) - set(args.sealed.settings["maps"]))
+        if unknown:
+            raise SystemExit(f"--maps {unknown}: the protocol's maps are {sorted(args.sealed.settings['maps'])}.")
+    else:
+        args.items = 16 if args.items is None else args.items
+        args.seed = 4321 if args.seed is None else args.seed
+        args.sealed = long_switch.apply_protocol(args)  # None: the unsealed defaults for what was not given
     run(args)
 
 

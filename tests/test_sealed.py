@@ -266,3 +266,27 @@ def test_the_switch_decision_reads_the_verdicts_of_the_repair_and_its_sparse_pee
     assert decisions.decide(protocol, next(c for c in half["cells"] if c["length"] == 4096)) == (
         "measuring (40 of 64 items)"
     )
+
+
+def test_maps_compared_under_a_protocol_are_its_maps_and_take_its_choices(tmp_path, monkeypatch):
+    """`benchmarks.map_compare --protocol`: every label of --maps must be one of the protocol's maps; the run takes the
+    protocol's rungs, items and seed, and every map's records carry the protocol's sha256."""
+    from benchmarks import map_compare
+
+    two = _protocol(tmp_path, maps={"ridge-k8-5k": "the 5k recipe", "ridge-k8-conv4k": "the long-conversation recipe"})
+    for label in ("a", "b", "c"):
+        (tmp_path / label).mkdir()
+    taken = {}
+    monkeypatch.setattr(map_compare, "run", lambda args: taken.update(vars(args)))
+    base = ["--protocol", str(two), "--tasks", "long_chat", "--tokens", "4096", "--records-dir", str(tmp_path / "r")]
+    map_compare.main([*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},ridge-k8-conv4k={tmp_path / 'b'}"])
+    protocol = load_protocol(two)
+    assert long_switch.split_rungs(taken["rungs"]) == protocol.arms[2:-1]
+    assert (taken["seed"], taken["items"]) == (protocol.cell("long_chat", 4096)["seed"], 64)
+    assert taken["sealed"].sha256 == protocol.sha256
+    with pytest.raises(SystemExit, match=r"\['other'\]: the protocol's maps are"):
+        map_compare.main([*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},other={tmp_path / 'c'}"])
+    with pytest.raises(SystemExit, match="fixes the rungs"):
+        map_compare.main(
+            [*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},ridge-k8-conv4k={tmp_path / 'b'}", "--rungs", "tail@0.1"]
+        )
