@@ -40,6 +40,7 @@ from .ladder_records import (
     CHECK_TOKENS,
     cheapest_keeping,
     has_margins,
+    has_sparse,
     held_strategies,
     ladder_from_records,
     option_text,
@@ -128,6 +129,7 @@ def measure_item(
     probes: Sequence[Probe],
     strategies: Sequence[dict | str],
     fractions: Sequence[float],
+    sparse: bool = False,
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `source_answer` and
     `correct_source` (the source's own, what not switching serves), `risks` per probe key,
@@ -136,7 +138,10 @@ def measure_item(
     `margins`, each greedy answer token's, what a check of more tokens reads: [`check_margins`]) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
     settings), and `seconds` of each stage (`repair[strategy][f]`, `verify[strategy][f]`, the check's first token,
-    and `check_steps[strategy][f]`, each of its tokens)."""
+    and `check_steps[strategy][f]`, each of its tokens). With `sparse`, also `sparse[strategy][f]` at every fraction
+    but 0: the sparse rung (`LadderRung.sparse`), served as a one-row handoff serves it, the target's prefill of the
+    positions the repair of that fraction selects, alone (the same outcome fields, and `selected`, the positions it
+    prefilled), with its seconds in `seconds["sparse"]`, `sparse_draft_steps` and `sparse_check_steps`."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
     expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id
@@ -158,8 +163,8 @@ def measure_item(
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
-    def serve(strategy, fraction):
-        return measure_rung(context, target, ids, strategy, fraction, reference, expected, pad)
+    def serve(strategy, fraction, sparse=False):
+        return measure_rung(context, target, ids, strategy, fraction, reference, expected, pad, sparse=sparse)
 
     mapped, mapped_seconds, _, mapped_checked = serve(strategies[0], 0.0)
     answers, repair_seconds, draft_steps, check_steps, settings = {}, {}, {}, {}, {}
@@ -174,7 +179,12 @@ def measure_item(
                 answers[key][f], repair_seconds[key][f], draft_steps[key][f], check_steps[key][f] = serve(
                     strategy, fraction
                 )
-    return {
+    spared = {"answers": {}, "seconds": {}, "draft_steps": {}, "check_steps": {}}
+    for strategy in strategies if sparse else ():  # the repair's selection prefilled alone, as a handoff serves it
+        rungs = [serve(strategy, fraction, sparse=True) for fraction in fractions if fraction]
+        for part, values in zip(spared.values(), zip(*rungs)):
+            part[strategy_key(strategy)] = {f"{f:g}": value for f, value in zip([f for f in fractions if f], values)}
+    record = {
         "task": item.task,
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
         "tokens": ids.shape[1],
@@ -198,18 +208,38 @@ def measure_item(
             "check_steps": check_steps,
         },
     }
+    if sparse:  # absent otherwise: records without sparse rungs keep the fields they had
+        record["sparse"] = spared["answers"]
+        record["seconds"].update(
+            sparse=spared["seconds"],
+            sparse_draft_steps=spared["draft_steps"],
+            sparse_check_steps=spared["check_steps"],
+        )
+    return record
 
 
 def measure_rung(
-    context, target, ids, strategy, fraction: float, reference: list[int], expected: list[int], pad: int | None
+    context,
+    target,
+    ids,
+    strategy,
+    fraction: float,
+    reference: list[int],
+    expected: list[int],
+    pad: int | None,
+    *,
+    sparse: bool = False,
 ):
-    """One rung of a record (prompt `ids`), served on a copy of `context`'s mapped cache ([`serve_rung`]): its
-    outcome (`changed` from the target's own `reference` answer, `correct` against `expected`, the check's `margin`
-    and every answer token's `margins`), the seconds it took, the source draft's step seconds and the check's."""
-    served, seconds, steps = serve_rung(context, strategy, fraction)
+    """One rung of a record (prompt `ids`), served on a copy of `context`'s mapped cache ([`serve_rung`]; with
+    `sparse`, its sparse rung): its outcome (`changed` from the target's own `reference` answer, `correct` against
+    `expected`, the check's `margin` and every answer token's `margins`; a sparse rung's `selected` positions), the
+    seconds it took, the source draft's step seconds and the check's."""
+    served, seconds, steps = serve_rung(context, strategy, fraction, sparse)
     margins, timed, _ = check_margins(target, served.cache, ids, len(expected))
     answer = _greedy(target, ids, served.cache, len(expected), pad)
     outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
+    if sparse:
+        outcome["selected"] = int(served.cache.sparse_info["selected"])
     return {**outcome, "margins": margins}, seconds, steps, timed
 
 
@@ -222,16 +252,17 @@ def check_margins(target, cache, ids, steps: int) -> tuple[list[float], list[flo
     return [float(m) for m in margins[0][answered[0]]], timed, tokens[0][answered[0]].tolist()
 
 
-def serve_rung(context, strategy, fraction: float):
-    """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it: the served context, the
-    seconds it took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a
-    strategy that drafts decodes it here and its steps are timed one by one)."""
+def serve_rung(context, strategy, fraction: float, sparse: bool = False):
+    """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it (with `sparse`, the sparse rung
+    of `fraction`, as it serves a one-row request: `hf_kvmap.serving.sparse_rows`): the served context, the seconds it
+    took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a strategy
+    that drafts decodes it here and its steps are timed one by one)."""
     draft = Draft(
         context.source, context.source_cache, context.input_ids, context.attention_mask, context.source_position_ids
     )
     served = dataclasses.replace(context, cache=copy.deepcopy(context.cache), drafts={"source": draft})
     start = time.perf_counter()
-    serve_rows(served, [fraction], strategy)
+    serve_rows(served, [fraction], strategy, [sparse])
     return served, time.perf_counter() - start, draft.step_seconds
 
 
@@ -248,6 +279,7 @@ def measure_ladder_items(
     done: Sequence[dict] = (),
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
+    sparse: bool = False,
 ) -> list[dict[str, Any]]:
     r"""
     Records of `items` for [`ladder_from_records`]: see [`measure_item`].
@@ -264,6 +296,11 @@ def measure_ladder_items(
             are not measured again.
         on_record (callable, *optional*): called with each new record (e.g. to append it to a file).
         progress (`bool`, *optional*, defaults to `True`): a tqdm bar.
+        sparse (`bool`, *optional*, defaults to `False`): also measure every strategy's sparse rung at every fraction
+            but 0 (the target's prefill of the positions that repair selects, alone, served as `handoff` serves a
+            one-row request; `record["sparse"]`), so that [`ladder_from_records`] may place one where it is cheaper
+            than the repair of its fraction and keeps the answers as well. Records measured before (`done`) must then
+            hold them too.
     """
     probes = [
         parse_probe(p) if isinstance(p, str) else p if isinstance(p, Probe) else probe_from_dict(p) for p in probes
@@ -305,10 +342,27 @@ def measure_ladder_items(
                 "The records measured before hold other strategies or fractions than asked for now; measure into a "
                 "new records file (or ask for what they hold)."
             )
+        rungs = {f"{f:g}" for f in fractions if f}
+        if sparse and (
+            set(record.get("sparse", {})) != set(keys) or any(set(record["sparse"][key]) != rungs for key in keys)
+        ):
+            raise ValueError(
+                "The records measured before hold no sparse rungs of every strategy and fraction asked for (measured "
+                "without sparse=True, or a strategy measured beside them later); measure into a new records file "
+                "with sparse=True (`--sparse`), or leave it off."
+            )
     records = list(done)
     for item in tqdm(items[len(records) :], desc="ladder items", disable=not progress):
         record = measure_item(
-            source, target, mapper, tokenizer, item, probes=probes, strategies=strategies, fractions=fractions
+            source,
+            target,
+            mapper,
+            tokenizer,
+            item,
+            probes=probes,
+            strategies=strategies,
+            fractions=fractions,
+            sparse=sparse,
         )
         records.append(record)
         if on_record is not None:
@@ -324,6 +378,7 @@ __all__ = [
     "check_mapper",
     "check_margins",
     "has_margins",
+    "has_sparse",
     "held_strategies",
     "items_from_tasks",
     "ladder_from_records",

@@ -22,7 +22,7 @@ from typing import Any
 from ..repair import selector_from_dict
 from ..serving.ladder import FALLBACK, GuardLadder
 from ..serving.probes import Probe, probe_from_dict
-from .ladder import calibrate_ladder, ladder_outcome, refused_by_check
+from .ladder import calibrate_ladder, ladder_outcome, refused_by_check, sparse_key
 
 
 def probe_key(probe: Probe | dict | str) -> str:
@@ -82,46 +82,103 @@ def record_margin(outcome: dict, tokens: int = 1) -> float:
     return float(outcome["margin"]) if tokens == 1 else min(float(m) for m in outcome["margins"][:tokens])
 
 
+def has_sparse(records: Sequence[dict], strategy: str) -> bool:
+    """Whether every record holds the sparse rung of `strategy` at each repairing fraction it measured
+    (`measure_ladder_items(..., sparse=True)`): the target's prefill of that repair's selection alone, its answer and
+    seconds. Records measured before sparse rungs were (or without them) do not."""
+    if not records:
+        return False
+    for record in records:
+        fractions = {f for f in record["answers"].get(strategy, {}) if float(f) > 0}
+        held = record.get("sparse", {}).get(strategy, {})
+        timed = record["seconds"].get("sparse", {}).get(strategy, {})
+        if not fractions or not fractions <= set(held) or not fractions <= set(timed):
+            return False
+    return True
+
+
+def _need_sparse(records: Sequence[dict], strategy: str) -> None:
+    if not has_sparse(records, strategy):
+        raise ValueError(
+            f"Sparse rungs of {strategy} need its sparse outcome at every repairing fraction in every record; these "
+            "records lack them (measured before sparse rungs were, or without): measure them with "
+            "`measure_ladder_items(..., sparse=True)` (`hf-kvmap calibrate-ladder --sparse`) into a new records file."
+        )
+
+
+def _rung_seconds(seconds: dict, table: str, strategy: str, f: str, shared: int, check: bool, tokens: int) -> float:
+    """The seconds of one rung beyond the mapping and the probe: its repair (`table` "repair") or its sparse prefill
+    ("sparse"), less the draft steps the probe decoded for it, plus the check after it."""
+    prefix = "repair" if table == "repair" else table
+    steps = seconds.get(f"{prefix}_draft_steps", {}).get(strategy, {}).get(f, [])
+    spent = seconds[table][strategy][f] - sum(steps[:shared])
+    if check and table == "repair" and tokens == 1:
+        spent += seconds["verify"][strategy][f]
+    elif check:
+        spent += sum(seconds["check_steps" if table == "repair" else f"{table}_check_steps"][strategy][f][:tokens])
+    return spent
+
+
 def record_costs(
-    records: Sequence[dict], key: str, strategy: str, check: bool = False, check_tokens: int = 1
+    records: Sequence[dict],
+    key: str,
+    strategy: str,
+    check: bool = False,
+    check_tokens: int = 1,
+    sparse: bool = False,
 ) -> dict[float | str, float]:
     """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
     probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
     fallback. A repair that continues the probe's source draft does not pay again for the steps the probe decoded:
     the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full).
     With `check`, every rung but the fallback also pays the check after it (the answer margin's token, or the steps
-    of a check of `check_tokens` tokens)."""
+    of a check of `check_tokens` tokens). With `sparse`, the sparse rung of each repairing fraction too, keyed by
+    `sparse_key(f)` and costed the same way (the mapping and the probe are paid before the rung is chosen; its
+    selection and prefill in place of the repair)."""
     fractions = sorted(float(f) for f in records[0]["answers"][strategy])
     if check:
         _need_margins(records, check_tokens)
-    sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
+    if sparse:
+        _need_sparse(records, strategy)
+    rungs: list[tuple[float | str, str, float]] = [(f, "repair", f) for f in fractions]
+    rungs += [(sparse_key(f), "sparse", f) for f in fractions if f > 0 and sparse]
+    sums: dict[float | str, float] = dict.fromkeys([*(rung for rung, _, _ in rungs), FALLBACK], 0.0)
     for record in records:
         seconds = record["seconds"]
         base = (seconds["map"] + seconds["probe"][key]) / seconds["prefill"]
         shared = seconds.get("probe_source_steps", {}).get(key, 0)
-        for f in fractions:
-            steps = seconds.get("repair_draft_steps", {}).get(strategy, {}).get(f"{f:g}", [])
-            repair = seconds["repair"][strategy][f"{f:g}"] - sum(steps[:shared])
-            if check and check_tokens == 1:
-                repair += seconds["verify"][strategy][f"{f:g}"]
-            elif check:
-                repair += sum(seconds["check_steps"][strategy][f"{f:g}"][:check_tokens])
-            sums[f] += base + repair / seconds["prefill"]
+        for rung, table, f in rungs:
+            spent = _rung_seconds(seconds, table, strategy, f"{f:g}", shared, check, check_tokens)
+            sums[rung] += base + spent / seconds["prefill"]
         sums[FALLBACK] += base + 1.0
     return {k: v / len(records) for k, v in sums.items()}
 
 
-def record_margins(records: Sequence[dict], strategy: str, tokens: int = 1) -> dict[float, list[float]]:
-    """Per measured fraction of `strategy`, every record's answer margin on its served cache ([`record_margin`] over
-    `tokens` answer tokens)."""
+def _outcomes(record: dict, strategy: str, sparse: bool) -> dict[float | str, dict]:
+    """One record's outcome of every rung of `strategy`: by fraction, and with `sparse` by `sparse_key(f)`."""
+    out: dict[float | str, dict] = {float(f): o for f, o in record["answers"][strategy].items()}
+    if sparse:
+        out.update({sparse_key(float(f)): o for f, o in record["sparse"][strategy].items()})
+    return out
+
+
+def record_margins(
+    records: Sequence[dict], strategy: str, tokens: int = 1, sparse: bool = False
+) -> dict[float | str, list[float]]:
+    """Per measured fraction of `strategy` (and with `sparse` per sparse rung, `sparse_key(f)`), every record's answer
+    margin on its served cache ([`record_margin`] over `tokens` answer tokens)."""
     _need_margins(records, tokens)
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    return {f: [record_margin(r["answers"][strategy][f"{f:g}"], tokens) for r in records] for f in fractions}
+    if sparse:
+        _need_sparse(records, strategy)
+    keys = _outcomes(records[0], strategy, sparse)
+    return {k: [record_margin(_outcomes(r, strategy, sparse)[k], tokens) for r in records] for k in keys}
 
 
-def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    return {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
+def _changed(records: Sequence[dict], strategy: str, sparse: bool = False) -> dict[float | str, list[bool]]:
+    if sparse:
+        _need_sparse(records, strategy)
+    keys = _outcomes(records[0], strategy, sparse)
+    return {k: [bool(_outcomes(r, strategy, sparse)[k]["changed"]) for r in records] for k in keys}
 
 
 def held_strategies(records: Sequence[dict]) -> list[str]:
@@ -148,6 +205,7 @@ def ladder_from_records(
     provenance: dict[str, Any] | None = None,
     check: bool | Sequence[float] = False,
     check_tokens: Sequence[int] | None = None,
+    sparse: bool | None = None,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
     risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
@@ -155,8 +213,11 @@ def ladder_from_records(
     of them), the ladder may also check each rung's answer margin: every candidate is calibrated without a check and
     with each `min_margin`, and the cheapest kept (the records need margins), over checks of each number of answer
     tokens of `check_tokens` (default: `CHECK_TOKENS` where every record holds every answer token's margin, else the
-    first token alone). The costs, changed answers and ladders of every candidate are kept in
-    `calibration["candidates"]`."""
+    first token alone). With `sparse` (default: wherever every record holds a strategy's sparse rungs,
+    [`has_sparse`]; `False`: never; `True`: required of every candidate strategy), a strategy's ladder may also place
+    the sparse rung of a fraction (the target's prefill of that repair's selection alone) where it costs less than the
+    repair of that fraction, within the same changed-answer budget. The costs, changed answers and ladders of every
+    candidate are kept in `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
@@ -173,11 +234,12 @@ def ladder_from_records(
     for key in probes:
         risks = [r["risks"][key] for r in records]
         for name in strategies:
-            changed = _changed(records, name)
-            costs, margins = {None: record_costs(records, key, name)}, {}
+            spared = has_sparse(records, name) if sparse is None else bool(sparse)  # `True` refuses records without
+            changed = _changed(records, name, spared)
+            costs, margins = {None: record_costs(records, key, name, sparse=spared)}, {}
             for tokens in check_tokens:  # the same for every margin tried
-                costs[tokens] = record_costs(records, key, name, check=True, check_tokens=tokens)
-                margins[tokens] = record_margins(records, name, tokens)
+                costs[tokens] = record_costs(records, key, name, check=True, check_tokens=tokens, sparse=spared)
+                margins[tokens] = record_margins(records, name, tokens, spared)
             tries = [(None, None)] + [(m, k) for k in check_tokens for m in margins_checked]
             for min_margin, tokens in tries:
                 ladder = calibrate_ladder(
@@ -213,8 +275,8 @@ def ladder_from_records(
 
 def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[str, Any]:
     """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): its probe, its strategy and every
-    rung it uses must have been measured there. With the ladder's `min_tokens`, a record of fewer prompt tokens is
-    served the target's prefill unmapped (rung `"short"`)."""
+    rung it uses must have been measured there (a sparse rung: records measured with `sparse=True`). With the ladder's
+    `min_tokens`, a record of fewer prompt tokens is served the target's prefill unmapped (rung `"short"`)."""
     ladder = GuardLadder.from_dict(ladder)
     key, name = probe_key(ladder.probe), strategy_key(ladder.strategy)
     if key not in records[0]["risks"]:
@@ -230,14 +292,16 @@ def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[s
         raise ValueError(
             f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
         )
-    plan = ladder.plan([r["risks"][key] for r in records])
+    risks = [r["risks"][key] for r in records]
+    spared = any(rung.sparse for rung in ladder.rungs)  # its sparse rungs are served as measured, one row a request
+    plan = [f if not s else sparse_key(f) for f, s in zip(ladder.plan(risks), ladder.sparse_plan(risks))]
     checked, tokens = ladder.min_margin is not None, ladder.check_tokens
     return ladder_outcome(
         plan,
-        _changed(records, name),
-        record_costs(records, key, name, check=checked, check_tokens=tokens),
+        _changed(records, name, spared),
+        record_costs(records, key, name, check=checked, check_tokens=tokens, sparse=spared),
         [r["task"] for r in records],
-        refused_by_check(record_margins(records, name, tokens), ladder.min_margin) if checked else None,
+        refused_by_check(record_margins(records, name, tokens, spared), ladder.min_margin) if checked else None,
         [ladder.too_short(r["tokens"]) for r in records] if ladder.min_tokens is not None else None,
     )
 
@@ -292,6 +356,7 @@ __all__ = [
     "CHECK_TOKENS",
     "cheapest_keeping",
     "has_margins",
+    "has_sparse",
     "held_strategies",
     "ladder_from_records",
     "option_text",
