@@ -384,7 +384,9 @@ def _rungs(ladder: dict, repairs: bool = True) -> str:
     parts = []
     for rung in ladder["rungs"]:
         what = f"recompute {fraction_text(rung['fraction'])}" if rung["fraction"] else "mapped"
-        if repairs and not rung["fraction"]:
+        if rung.get("sparse"):  # the target's prefill of the selection alone, no map
+            what = f"sparse prefill {fraction_text(rung['fraction'])}"
+        elif repairs and not rung["fraction"]:
             what = "recompute 0 % (mapped)"
         parts.append(f"risk <= {rung['max_risk']:.4g}: {what}")
     parts.append("above: prefill" if parts else "none: every request prefills")

@@ -246,3 +246,19 @@ def test_the_cli_measures_and_places_sparse_rungs_with_sparse(tmp_path, capsys):
     assert replay_ladder(ladder, records) == stored["calibration"]["outcome"]
     printed = capsys.readouterr().out
     assert ("alone (sparse, no map)" in printed) == any(rung.sparse for rung in ladder.rungs)
+
+
+def test_the_benchmark_tables_name_a_sparse_rung_as_such():
+    from benchmarks.formatting import rung_label, rung_order
+    from benchmarks.repair_report import _rungs
+
+    names = ["fallback", "repair:0.5", "sparse:0.5", "mapped", "repair:0.2", "short"]
+    assert sorted(names, key=rung_order) == ["mapped", "repair:0.2", "sparse:0.5", "repair:0.5", "fallback", "short"]
+    assert rung_label("sparse:0.5") == "sparse prefill 50 %" and rung_label("repair:0.5") == "recompute 50 %"
+    ladder = GuardLadder(
+        PROBE, "tail", [LadderRung(0.1, 0.0), LadderRung(0.3, 0.5, sparse=True), LadderRung(0.5, 0.5)]
+    )
+    assert _rungs(ladder.to_dict()) == (
+        "risk <= 0.1: recompute 0 % (mapped); risk <= 0.3: sparse prefill 50 %; risk <= 0.5: recompute 50 %; "
+        "above: prefill"
+    )
