@@ -106,8 +106,9 @@ def _handoff() -> str:
     )
 
 
-#: the real pair's guard ladder runs, each rendered (with its plot) once its JSON is committed
-REAL_LADDERS = (
+#: the real pair's guard ladder runs of before the 100-item calibration, kept in the ladder's history
+#: (docs/notes/2026-12-07-ladder-history.md), each rendered (with its plot) once its JSON is committed
+HISTORY_LADDERS = (
     ("guard_ladder_real.json", "The real pair, 0.5B -> 1.5B, repairing by the source's attention or the tail."),
     ("guard_ladder_real_draft.json", "The real pair, 0.5B -> 1.5B, repairing by the source's draft attention."),
     ("guard_ladder_real_reverse.json", "The real pair, 1.5B -> 0.5B."),
@@ -119,9 +120,13 @@ REAL_LADDERS = (
         "guard_ladder_real_kl_2024.json",
         "The same, calibrated on the same selection set, replayed on a second report set (seed 2024).",
     ),
+)
+
+#: the real pair's guard ladder runs docs/ladder.md shows: the latest calibration, on both report sets
+REAL_LADDERS = (
     (
         "guard_ladder_real_kl100.json",
-        "The read-back-KL-tuned map again, calibrated on 100 items per task (the 24 above and 76 more), with the budget "
+        "The real pair, 0.5B -> 1.5B, the read-back-KL-tuned map, calibrated on 100 items per task, with the budget "
         "also held as an upper confidence bound.",
     ),
     (
@@ -170,20 +175,27 @@ def _long_ladder_headroom() -> str:
     return ladder_headroom.markdown(json.loads(path.read_text()), _relative(path))
 
 
-def _guard_ladder() -> str:
-    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then each real-pair run of `REAL_LADDERS`
-    that is measured (`--family real --out benchmarks/results/guard_ladder_real*.json`), with its plot."""
-    text = repair_report.ladder_markdown(_json("guard_ladder.json"))
-    for name, title in REAL_LADDERS:
+def _real_ladders(runs: tuple[tuple[str, str], ...], results: str) -> str:
+    """Each real-pair run of `runs` that is measured (`--family real --out benchmarks/results/guard_ladder_real*.json`),
+    with its plot; `results` is the results folder as the page links it."""
+    text = ""
+    for name, title in runs:
         real = RESULTS / name
         if real.exists():
             plot = real.with_suffix(".png").name
             text += (
                 f"\n\n**{title}** "
                 + repair_report.ladder_markdown(json.loads(real.read_text()), _relative(real))
-                + f"\n\n![{title}](../benchmarks/results/{plot})"
+                + f"\n\n![{title}]({results}/{plot})"
             )
     return text
+
+
+def _guard_ladder() -> str:
+    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then the real pair's runs of `REAL_LADDERS`."""
+    return repair_report.ladder_markdown(_json("guard_ladder.json")) + _real_ladders(
+        REAL_LADDERS, "../benchmarks/results"
+    )
 
 
 def headline_tiny() -> str:
@@ -343,6 +355,9 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "guard-ladder": _guard_ladder,
         "ladder-calibration-size": lambda: ladder_calibration_size.markdown(_json("ladder_calibration_size.json")),
         "ladder-headroom": lambda: ladder_headroom.markdown(_json("ladder_headroom.json")),
+    },
+    "docs/notes/2026-12-07-ladder-history.md": {
+        "guard-ladder-history": lambda: _real_ladders(HISTORY_LADDERS, "../../benchmarks/results").lstrip("\n"),
     },
     "docs/method.md": {
         "published-retention": published_retention,

@@ -28,20 +28,23 @@ def retention_text(value) -> str:
 
 
 def rung_order(name: str) -> tuple[int, float]:
-    """Sort key of a ladder outcome's rung names: `mapped`, then `repair:<fraction>` by fraction, then the fallback,
-    then `short` (below the ladder's `min_tokens`)."""
+    """Sort key of a ladder outcome's rung names: `mapped`, then `sparse:<fraction>` and `repair:<fraction>` by
+    fraction (a sparse rung just below the repair of its fraction, as in a ladder), then the fallback, then `short`
+    (below the ladder's `min_tokens`)."""
     if name == "mapped":
         return 0, 0.0
-    if name.startswith("repair:"):
-        return 1, float(name.split(":", 1)[1])
+    if name.startswith(("repair:", "sparse:")):
+        return 1, float(name.split(":", 1)[1]) + (0.0 if name.startswith("repair:") else -1e-9)
     return (3 if name == "short" else 2), 0.0
 
 
 def rung_label(name: str) -> str:
-    """`repair:0.2` -> `recompute 20 %`, `fallback` -> `prefill`, `short` -> `prefill, too short to map`, `mapped`
-    as it is."""
+    """`repair:0.2` -> `recompute 20 %`, `sparse:0.2` -> `sparse prefill 20 %`, `fallback` -> `prefill`, `short` ->
+    `prefill, too short to map`, `mapped` as it is."""
     if name.startswith("repair:"):
         return f"recompute {fraction_text(float(name.split(':', 1)[1]))}"
+    if name.startswith("sparse:"):
+        return f"sparse prefill {fraction_text(float(name.split(':', 1)[1]))}"
     return {"fallback": "prefill", "short": "prefill, too short to map"}.get(name, name)
 
 

@@ -383,7 +383,8 @@ def _rungs(ladder: dict, repairs: bool = True) -> str:
     """`risk <= 0.5: recompute 20 %; above: prefill` for a ladder's settings."""
     parts = []
     for rung in ladder["rungs"]:
-        what = f"recompute {fraction_text(rung['fraction'])}" if rung["fraction"] else "mapped"
+        verb = "sparse prefill" if rung.get("sparse") else "recompute"  # sparse: the selection alone, no map
+        what = f"{verb} {fraction_text(rung['fraction'])}" if rung["fraction"] else "mapped"
         if repairs and not rung["fraction"]:
             what = "recompute 0 % (mapped)"
         parts.append(f"risk <= {rung['max_risk']:.4g}: {what}")

@@ -121,7 +121,12 @@ def test_a_repair_and_a_sparse_prefill_share_one_selection(models, strategy):
     for first, second in zip(repaired.layers, again.layers):
         assert torch.equal(first.keys, second.keys) and torch.equal(first.values, second.values)
     sparse = sparse_prefill(target, ids, positions[0], length=length)
-    assert sparse.sparse_info == {"length": length, "selected": length // 4, "fraction": (length // 4) / length}
+    assert sparse.sparse_info == {
+        "length": length,
+        "selected": length // 4,
+        "fraction": (length // 4) / length,
+        "positions": positions[0].tolist(),
+    }
 
 
 def test_a_sparse_cache_refuses_a_crop_into_the_positions_it_never_computed(models):

@@ -1,10 +1,12 @@
 """Calibrating the guard on measured items: a probe's threshold (`probe_thresholds`), the guard ladder with its
 confidence bound (`ladder`), measuring every rung of the ladder on items through the serving pipeline
-(`ladder_items`), and what is measured for records after them, kept beside them (`ladder_remeasure`, `ladder_side`:
-answer margins, the source's own answers, strategies added later)."""
+(`ladder_items`), choosing and replaying ladders from those records (`ladder_records`), and what is measured for
+records after them, kept beside them (`ladder_remeasure`, `ladder_side`: answer margins, the source's own answers,
+strategies added later)."""
 
 from .ladder import calibrate_ladder, changed_budget, changed_upper_bound, items_to_vouch, ladder_outcome
-from .ladder_items import LadderItem, ladder_from_records, measure_ladder_items, replay_ladder
+from .ladder_items import LadderItem, measure_ladder_items
+from .ladder_records import ladder_from_records, replay_ladder
 from .probe_thresholds import calibrate_probe
 
 __all__ = [

@@ -15,6 +15,38 @@ from ..serving.ladder import FALLBACK, GuardLadder, LadderRung, below_margin, ru
 SHORT = "short"
 
 
+def sparse_key(fraction: float) -> str:
+    """How a sparse rung of `fraction` is keyed among the measured rungs (`changed`, `costs`, `margins` of
+    [`calibrate_ladder`], a plan of [`ladder_outcome`]): `"sparse:<fraction>"`, its rung name in a handoff report. A
+    repairing rung (or the mapped cache, 0) is keyed by its fraction.
+
+    >>> sparse_key(0.1)
+    'sparse:0.1'
+    """
+    return rung_name(float(fraction), True)
+
+
+def rung_of(key: float | str) -> tuple[float, bool]:
+    """`(fraction, sparse)` of a measured rung's key: a fraction, or [`sparse_key`]'s `"sparse:<fraction>"`."""
+    if isinstance(key, str):
+        kind, _, fraction = key.partition(":")
+        try:
+            value = float(fraction)
+        except ValueError:
+            value = None
+        if kind != "sparse" or value is None or not 0.0 < value < 1.0:
+            raise ValueError(
+                f"Unknown measured rung {key!r}: a rung is keyed by its fraction (a float in [0, 1)), or a sparse one "
+                "by `sparse_key(fraction)` ('sparse:0.1')."
+            )
+        return value, True
+    return float(key), False
+
+
+def _rung_label(key: float | str | None) -> str:
+    return key if isinstance(key, str) else rung_name(key)
+
+
 def refused_by_check(
     margins: dict[float, Sequence[float]], min_margin: float | None
 ) -> dict[float, list[bool]] | None:
@@ -36,7 +68,8 @@ def ladder_outcome(
     """What serving `fractions` (one per item, `None` = fallback) gives on measured items: the share of changed answers
     served, the mean cost (relative to a prefill) and the net saving, overall and per group (task), and the share of
     items on each rung. `changed[f][i]`: item `i`'s answer differs from the target's own at fraction `f`; the fallback
-    never changes an answer. `costs[f]` and `costs["fallback"]`: mean cost of each rung, every stage counted.
+    never changes an answer. `costs[f]` and `costs["fallback"]`: mean cost of each rung, every stage counted. A sparse
+    rung is keyed by [`sparse_key`] (`"sparse:0.1"`) in the plan and in every dict.
 
     With a check after the rung, `refused[f][i]` says that item `i`, served fraction `f`, falls back after it
     ([`refused_by_check`]): it serves the target's own answer and pays its rung and a prefill on top; `rungs` counts it
@@ -54,7 +87,7 @@ def ladder_outcome(
         return refused is not None and fractions[i] is not None and bool(refused[fractions[i]][i])
 
     def name(i: int) -> str:
-        return SHORT if short[i] else rung_name(fractions[i])
+        return SHORT if short[i] else _rung_label(fractions[i])
 
     def summary(index: list[int]) -> dict[str, Any]:
         n = max(len(index), 1)
@@ -179,7 +212,9 @@ def calibrate_ladder(
     Args:
         risks (sequence of `float`): the probe's risk of every calibration item (on the mapped cache).
         changed (`dict[float, sequence of bool]`): per measured fraction (0.0 = the mapped cache), whether each item's
-            answer differs from the target's own.
+            answer differs from the target's own. A sparse rung (the target's prefill of the strategy's selection
+            alone, `LadderRung.sparse`) is keyed by [`sparse_key`] (`"sparse:0.1"`); it is a candidate only where it
+            costs less than the repair of its fraction, and sits just below that repair in the ladder's order.
         costs (`dict`): the mean cost of each fraction and of `"fallback"`, relative to the target's prefill, with the
             probe and the mapping counted in each.
         probe, strategy: the probe the risks come from and the repair strategy the fractions were measured with.
@@ -207,8 +242,8 @@ def calibrate_ladder(
     risks = [float(r) for r in risks]
     if not all(math.isfinite(r) for r in risks):
         raise ValueError("A calibration risk is NaN or infinite; measure the items again.")
-    fractions = sorted(changed)
-    for f in fractions:
+    measured = sorted(changed, key=lambda key: (rung_of(key)[0], not rung_of(key)[1]))  # sparse f before repair f
+    for f in measured:
         if len(changed[f]) != n:
             raise ValueError(f"changed[{f}] has {len(changed[f])} items; risks has {n}.")
         if f not in costs:
@@ -220,7 +255,7 @@ def calibrate_ladder(
         raise ValueError(f"{len(groups)} groups for {n} items.")
     refused = None
     if min_margin is not None:
-        if margins is None or set(margins) != set(fractions) or any(len(margins[f]) != n for f in fractions):
+        if margins is None or set(margins) != set(measured) or any(len(margins[f]) != n for f in measured):
             raise ValueError(
                 "min_margin checks each rung's answer margin: pass margins with one value per item for every measured "
                 "fraction (records measured before margins were recorded get them from "
@@ -229,14 +264,18 @@ def calibrate_ladder(
         refused = refused_by_check(margins, min_margin)
     # the changed answers the budget counts: those served (a check sends some back, which changes none)
     counted = (
-        changed if refused is None else {f: [c and not r for c, r in zip(changed[f], refused[f])] for f in fractions}
+        changed if refused is None else {f: [c and not r for c, r in zip(changed[f], refused[f])] for f in measured}
     )
+    # a sparse rung is a candidate where it is cheaper than the repair of its fraction (else that repair is kept)
+    fractions = [
+        key for key in measured if not isinstance(key, str) or costs[key] < costs.get(rung_of(key)[0], math.inf)
+    ]
     names = sorted(set(groups))
     if confidence is not None and not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence={confidence} must be in (0, 1), e.g. 0.9; or None for the budget on the items.")
     budget = {g: changed_budget(groups.count(g), max_changed, confidence) for g in names}
     blocked = {i for i, g in enumerate(groups) if budget[g] < 0}  # items of a group that cannot vouch: fallback only
-    options: list[float | None] = [*fractions, None]
+    options: list[float | str | None] = [*fractions, None]
     option_cost = [costs[f] for f in fractions] + [costs[FALLBACK]]
 
     order = sorted(range(n), key=lambda i: risks[i])
@@ -273,14 +312,15 @@ def calibrate_ladder(
                     nxt[key] = value
         states = nxt
     cost, picks = min(states.values(), key=lambda item: (item[0], item[1]))  # the fallback everywhere always fits
-    assigned: list[float | None] = [None] * n
+    assigned: list[float | str | None] = [None] * n
     rungs: list[LadderRung] = []
     for block, k in zip(blocks, picks):
         for i in block:
             assigned[i] = options[k]
         if options[k] is not None:
-            rung = LadderRung(max_risk=risks[block[-1]], fraction=options[k])
-            if rungs and rungs[-1].fraction == rung.fraction:
+            fraction, sparse = rung_of(options[k])
+            rung = LadderRung(max_risk=risks[block[-1]], fraction=fraction, sparse=sparse)
+            if rungs and (rungs[-1].fraction, rungs[-1].sparse) == (rung.fraction, rung.sparse):
                 rungs[-1] = rung
             else:
                 rungs.append(rung)
@@ -289,7 +329,7 @@ def calibrate_ladder(
         "max_changed": max_changed,
         "confidence": confidence,
         "budget_per_group": budget,
-        "costs": {("fallback" if k == FALLBACK else f"{k:g}"): v for k, v in costs.items()},
+        "costs": {(k if isinstance(k, str) else f"{k:g}"): v for k, v in costs.items()},
         "outcome": ladder_outcome(assigned, changed, costs, groups, refused),
         **({"min_margin": min_margin} if min_margin is not None else {}),
         **({"check_tokens": check_tokens} if check_tokens != 1 else {}),
@@ -313,4 +353,6 @@ __all__ = [
     "items_to_vouch",
     "ladder_outcome",
     "refused_by_check",
+    "rung_of",
+    "sparse_key",
 ]

@@ -1,5 +1,6 @@
 """Measuring the guard ladder on items: per prompt, the target's own answer, every candidate probe's risk on the mapped
-cache, and the answer and cost of every rung; then the ladder calibrated on one item set and replayed on another.
+cache, and the answer and cost of every rung (the records `hf_kvmap.calibration.ladder_records` chooses and replays
+ladders from; its names are importable from here too).
 
 ```python
 records = measure_ladder_items(source, target, mapper, tokenizer, items, probes=["draft_agreement:2"],
@@ -18,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,10 +33,27 @@ from ..drafting import Draft
 from ..repair import selector_from_dict
 from ..reporting import machine_info
 from ..serving.forwards import answer_margins
-from ..serving.ladder import FALLBACK, GuardLadder
 from ..serving.pipeline import prepare_context, serve_rows, target_prefill
 from ..serving.probes import Probe, probe_from_dict
-from .ladder import calibrate_ladder, ladder_outcome, refused_by_check
+from .ladder_records import (
+    CHECK_MARGINS,
+    CHECK_TOKENS,
+    cheapest_keeping,
+    has_margins,
+    has_sparse,
+    held_strategies,
+    ladder_from_records,
+    option_text,
+    parse_probe,
+    perfect_probe_outcome,
+    probe_key,
+    record_costs,
+    record_margin,
+    record_margins,
+    replay_ladder,
+    strategy_key,
+    with_min_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -63,25 +80,6 @@ def items_from_tasks(tasks: Sequence) -> tuple[list[LadderItem], list[str]]:
     return items, skipped
 
 
-def probe_key(probe: Probe | dict | str) -> str:
-    """`"name:tokens"` of a probe (how records name its risk)."""
-    probe = probe if isinstance(probe, Probe) else probe_from_dict(probe)
-    return f"{probe.name}:{probe.tokens}"
-
-
-def option_text(value: Any) -> str:
-    """A strategy option as its record key writes it: a number or text as it is, anything else as sorted JSON."""
-    return str(value) if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
-
-
-def strategy_key(strategy: dict | str) -> str:
-    """How records name a repair strategy: its name, then its options as `:key=value` (JSON for nested ones)."""
-    settings = selector_from_dict(strategy).settings()
-    options = {k: v for k, v in sorted(settings.items()) if k != "name"}
-    parts = [f"{k}={option_text(v)}" for k, v in options.items()]
-    return ":".join([settings["name"], *parts])
-
-
 def mapper_key(mapper) -> str:
     """The mapper's content hash (`hf_kvmap.artifacts.content_hash`, computed where it was never saved): a record keeps
     it, so that what is measured for the record later is served on the same mapped cache."""
@@ -97,12 +95,6 @@ def check_mapper(record: dict, key: str) -> None:
             "another mapped cache. Pass the mapper the records were measured with (or measure into a new records "
             "file)."
         )
-
-
-def parse_probe(text: str) -> Probe:
-    """A probe from `"name"` or `"name:tokens"`."""
-    name, _, tokens = text.partition(":")
-    return probe_from_dict({"name": name, **({"tokens": int(tokens)} if tokens else {})})
 
 
 def _greedy(target, ids, cache, steps: int, pad: int | None) -> list[int]:
@@ -137,6 +129,7 @@ def measure_item(
     probes: Sequence[Probe],
     strategies: Sequence[dict | str],
     fractions: Sequence[float],
+    sparse: bool = False,
 ) -> dict[str, Any]:
     """One prompt's record: `reference` (the target's own greedy answer), `correct_target`, `source_answer` and
     `correct_source` (the source's own, what not switching serves), `risks` per probe key,
@@ -145,7 +138,10 @@ def measure_item(
     `margins`, each greedy answer token's, what a check of more tokens reads: [`check_margins`]) per
     strategy key and fraction (fraction 0, the mapped cache, is measured once and shared), `strategies` (key ->
     settings), and `seconds` of each stage (`repair[strategy][f]`, `verify[strategy][f]`, the check's first token,
-    and `check_steps[strategy][f]`, each of its tokens)."""
+    and `check_steps[strategy][f]`, each of its tokens). With `sparse`, also `sparse[strategy][f]` at every fraction
+    but 0: the sparse rung (`LadderRung.sparse`), served as a one-row handoff serves it, the target's prefill of the
+    positions the repair of that fraction selects, alone (the same outcome fields, and `selected`, the positions it
+    prefilled), with its seconds in `seconds["sparse"]`, `sparse_draft_steps` and `sparse_check_steps`."""
     ids = torch.tensor([tokenizer(item.prompt)["input_ids"]])
     expected = tokenizer(item.answer + item.stop, add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id
@@ -167,8 +163,8 @@ def measure_item(
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
-    def serve(strategy, fraction):
-        return measure_rung(context, target, ids, strategy, fraction, reference, expected, pad)
+    def serve(strategy, fraction, sparse=False):
+        return measure_rung(context, target, ids, strategy, fraction, reference, expected, pad, sparse=sparse)
 
     mapped, mapped_seconds, _, mapped_checked = serve(strategies[0], 0.0)
     answers, repair_seconds, draft_steps, check_steps, settings = {}, {}, {}, {}, {}
@@ -183,7 +179,12 @@ def measure_item(
                 answers[key][f], repair_seconds[key][f], draft_steps[key][f], check_steps[key][f] = serve(
                     strategy, fraction
                 )
-    return {
+    spared = {"answers": {}, "seconds": {}, "draft_steps": {}, "check_steps": {}}
+    for strategy in strategies if sparse else ():  # the repair's selection prefilled alone, as a handoff serves it
+        rungs = [serve(strategy, fraction, sparse=True) for fraction in fractions if fraction]
+        for part, values in zip(spared.values(), zip(*rungs)):
+            part[strategy_key(strategy)] = {f"{f:g}": value for f, value in zip([f for f in fractions if f], values)}
+    record = {
         "task": item.task,
         "prompt_sha256": hashlib.sha256(item.prompt.encode()).hexdigest(),
         "tokens": ids.shape[1],
@@ -207,18 +208,38 @@ def measure_item(
             "check_steps": check_steps,
         },
     }
+    if sparse:  # absent otherwise: records without sparse rungs keep the fields they had
+        record["sparse"] = spared["answers"]
+        record["seconds"].update(
+            sparse=spared["seconds"],
+            sparse_draft_steps=spared["draft_steps"],
+            sparse_check_steps=spared["check_steps"],
+        )
+    return record
 
 
 def measure_rung(
-    context, target, ids, strategy, fraction: float, reference: list[int], expected: list[int], pad: int | None
+    context,
+    target,
+    ids,
+    strategy,
+    fraction: float,
+    reference: list[int],
+    expected: list[int],
+    pad: int | None,
+    *,
+    sparse: bool = False,
 ):
-    """One rung of a record (prompt `ids`), served on a copy of `context`'s mapped cache ([`serve_rung`]): its
-    outcome (`changed` from the target's own `reference` answer, `correct` against `expected`, the check's `margin`
-    and every answer token's `margins`), the seconds it took, the source draft's step seconds and the check's."""
-    served, seconds, steps = serve_rung(context, strategy, fraction)
+    """One rung of a record (prompt `ids`), served on a copy of `context`'s mapped cache ([`serve_rung`]; with
+    `sparse`, its sparse rung): its outcome (`changed` from the target's own `reference` answer, `correct` against
+    `expected`, the check's `margin` and every answer token's `margins`; a sparse rung's `selected` positions), the
+    seconds it took, the source draft's step seconds and the check's."""
+    served, seconds, steps = serve_rung(context, strategy, fraction, sparse)
     margins, timed, _ = check_margins(target, served.cache, ids, len(expected))
     answer = _greedy(target, ids, served.cache, len(expected), pad)
     outcome = {"changed": answer != reference, "correct": answer == expected, "margin": margins[0]}
+    if sparse:
+        outcome["selected"] = int(served.cache.sparse_info["selected"])
     return {**outcome, "margins": margins}, seconds, steps, timed
 
 
@@ -231,16 +252,17 @@ def check_margins(target, cache, ids, steps: int) -> tuple[list[float], list[flo
     return [float(m) for m in margins[0][answered[0]]], timed, tokens[0][answered[0]].tolist()
 
 
-def serve_rung(context, strategy, fraction: float):
-    """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it: the served context, the
-    seconds it took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a
-    strategy that drafts decodes it here and its steps are timed one by one)."""
+def serve_rung(context, strategy, fraction: float, sparse: bool = False):
+    """One rung served on a copy of `context`'s mapped cache, as `serve_rows` serves it (with `sparse`, the sparse rung
+    of `fraction`, as it serves a one-row request: `hf_kvmap.serving.sparse_rows`): the served context, the seconds it
+    took, and the seconds of each step of the source draft the strategy decoded (a fresh draft, so that a strategy
+    that drafts decodes it here and its steps are timed one by one)."""
     draft = Draft(
         context.source, context.source_cache, context.input_ids, context.attention_mask, context.source_position_ids
     )
     served = dataclasses.replace(context, cache=copy.deepcopy(context.cache), drafts={"source": draft})
     start = time.perf_counter()
-    serve_rows(served, [fraction], strategy)
+    serve_rows(served, [fraction], strategy, [sparse])
     return served, time.perf_counter() - start, draft.step_seconds
 
 
@@ -257,6 +279,7 @@ def measure_ladder_items(
     done: Sequence[dict] = (),
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
+    sparse: bool = False,
 ) -> list[dict[str, Any]]:
     r"""
     Records of `items` for [`ladder_from_records`]: see [`measure_item`].
@@ -273,6 +296,11 @@ def measure_ladder_items(
             are not measured again.
         on_record (callable, *optional*): called with each new record (e.g. to append it to a file).
         progress (`bool`, *optional*, defaults to `True`): a tqdm bar.
+        sparse (`bool`, *optional*, defaults to `False`): also measure every strategy's sparse rung at every fraction
+            but 0 (the target's prefill of the positions that repair selects, alone, served as `handoff` serves a
+            one-row request; `record["sparse"]`), so that [`ladder_from_records`] may place one where it is cheaper
+            than the repair of its fraction and keeps the answers as well. Records measured before (`done`) must then
+            hold them too.
     """
     probes = [
         parse_probe(p) if isinstance(p, str) else p if isinstance(p, Probe) else probe_from_dict(p) for p in probes
@@ -314,252 +342,32 @@ def measure_ladder_items(
                 "The records measured before hold other strategies or fractions than asked for now; measure into a "
                 "new records file (or ask for what they hold)."
             )
+        rungs = {f"{f:g}" for f in fractions if f}
+        if sparse and (
+            set(record.get("sparse", {})) != set(keys) or any(set(record["sparse"][key]) != rungs for key in keys)
+        ):
+            raise ValueError(
+                "The records measured before hold no sparse rungs of every strategy and fraction asked for (measured "
+                "without sparse=True, or a strategy measured beside them later); measure into a new records file "
+                "with sparse=True (`--sparse`), or leave it off."
+            )
     records = list(done)
     for item in tqdm(items[len(records) :], desc="ladder items", disable=not progress):
         record = measure_item(
-            source, target, mapper, tokenizer, item, probes=probes, strategies=strategies, fractions=fractions
+            source,
+            target,
+            mapper,
+            tokenizer,
+            item,
+            probes=probes,
+            strategies=strategies,
+            fractions=fractions,
+            sparse=sparse,
         )
         records.append(record)
         if on_record is not None:
             on_record(record)
     return records
-
-
-#: the answer margins a ladder's check after the rung is calibrated over (`ladder_from_records(check=True)`)
-CHECK_MARGINS = tuple(round(0.05 * i, 2) for i in range(1, 20))
-
-
-#: the numbers of answer tokens a check is calibrated over where the records hold every answer token's margin
-CHECK_TOKENS = (1, 2, 4, 8)
-
-
-def has_margins(record: dict, tokens: int = 1) -> bool:
-    """Whether a record holds the answer margin of every rung it measured (what a check after the rung reads): of the
-    first answer token, or with `tokens` > 1 of every answer token (`margins`) and each check step's seconds."""
-    key = "margin" if tokens == 1 else "margins"
-    held = all(key in outcome for rungs in record["answers"].values() for outcome in rungs.values())
-    return held and (tokens == 1 or "check_steps" in record["seconds"])
-
-
-def _need_margins(records: Sequence[dict], tokens: int = 1) -> None:
-    if not all(has_margins(record, tokens) for record in records):
-        what = "answer margins" if tokens == 1 else "margins of every answer token"
-        raise ValueError(
-            f"A ladder that checks {tokens} answer token(s) after each rung needs the {what} in every record; these "
-            "records were measured before they were recorded: measure them with `ladder_remeasure.measure_margins` "
-            f"(`python -m benchmarks.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
-        )
-
-
-def record_margin(outcome: dict, tokens: int = 1) -> float:
-    """The margin a check of `tokens` answer tokens reads in one rung's outcome: its smallest over them (an answer
-    that ended sooner, over all of it)."""
-    return float(outcome["margin"]) if tokens == 1 else min(float(m) for m in outcome["margins"][:tokens])
-
-
-def record_costs(
-    records: Sequence[dict], key: str, strategy: str, check: bool = False, check_tokens: int = 1
-) -> dict[float | str, float]:
-    """Mean cost of every rung relative to each record's own prefill, with the mapping (and the held-back tokens) and
-    probe `key` counted in every rung, strategy `strategy`'s repair in the repairing ones, and the prefill in the
-    fallback. A repair that continues the probe's source draft does not pay again for the steps the probe decoded:
-    the seconds the repair's own first steps took are taken off (records that timed them; older ones pay in full).
-    With `check`, every rung but the fallback also pays the check after it (the answer margin's token, or the steps
-    of a check of `check_tokens` tokens)."""
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    if check:
-        _need_margins(records, check_tokens)
-    sums: dict[float | str, float] = dict.fromkeys([*fractions, FALLBACK], 0.0)
-    for record in records:
-        seconds = record["seconds"]
-        base = (seconds["map"] + seconds["probe"][key]) / seconds["prefill"]
-        shared = seconds.get("probe_source_steps", {}).get(key, 0)
-        for f in fractions:
-            steps = seconds.get("repair_draft_steps", {}).get(strategy, {}).get(f"{f:g}", [])
-            repair = seconds["repair"][strategy][f"{f:g}"] - sum(steps[:shared])
-            if check and check_tokens == 1:
-                repair += seconds["verify"][strategy][f"{f:g}"]
-            elif check:
-                repair += sum(seconds["check_steps"][strategy][f"{f:g}"][:check_tokens])
-            sums[f] += base + repair / seconds["prefill"]
-        sums[FALLBACK] += base + 1.0
-    return {k: v / len(records) for k, v in sums.items()}
-
-
-def record_margins(records: Sequence[dict], strategy: str, tokens: int = 1) -> dict[float, list[float]]:
-    """Per measured fraction of `strategy`, every record's answer margin on its served cache ([`record_margin`] over
-    `tokens` answer tokens)."""
-    _need_margins(records, tokens)
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    return {f: [record_margin(r["answers"][strategy][f"{f:g}"], tokens) for r in records] for f in fractions}
-
-
-def _changed(records: Sequence[dict], strategy: str) -> dict[float, list[bool]]:
-    fractions = sorted(float(f) for f in records[0]["answers"][strategy])
-    return {f: [bool(r["answers"][strategy][f"{f:g}"]["changed"]) for r in records] for f in fractions}
-
-
-def held_strategies(records: Sequence[dict]) -> list[str]:
-    """The strategies every record holds answers of (sorted keys): a strategy measured beside records after them is
-    a candidate only once every record has it (a side pass stopped part-way leaves it out)."""
-    return sorted(set.intersection(*(set(r["answers"]) for r in records))) if records else []
-
-
-def _pick(keys: Sequence[str] | None, held: Sequence[str], what: str) -> list[str]:
-    keys = list(held) if keys is None else list(keys)
-    missing = [k for k in keys if k not in held]
-    if missing:
-        raise ValueError(f"The records hold no {what} {missing}; they have {sorted(held)}.")
-    return keys
-
-
-def ladder_from_records(
-    records: Sequence[dict],
-    *,
-    strategy: dict | str | None = None,
-    probe: str | None = None,
-    max_changed: float = 0.05,
-    confidence: float | None = None,
-    provenance: dict[str, Any] | None = None,
-    check: bool | Sequence[float] = False,
-    check_tokens: Sequence[int] | None = None,
-) -> GuardLadder:
-    """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
-    risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
-    and `confidence` as in [`calibrate_ladder`]. With `check` (`True`: the margins of `CHECK_MARGINS`, or a sequence
-    of them), the ladder may also check each rung's answer margin: every candidate is calibrated without a check and
-    with each `min_margin`, and the cheapest kept (the records need margins), over checks of each number of answer
-    tokens of `check_tokens` (default: `CHECK_TOKENS` where every record holds every answer token's margin, else the
-    first token alone). The costs, changed answers and ladders of every candidate are kept in
-    `calibration["candidates"]`."""
-    if not records:
-        raise ValueError("No records: measure items first (measure_ladder_items).")
-    probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
-    strategies = _pick(
-        [strategy_key(strategy)] if strategy is not None else None, held_strategies(records), "strategies"
-    )
-    margins_checked = [] if check is False else list(CHECK_MARGINS if check is True else check)
-    if check_tokens is None:
-        check_tokens = CHECK_TOKENS if margins_checked and all(has_margins(r, 2) for r in records) else (1,)
-    if not margins_checked:
-        check_tokens = ()
-    best, candidates = None, {}
-    groups = [r["task"] for r in records]
-    for key in probes:
-        risks = [r["risks"][key] for r in records]
-        for name in strategies:
-            changed = _changed(records, name)
-            costs, margins = {None: record_costs(records, key, name)}, {}
-            for tokens in check_tokens:  # the same for every margin tried
-                costs[tokens] = record_costs(records, key, name, check=True, check_tokens=tokens)
-                margins[tokens] = record_margins(records, name, tokens)
-            tries = [(None, None)] + [(m, k) for k in check_tokens for m in margins_checked]
-            for min_margin, tokens in tries:
-                ladder = calibrate_ladder(
-                    risks,
-                    changed,
-                    costs[tokens],
-                    probe=parse_probe(key).settings(),
-                    strategy=records[0]["strategies"][name],
-                    groups=groups,
-                    max_changed=max_changed,
-                    confidence=confidence,
-                    provenance=provenance,
-                    margins=margins.get(tokens),
-                    min_margin=min_margin,
-                    check_tokens=tokens or 1,
-                )
-                outcome = ladder.calibration["outcome"]
-                label = f"{key} {name}"
-                if min_margin is not None:
-                    label += f" check>={min_margin:g}" + (f" over {tokens} tokens" if tokens > 1 else "")
-                candidates[label] = {
-                    "mean_cost": outcome["mean_cost"],
-                    "changed_served": outcome["changed_served"],
-                    "rungs": ladder.to_dict()["rungs"],
-                    **({"min_margin": min_margin} if min_margin is not None else {}),
-                    **({"check_tokens": tokens} if tokens and tokens > 1 else {}),
-                }
-                if best is None or outcome["mean_cost"] < best.calibration["outcome"]["mean_cost"]:
-                    best = ladder
-    best.calibration["candidates"] = candidates
-    return best
-
-
-def replay_ladder(ladder: GuardLadder | dict, records: Sequence[dict]) -> dict[str, Any]:
-    """`ladder_outcome` of serving `records` with `ladder` (calibrated elsewhere): its probe, its strategy and every
-    rung it uses must have been measured there. With the ladder's `min_tokens`, a record of fewer prompt tokens is
-    served the target's prefill unmapped (rung `"short"`)."""
-    ladder = GuardLadder.from_dict(ladder)
-    key, name = probe_key(ladder.probe), strategy_key(ladder.strategy)
-    if key not in records[0]["risks"]:
-        raise ValueError(f"The records hold no risk of the ladder's probe {key}.")
-    if name not in held_strategies(records):
-        raise ValueError(
-            f"The records hold no answers of the ladder's strategy {name} on every record; every record holds "
-            f"{held_strategies(records)}."
-        )
-    measured = {float(f) for f in records[0]["answers"][name]}
-    unmeasured = [rung.fraction for rung in ladder.rungs if rung.fraction not in measured]
-    if unmeasured:
-        raise ValueError(
-            f"The records do not measure the ladder's fractions {unmeasured}; they hold {sorted(measured)}."
-        )
-    plan = ladder.plan([r["risks"][key] for r in records])
-    checked, tokens = ladder.min_margin is not None, ladder.check_tokens
-    return ladder_outcome(
-        plan,
-        _changed(records, name),
-        record_costs(records, key, name, check=checked, check_tokens=tokens),
-        [r["task"] for r in records],
-        refused_by_check(record_margins(records, name, tokens), ladder.min_margin) if checked else None,
-        [ladder.too_short(r["tokens"]) for r in records] if ladder.min_tokens is not None else None,
-    )
-
-
-def with_min_tokens(ladder: GuardLadder, min_tokens: int, records: Sequence[dict]) -> GuardLadder:
-    """`ladder` (calibrated on `records`) with `min_tokens` set, its calibration outcome replayed on the records with
-    the records below it prefilled unmapped ([`replay_ladder`]). Serving fewer items the mapped cache only lowers the
-    changed answers served, so a budget the ladder held on the records still holds."""
-    gated = GuardLadder.from_dict({**ladder.to_dict(), "min_tokens": min_tokens})
-    gated.calibration = {**(ladder.calibration or {}), "outcome": replay_ladder(gated, records)}
-    return gated
-
-
-def cheapest_keeping(record: dict, strategy: str, costs: dict[float | str, float]) -> float | None:
-    """The rung of one record that keeps the target's answer at the least cost: the measured fraction of `strategy`
-    (0: the mapped cache) whose answer is unchanged and whose `costs` entry is least, or `None` (the fallback) where no
-    such rung costs less than `costs["fallback"]`."""
-    answers = record["answers"][strategy]
-    kept = [f for f in sorted(float(k) for k in answers) if not answers[f"{f:g}"]["changed"]]
-    best = min(kept, key=lambda f: costs[f], default=None)
-    return best if best is not None and costs[best] < costs[FALLBACK] else None
-
-
-def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> dict[str, Any]:
-    """What a perfect probe would serve on measured records: every request the cheapest rung that keeps the target's
-    answer ([`cheapest_keeping`]; the fallback always does), as [`ladder_outcome`] with the rungs costed as a
-    calibrated ladder's ([`record_costs`]). The probe costs nothing, or what probe `cost_of` (a key of the records'
-    risks) cost on each record. It serves no changed answer and costs no more than any ladder of these rungs that
-    serves none; the gap to a calibrated ladder's cost is what a better probe could save with these rungs."""
-    perfect = "perfect"  # a probe key no record holds
-    priced = []
-    for record in records:
-        seconds = record["seconds"]
-        steps = seconds.get("probe_source_steps", {})
-        priced.append(
-            {
-                **record,
-                "seconds": {
-                    **seconds,
-                    "probe": {**seconds["probe"], perfect: 0.0 if cost_of is None else seconds["probe"][cost_of]},
-                    "probe_source_steps": {**steps, perfect: 0 if cost_of is None else steps.get(cost_of, 0)},
-                },
-            }
-        )
-    costs = record_costs(priced, perfect, strategy)
-    plan = [cheapest_keeping(record, strategy, costs) for record in records]
-    return ladder_outcome(plan, _changed(records, strategy), costs, [r["task"] for r in records])
 
 
 __all__ = [
@@ -570,6 +378,7 @@ __all__ = [
     "check_mapper",
     "check_margins",
     "has_margins",
+    "has_sparse",
     "held_strategies",
     "items_from_tasks",
     "ladder_from_records",

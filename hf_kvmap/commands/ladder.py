@@ -10,7 +10,9 @@ mapped cache; the answer and cost of every repair fraction), and the cheapest la
 bound: about 60 items per task vouch for 5 % at 0.95, 45 at 0.9). `--records` keeps the measurements (JSONL) so a
 stopped run resumes; a strategy asked for that the records lack is measured beside them (`<records>.strategies.jsonl`,
 resumable too; the target's own answers are read from the records, its prefill is not run again), so a new repair
-strategy joins a calibrated ladder's candidates without measuring the items again.
+strategy joins a calibrated ladder's candidates without measuring the items again. `--sparse` also measures each
+strategy's sparse rung (the target's prefill of the positions the repair of a fraction selects, alone) and lets the
+ladder place one where it keeps the answers as well and costs less than that repair.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def add_parser(subparsers) -> None:
         help="also calibrate a check after the rung: a served request whose first answer tokens (1, 2, 4 or 8 of "
         "them, calibrated) the target takes with a probability margin below the calibrated one falls back (kept "
         "where it is cheaper than no check)",
+    )
+    parser.add_argument(
+        "--sparse",
+        action="store_true",
+        help="also measure each strategy's sparse rung at every fraction (the target's prefill of that repair's "
+        "selection alone, no map), and let the ladder place one where it keeps the answers within --max-changed and "
+        "costs less than the repair of its fraction (a one-row request is served it; a batch repairs instead)",
     )
     parser.add_argument(
         "--min-tokens",
@@ -240,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
             fractions=fractions,
             done=done,
             on_record=keep,
+            sparse=args.sparse,
         )
     except ValueError as err:
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
@@ -253,7 +263,12 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         ladder = ladder_from_records(
-            records, max_changed=args.max_changed, confidence=args.confidence, provenance=provenance, check=args.check
+            records,
+            max_changed=args.max_changed,
+            confidence=args.confidence,
+            provenance=provenance,
+            check=args.check,
+            sparse=args.sparse,
         )
     except ValueError as err:  # records of before margins were recorded, with --check
         raise SystemExit(f"hf-kvmap calibrate-ladder: {err}") from None
@@ -270,7 +285,10 @@ def run(args: argparse.Namespace) -> int:
         f"repair {strategy_key(ladder.strategy)}:"
     )
     for rung in ladder.rungs:
-        print(f"  risk <= {rung.max_risk:.4g}: recompute {rung.fraction:.0%}")
+        what = (
+            f"prefill {rung.fraction:.0%} alone (sparse, no map)" if rung.sparse else f"recompute {rung.fraction:.0%}"
+        )
+        print(f"  risk <= {rung.max_risk:.4g}: {what}")
     print("  above: the target's own prefill")
     if ladder.min_tokens is not None:
         print(

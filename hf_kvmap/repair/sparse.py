@@ -128,7 +128,12 @@ def sparse_prefill(
     cache = output_cache(decoder(input_ids=ids, position_ids=positions.to(device)[None], use_cache=True))
     skipped = length - positions.numel()
     layers = [SparseLayer.from_tensors(layer.keys, layer.values, skipped) for layer in cache.layers]
-    info = {"length": length, "selected": positions.numel(), "fraction": positions.numel() / length}
+    info = {
+        "length": length,
+        "selected": positions.numel(),
+        "fraction": positions.numel() / length,
+        "positions": positions.tolist(),
+    }
     return SparseCache(layers, info)
 
 
