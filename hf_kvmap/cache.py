@@ -185,7 +185,7 @@ class MappedCache(DynamicCache):
             source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
                 the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
             repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
-                (serving's repair step, `hf_kvmap.serving.repairing`); needs `target_model` and `input_ids`.
+                (`hf_kvmap.repair.apply_repair`, the one door to the recompute); needs `target_model` and `input_ids`.
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
@@ -204,8 +204,8 @@ class MappedCache(DynamicCache):
         )
         info = _provenance(mapper.config, length, hold_back, target_model)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
-        if repair is not None:  # serving's repair step: the cache stores, the target recomputes
-            from .serving.repairing import apply_repair
+        if repair is not None:  # the one door to the recompute: the cache stores, the target recomputes
+            from .repair import apply_repair
 
             apply_repair(
                 target_model,

@@ -7,7 +7,7 @@ Stages, in order, each timed in the [`HandoffReport`]:
 2. `source_prefill`: the source prefills the prompt, unless its cache is given ([`prepare_context`]);
 3. `map`: `MappedCache.from_source`, holding back the probe's final tokens ([`map_and_repair`]);
 4. `repair`: a fixed [`~hf_kvmap.repair.RepairConfig`] has the target recompute what it selects
-   (`hf_kvmap.serving.repairing.apply_repair`, the one call of the recompute);
+   (`hf_kvmap.repair.apply_repair`, the one door to the recompute);
 5. `held_back`: the target runs the held-back tokens but the last on the served cache ([`run_tokens`]);
 6. `audit`: the target's own keys/values of the first tokens and its own first layer against the mapped ones; an
    exact mapping is served as it is, a gross one refused;
@@ -36,14 +36,13 @@ from ..cache import CACHE_DTYPES, MappedCache, source_pairs
 from ..cache_views import row_cache, write_rows
 from ..drafting import Draft
 from ..input_checks import check_source_cache
-from ..repair import RepairConfig, SparseCache, selector_from_dict
+from ..repair import RepairConfig, SparseCache, apply_repair, selector_from_dict
 from ..rope import positions_from_attention_mask
 from .audit import exactness_error, first_layer_audit
 from .forwards import answer_margin, run_tokens, target_prefill
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import Probe, ProbeContext
 from .probes.prefix_audit import PrefixAuditProbe
-from .repairing import apply_repair
 from .report import Clock, HandoffRefusedError, HandoffReport
 from .sparse_rows import can_serve_sparse, serve_sparse
 

@@ -27,12 +27,11 @@ from transformers.utils import logging
 
 from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
-from ..repair import DecodeRefresh, RepairConfig
+from ..repair import DecodeRefresh, RepairConfig, apply_repair
 from ..repair.repair import recomputed_mask
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import ProbeContext, probe_from_dict
-from .repairing import apply_repair
 
 logger = logging.get_logger(__name__)
 
