@@ -10,9 +10,11 @@ turn = session.respond("small", max_new_tokens=32, eos_token_id=end_id)   # maps
 ```
 
 Invariant: a model's cache covers a prefix of the transcript and never its last token. When a model takes over, the
-tokens some other model has already processed beyond this model's cache are mapped from that model's cache (the
-mapper's widest context window (`max_context_window`) of earlier positions is read along, so a windowed mapper sees the same inputs as when it maps
-a whole prompt); the remaining tokens (typically the new user turn) are prefilled by the model itself.
+tokens some other model has already processed beyond this model's cache are mapped from that model's cache through the
+pipeline's span request ([`~hf_kvmap.serving.spans.serve_span`]: `MappedCache.from_source_span` reads the mapper's
+widest context window (`max_context_window`) of earlier positions along, so a windowed mapper sees the same inputs as
+when it maps a whole prompt, and records the span; then the fixed repair or the ladder's rung); the remaining tokens
+(typically the new user turn) are prefilled by the model itself.
 """
 
 from __future__ import annotations
@@ -160,8 +162,8 @@ class HandoffSession:
             tokens than that maps none: the model prefills them (`SessionTurn.short`).
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
-    model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
-    (`mapped_positions`, the mappers), which `save_cache` records.
+    model's cache that holds mapped positions is a [`MappedCache`]: approximate (`approximate = True`) with a
+    `mapping_info` (`mapped_positions`, the mappers each span came from), which `save_cache` records.
     """
 
     def __init__(
