@@ -185,7 +185,7 @@ class MappedCache(DynamicCache):
             source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
                 the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
             repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
-                (serving's repair step, `hf_kvmap.serving.repairing`); needs `target_model` and `input_ids`.
+                (`hf_kvmap.repair.apply_repair`, the one door to the recompute); needs `target_model` and `input_ids`.
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
@@ -204,8 +204,8 @@ class MappedCache(DynamicCache):
         )
         info = _provenance(mapper.config, length, hold_back, target_model)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
-        if repair is not None:  # serving's repair step: the cache stores, the target recomputes
-            from .serving.repairing import apply_repair
+        if repair is not None:  # the one door to the recompute: the cache stores, the target recomputes
+            from .repair import apply_repair
 
             apply_repair(
                 target_model,
@@ -219,6 +219,115 @@ class MappedCache(DynamicCache):
                 source_position_ids=source_position_ids,
             )
         return cache
+
+    @classmethod
+    @torch.no_grad()
+    def from_source_span(
+        cls,
+        source_cache: SourceCache,
+        mapper: MapperModel,
+        start: int,
+        end: int,
+        *,
+        onto: Cache | None = None,
+        dtype: torch.dtype | None = None,
+        check_finite: bool = True,
+        label: str | None = None,
+    ) -> MappedCache:
+        r"""
+        Map positions `[start, end)` of a source cache onto the end of a target cache that holds positions
+        `[0, start)` (a conversation's new tokens at a switch of models, `HandoffSession`).
+
+        The mapper reads its widest context window (`config.max_context_window`) of source positions before `start`
+        along, so a windowed map sees the same inputs as when it maps the whole prompt; the positions are the source
+        cache's own (`0 .. end - 1`, one row). The source positions read are checked as in [`from_source`] (layout,
+        geometry, finiteness).
+
+        Args:
+            source_cache (`Cache` or sequence of `(keys, values)`): the source's cache, `(1, n_kv_src, seq, head_dim)`
+                per layer with `seq >= end`; mapper ([`MapperModel`]): fitted for this (source, target).
+            start (`int`), end (`int`): the positions to map, `0 <= start < end <= seq`.
+            onto (`Cache`, *optional*): the target's cache of positions `[0, start)` (none for `start = 0`); its
+                layers are kept (no copy) and the mapped ones appended, in its dtype and on its devices.
+            dtype (`torch.dtype`, *optional*): of the mapped layers where `onto` has none (default the source's).
+            check_finite (`bool`, *optional*, defaults to `True`): refuse source positions holding NaN or inf.
+            label (`str`, *optional*): what the span is mapped from (a model's name), recorded.
+
+        Returns:
+            `MappedCache` of `end` positions. Its `mapping_info` records every span mapped into it so far
+            (`mapped_positions`: `[start, end]` pairs, `mappers`: per span `from`, the mapper's `content_hash`, id,
+            revision and kind, and the `window` read along), `mapped_tokens` and `approximate` (`False` once no span
+            is left, `HandoffSession`'s fallback removes its span with [`drop_last_span`]).
+        """
+        if not isinstance(mapper, MapperModel):
+            raise TypeError(f"mapper is a {type(mapper).__name__}; pass the `MapperModel` fitted for this pair.")
+        pairs = check_source_tensors(source_pairs(source_cache), mapper.config)
+        batch, _, seq, _ = pairs[0][0].shape
+        for name, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}={value!r} must be an int (a position of the source cache).")
+        if not 0 <= start < end <= seq:
+            raise ValueError(
+                f"Span [{start}, {end}) must satisfy 0 <= start < end <= {seq} (the positions the source cache holds)."
+            )
+        if batch != 1:
+            raise ValueError(f"A span is mapped for one conversation (batch 1); the source cache holds {batch} rows.")
+        covered = 0 if onto is None else onto.get_seq_length()
+        if covered != start:
+            raise ValueError(
+                f"The target cache holds {covered} positions but the span starts at {start}: a span is appended at the "
+                f"end of the cache it continues; pass start={covered} (or crop the cache to {start})."
+            )
+        begin = max(0, start - mapper.config.max_context_window)
+        window = [(keys[:, :, begin:end], values[:, :, begin:end]) for keys, values in pairs]
+        _warn_beyond_positions(mapper.config, end)
+        if check_finite:
+            check_finite_pairs(window)
+        positions = torch.arange(begin, end, device=window[0][0].device).unsqueeze(0)
+        mapped = _map(mapper, window, end - begin, positions, None, None, None, None, None)
+        cache = onto if isinstance(onto, MappedCache) else cls(layers=_mapped_layers(onto, len(mapped)))
+        if onto is not None and not isinstance(onto, MappedCache):
+            cache.mapping_info = dict(getattr(onto, "mapping_info", None) or {})
+            cache.recomputed = getattr(onto, "recomputed", None)
+        for idx, (keys, values) in enumerate(mapped):
+            keys, values = keys[:, :, start - begin :], values[:, :, start - begin :]
+            layer = cache.layers[idx]
+            if layer.is_initialized:
+                out_dtype, device = layer.keys.dtype, layer.keys.device
+            else:
+                out_dtype, device = dtype or keys.dtype, keys.device
+            cache.update(keys.to(device, out_dtype), values.to(device, out_dtype), idx)
+        info = cache.mapping_info
+        info.setdefault("mapped_positions", []).append([start, end])
+        config = mapper.config
+        span = {"from": label, "content_hash": config.content_hash, "mapper": model_id(config)}
+        span.update(mapper_revision=model_revision(config), kind=config.kind, window=start - begin)
+        info.setdefault("mappers", []).append(span)
+        cache._record_spans()
+        return cache
+
+    def drop_last_span(self) -> None:
+        """Forget the last span [`from_source_span`] recorded (the caller cropped its positions away and computes
+        them itself); the cache is exact again once no span is left."""
+        self.mapping_info["mapped_positions"].pop()
+        self.mapping_info["mappers"].pop()
+        self._record_spans()
+
+    def _record_spans(self) -> None:
+        info = self.mapping_info
+        info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
+        info["approximate"] = self.approximate = bool(info["mapped_positions"])
+
+
+def _mapped_layers(onto: Cache | None, count: int) -> list[MappedLayer]:
+    """`count` layers to append mapped positions to: `onto`'s tensors as they are (no copy), or empty ones."""
+    if onto is None:
+        return [MappedLayer() for _ in range(count)]
+    if len(onto.layers) != count:
+        raise ValueError(
+            f"The target cache has {len(onto.layers)} layers but the mapper produces {count}: it is another model's."
+        )
+    return [MappedLayer.from_tensors(layer.keys, layer.values) for layer in onto.layers]
 
 
 def _checked_request(source_cache, mapper, *settings: dict):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_kvmap import HandoffSession, MappedCache, MapperModel, zoo
+from hf_kvmap._compat import output_cache
 from hf_kvmap.repair import RepairConfig
 from hf_kvmap.serving.ladder import GuardLadder, LadderRung
 from hf_kvmap.zoo import corpus
@@ -245,3 +246,38 @@ def test_a_session_refreshes_only_the_mapped_positions_while_it_decodes(tiny, on
     assert mine.refresh is None and mine.tokens == again.respond("large", 4, pad_token_id=0).tokens
     with pytest.raises(TypeError, match="refresh= takes the settings of a DecodeRefresh"):
         fresh.respond("large", 2, pad_token_id=0, refresh=16)
+
+
+def test_a_span_is_checked_and_recorded_as_from_source_is(tiny, one_thread):
+    """`MappedCache.from_source_span`: the span equals the same positions of a whole-prompt mapping (windowed identity
+    mapper), appended after the target's own positions; the provenance records the span and its window; a bad span,
+    a target cache of another length and a source holding NaN in the positions read are refused by name."""
+    config = tiny.config()
+    model = tiny.model(config, seed=0)
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    source = output_cache(model(ids, use_cache=True))
+    identity = MapperModel.identity(config, context_window=3, input_kinds="both")
+    own = output_cache(model(ids[:, :9], use_cache=True))
+    cache = MappedCache.from_source_span(source, identity, 9, 14, onto=own, label="a")
+    whole = MappedCache.from_source(source, identity, hold_back=2)
+    assert isinstance(cache, MappedCache) and cache.get_seq_length() == 14
+    for mine, reference, theirs in zip(cache.layers, whole.layers, own.layers):
+        torch.testing.assert_close(mine.keys[:, :, 9:14], reference.keys[:, :, 9:14], rtol=0, atol=1e-5)
+        assert torch.equal(mine.keys[:, :, :9], theirs.keys)  # the own positions, as they were
+    info = cache.mapping_info
+    assert info["mapped_positions"] == [[9, 14]] and info["mapped_tokens"] == 5 and cache.approximate is True
+    assert info["mappers"][0]["from"] == "a" and info["mappers"][0]["window"] == 3
+    cache.crop(-5)
+    cache.drop_last_span()
+    assert cache.approximate is False and info["mapped_tokens"] == 0
+    with pytest.raises(ValueError, match=r"0 <= start < end <= 16"):
+        MappedCache.from_source_span(source, identity, 9, 17, onto=own)
+    with pytest.raises(ValueError, match="holds 9 positions but the span starts at 8"):
+        MappedCache.from_source_span(source, identity, 8, 12, onto=own)
+    poisoned = [(layer.keys.clone(), layer.values.clone()) for layer in source.layers]
+    poisoned[1][0][0, 0, 7, 0] = float("nan")  # inside the window read along before position 9
+    with pytest.raises(ValueError, match="(?i)nan|finite"):
+        MappedCache.from_source_span(poisoned, identity, 9, 12, onto=own)
+    poisoned[1][0][0, 0, 7, 0] = 0.0
+    poisoned[1][0][0, 0, 2, 0] = float("inf")  # before the window: never read
+    assert MappedCache.from_source_span(poisoned, identity, 9, 12, onto=own).get_seq_length() == 12

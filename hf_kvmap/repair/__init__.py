@@ -8,7 +8,9 @@ cache = MappedCache.from_source(source_cache, mapper)
 repair_cache(target, cache, input_ids, RepairConfig(strategy="tail", fraction=0.2))
 ```
 
-One file per strategy, each one class registered in `SELECTORS` (`base.register_selector`).
+One file per strategy, each one class registered in `SELECTORS` (`base.register_selector`). One door to the recompute,
+`apply_repair`: every change of a cache's keys/values by the target goes through it (`repair_cache`, `DecodeRefresh`,
+`MappedCache.from_source(repair=)` and the serving pipeline).
 """
 
 from ..drafting import Draft, greedy_draft
@@ -22,7 +24,7 @@ from .oracle import OracleSelector
 from .query_overlap import QueryOverlapSelector, markup_ids, resolve_markup
 from .recompute import recompute_positions
 from .refresh import DecodeRefresh
-from .repair import RepairConfig, repair_cache, select_repair
+from .repair import RepairConfig, apply_repair, repair_cache, select_repair
 from .source_attention import SourceAttentionSelector
 from .sparse import SparseCache, SparseLayer, sparse_prefill
 from .tail import TailSelector
@@ -47,6 +49,7 @@ __all__ = [
     "SparseLayer",
     "TailSelector",
     "TargetAttentionSelector",
+    "apply_repair",
     "greedy_draft",
     "markup_ids",
     "recompute_positions",

@@ -6,9 +6,9 @@ source's short draft, or the prompt's last tokens. An answer that runs long (a f
 other spans as it goes, and a mapped key/value that none of the first tokens read is never repaired. `DecodeRefresh`
 is a `transformers` logits processor: at every `every`-th step it scores the prompt positions with a registered
 strategy that reads the target (by default `target_attention` over the last `every` generated tokens' queries,
-`reduce="max"`), recomputes the best `tokens` of those not recomputed yet (`recompute_positions`: each attends to
-the cache before it), and leaves the step's scores alone. The first token is as fast as without it; the cost is
-paid during decoding and recorded:
+`reduce="max"`), recomputes the best `tokens` of those not recomputed yet (through `apply_repair`, the one door to
+the recompute: each attends to the cache before it), and leaves the step's scores alone. The first token is as fast
+as without it; the cost is paid during decoding and recorded:
 
 ```python
 from hf_kvmap.repair import DecodeRefresh
@@ -34,8 +34,7 @@ from transformers import LogitsProcessor
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .base import RepairContext, selector_from_dict
-from .recompute import recompute_positions
-from .repair import mark_recomputed, recomputed_mask
+from .repair import apply_repair, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
 DEFAULT_STRATEGY = {"name": "target_attention", "reduce": "max"}
@@ -162,17 +161,16 @@ class DecodeRefresh(LogitsProcessor):
             ),
             candidates=candidates,
         )
-        positions, valid = self.selector.select(context, counts)
-        recompute_positions(
+        selection = self.selector.select(context, counts)
+        apply_repair(  # the one door to the recompute; the refresh keeps its own record (`_record`)
             self.target,
             self.cache,
             input_ids,
-            positions,
-            valid,
-            token_mask=mask,
+            None,
+            attention_mask=mask,
             position_ids=context.position_ids,
+            selection=selection,
         )
-        mark_recomputed(self.cache, positions, valid, self.length)
         self.recomputed = [done + count for done, count in zip(self.recomputed, counts)]
         self.refreshes += 1
         self.seconds += time.perf_counter() - start

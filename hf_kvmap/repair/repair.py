@@ -182,6 +182,96 @@ def select_repair(
 
 
 @torch.no_grad()
+def apply_repair(
+    target,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    repair: RepairConfig | dict[str, Any] | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    source=None,
+    source_cache: Cache | None = None,
+    source_position_ids: torch.Tensor | None = None,
+    source_draft: Draft | None = None,
+    start: int = 0,
+    selection: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[int]:
+    r"""
+    The one door to the recompute: every change of a cache's keys/values by the target goes through here (the serving
+    pipeline's fixed repair and repairing rungs, a session's switch, `MappedCache.from_source(repair=)`,
+    [`repair_cache`] and [`DecodeRefresh`]). The target recomputes the selected positions of `cache` in place
+    ([`recompute_positions`]) and they are marked recomputed (`cache.recomputed`, what a later refresh skips).
+
+    Args:
+        repair ([`RepairConfig`], `dict` or `None`): strategy and budget; the recompute is then recorded in the
+            cache's `mapping_info["repair"]` (see [`repair_cache`]). `None` with `selection`: recompute those
+            positions and record nothing (a refresh keeps its own record).
+        selection (`tuple`, *optional*): `(positions, valid)`, `(batch, n)`, as [`select_repair`] returns them:
+            recompute those instead of selecting.
+        Others: as [`repair_cache`].
+
+    Returns:
+        `list[int]`: per row, the positions recomputed: the budget of `repair` over the row's candidates, or the
+        valid slots of `selection` without `repair`.
+    """
+    if repair is None and selection is None:
+        raise ValueError(
+            "apply_repair needs what to recompute: `repair=` (a RepairConfig: strategy and budget) or `selection=` "
+            "(the `(positions, valid)` select_repair returned)."
+        )
+    repair = None if repair is None else RepairConfig.from_dict(repair)
+    length = _check(target, cache, input_ids, attention_mask, position_ids)
+    if selection is None:
+        selection = select_repair(
+            target,
+            input_ids,
+            repair,
+            length=length,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            source=source,
+            source_cache=source_cache,
+            source_position_ids=source_position_ids,
+            source_draft=source_draft,
+            start=start,
+        )
+    positions, valid = selection
+    counts = valid.sum(-1).tolist()
+    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(input_ids.device).long()
+    if position_ids is None:
+        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
+    recompute_positions(
+        target,
+        cache,
+        input_ids,
+        positions,
+        valid,
+        token_mask=mask[:, :length],
+        position_ids=position_ids[:, :length],
+    )
+    mark_recomputed(cache, positions, valid, length)
+    if repair is None:
+        return counts
+    candidates = candidate_positions(input_ids, attention_mask, length, start)
+    available = candidates.sum(-1).tolist()
+    exact = start == 0 and counts == available
+    record = {
+        **repair.to_dict(),
+        "recomputed": counts,
+        "candidates": available,
+        "recomputed_fraction": sum(counts) / max(sum(available), 1),
+        "exact": exact,
+    }
+    info = getattr(cache, "mapping_info", None)
+    if isinstance(info, dict):
+        info["repair"] = record
+        info["approximate"] = cache.approximate = not exact  # the object and its record say the same
+    return budget_counts(candidates, repair.fraction, repair.tokens)
+
+
+@torch.no_grad()
 def repair_cache(
     target,
     cache: Cache,
@@ -229,52 +319,20 @@ def repair_cache(
         of them (`exact`: every position from 0 recomputed, so the cache is the target's own prefill up to float
         rounding); the cache's `approximate` and `mapping_info["approximate"]` are `False` only then.
     """
-    repair = RepairConfig.from_dict(repair)
-    length = _check(target, cache, input_ids, attention_mask, position_ids)
-    if selection is None:
-        selection = select_repair(
-            target,
-            input_ids,
-            repair,
-            length=length,
-            cache=cache,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            source=source,
-            source_cache=source_cache,
-            source_position_ids=source_position_ids,
-            source_draft=source_draft,
-            start=start,
-        )
-    positions, valid = selection
-    candidates = candidate_positions(input_ids, attention_mask, length, start)
-    counts = valid.sum(-1).tolist()
-    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(input_ids.device).long()
-    if position_ids is None:
-        position_ids = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
-    recompute_positions(
+    apply_repair(
         target,
         cache,
         input_ids,
-        positions,
-        valid,
-        token_mask=mask[:, :length],
-        position_ids=position_ids[:, :length],
+        RepairConfig.from_dict(repair),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        source=source,
+        source_cache=source_cache,
+        source_position_ids=source_position_ids,
+        source_draft=source_draft,
+        start=start,
+        selection=selection,
     )
-    mark_recomputed(cache, positions, valid, length)
-    available = candidates.sum(-1).tolist()
-    exact = start == 0 and counts == available
-    record = {
-        **repair.to_dict(),
-        "recomputed": counts,
-        "candidates": available,
-        "recomputed_fraction": sum(counts) / max(sum(available), 1),
-        "exact": exact,
-    }
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["repair"] = record
-        info["approximate"] = cache.approximate = not exact  # the object and its record say the same
     return cache
 
 
@@ -298,4 +356,4 @@ def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, 
     cache.recomputed = done
 
 
-__all__ = ["RepairConfig", "repair_cache", "select_repair"]
+__all__ = ["RepairConfig", "apply_repair", "repair_cache", "select_repair"]

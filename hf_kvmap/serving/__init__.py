@@ -1,6 +1,7 @@
 """Serving: a request through the one pipeline (`pipeline`: map, repair, held-back tokens, probe, a rung per row, the
-report), its front doors (`handoff`, `HandoffSession`), the guard ladder as data (`ladder`), the probes (`probes/`, one
-file each) and the one place a served cache is repaired (`repairing`)."""
+report; a session's switch as a span request, `spans`), its front doors (`handoff`, `HandoffSession`), the guard
+ladder as data (`ladder`) and the probes (`probes/`, one file each). The repair it serves goes through
+`hf_kvmap.repair.apply_repair`, the one door to the recompute."""
 
 from .handoff import HandoffRefusedError, HandoffReport, handoff
 from .ladder import FALLBACK, GuardLadder, LadderRung, rung_name

@@ -7,7 +7,7 @@ Stages, in order, each timed in the [`HandoffReport`]:
 2. `source_prefill`: the source prefills the prompt, unless its cache is given ([`prepare_context`]);
 3. `map`: `MappedCache.from_source`, holding back the probe's final tokens ([`map_and_repair`]);
 4. `repair`: a fixed [`~hf_kvmap.repair.RepairConfig`] has the target recompute what it selects
-   (`hf_kvmap.serving.repairing.apply_repair`, the one call of the recompute);
+   (`hf_kvmap.repair.apply_repair`, the one door to the recompute);
 5. `held_back`: the target runs the held-back tokens but the last on the served cache ([`run_tokens`]);
 6. `audit`: the target's own keys/values of the first tokens and its own first layer against the mapped ones; an
    exact mapping is served as it is, a gross one refused;
@@ -23,7 +23,6 @@ Stages, in order, each timed in the [`HandoffReport`]:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,19 +32,17 @@ from transformers.utils import logging
 
 from .._compat import output_cache
 from ..cache import CACHE_DTYPES, MappedCache, source_pairs
-from ..cache_views import row_cache, write_rows
 from ..drafting import Draft
 from ..input_checks import check_source_cache
-from ..repair import RepairConfig, SparseCache, selector_from_dict
+from ..repair import RepairConfig, apply_repair
 from ..rope import positions_from_attention_mask
 from .audit import exactness_error, first_layer_audit
 from .forwards import answer_margin, run_tokens, target_prefill
-from .ladder import GuardLadder, below_margin, rung_name
+from .ladder import GuardLadder, rung_name
 from .probes import Probe, ProbeContext
 from .probes.prefix_audit import PrefixAuditProbe
-from .repairing import apply_repair
 from .report import Clock, HandoffRefusedError, HandoffReport
-from .sparse_rows import can_serve_sparse, serve_sparse
+from .rows import Refused, check_rows, climb, ladder_settings, own_rows, real_lengths, serve_rows
 
 logger = logging.get_logger(__name__)
 
@@ -80,14 +77,6 @@ class Request:
     tokenizer: Any = None
     target_first_layer: bool = False
     same_weights: bool = False
-
-
-class _Refused(Exception):
-    """A stage refused the mapped cache; `serve` hands the batch to the policy."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 def uncalibrated_error(missing: str, extra: str = "") -> ValueError:
@@ -230,134 +219,18 @@ def prepare_context(
     )
 
 
-@torch.no_grad()
-def serve_rows(
-    context: ProbeContext,
-    fractions: Sequence[float | None],
-    strategy: dict[str, Any] | str,
-    sparse: Sequence[bool] | None = None,
-) -> list[dict[str, Any]]:
-    r"""
-    Give every row of `context.cache` its rung, in place: rows with fraction 0 keep the mapped cache, rows with a
-    fraction have the target recompute that share of their mapped tokens (rows of one fraction in one batch), and
-    `None` rows get the target's own prefill. Then, when the probe held back more than the last token, the target
-    re-runs the held-back tokens on the result, so they attend to what is served.
-
-    Args:
-        context ([`~hf_kvmap.serving.probes.ProbeContext`]): what [`prepare_context`] built (`T - 1` tokens).
-        fractions (sequence of `float` or `None`): one per row.
-        strategy (`dict` or `str`): the repair strategy.
-        sparse (sequence of `bool`, *optional*): rows whose rung is a sparse one (`LadderRung.sparse`): a one-row
-            request is served the target's prefill of the selected positions alone (`context.cache` is replaced);
-            in a batch such rows are repaired at their fraction (`sparse_as_repair`).
-
-    Returns:
-        One dict per row: `rung` (`"mapped"`, `"repair:<f>"`, `"sparse:<f>"`, `"fallback"`), `fraction`, and
-        `recomputed` tokens.
-    """
-    ids, mask, positions, cache = context.input_ids, context.attention_mask, context.position_ids, context.cache
-    source_position_ids = context.source_position_ids
-    batch, length = ids.shape
-    if len(fractions) != batch:
-        raise ValueError(f"{len(fractions)} rung fractions for a batch of {batch} rows.")
-    mapped = length - context.hold_back
-    rows = [{"rung": rung_name(f), "fraction": f, "recomputed": 0} for f in fractions]
-    sparse = [bool(s) and f is not None for s, f in zip(sparse or [], fractions)]
-    if any(sparse):
-        if can_serve_sparse(context) and fractions[0] is not None:
-            context.cache, recomputed = serve_sparse(context, fractions[0], strategy)
-            rows[0].update(rung=rung_name(fractions[0], True), recomputed=recomputed)
-            return rows
-        for row, planned in zip(rows, sparse):
-            row.update({"sparse_as_repair": True} if planned else {})
-    if all(f == 0.0 for f in fractions):
-        return rows
-    held = cache.get_seq_length() - mapped
-    if held:
-        cache.crop(-held)
-    selector = selector_from_dict(strategy)
-    for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
-        index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
-        part = row_cache(cache, index)
-        source_part = source_draft = None
-        if selector.needs_source:
-            source_part = row_cache(context.source_cache, index)
-            if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
-                source_draft = context.drafts["source"].rows(index)
-        counts = apply_repair(
-            context.target,
-            part,
-            ids[index],
-            RepairConfig(selector, fraction=fraction),
-            attention_mask=mask[index],
-            position_ids=positions[index],
-            source=context.source,
-            source_cache=source_part,
-            source_position_ids=None if source_position_ids is None else source_position_ids[index],
-            source_draft=source_draft,
-        )
-        write_rows(cache, index, part)
-        for i, n in zip(index.tolist(), counts):
-            rows[i]["recomputed"] = n
-    fallback = [i for i, f in enumerate(fractions) if f is None]
-    if fallback:
-        for i, n in zip(fallback, own_rows(context, fallback, mapped)):
-            rows[i]["recomputed"] = n
-    if held:
-        run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["ladder"] = {"rows": rows, "strategy": selector.settings()}
-    return rows
-
-
-def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
-    """Rows `rows` of `context.cache` (which holds `end` tokens) replaced by the target's own prefill of their first
-    `end` tokens; returns the real tokens each row recomputed."""
-    ids, mask, positions = context.input_ids, context.attention_mask, context.position_ids
-    index = torch.tensor(list(rows), device=ids.device)
-    own = output_cache(
-        context.target(
-            input_ids=ids[index, :end],
-            attention_mask=mask[index, :end],
-            position_ids=positions[index, :end],
-            use_cache=True,
-        )
-    )
-    if isinstance(context.cache, SparseCache):  # a one-row sparse rung's cache: replaced whole
-        context.cache = own
-    else:
-        write_rows(context.cache, index, own)
-    return mask[index, :end].sum(-1).tolist()
-
-
-@torch.no_grad()
-def check_rows(
-    context: ProbeContext, rows: list[dict[str, Any]], margins: torch.Tensor, refused: Sequence[int]
-) -> None:
-    """The check after the rungs, applied to [`serve_rows`]'s `rows` (in place): every served row records its `margin`
-    (the target's [`answer_margin`] on its served cache, `margins`), and each row of `refused` gets the target's own
-    prefill after all (its rung becomes the fallback; the one it had is kept as `checked`)."""
-    for row, margin in zip(rows, margins.tolist()):
-        if row["fraction"] is not None:
-            row["margin"] = margin
-    if refused:
-        for i, n in zip(refused, own_rows(context, refused, context.input_ids.shape[1] - 1)):
-            rows[i].update(checked=rows[i]["rung"], rung=rung_name(None), fraction=None, recomputed=n)
-
-
 # ------------------------------------------------------------------------------------------------ the audit
 
 
 def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffReport, clock: Clock) -> bool:
-    """Stage 6: whether the mapping is exact (then it is served as it is); raises `_Refused` for a gross one."""
+    """Stage 6: whether the mapping is exact (then it is served as it is); raises `Refused` for a gross one."""
     with clock.stage("audit"):
         error = PrefixAuditProbe(audit_tokens).score(context).max().item()
         report.audit_error = error
         if error <= EXACT_TOLERANCE:  # the prefix is exact: the first layer at every position too?
             report.audit_error = max(error, first_layer_audit(target, context))
     if not error < GROSS_ERROR:  # NaN included
-        raise _Refused(
+        raise Refused(
             f"gross mapping error: the mapped keys/values of the first {audit_tokens} tokens are {error:.3g} "
             "(relative) from the target's own, no closer than zeros"
         )
@@ -367,69 +240,9 @@ def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffRepo
 # ------------------------------------------------------------------------------------------------ the decision
 
 
-def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: Clock) -> Cache:
-    """Stage 8 under a ladder: each row's rung from its risk (`report.scores`), then [`serve_rows`]."""
-    lengths = real_lengths(context.input_ids, context.attention_mask)
-    plan = ladder.plan(report.scores, lengths)  # a NaN risk takes no rung, nor a row below min_tokens: they fall back
-    short = [ladder.too_short(n) for n in lengths]
-    settings = ladder_settings(ladder)
-    report.threshold = None
-    if all(fraction is None for fraction in plan):
-        report.ladder = {
-            **settings,
-            "rows": [
-                {"rung": rung_name(None), "fraction": None, "risk": r, **({"short": True} if below else {})}
-                for r, below in zip(report.scores, short)
-            ],
-        }
-        raise _Refused(
-            f"ladder: every row's risk is above the last rung or its prompt below min_tokens (risks "
-            f"{[f'{r:.4g}' for r in report.scores]})"
-        )
-    if report.policy == "fail" and any(fraction is None for fraction in plan):
-        raise _Refused(f"ladder: row(s) {[i for i, f in enumerate(plan) if f is None]} would fall back")
-    with clock.stage("repair"):
-        rows = serve_rows(context, plan, ladder.strategy, ladder.sparse_plan(report.scores))
-    for row, risk, below in zip(rows, report.scores, short):
-        row["risk"] = risk
-        if below:
-            row["short"] = True
-    if ladder.min_margin is not None:
-        with clock.stage("check"):
-            margins = answer_margin(
-                context.target,
-                context.cache,
-                context.input_ids,
-                context.attention_mask,
-                context.position_ids,
-                tokens=ladder.check_tokens,
-            )
-            low = [i for i, f in enumerate(plan) if f is not None and below_margin(margins[i], ladder.min_margin)]
-            if low and report.policy == "fail":  # a row the check refuses refuses the batch, as a fallback does
-                report.ladder = {**settings, "rows": rows}
-                raise _Refused(f"ladder check: row(s) {low} answer with a margin below {ladder.min_margin:.4g}")
-            check_rows(context, rows, margins, low)
-    report.ladder = {**settings, "rows": rows}
-    report.accepted = True
-    report.reason = "ladder: " + ", ".join(f"row {i} {row['rung']}" for i, row in enumerate(rows))
-    return context.cache
-
-
-def ladder_settings(ladder: GuardLadder) -> dict[str, Any]:
-    """The ladder's settings a report records: its own (`GuardLadder.to_dict`) but the calibration."""
-    return {k: v for k, v in ladder.to_dict().items() if k != "calibration"}
-
-
-def real_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
-    """Each row's real (unpadded) token count."""
-    if attention_mask is None:
-        return [input_ids.shape[1]] * input_ids.shape[0]
-    return [int(n) for n in attention_mask.sum(-1).tolist()]
-
-
 def _short_batch(ladder: GuardLadder, request: Request, report: HandoffReport) -> None:
     """Before the mapping: a batch whose every prompt is below the ladder's `min_tokens` is refused (raises
-    `_Refused`), unmapped: the target's own prefill of it is sooner than any rung."""
+    `Refused`), unmapped: the target's own prefill of it is sooner than any rung."""
     lengths = real_lengths(request.input_ids, request.attention_mask)
     if ladder.min_tokens is None or not all(ladder.too_short(n) for n in lengths):
         return
@@ -437,7 +250,7 @@ def _short_batch(ladder: GuardLadder, request: Request, report: HandoffReport) -
         **ladder_settings(ladder),
         "rows": [{"rung": rung_name(None), "fraction": None, "short": True} for _ in lengths],
     }
-    raise _Refused(
+    raise Refused(
         f"ladder: every prompt is shorter than min_tokens={ladder.min_tokens} (longest {max(lengths)} tokens): the "
         "target's own prefill is sooner there"
     )
@@ -446,9 +259,9 @@ def _short_batch(ladder: GuardLadder, request: Request, report: HandoffReport) -
 def _threshold(probe: Probe, scores: torch.Tensor, threshold: float, report: HandoffReport) -> None:
     """Stage 8 without a ladder: the whole batch is served if every row's risk is within the threshold."""
     if not torch.isfinite(scores).all():
-        raise _Refused(f"probe {probe.name} returned a non-finite risk")
+        raise Refused(f"probe {probe.name} returned a non-finite risk")
     if report.score > threshold:
-        raise _Refused(f"probe refused: {probe.name} risk {report.score:.4g} > threshold {threshold:.4g}")
+        raise Refused(f"probe refused: {probe.name} risk {report.score:.4g} > threshold {threshold:.4g}")
     report.accepted, report.reason = True, f"probe passed: {probe.name} risk {report.score:.4g} <= {threshold:.4g}"
 
 
@@ -463,7 +276,7 @@ def _serve_mapped(
     repair,
     audit_tokens: int,
 ) -> Cache:
-    """Stages 1 to 8; raises `_Refused` where a stage refuses the mapped cache."""
+    """Stages 1 to 8; raises `Refused` where a stage refuses the mapped cache."""
     source, target, mapper, input_ids = request.source, request.target, request.mapper, request.input_ids
     attention_mask, source_cache = request.attention_mask, request.source_cache
     with clock.stage("gate"):
@@ -472,7 +285,7 @@ def _serve_mapped(
         except ValueError as err:
             report.probe = None
             logger.warning_once(f"handoff falls back to the target's own prefill on every such request: {err}")
-            raise _Refused(f"incompatible: {err}") from None
+            raise Refused(f"incompatible: {err}") from None
     if ladder is not None:
         _short_batch(ladder, request, report)
     batch, length = input_ids.shape
@@ -497,7 +310,7 @@ def _serve_mapped(
             repair=repair,
         )
     except ValueError as err:
-        raise _Refused(f"mapping failed: {err}") from None
+        raise Refused(f"mapping failed: {err}") from None
     report.mapped_tokens = length - report.hold_back
     report.repair = context.cache.mapping_info.get("repair")
     if audit_tokens and _audit(target, context, audit_tokens, report, clock):
@@ -555,7 +368,7 @@ def serve(
             repair=repair,
             audit_tokens=audit_tokens,
         )
-    except _Refused as refusal:
+    except Refused as refusal:
         report.accepted, report.reason = False, refusal.reason
         if policy == "fail":
             report.timings = clock.done()

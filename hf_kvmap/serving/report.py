@@ -36,6 +36,8 @@ class HandoffReport:
         audit_error (`float`, *optional*): the audit's worst relative key/value error: every layer on the first
             `audit_tokens` tokens and, once that is within `EXACT_TOLERANCE`, the first layer at every position.
         mapped_tokens (`int`): tokens the mapper produced.
+        window_tokens (`int`): a session's switch (`hf_kvmap.serving.spans`): earlier source positions the mapper
+            read along for its context window; 0 for a whole prompt.
         same_weights (`bool`): the caller said the models are the weights the mapper was fitted for, loaded from
             another location (the gate skipped the model-id comparison).
         notes (`list[str]`): what the handoff derived on its own (e.g. the attention mask `generate` infers).
@@ -47,7 +49,8 @@ class HandoffReport:
             strategy, `min_margin`, `check_tokens` (where not 1) and `min_tokens` (where set); `None` without a
             ladder.
         timings (`dict[str, float]`): seconds per stage (`gate`, `source_prefill`, `map`, `repair`, `held_back`, `audit`,
-            `probe`, `check`, `fallback_prefill`, `total`); a stage that did not run is absent.
+            `probe`, `check`, `fallback`: the target's own prefill of the rows the check sent back, `fallback_prefill`,
+            `total`); a stage that did not run is absent.
     """
 
     accepted: bool
@@ -60,6 +63,7 @@ class HandoffReport:
     hold_back: int = 1
     audit_error: float | None = None
     mapped_tokens: int = 0
+    window_tokens: int = 0
     repair: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     ladder: dict[str, Any] | None = None

@@ -10,9 +10,11 @@ turn = session.respond("small", max_new_tokens=32, eos_token_id=end_id)   # maps
 ```
 
 Invariant: a model's cache covers a prefix of the transcript and never its last token. When a model takes over, the
-tokens some other model has already processed beyond this model's cache are mapped from that model's cache (the
-mapper's widest context window (`max_context_window`) of earlier positions is read along, so a windowed mapper sees the same inputs as when it maps
-a whole prompt); the remaining tokens (typically the new user turn) are prefilled by the model itself.
+tokens some other model has already processed beyond this model's cache are mapped from that model's cache through the
+pipeline's span request ([`~hf_kvmap.serving.spans.serve_span`]: `MappedCache.from_source_span` reads the mapper's
+widest context window (`max_context_window`) of earlier positions along, so a windowed mapper sees the same inputs as
+when it maps a whole prompt, and records the span; then the fixed repair or the ladder's rung); the remaining tokens
+(typically the new user turn) are prefilled by the model itself.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
 from ..repair import DecodeRefresh, RepairConfig
 from ..repair.repair import recomputed_mask
-from .forwards import answer_margin, run_tokens
-from .ladder import GuardLadder, below_margin, rung_name
-from .probes import ProbeContext, probe_from_dict
-from .repairing import apply_repair
+from .forwards import run_tokens
+from .ladder import GuardLadder, rung_name
+from .probes import probe_from_dict
+from .report import HandoffReport
+from .rows import ladder_settings
+from .spans import SpanRequest, serve_span
 
 logger = logging.get_logger(__name__)
 
@@ -44,54 +48,96 @@ SESSION_PROBES = ("lookahead_margin",)
 @dataclass
 class SessionTurn:
     r"""
-    One `HandoffSession.respond` call.
+    One `HandoffSession.respond` call. What the switch decided is its [`HandoffReport`] (`report`); the fields below
+    read it.
 
     Args:
         model (`str`): the model that answered.
         tokens (`list[int]`): the generated tokens (appended to the transcript).
         mapped_from (`str`, *optional*): the model whose cache the new tokens were mapped from (`None`: none mapped).
-        mapped_tokens (`int`): tokens mapped into this model's cache at this switch.
-        window_tokens (`int`): earlier source positions read along for the mapper's context window.
         prefilled_tokens (`int`): tokens this model prefilled itself before generating.
-        repaired_tokens (`int`): mapped tokens this model then recomputed itself (`HandoffSession(repair=...)`, or
-            the ladder's repairing rung).
-        rung (`str`, *optional*): with a ladder, the rung this switch took (`"mapped"`, `"repair:<f>"`, or
-            `"fallback"`: the model prefilled the tokens it would have mapped); `None` without a ladder or a mapping.
-        risk (`float`, *optional*): the ladder probe's risk on this switch.
-        margin (`float`, *optional*): with a ladder that checks after its rung (`min_margin`), the answering model's
-            margin on its first answer token over the cache its rung served ([`~hf_kvmap.serving.forwards.answer_margin`]).
-        checked (`str`, *optional*): the rung the check sent back to the fallback (then `rung` is `"fallback"`).
-        short (`bool`): the ladder's `min_tokens` found the unseen tokens too few to map: the model prefilled them
-            (then `rung` is `"fallback"` and no probe ran).
+        report ([`HandoffReport`], *optional*): the switch's report ([`~hf_kvmap.serving.spans.serve_span`]; for a
+            switch the ladder's `min_tokens` found too short, its refusal); `None` when nothing was mapped.
         refresh (`dict`, *optional*): with `respond(refresh=...)` on a cache holding mapped positions, what
             [`~hf_kvmap.repair.DecodeRefresh`] recomputed of them while the model decoded (`refreshes`, `recomputed`,
             `seconds`, ...); `None` otherwise.
         first_logits (`torch.Tensor`, *optional*): `(vocab,)` logits of the first generated token.
-        timings (`dict[str, float]`): seconds spent mapping, prefilling and generating.
+        timings (`dict[str, float]`): seconds spent mapping, repairing, prefilling (`prefill`), probing, checking,
+            falling back and generating.
+
+    Read from the report: `mapped_tokens` (tokens mapped into this model's cache at this switch), `window_tokens`
+    (earlier source positions read along for the mapper's context window), `repaired_tokens` (mapped tokens this model
+    then recomputed itself: `HandoffSession(repair=...)` or the ladder's repairing rung), `rung` (with a ladder, the
+    rung this switch took: `"mapped"`, `"repair:<f>"`, or `"fallback"`: the model prefilled the tokens it would have
+    mapped; `None` without a ladder or a mapping), `risk` (the ladder probe's risk), `margin` (with a ladder that
+    checks after its rung, `min_margin`, the answering model's margin on its first answer tokens over the cache its
+    rung served, [`~hf_kvmap.serving.forwards.answer_margin`]), `checked` (the rung the check sent back to the
+    fallback) and `short` (the ladder's `min_tokens` found the unseen tokens too few to map: the model prefilled them,
+    no probe ran).
     """
 
     model: str
     tokens: list[int]
     mapped_from: str | None = None
-    mapped_tokens: int = 0
-    window_tokens: int = 0
     prefilled_tokens: int = 0
-    repaired_tokens: int = 0
-    rung: str | None = None
-    risk: float | None = None
-    margin: float | None = None
-    checked: str | None = None
-    short: bool = False
+    report: HandoffReport | None = None
     refresh: dict | None = None
     first_logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def _row(self) -> dict:
+        ladder = None if self.report is None else self.report.ladder
+        return ladder["rows"][0] if ladder else {}
 
-def _record_mapped(cache, info: dict) -> None:
-    """Set `info`'s token count and approximate flag from its mapped spans, and hang it on `cache`."""
-    info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
-    info["approximate"] = cache.approximate = bool(info["mapped_positions"])
-    cache.mapping_info = info
+    @property
+    def mapped_tokens(self) -> int:
+        return 0 if self.report is None else self.report.mapped_tokens
+
+    @property
+    def window_tokens(self) -> int:
+        return 0 if self.report is None else self.report.window_tokens
+
+    @property
+    def repaired_tokens(self) -> int:
+        row = self._row
+        if "checked" in row:  # what the rung the check sent back had recomputed
+            return row["checked_recomputed"]
+        if row:
+            return row.get("recomputed", 0) if row["fraction"] is not None else 0
+        repair = None if self.report is None else self.report.repair
+        return repair["recomputed"][0] if repair else 0
+
+    @property
+    def rung(self) -> str | None:
+        return self._row.get("rung")
+
+    @property
+    def risk(self) -> float | None:
+        return self.report.scores[0] if self.report is not None and self.report.scores else None
+
+    @property
+    def margin(self) -> float | None:
+        return self._row.get("margin")
+
+    @property
+    def checked(self) -> str | None:
+        return self._row.get("checked")
+
+    @property
+    def short(self) -> bool:
+        return bool(self._row.get("short"))
+
+
+def _short_report(ladder: GuardLadder, tokens: int) -> HandoffReport:
+    """The report of a switch whose `tokens` unseen tokens are fewer than the ladder's `min_tokens`: nothing mapped."""
+    row = {"rung": rung_name(None), "fraction": None, "short": True}
+    return HandoffReport(
+        False,
+        f"ladder: the {tokens} unseen tokens are fewer than min_tokens={ladder.min_tokens}: the model prefills them",
+        probe=ladder.probe,
+        ladder={**ladder_settings(ladder), "rows": [row]},
+    )
 
 
 class HandoffSession:
@@ -116,8 +162,8 @@ class HandoffSession:
             tokens than that maps none: the model prefills them (`SessionTurn.short`).
 
     Every mapper is checked against its two models (`MapperModel.check_compatible`) when the session is built. A
-    model's cache that holds mapped positions is approximate: it carries `approximate = True` and a `mapping_info`
-    (`mapped_positions`, the mappers), which `save_cache` records.
+    model's cache that holds mapped positions is a [`MappedCache`]: approximate (`approximate = True`) with a
+    `mapping_info` (`mapped_positions`, the mappers each span came from), which `save_cache` records.
     """
 
     def __init__(
@@ -185,38 +231,10 @@ class HandoffSession:
 
     # ---------------------------------------------------------------------------------------------------- sync
     @torch.no_grad()
-    def _map_into(self, source: str, target: str, start: int, end: int) -> int:
-        """Map transcript tokens `[start, end)` from `source`'s cache onto the end of `target`'s; returns the number
-        of earlier source positions read along for the context window."""
-        mapper = self.mappers[(source, target)]
-        window = mapper.config.max_context_window  # the widest window of any map (layer_inputs included)
-        begin = max(0, start - window)
-        layers = self.caches[source].layers
-        keys = [layer.keys[:, :, begin:end] for layer in layers]
-        values = [layer.values[:, :, begin:end] for layer in layers]
-        positions = torch.arange(begin, end, device=keys[0].device).unsqueeze(0)
-        mapped = mapper(keys, values, position_ids=positions)
-        cache = self.caches[target]
-        if cache is None:
-            cache = self.caches[target] = DynamicCache()
-        dtype = next(self.models[target].parameters()).dtype
-        for idx, (new_keys, new_values) in enumerate(mapped):
-            new_keys, new_values = new_keys[:, :, start - begin :], new_values[:, :, start - begin :]
-            if len(cache.layers) > idx and cache.layers[idx].is_initialized:
-                dtype, device = cache.layers[idx].keys.dtype, cache.layers[idx].keys.device
-            else:
-                device = new_keys.device
-            cache.update(new_keys.to(device, dtype), new_values.to(device, dtype), idx)
-        info = getattr(cache, "mapping_info", None) or {"mapped_positions": [], "mappers": []}
-        info["mapped_positions"].append([start, end])
-        info["mappers"].append({"from": source, "content_hash": mapper.config.content_hash})
-        _record_mapped(cache, info)
-        return start - begin
-
-    @torch.no_grad()
     def sync(self, name: str) -> SessionTurn:
         """Bring `name`'s cache to every transcript token but the last: map what another model already processed
-        (from the model that has processed the most, when a mapper exists), prefill the rest itself."""
+        (from the model that has processed the most, when a mapper exists) through the pipeline's span request
+        ([`~hf_kvmap.serving.spans.serve_span`]: the map, the repair or the ladder's rung), prefill the rest itself."""
         if name not in self.models:
             raise ValueError(f"Unknown model {name!r}; the session has {sorted(self.models)}.")
         end = self.input_ids.shape[1] - 1
@@ -224,7 +242,6 @@ class HandoffSession:
             raise ValueError("The transcript is empty: append the first turn before a model responds.")
         record = SessionTurn(model=name, tokens=[])
         have = self.covered(name)
-        mapped = None
         donors = [
             other
             for other in self.models
@@ -233,19 +250,30 @@ class HandoffSession:
         donor = max(donors, key=self.covered) if donors else None
         upto = min(self.covered(donor), end) if donor is not None else have
         if donor is not None and self.ladder is not None and self.ladder.too_short(upto - have):
-            record.rung, record.short = rung_name(None), True  # too few to map: the model prefills them below
+            record.report = _short_report(self.ladder, upto - have)  # the model prefills them below
             logger.info("%s prefills the tokens it has not seen: fewer than the ladder's min_tokens", name)
         elif donor is not None:
-            start_time = time.perf_counter()
-            record.window_tokens = self._map_into(donor, name, have, upto)
-            record.timings["map"] = time.perf_counter() - start_time
-            record.mapped_from, record.mapped_tokens = donor, upto - have
-            mapped = (donor, have, upto)
-            if self.repair is not None:
-                start_time = time.perf_counter()
-                record.repaired_tokens = self._repair(name, donor, have, upto, self.repair)
-                record.timings["repair"] = time.perf_counter() - start_time
-            have = upto
+            request = SpanRequest(
+                source=self.models[donor],
+                target=self.models[name],
+                mapper=self.mappers[(donor, name)],
+                input_ids=self.input_ids[:, : end + 1],
+                source_cache=self.caches[donor],
+                cache=self.caches[name],
+                start=have,
+                upto=upto,
+                label=donor,
+            )
+            self.caches[name], record.report = serve_span(
+                request, repair=self.repair, ladder=self.ladder, probe=self._probe
+            )
+            record.mapped_from = donor
+            record.prefilled_tokens = end - (have if record.rung == rung_name(None) else upto)
+            timings = {k: v for k, v in record.report.timings.items() if k != "total"}
+            if "held_back" in timings:
+                timings["prefill"] = timings.pop("held_back")
+            record.timings.update(timings)
+            have = end
         elif any(self.covered(other) > have for other in self.models if other != name):
             logger.info("no mapper into %s: it prefills the tokens other models processed", name)
         if end > have:
@@ -256,62 +284,7 @@ class HandoffSession:
             run_tokens(self.models[name], cache, self.input_ids, have, end)
             record.timings["prefill"] = time.perf_counter() - start_time
             record.prefilled_tokens = end - have
-        if mapped is not None and self.ladder is not None:
-            self._take_rung(name, record, *mapped, end)
         return record
-
-    def _repair(self, name: str, donor: str, start: int, upto: int, config: RepairConfig) -> int:
-        """`name` recomputes the share of the tokens `[start, upto)` mapped from `donor` that `config` selects;
-        returns how many it recomputed."""
-        counts = apply_repair(
-            self.models[name],
-            self.caches[name],
-            self.input_ids[:, :upto],
-            config,
-            source=self.models[donor],
-            source_cache=self.caches[donor],
-            start=start,
-        )
-        return counts[0]
-
-    def _take_rung(self, name: str, record: SessionTurn, donor: str, start: int, upto: int, end: int) -> None:
-        """The ladder's rung for the tokens `[start, upto)` just mapped from `donor` into `name`'s cache (which now
-        covers `end` tokens): keep them, recompute a share, or prefill them; then re-run `[upto, end)` on the result."""
-        model, cache = self.models[name], self.caches[name]
-        ids = self.input_ids[:, : end + 1]
-        start_time = time.perf_counter()
-        context = ProbeContext(
-            source=self.models[donor],
-            target=model,
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            position_ids=torch.arange(end + 1, device=ids.device).unsqueeze(0),
-            cache=cache,
-            source_cache=self.caches[donor],
-        )
-        record.risk = float(self._probe.score(context).float()[0])
-        record.timings["probe"] = time.perf_counter() - start_time
-        fraction = self.ladder.fraction_for(record.risk)
-        record.rung = rung_name(fraction)
-        if fraction is None:
-            self._own_span(name, record, start, upto, end)
-            return
-        if fraction:
-            start_time = time.perf_counter()
-            if cache.get_seq_length() > upto:
-                cache.crop(-(cache.get_seq_length() - upto))
-            config = RepairConfig(self.ladder.strategy, fraction=fraction)
-            record.repaired_tokens = self._repair(name, donor, start, upto, config)
-            if end > upto:
-                run_tokens(model, cache, self.input_ids, upto, end)
-            record.timings["repair"] = time.perf_counter() - start_time
-        if self.ladder.min_margin is not None:  # the check after the rung, on the cache it served
-            start_time = time.perf_counter()
-            record.margin = float(answer_margin(model, cache, ids, tokens=self.ladder.check_tokens)[0])
-            record.timings["check"] = time.perf_counter() - start_time
-            if below_margin(record.margin, self.ladder.min_margin):
-                record.checked, record.rung = record.rung, rung_name(None)
-                self._own_span(name, record, start, upto, end)
 
     def _check_generate_options(self, name: str, refresh, generate_kwargs: dict) -> None:
         """Refuse, by name, what a turn cannot serve: a conversation is one row, so one sequence of one beam
@@ -363,22 +336,6 @@ class HandoffSession:
             own[0, start : min(end, length)] = False
         cache.recomputed = recomputed_mask(cache, 1, length) | own
         return DecodeRefresh(model, cache, **refresh)
-
-    def _own_span(self, name: str, record: SessionTurn, start: int, upto: int, end: int) -> None:
-        """The fallback of a switch: `name` prefills the tokens `[start, upto)` it had mapped (its own again), then
-        re-runs `[upto, end)` on them."""
-        model, cache = self.models[name], self.caches[name]
-        start_time = time.perf_counter()
-        if cache.get_seq_length() > start:
-            cache.crop(-(cache.get_seq_length() - start))
-        info = cache.mapping_info
-        info["mapped_positions"].pop()
-        info["mappers"].pop()
-        _record_mapped(cache, info)
-        record.prefilled_tokens += upto - start
-        if end > start:
-            run_tokens(model, cache, self.input_ids, start, end)
-        record.timings["fallback"] = time.perf_counter() - start_time
 
     # ------------------------------------------------------------------------------------------------ respond
     @torch.no_grad()

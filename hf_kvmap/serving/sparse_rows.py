@@ -14,8 +14,9 @@ from .probes import ProbeContext
 
 def can_serve_sparse(context: ProbeContext) -> bool:
     """A sparse prefill serves one row without padding (rows select different positions; the layout has no slot for
-    the ones a row skips)."""
-    return context.input_ids.shape[0] == 1 and bool(context.attention_mask.bool().all())
+    the ones a row skips), and not a session's switch (its positions before the span are the target's own)."""
+    one_row = context.input_ids.shape[0] == 1 and context.span_start is None
+    return one_row and bool(context.attention_mask.bool().all())
 
 
 @torch.no_grad()

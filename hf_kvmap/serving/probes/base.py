@@ -61,6 +61,9 @@ class ProbeContext:
         drafts (`dict[str, Draft]`): the greedy drafts decoded for this request so far, by role (`draft`).
         source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions `source_cache` was built at (a
             plain forward's `0 .. T-1` differ from `position_ids` in left-padded rows); defaults to `position_ids`.
+        span_start (`int`, *optional*): a session's switch (`hf_kvmap.serving.spans`): the first mapped position of
+            its one row, the positions before it being the target's own; `None` for a request whose whole prompt
+            but the held-back tokens was mapped.
     """
 
     source: torch.nn.Module
@@ -74,6 +77,7 @@ class ProbeContext:
     tail_logits: torch.Tensor | None = None
     drafts: dict[str, Draft] = field(default_factory=dict)
     source_position_ids: torch.Tensor | None = None
+    span_start: int | None = None
 
     @property
     def batch(self) -> int:
