@@ -14,8 +14,10 @@ item by item. A rerun resumes: an item is measured again only for the maps whose
     python -m benchmarks.map_compare --summary --records-dir benchmarks/results/map-choice/4096
 
 Made for choosing among maps on selection items (no protocol: the items and seed given), and for reporting the maps of
-a sealed protocol side by side (`--protocol FILE`: every map a label of its `maps`, every other choice from it, its
-sha256 in every record, as `benchmarks.long_switch --protocol` stamps them).
+sealed protocols side by side (`--protocol A.json[,B.json]`: every map a label of one protocol's `maps`, the
+protocols agreeing on every choice a shared run serves, each map's records stamped with its protocol's sha256 as
+`benchmarks.long_switch --protocol` stamps them), e.g. a new map's protocol beside the protocol of the map it is
+measured against, on the same items.
 """
 
 from __future__ import annotations
@@ -52,6 +54,41 @@ def parse_maps(text: str) -> dict[str, Path]:
     if len(maps) < 2:
         raise SystemExit(f"--maps {text!r}: name at least two maps to compare (one map: benchmarks.long_switch)")
     return maps
+
+
+def stamps_of(args, labels: list[str]) -> dict[str, str]:
+    """`--protocol A.json[,B.json]`: apply the first protocol's choices to `args` (as `benchmarks.long_switch
+    --protocol` does) and return `{label: sha256 of the protocol whose maps hold it}`. Every label must be a map of
+    exactly one protocol, and the protocols must agree on everything a shared run serves: direction, dtype, rungs, the
+    rung the verdicts read, and the cells of the tasks and length asked (seed, items)."""
+    from .sealed.protocol import ProtocolError, load_protocol
+
+    paths = [path for path in args.protocol.split(",") if path]
+    try:
+        protocols = [load_protocol(path) for path in paths]
+    except ProtocolError as err:
+        raise SystemExit(f"--protocol: {err}") from None
+    owners = {label: [p for p in protocols if label in p.settings["maps"]] for label in labels}
+    for label, found in owners.items():
+        if len(found) != 1:
+            known = sorted({m for p in protocols for m in p.settings["maps"]})
+            where = "none" if not found else ", ".join(p.path for p in found)
+            raise SystemExit(f"--maps {label}: a map of exactly one protocol is needed ({where}); their maps: {known}")
+    first = protocols[0]
+    args.protocol, args.map = first.path, next(label for label in labels if owners[label][0] is first)
+    long_switch.apply_protocol(args)
+    for other in protocols[1:]:
+        for name in ("direction", "dtype", "rungs", "chosen"):
+            if other.settings[name] != first.settings[name]:
+                raise SystemExit(f"--protocol: {other.path} and {first.path} differ in {name}; run them apart.")
+        for task in args.tasks.split(","):
+            try:
+                mine, theirs = first.cell(task, args.tokens), other.cell(task, args.tokens)
+            except ProtocolError as err:
+                raise SystemExit(f"--tasks: {err}") from None
+            if (mine["seed"], mine["items"]) != (theirs["seed"], theirs["items"]):
+                raise SystemExit(f"--protocol: {other.path} and {first.path} build other {task} items; run apart.")
+    return {label: owners[label][0].sha256 for label in labels}
 
 
 def shared(arm: str) -> bool:
@@ -91,9 +128,8 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
         label: {"mapper": m.config.content_hash, "dtype": args.dtype, "direction": args.direction, "map": label}
         for label, m in mappers.items()
     }
-    if getattr(args, "sealed", None) is not None:  # as long_switch stamps a protocol's records
-        for setup in setups.values():
-            setup["protocol"] = args.sealed.sha256
+    for label, stamp in getattr(args, "stamps", {}).items():  # as long_switch stamps a protocol's records
+        setups[label].update(protocol=stamp)
     run_info = {
         "id": time.strftime("%Y%m%dT%H%M%S"),
         "command": "python -m benchmarks.map_compare " + " ".join(sys.argv[1:]),
@@ -178,17 +214,13 @@ def main(argv=None) -> None:
         raise SystemExit("--map/--mapper: map_compare takes its maps from --maps (label=folder,...)")
     if not args.maps:
         raise SystemExit("--maps is required to measure (label=folder,label=folder)")
-    if args.protocol:  # report items: every map a label of the protocol's, every choice from it, its sha256 stamped
+    if args.protocol:  # report items: every map one protocol's, every choice from them, its sha256 stamped
         labels = list(parse_maps(args.maps))
-        args.map = labels[0]
-        args.sealed = long_switch.apply_protocol(args)
-        unknown = sorted(set(labels) - set(args.sealed.settings["maps"]))
-        if unknown:
-            raise SystemExit(f"--maps {unknown}: the protocol's maps are {sorted(args.sealed.settings['maps'])}.")
+        args.stamps = stamps_of(args, labels)
     else:
         args.items = 16 if args.items is None else args.items
         args.seed = 4321 if args.seed is None else args.seed
-        args.sealed = long_switch.apply_protocol(args)  # None: the unsealed defaults for what was not given
+        long_switch.apply_protocol(args)  # the unsealed defaults for what was not given
     run(args)
 
 

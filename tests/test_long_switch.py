@@ -758,11 +758,11 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
     calls.clear()
     map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path, args)
     assert len(calls) == 1  # the warm-up only: every arm of both maps is on file
-    sealed = types.SimpleNamespace(**vars(args), sealed=types.SimpleNamespace(sha256="f" * 64))
+    sealed = types.SimpleNamespace(**vars(args), stamps={"id": "e" * 64, "half": "f" * 64})
     map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path / "sealed", sealed)
-    for label in ("id", "half"):  # under a protocol every map's records carry its sha256
+    for label, stamp in sealed.stamps.items():  # under protocols every map's records carry its protocol's sha256
         row = next(iter(long_switch_report.load(tmp_path / "sealed" / f"{label}.jsonl").values()))
-        assert row["setup"]["protocol"] == "f" * 64 and row["setup"]["map"] == label
+        assert row["setup"]["protocol"] == stamp and row["setup"]["map"] == label
     with pytest.raises(SystemExit, match="at least two maps"):
         map_compare.parse_maps(f"a={tmp_path}")
     with pytest.raises(SystemExit, match="is not a folder"):

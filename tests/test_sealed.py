@@ -268,25 +268,29 @@ def test_the_switch_decision_reads_the_verdicts_of_the_repair_and_its_sparse_pee
     )
 
 
-def test_maps_compared_under_a_protocol_are_its_maps_and_take_its_choices(tmp_path, monkeypatch):
-    """`benchmarks.map_compare --protocol`: every label of --maps must be one of the protocol's maps; the run takes the
-    protocol's rungs, items and seed, and every map's records carry the protocol's sha256."""
+def test_maps_compared_under_protocols_are_theirs_and_take_their_choices(tmp_path, monkeypatch):
+    """`benchmarks.map_compare --protocol A,B`: every label of --maps is a map of exactly one protocol; the run takes
+    their rungs, items and seed (they must agree on them) and stamps each map's records with its protocol's sha256."""
     from benchmarks import map_compare
 
-    two = _protocol(tmp_path, maps={"ridge-k8-5k": "the 5k recipe", "ridge-k8-conv4k": "the long-conversation recipe"})
+    one = _protocol(tmp_path, maps={"ridge-k8-5k": "the 5k recipe"})
+    (tmp_path / "one.json").write_text(one.read_text())
+    two = _protocol(tmp_path, name="carry", maps={"ridge-k8-conv4k": "the long-conversation recipe"})
     for label in ("a", "b", "c"):
         (tmp_path / label).mkdir()
     taken = {}
     monkeypatch.setattr(map_compare, "run", lambda args: taken.update(vars(args)))
-    base = ["--protocol", str(two), "--tasks", "long_chat", "--tokens", "4096", "--records-dir", str(tmp_path / "r")]
-    map_compare.main([*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},ridge-k8-conv4k={tmp_path / 'b'}"])
-    protocol = load_protocol(two)
-    assert long_switch.split_rungs(taken["rungs"]) == protocol.arms[2:-1]
-    assert (taken["seed"], taken["items"]) == (protocol.cell("long_chat", 4096)["seed"], 64)
-    assert taken["sealed"].sha256 == protocol.sha256
-    with pytest.raises(SystemExit, match=r"\['other'\]: the protocol's maps are"):
-        map_compare.main([*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},other={tmp_path / 'c'}"])
+    maps = f"ridge-k8-5k={tmp_path / 'a'},ridge-k8-conv4k={tmp_path / 'b'}"
+    base = ["--tasks", "long_chat", "--tokens", "4096", "--records-dir", str(tmp_path / "r"), "--maps"]
+    map_compare.main(["--protocol", f"{tmp_path / 'one.json'},{two}", *base, maps])
+    first, second = load_protocol(tmp_path / "one.json"), load_protocol(two)
+    assert long_switch.split_rungs(taken["rungs"]) == first.arms[2:-1]
+    assert (taken["seed"], taken["items"]) == (first.cell("long_chat", 4096)["seed"], 64)
+    assert taken["stamps"] == {"ridge-k8-5k": first.sha256, "ridge-k8-conv4k": second.sha256}
+    with pytest.raises(SystemExit, match="other: a map of exactly one protocol is needed"):
+        map_compare.main(["--protocol", str(two), *base, f"ridge-k8-conv4k={tmp_path / 'a'},other={tmp_path / 'c'}"])
     with pytest.raises(SystemExit, match="fixes the rungs"):
-        map_compare.main(
-            [*base, "--maps", f"ridge-k8-5k={tmp_path / 'a'},ridge-k8-conv4k={tmp_path / 'b'}", "--rungs", "tail@0.1"]
-        )
+        map_compare.main(["--protocol", f"{tmp_path / 'one.json'},{two}", "--rungs", "tail@0.1", *base, maps])
+    other = _protocol(tmp_path, maps={"ridge-k8-conv4k": "x"}, rungs=["tail@0.1"], chosen={"default": "tail@0.1"})
+    with pytest.raises(SystemExit, match="differ in rungs"):
+        map_compare.main(["--protocol", f"{tmp_path / 'one.json'},{other}", *base, maps])
