@@ -7,6 +7,7 @@ follows the dtype and device of the model that reads it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,6 +157,7 @@ class MappedCache(DynamicCache):
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
         check_finite: bool = True,
+        first_layer: str | None = None,
         target_model=None,
         input_ids: torch.Tensor | None = None,
         repair=None,
@@ -180,8 +182,12 @@ class MappedCache(DynamicCache):
             dtype (`torch.dtype`, *optional*), devices (sequence, *optional*): of the cache and of each target layer;
                 default the source cache's dtype and the device of the mapper layer that produces it.
             check_finite (`bool`, *optional*, defaults to `True`): refuse a source cache holding NaN or inf.
-            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): together, the target
-                computes its first layer from the `(batch, seq)` ids instead of reading it mapped (exact).
+            first_layer (`str`, *optional*, defaults to `"mapped"`): `"mapped"`, every layer the mapper's; or
+                `"target"`, the target computes its first layer from the `(batch, seq)` ids instead (exact), which
+                needs `target_model` and `input_ids`. (Left out with `target_model` given, it is `"target"`, as before
+                it was an option: deprecated, pass it explicitly; the implication goes in 0.2.)
+            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): the target and the
+                prompt's ids, read by `first_layer="target"` and `repair`.
             source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
                 the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
             repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
@@ -191,6 +197,7 @@ class MappedCache(DynamicCache):
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
             expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
+        first_layer = _first_layer(first_layer, target_model, repair)
         source_kv, position_ids, source_position_ids, repair = _checked_request(
             source_cache,
             mapper,
@@ -199,10 +206,9 @@ class MappedCache(DynamicCache):
             dict(source_model=source_model, repair=repair, check_finite=check_finite),
         )
         length = source_kv[0][0].shape[2] - hold_back
-        mapped = _map(
-            mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, target_model, input_ids
-        )
-        info = _provenance(mapper.config, length, hold_back, target_model)
+        first = target_model if first_layer == "target" else None
+        mapped = _map(mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, first, input_ids)
+        info = _provenance(mapper.config, length, hold_back, first_layer)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
         if repair is not None:  # the one door to the recompute: the cache stores, the target recomputes
             from .repair import apply_repair
@@ -362,7 +368,38 @@ def _checked_request(source_cache, mapper, *settings: dict):
     return source_kv, *positions, repair
 
 
-def _provenance(config, length: int, hold_back: int, target_model) -> dict[str, Any]:
+#: where the first layer of a mapped cache comes from: the mapper, or the target's own computation from the ids
+FIRST_LAYERS = ("mapped", "target")
+
+
+def _first_layer(first_layer: str | None, target_model, repair) -> str:
+    """`from_source`'s `first_layer`, checked; left out, `"target"` where a `target_model` is given (deprecated)."""
+    if first_layer is None:
+        if target_model is None:
+            return "mapped"
+        warnings.warn(
+            "MappedCache.from_source: `target_model` without `first_layer` switches on the target's exact first layer; "
+            "this implication is deprecated and goes in hf-kvmap 0.2. Pass `first_layer='target'` to keep it (or "
+            "`first_layer='mapped'` to map every layer).",
+            DeprecationWarning,
+            stacklevel=4,  # the caller of from_source (through torch.no_grad's wrapper)
+        )
+        return "target"
+    if first_layer not in FIRST_LAYERS:
+        raise ValueError(f"first_layer={first_layer!r} must be one of {FIRST_LAYERS}.")
+    if first_layer == "target" and target_model is None:
+        raise ValueError(
+            "first_layer='target' has the target compute its first layer: pass `target_model` and `input_ids`."
+        )
+    if first_layer == "mapped" and target_model is not None and repair is None:
+        raise ValueError(
+            "first_layer='mapped' maps every layer, so `target_model` is not read: leave it out, or pass "
+            "first_layer='target' for the target's exact first layer."
+        )
+    return first_layer
+
+
+def _provenance(config, length: int, hold_back: int, first_layer: str) -> dict[str, Any]:
     """The `mapping_info` of a mapped cache: the mapper, the models, what was mapped."""
     return {
         "mapper": model_id(config),
@@ -372,7 +409,7 @@ def _provenance(config, length: int, hold_back: int, target_model) -> dict[str, 
         "target_model_id": config.target_model_id,
         "mapped_tokens": length,
         "hold_back": hold_back,
-        "first_layer": "mapped" if target_model is None else "target",
+        "first_layer": first_layer,
         "approximate": True,
     }
 

@@ -199,7 +199,12 @@ def test_a_cache_repaired_at_every_position_is_exact_in_the_object_the_record_an
     source, target, mapper, ids, _ = pair
     source_cache = source(input_ids=ids, use_cache=True).past_key_values
     cache = MappedCache.from_source(
-        source_cache, mapper, target_model=target, input_ids=ids, repair=RepairConfig("tail", fraction=fraction)
+        source_cache,
+        mapper,
+        first_layer="target",
+        target_model=target,
+        input_ids=ids,
+        repair=RepairConfig("tail", fraction=fraction),
     )
     exact = fraction == 1.0
     assert cache.mapping_info["repair"]["exact"] is exact

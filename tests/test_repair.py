@@ -608,6 +608,7 @@ def test_from_source_repairs_with_the_target(pair, tiny):
     repaired = MappedCache.from_source(
         source_cache,
         mapper,
+        first_layer="target",
         target_model=target,
         input_ids=ids,
         source_model=source,
@@ -616,7 +617,12 @@ def test_from_source_repairs_with_the_target(pair, tiny):
     assert _max_diff(repaired, tiny.prefill(target, ids[:, :-1])) < TOL
     assert repaired.mapping_info["first_layer"] == "target" and repaired.mapping_info["approximate"] is False
     partial = MappedCache.from_source(
-        source_cache, mapper, target_model=target, input_ids=ids, repair={"strategy": "tail", "tokens": 4}
+        source_cache,
+        mapper,
+        first_layer="target",
+        target_model=target,
+        input_ids=ids,
+        repair={"strategy": "tail", "tokens": 4},
     )
     assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
 

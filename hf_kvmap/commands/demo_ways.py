@@ -6,7 +6,8 @@ first token. The answer is decoded greedily from there.
 
 - `target`: the target prefills the whole prompt itself.
 - `mapped`: `MappedCache.from_source` of the source's cache; the target runs the held-back final token.
-- `repaired`: the same with `repair=` (the target recomputes the positions the strategy selects).
+- `repaired`: the same with `repair=` (the target recomputes the positions the strategy selects) and the target's
+  exact first layer (`first_layer="target"`): `handoff(repair=)` builds this cache only with `target_first_layer=True`.
 - `guarded`: `hf_kvmap.handoff` with the mapper's calibrated guard (its ladder when it has one, or a ladder given to
   the demo): the mapped cache, a repair, or the target's own prefill, per request.
 
@@ -77,6 +78,7 @@ class DemoWays:
                 source_cache,
                 self.mapper,
                 repair=self.repair,
+                first_layer="target",
                 target_model=self.target,
                 source_model=self.source,
                 input_ids=ids,

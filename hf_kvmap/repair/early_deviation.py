@@ -5,7 +5,7 @@ keys/values at `layer` deviate most from the exact ones are recomputed first.
 
 Deviation per position: `|dK| / mean |K| + |dV| / mean |V|` over the heads of that layer (norms over a position's
 heads and dims, means over the row's tokens), so keys and values weigh alike whatever their scales. A mapped cache
-whose first layer is already the target's (`from_source(..., target_model=)`) deviates nowhere at layer 0: check a
+whose first layer is already the target's (`from_source(..., first_layer="target")`) deviates nowhere at layer 0: check a
 later one.
 """
 

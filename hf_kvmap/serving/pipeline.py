@@ -126,6 +126,7 @@ def map_and_repair(
             attention_mask=attention_mask,
             source_position_ids=source_position_ids,
             position_ids=position_ids,
+            first_layer="target" if target_first_layer else "mapped",
             **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
         )
     drafts = {}
