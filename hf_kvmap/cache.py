@@ -190,13 +190,23 @@ class MappedCache(DynamicCache):
                 prompt's ids, read by `first_layer="target"` and `repair`.
             source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
                 the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
-            repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
-                (`hf_kvmap.repair.apply_repair`, the one door to the recompute); needs `target_model` and `input_ids`.
+            repair (`RepairConfig` or `dict`, *optional*): deprecated (goes in 0.2): the cache stores, the target
+                recomputes. It is one call, `hf_kvmap.repair.apply_repair(target_model, cache, input_ids, repair,
+                attention_mask=, position_ids=, source=source_model, source_cache=, source_position_ids=)` on the
+                returned cache: make that call instead (the serving pipeline's `map_and_repair` does).
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
             expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
+        if repair is not None:
+            warnings.warn(
+                "MappedCache.from_source(repair=) is deprecated and goes in hf-kvmap 0.2: the cache stores, the target "
+                "recomputes. Call `hf_kvmap.repair.apply_repair(target, cache, input_ids, repair, source=..., "
+                "source_cache=...)` on the cache from_source returns (as the serving pipeline does).",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of from_source (through torch.no_grad's wrapper)
+            )
         first_layer = _first_layer(first_layer, target_model, repair)
         source_kv, position_ids, source_position_ids, repair = _checked_request(
             source_cache,
@@ -210,8 +220,8 @@ class MappedCache(DynamicCache):
         mapped = _map(mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, first, input_ids)
         info = _provenance(mapper.config, length, hold_back, first_layer)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
-        if repair is not None:  # the one door to the recompute: the cache stores, the target recomputes
-            from .repair import apply_repair
+        if repair is not None:  # deprecated (above): one call of the one door to the recompute
+            from .repair import apply_repair  # the upward import tests/test_architecture.py allows until 0.2
 
             apply_repair(
                 target_model,

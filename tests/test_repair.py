@@ -15,7 +15,15 @@ from hf_kvmap import MappedCache, MapperModel, handoff
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.drafting import Draft, greedy_draft
-from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
+from hf_kvmap.repair import (
+    SELECTORS,
+    RepairConfig,
+    RepairContext,
+    Selector,
+    apply_repair,
+    repair_cache,
+    selector_from_dict,
+)
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
 from hf_kvmap.repair.draft_attention import DraftAttentionSelector
@@ -601,29 +609,26 @@ def test_the_repair_is_recorded_in_a_saved_cache(pair, tiny, tmp_path):
     assert record["repair"]["recomputed"] == [11]
 
 
-def test_from_source_repairs_with_the_target(pair, tiny):
+def test_a_mapped_cache_is_repaired_by_the_next_step(pair, tiny):
+    """The cache stores, the repair is the step after it (`apply_repair`); `from_source(repair=)`, that one call, is
+    deprecated: it warns (naming the caller) and gives the very same cache."""
     source, target, mapper = pair
     ids = _prompt()
     source_cache = tiny.prefill(source, ids)
-    repaired = MappedCache.from_source(
-        source_cache,
-        mapper,
-        first_layer="target",
-        target_model=target,
-        input_ids=ids,
-        source_model=source,
-        repair=RepairConfig({"name": "source_attention", "last_tokens": 4}, fraction=1.0),
-    )
+    repair = RepairConfig({"name": "source_attention", "last_tokens": 4}, fraction=1.0)
+    mapping = dict(first_layer="target", target_model=target, input_ids=ids, source_model=source)
+    repaired = MappedCache.from_source(source_cache, mapper, **mapping)
+    apply_repair(target, repaired, ids, repair, source=source, source_cache=source_cache)
     assert _max_diff(repaired, tiny.prefill(target, ids[:, :-1])) < TOL
     assert repaired.mapping_info["first_layer"] == "target" and repaired.mapping_info["approximate"] is False
-    partial = MappedCache.from_source(
-        source_cache,
-        mapper,
-        first_layer="target",
-        target_model=target,
-        input_ids=ids,
-        repair={"strategy": "tail", "tokens": 4},
-    )
+    with pytest.warns(DeprecationWarning, match=r"from_source\(repair=\) is deprecated .* 0\.2") as caught:
+        legacy = MappedCache.from_source(source_cache, mapper, **mapping, repair=repair)
+    assert caught[0].filename == __file__ and legacy.mapping_info == repaired.mapping_info
+    assert torch.equal(legacy.recomputed, repaired.recomputed)
+    for a, b in zip(legacy.layers, repaired.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    partial = MappedCache.from_source(source_cache, mapper, first_layer="target", target_model=target, input_ids=ids)
+    apply_repair(target, partial, ids, {"strategy": "tail", "tokens": 4})
     assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
 
 
@@ -689,7 +694,7 @@ def test_bad_calls_are_refused(pair, tiny):
         repair_cache(target, cache, ids, {"strategy": "tail", "share": 0.1})
     with pytest.raises(ValueError, match="layers but the target has"):
         repair_cache(_model(tiny.config(layers=2), 0, "eager"), cache, ids, RepairConfig("tail", fraction=0.1))
-    with pytest.raises(ValueError, match="repair= needs the target"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="repair= needs the target"):
         MappedCache.from_source(source_cache, mapper, repair=RepairConfig("tail", fraction=0.1))
 
 

@@ -10,7 +10,7 @@ repair_cache(target, cache, input_ids, RepairConfig(strategy="tail", fraction=0.
 
 One file per strategy, each one class registered in `SELECTORS` (`base.register_selector`). One door to the recompute,
 `apply_repair`: every change of a cache's keys/values by the target goes through it (`repair_cache`, `DecodeRefresh`,
-`MappedCache.from_source(repair=)` and the serving pipeline).
+the serving pipeline and, deprecated until 0.2, `MappedCache.from_source(repair=)`).
 """
 
 from ..drafting import Draft, greedy_draft

@@ -13,7 +13,8 @@ as without it; the cost is paid during decoding and recorded:
 ```python
 from hf_kvmap.repair import DecodeRefresh
 
-cache = MappedCache.from_source(source_cache, mapper, repair=RepairConfig("draft_attention", fraction=0.1), ...)
+cache = MappedCache.from_source(source_cache, mapper)
+repair_cache(target, cache, ids, RepairConfig("draft_attention", fraction=0.1), source=source, source_cache=...)
 refresh = DecodeRefresh(target, cache, every=16, tokens=64)
 target.generate(ids, past_key_values=cache, logits_processor=[refresh], max_new_tokens=256)
 cache.mapping_info["refresh"]  # {"refreshes": ..., "recomputed": [...], "seconds": ...}

@@ -199,8 +199,8 @@ def apply_repair(
 ) -> list[int]:
     r"""
     The one door to the recompute: every change of a cache's keys/values by the target goes through here (the serving
-    pipeline's fixed repair and repairing rungs, a session's switch, `MappedCache.from_source(repair=)`,
-    [`repair_cache`] and [`DecodeRefresh`]). The target recomputes the selected positions of `cache` in place
+    pipeline's fixed repair and repairing rungs, a session's switch, [`repair_cache`], [`DecodeRefresh`] and the
+    deprecated `MappedCache.from_source(repair=)`). The target recomputes the selected positions of `cache` in place
     ([`recompute_positions`]) and they are marked recomputed (`cache.recomputed`, what a later refresh skips).
 
     Args:
