@@ -106,8 +106,12 @@ class MappedCache(DynamicCache):
     A [`~transformers.DynamicCache`] built from another model's cache by a [`MapperModel`].
 
     Build it with [`MappedCache.from_source`] and hand it to the target model as `cache=` (`past_key_values=` on
-    transformers 5.23); it then grows like a `DynamicCache`. `mapping_info` records the mapper, its revision and
-    the number of mapped tokens.
+    transformers 5.23); it then grows like a `DynamicCache`. The cache stores and records; it computes nothing.
+    What was done to it is its own state, read through properties: `mapping_info` (the record saved with it: the
+    mapper, its revision, the mapped tokens or spans, and what a repair, a refresh or a ladder recomputed),
+    `approximate` (whether it is not the target's own prefill) and `recomputed` (the positions the target has
+    recomputed). The steps that change it record themselves through its methods: [`record_repair`],
+    [`record_recomputed`] and [`record_step`] (`hf_kvmap.repair.apply_repair`, `DecodeRefresh`, the serving ladder).
 
     Args:
         layers (`list[MappedLayer]`, *optional*):
@@ -133,15 +137,56 @@ class MappedCache(DynamicCache):
     ```
     """
 
-    #: a mapped cache approximates the target's own (`save_cache` records it; it never loads as an exact cache)
-    approximate = True
-
     def __init__(self, layers: list[MappedLayer] | None = None, mapping_info: dict[str, Any] | None = None):
         if layers is None:
             super().__init__()
         else:
             init_cache_with_layers(self, layers)
-        self.mapping_info = dict(mapping_info or {})
+        self._info = dict(mapping_info or {})
+        self._approximate = bool(self._info.get("approximate", True))
+        self._recomputed: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------ the record
+    @property
+    def mapping_info(self) -> dict[str, Any]:
+        """What was mapped into the cache and done to it since (`save_cache` writes it beside the tensors)."""
+        return self._info
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the cache is not the target's own prefill: `True` until every mapped position was recomputed (a
+        repair of all of them) or dropped (a session's fallback); `save_cache` records it, and an approximate cache
+        never loads as an exact one."""
+        return self._approximate
+
+    @property
+    def recomputed(self) -> torch.Tensor | None:
+        """`(batch, length)` bool: the positions the target recomputed (a repair, a refresh, or a session's own
+        positions around its mapped spans); what a later refresh skips. `None` before any."""
+        return self._recomputed
+
+    def record_repair(self, record: dict[str, Any]) -> None:
+        """Record a repair (`hf_kvmap.repair.apply_repair`): `mapping_info["repair"]`; the cache is exact once
+        `record["exact"]` (every position recomputed), and says so in the object and its record alike."""
+        self._info["repair"] = record
+        self._set_approximate(not record["exact"])
+
+    def record_recomputed(self, done: torch.Tensor) -> None:
+        """The positions the target has recomputed so far, `(batch, length)` bool (it replaces the earlier mask:
+        pass their union)."""
+        if not isinstance(done, torch.Tensor) or done.dim() != 2 or done.dtype != torch.bool:
+            raise TypeError("recomputed positions are a (batch, length) bool tensor.")
+        self._recomputed = done
+
+    def record_step(self, name: str, record: dict[str, Any]) -> None:
+        """Record what a step that recomputes no mapped position for good did (`"refresh"`: a `DecodeRefresh`'s
+        counts and time, `"ladder"`: the rung of every row) as `mapping_info[name]`."""
+        if name in ("repair", "approximate", "mapped_positions", "mappers", "mapped_tokens"):
+            raise ValueError(f"mapping_info[{name!r}] is kept by the cache itself; record_step records other steps.")
+        self._info[name] = record
+
+    def _set_approximate(self, approximate: bool) -> None:
+        self._info["approximate"] = self._approximate = bool(approximate)
 
     @classmethod
     @torch.no_grad()
@@ -301,10 +346,10 @@ class MappedCache(DynamicCache):
             check_finite_pairs(window)
         positions = torch.arange(begin, end, device=window[0][0].device).unsqueeze(0)
         mapped = _map(mapper, window, end - begin, positions, None, None, None, None, None)
-        cache = onto if isinstance(onto, MappedCache) else cls(layers=_mapped_layers(onto, len(mapped)))
-        if onto is not None and not isinstance(onto, MappedCache):
-            cache.mapping_info = dict(getattr(onto, "mapping_info", None) or {})
-            cache.recomputed = getattr(onto, "recomputed", None)
+        if isinstance(onto, MappedCache):
+            cache = onto
+        else:  # the model's own cache so far (or none): its tensors, and any record it carries
+            cache = cls(layers=_mapped_layers(onto, len(mapped)), mapping_info=getattr(onto, "mapping_info", None))
         for idx, (keys, values) in enumerate(mapped):
             keys, values = keys[:, :, start - begin :], values[:, :, start - begin :]
             layer = cache.layers[idx]
@@ -332,7 +377,7 @@ class MappedCache(DynamicCache):
     def _record_spans(self) -> None:
         info = self.mapping_info
         info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
-        info["approximate"] = self.approximate = bool(info["mapped_positions"])
+        self._set_approximate(bool(info["mapped_positions"]))
 
 
 def _mapped_layers(onto: Cache | None, count: int) -> list[MappedLayer]:

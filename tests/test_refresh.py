@@ -62,6 +62,8 @@ def test_refreshing_the_targets_own_cache_changes_nothing(pair, tiny):
     refresh = DecodeRefresh(target, cache, every=1, tokens=5)
     assert torch.equal(_generate(target, ids, cache, refresh), expected)
     assert refresh.recomputed == [23] and refresh.refreshes == 5  # 5 + 5 + 5 + 5 + 3 of the 23 cached positions
+    # each position once: the refresh keeps what it recomputed itself, and sets nothing on a cache that keeps no record
+    assert bool(refresh.done.all()) and not hasattr(cache, "recomputed")
 
 
 def test_refreshing_every_position_makes_the_prompt_the_targets_own(pair, tiny):

@@ -632,6 +632,35 @@ def test_a_mapped_cache_is_repaired_by_the_next_step(pair, tiny):
     assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
 
 
+def test_what_a_repair_did_is_the_mapped_caches_own_state_and_no_other_caches(pair, tiny):
+    """A repair records itself on a `MappedCache` through its methods (read back as properties that cannot be set
+    from outside); a plain cache is recomputed in place and given no attribute."""
+    from transformers import DynamicCache
+
+    source, target, mapper = pair
+    ids = _prompt()
+    cache = MappedCache.from_source(tiny.prefill(source, ids), mapper)
+    assert cache.recomputed is None and cache.approximate is True
+    counts = apply_repair(target, cache, ids, {"strategy": "tail", "tokens": 3})
+    length = ids.shape[1] - 1
+    assert cache.recomputed.nonzero()[:, 1].tolist() == list(range(length - 3, length)) and counts == [3]
+    assert cache.mapping_info["repair"]["recomputed"] == [3] and cache.approximate is True
+    for name in ("approximate", "recomputed", "mapping_info"):
+        with pytest.raises(AttributeError):
+            setattr(cache, name, None)
+    with pytest.raises(ValueError, match="kept by the cache itself"):
+        cache.record_step("repair", {})
+    with pytest.raises(TypeError, match="bool tensor"):
+        cache.record_recomputed(torch.ones(1, length))
+    plain = DynamicCache()
+    own = tiny.prefill(target, ids[:, :-1])
+    for idx, layer in enumerate(own.layers):
+        plain.update(layer.keys.clone(), layer.values.clone(), idx)
+    apply_repair(target, plain, ids, {"strategy": "tail", "tokens": 3})
+    assert not hasattr(plain, "recomputed") and not hasattr(plain, "mapping_info")
+    assert _max_diff(plain, own) < TOL  # the target's own cache recomputed: the same keys and values
+
+
 def test_handoff_repairs_and_reports_it(pair, tiny):
     source, target, mapper = pair
     ids = _prompt()

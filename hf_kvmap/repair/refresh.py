@@ -35,7 +35,7 @@ from transformers import LogitsProcessor
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .base import RepairContext, selector_from_dict
-from .repair import apply_repair, recomputed_mask
+from .repair import apply_repair, keeps_record, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
 DEFAULT_STRATEGY = {"name": "target_attention", "reduce": "max"}
@@ -104,12 +104,13 @@ class DecodeRefresh(LogitsProcessor):
         self.refreshes = 0
         self.recomputed = [0] * self.batch
         self.seconds = 0.0
+        self._done = recomputed_mask(cache, self.batch, self.length)  # before the first token: the cache's record
         self._record()
 
     @property
     def done(self) -> torch.Tensor:
         """`(batch, length)` bool: the prompt positions recomputed so far, before the first token or by a refresh."""
-        return recomputed_mask(self.cache, self.batch, self.length)
+        return self._done
 
     def _budget(self, available: torch.Tensor) -> list[int]:
         """Positions per row this refresh: the per-refresh budget (`fraction` a share of the cached prompt, not of
@@ -119,19 +120,21 @@ class DecodeRefresh(LogitsProcessor):
         return [max(0, min(each, n, cap - done)) for n, done in zip(available.sum(-1).tolist(), self.recomputed)]
 
     def _record(self) -> None:
-        info = getattr(self.cache, "mapping_info", None)
-        if isinstance(info, dict):
-            info["refresh"] = {
-                "strategy": self.selector.settings(),
-                "every": self.every,
-                "tokens": self.tokens,
-                "fraction": self.fraction,
-                "limit": self.limit,
-                "refreshes": self.refreshes,
-                "recomputed": list(self.recomputed),
-                "recomputed_fraction": sum(self.recomputed) / max(self.length * len(self.recomputed), 1),
-                "seconds": self.seconds,
-            }
+        if keeps_record(self.cache):  # a MappedCache records it as `mapping_info["refresh"]`
+            self.cache.record_step(
+                "refresh",
+                {
+                    "strategy": self.selector.settings(),
+                    "every": self.every,
+                    "tokens": self.tokens,
+                    "fraction": self.fraction,
+                    "limit": self.limit,
+                    "refreshes": self.refreshes,
+                    "recomputed": list(self.recomputed),
+                    "recomputed_fraction": sum(self.recomputed) / max(self.length * len(self.recomputed), 1),
+                    "seconds": self.seconds,
+                },
+            )
 
     @torch.no_grad()
     def refresh(self, input_ids: torch.Tensor) -> list[int]:
@@ -172,6 +175,9 @@ class DecodeRefresh(LogitsProcessor):
             position_ids=context.position_ids,
             selection=selection,
         )
+        positions, valid = selection
+        for row in range(positions.shape[0]):
+            self._done[row, positions[row][valid[row]].cpu()] = True
         self.recomputed = [done + count for done, count in zip(self.recomputed, counts)]
         self.refreshes += 1
         self.seconds += time.perf_counter() - start

@@ -264,10 +264,8 @@ def apply_repair(
         "recomputed_fraction": sum(counts) / max(sum(available), 1),
         "exact": exact,
     }
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["repair"] = record
-        info["approximate"] = cache.approximate = not exact  # the object and its record say the same
+    if keeps_record(cache):  # a MappedCache: the object and its record say the same
+        cache.record_repair(record)
     return budget_counts(candidates, repair.fraction, repair.tokens)
 
 
@@ -336,9 +334,16 @@ def repair_cache(
     return cache
 
 
+def keeps_record(cache: Cache) -> bool:
+    """Whether `cache` records what is done to it (a `MappedCache`: `record_repair`, `record_recomputed`,
+    `record_step`); another cache is recomputed in place and records nothing. (Asked of the object, not with
+    `isinstance`, while the cache's deprecated `from_source(repair=)` imports this package: goes in 0.2.)"""
+    return callable(getattr(cache, "record_repair", None))
+
+
 def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
-    """`(batch, length)` bool: the positions of `cache` the target recomputed so far (`cache.recomputed`, kept by
-    `mark_recomputed`), all `False` where the cache has no such record."""
+    """`(batch, length)` bool: the positions of `cache` the target recomputed so far (a `MappedCache`'s
+    `recomputed`), all `False` where the cache has no such record."""
     done = torch.zeros(batch, length, dtype=torch.bool)
     before = getattr(cache, "recomputed", None)
     if isinstance(before, torch.Tensor) and before.dim() == 2 and before.shape[0] == batch:
@@ -347,13 +352,16 @@ def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
     return done
 
 
-def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> None:
-    """Add the `valid` `positions` (`(batch, n)`, a recompute's selection) to `cache.recomputed`, `(batch, length)`
-    bool: what a later refresh while decoding (`DecodeRefresh`) skips."""
+def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
+    """The positions recomputed so far and the `valid` `positions` (`(batch, n)`, a recompute's selection),
+    `(batch, length)` bool, recorded on a cache that keeps a record (`MappedCache.record_recomputed`): what a later
+    refresh while decoding (`DecodeRefresh`) skips."""
     done = recomputed_mask(cache, positions.shape[0], length)
     for row in range(positions.shape[0]):
         done[row, positions[row][valid[row]].cpu()] = True
-    cache.recomputed = done
+    if keeps_record(cache):
+        cache.record_recomputed(done)
+    return done
 
 
 __all__ = ["RepairConfig", "apply_repair", "repair_cache", "select_repair"]

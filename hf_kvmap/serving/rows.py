@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._compat import output_cache
+from ..cache import MappedCache
 from ..cache_views import row_cache, write_rows
 from ..repair import RepairConfig, SparseCache, apply_repair, selector_from_dict
 from .forwards import answer_margin, run_tokens
@@ -117,9 +118,8 @@ def serve_rows(
             rows[i]["recomputed"] = n
     if held:
         run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["ladder"] = {"rows": rows, "strategy": selector.settings()}
+    if isinstance(cache, MappedCache):
+        cache.record_step("ladder", {"rows": rows, "strategy": selector.settings()})
     return rows
 
 
