@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList
 from hf_kvmap import MappedCache, MapperModel
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.repair import DecodeRefresh, RepairConfig, repair_cache
-from hf_kvmap.repair.target_attention import TargetAttentionSelector
+from hf_kvmap.repair.target_attention import TargetAttentionStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,7 +95,7 @@ def test_a_refresh_recomputes_the_top_positions_of_the_latest_tokens_own_attenti
     refresh.refresh(full[:, :-1])
     chosen = refresh.done[0].nonzero().squeeze(-1)
     assert chosen.tolist() == sorted(expected.topk(5).indices.tolist())
-    settings = TargetAttentionSelector(last_tokens=4, reduce="max").settings()
+    settings = TargetAttentionStrategy(last_tokens=4, reduce="max").settings()
     assert settings == {"name": "target_attention", "last_tokens": 4, "reduce": "max"}
 
 

@@ -1,13 +1,13 @@
-"""What every repair strategy shares: the [`RepairContext`] it reads, the [`Selector`] base class, the one registry
-(`SELECTORS`) and the budget and top-k that turn a selector's scores into the positions the target recomputes.
+"""What every repair strategy shares: the [`RepairContext`] it reads, the [`Strategy`] base class, the one registry
+(`STRATEGIES`) and the budget and top-k that turn a strategy's scores into the positions the target recomputes.
 
 A new strategy is one file with one class and one decorator line:
 
 ```python
 >>> import torch
->>> from hf_kvmap.repair import Selector, register_selector
->>> @register_selector
-... class Head(Selector):
+>>> from hf_kvmap.repair import Strategy, register_strategy
+>>> @register_strategy
+... class Head(Strategy):
 ...     name = "head"
 ...
 ...     def score(self, context):
@@ -17,6 +17,7 @@ A new strategy is one file with one class and one decorator line:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,21 +25,22 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from ..deprecation import deprecated_names
 from ..drafting import Draft
 from ..registry import registrar
 
-#: name -> selector class; filled by `register_selector`.
-SELECTORS: dict[str, type[Selector]] = {}
+#: name -> strategy class; filled by `register_strategy`.
+STRATEGIES: dict[str, type[Strategy]] = {}
 
 
-#: Class decorator adding a [`Selector`] subclass to `SELECTORS` under its `name`.
-register_selector = registrar(SELECTORS, "a repair strategy")
+#: Class decorator adding a [`Strategy`] subclass to `STRATEGIES` under its `name`.
+register_strategy = registrar(STRATEGIES, "a repair strategy")
 
 
 @dataclass
 class RepairContext:
     r"""
-    What a selector may read. Built by [`repair_cache`](hf_kvmap.repair.repair_cache).
+    What a strategy may read. Built by [`repair_cache`](hf_kvmap.repair.repair_cache).
 
     Args:
         target (`PreTrainedModel`): the model that reads (and recomputes into) the cache.
@@ -47,7 +49,7 @@ class RepairContext:
         input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length`; left padding allowed.
         attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
         position_ids (`torch.Tensor`): `(batch, T)` positions the target reads the prompt at.
-        candidates (`torch.Tensor`): `(batch, length)` bool, the cached positions a selector may choose (the real
+        candidates (`torch.Tensor`): `(batch, length)` bool, the cached positions a strategy may choose (the real
             tokens, from `start` on).
         source (`PreTrainedModel`, *optional*): the model the cache was mapped from.
         source_cache (`Cache`, *optional*): the source's cache of the prompt (`T` tokens).
@@ -77,7 +79,7 @@ class RepairContext:
         return self.candidates.shape[1]
 
 
-class Selector:
+class Strategy:
     r"""
     Base class of the repair strategies. Subclasses set `name` (the registry key), take their options as keyword
     arguments and implement `score`: one float per cached position, higher meaning "recompute first". The base turns
@@ -89,7 +91,7 @@ class Selector:
     needs_source: ClassVar[bool] = False
 
     def settings(self) -> dict[str, Any]:
-        """What `selector_from_dict` needs to rebuild this selector (its name and options)."""
+        """What `strategy_from_dict` needs to rebuild this strategy (its name and options)."""
         return {"name": self.name}
 
     def score(self, context: RepairContext) -> torch.Tensor:
@@ -108,6 +110,13 @@ class Selector:
             )
         return select_positions(scores, context.candidates, counts, context.attention_mask[:, : context.length])
 
+    def __eq__(self, other: object) -> bool:
+        """Two strategies are equal when their settings are (what `strategy_from_dict` rebuilds one from)."""
+        return isinstance(other, Strategy) and self.settings() == other.settings()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.settings(), sort_keys=True, default=str))
+
     def __repr__(self) -> str:
         options = ", ".join(f"{key}={value!r}" for key, value in self.settings().items() if key != "name")
         return f"{type(self).__name__}({options})"
@@ -117,8 +126,6 @@ def strategy_from_text(text: str) -> dict[str, Any]:
     """A strategy's settings from its text, `name[:option=value,...]` (each value read as JSON where it is one, else
     kept as text): `query_overlap:fill=draft_branches,after=24` -> `{"name": "query_overlap", "fill":
     "draft_branches", "after": 24}`. The one syntax the command line, the rungs and the benchmarks write."""
-    import json
-
     name, _, options = text.strip().partition(":")
     settings: dict[str, Any] = {"name": name}
     for option in filter(None, (part.strip() for part in options.split(","))):
@@ -132,21 +139,21 @@ def strategy_from_text(text: str) -> dict[str, Any]:
     return settings
 
 
-def selector_from_dict(settings: Selector | dict[str, Any] | str) -> Selector:
-    """A registered selector from `{"name": ..., **options}`, its name, or its text (`name:option=value,...`,
-    `strategy_from_text`); a `Selector` is returned as is."""
-    if isinstance(settings, Selector):
+def strategy_from_dict(settings: Strategy | dict[str, Any] | str) -> Strategy:
+    """A registered strategy from `{"name": ..., **options}`, its name, or its text (`name:option=value,...`,
+    `strategy_from_text`); a `Strategy` is returned as is."""
+    if isinstance(settings, Strategy):
         return settings
     if isinstance(settings, str):
         settings = strategy_from_text(settings)
     if not isinstance(settings, dict):
-        raise TypeError(f"A repair strategy is a name, a settings dict or a Selector; got {type(settings).__name__}.")
+        raise TypeError(f"A repair strategy is a name, a settings dict or a Strategy; got {type(settings).__name__}.")
     settings = dict(settings)
     name = settings.pop("name", None)
-    if name not in SELECTORS:
-        raise ValueError(f"Unknown repair strategy {name!r}; registered strategies: {', '.join(sorted(SELECTORS))}.")
+    if name not in STRATEGIES:
+        raise ValueError(f"Unknown repair strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}.")
     try:
-        return SELECTORS[name](**settings)
+        return STRATEGIES[name](**settings)
     except TypeError as err:
         raise TypeError(f"Repair strategy {name!r} does not take these options: {err}") from None
 
@@ -219,13 +226,22 @@ def percentile_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Te
 
 
 __all__ = [
-    "SELECTORS",
+    "STRATEGIES",
     "RepairContext",
-    "Selector",
+    "Strategy",
     "budget_counts",
     "percentile_ranks",
-    "register_selector",
+    "register_strategy",
     "select_positions",
-    "selector_from_dict",
+    "strategy_from_dict",
     "strategy_from_text",
 ]
+
+#: the names before "strategy" was the one word (deprecated, go in 0.2)
+DEPRECATED_NAMES = {
+    "SELECTORS": "STRATEGIES",
+    "Selector": "Strategy",
+    "register_selector": "register_strategy",
+    "selector_from_dict": "strategy_from_dict",
+}
+__getattr__ = deprecated_names(__name__, globals(), DEPRECATED_NAMES)

@@ -26,11 +26,11 @@ from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RepairContext, Strategy, register_strategy
 
 
-@register_selector
-class DraftAttentionSelector(Selector):
+@register_strategy
+class DraftAttentionStrategy(Strategy):
     """Scores each cached position by the attention the source pays it while drafting the answer: the queries of its
     `draft_tokens` greedy answer tokens and of the prompt's last `last_tokens`.
 
@@ -111,4 +111,4 @@ def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:
     return after == 0
 
 
-__all__ = ["DraftAttentionSelector"]
+__all__ = ["DraftAttentionStrategy"]

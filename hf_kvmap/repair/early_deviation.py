@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .._compat import cache_kwargs
 from ..first_layer import target_first_layer
 from ..validation import check_int
-from .base import RepairContext, Selector, register_selector
+from .base import RepairContext, Strategy, register_strategy
 
 
 class _Stop(Exception):
@@ -51,8 +51,8 @@ def exact_layer(target, input_ids, attention_mask, position_ids, layer: int) -> 
     raise RuntimeError(f"The target's forward never reached layer {layer}.")
 
 
-@register_selector
-class EarlyDeviationSelector(Selector):
+@register_strategy
+class EarlyDeviationStrategy(Strategy):
     """Scores each cached position by how far its cached keys/values at `layer` are from the target's exact ones.
 
     Args:

@@ -28,13 +28,14 @@ before the first token recomputed are skipped, `cache.recomputed`).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers import LogitsProcessor
 
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, selector_from_dict
+from .base import RepairContext, strategy_from_dict
 from .repair import apply_repair, keeps_record, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
@@ -87,10 +88,10 @@ class DecodeRefresh(LogitsProcessor):
                 raise ValueError(f"{name}={value!r} must be in (0, 1].")
         if strategy is None:
             strategy = {**DEFAULT_STRATEGY, "last_tokens": every}
-        self.selector = selector_from_dict(strategy)
-        if self.selector.needs_source:
+        self.strategy = strategy_from_dict(strategy)
+        if self.strategy.needs_source:
             raise ValueError(
-                f"Repair strategy {self.selector.name!r} reads the source, whose cache holds none of the generated "
+                f"Repair strategy {self.strategy.name!r} reads the source, whose cache holds none of the generated "
                 "tokens; a refresh needs one that reads the target (e.g. 'target_attention')."
             )
         if not cache.layers or not all(layer.is_initialized for layer in cache.layers):
@@ -106,6 +107,16 @@ class DecodeRefresh(LogitsProcessor):
         self.seconds = 0.0
         self._done = recomputed_mask(cache, self.batch, self.length)  # before the first token: the cache's record
         self._record()
+
+    @property
+    def selector(self):
+        """Deprecated (goes in 0.2): the strategy is `strategy`."""
+        warnings.warn(
+            "DecodeRefresh.selector is deprecated and goes in hf-kvmap 0.2: read DecodeRefresh.strategy.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.strategy
 
     @property
     def done(self) -> torch.Tensor:
@@ -124,7 +135,7 @@ class DecodeRefresh(LogitsProcessor):
             self.cache.record_step(
                 "refresh",
                 {
-                    "strategy": self.selector.settings(),
+                    "strategy": self.strategy.settings(),
                     "every": self.every,
                     "tokens": self.tokens,
                     "fraction": self.fraction,
@@ -165,7 +176,7 @@ class DecodeRefresh(LogitsProcessor):
             ),
             candidates=candidates,
         )
-        selection = self.selector.select(context, counts)
+        selection = self.strategy.select(context, counts)
         apply_repair(  # the one door to the recompute; the refresh keeps its own record (`_record`)
             self.target,
             self.cache,

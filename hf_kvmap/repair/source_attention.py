@@ -13,11 +13,11 @@ import torch
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RepairContext, Strategy, register_strategy
 
 
-@register_selector
-class SourceAttentionSelector(Selector):
+@register_strategy
+class SourceAttentionStrategy(Strategy):
     """Scores each cached position by the attention the source's last `last_tokens` prompt tokens pay it.
 
     Args:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import RepairContext, Selector, register_selector
+from .base import RepairContext, Strategy, register_strategy
 
 
-@register_selector
-class TailSelector(Selector):
+@register_strategy
+class TailStrategy(Strategy):
     """Scores each cached position by its index: the latest positions are recomputed first."""
 
     name = "tail"

@@ -13,11 +13,11 @@ import torch
 
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RepairContext, Strategy, register_strategy
 
 
-@register_selector
-class TargetAttentionSelector(Selector):
+@register_strategy
+class TargetAttentionStrategy(Strategy):
     """Scores each cached position by the attention the target's last `last_tokens` prompt tokens pay it over the
     cache being repaired.
 

@@ -137,7 +137,7 @@ def map_and_repair(
         if built is None:  # a plain forward's
             built = positions_from_attention_mask(None, batch, length, input_ids.device)
         with clock.stage("repair"):
-            if repair.selector.needs_source and source is not None:
+            if repair.strategy.needs_source and source is not None:
                 drafts["source"] = Draft(source, source_cache, input_ids, mask, built)
             apply_repair(
                 target,

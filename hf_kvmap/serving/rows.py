@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 from .._compat import output_cache
 from ..cache import MappedCache
 from ..cache_views import row_cache, write_rows
-from ..repair import RepairConfig, SparseCache, apply_repair, selector_from_dict
+from ..repair import RepairConfig, SparseCache, apply_repair, strategy_from_dict
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import ProbeContext
@@ -76,7 +76,7 @@ def serve_rows(
     held = cache.get_seq_length() - mapped
     if held:
         cache.crop(-held)
-    selector = selector_from_dict(strategy)
+    strategy = strategy_from_dict(strategy)
     for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
         index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
         if context.span_start is not None:  # a session's switch: its one row, repaired within its span in place
@@ -84,7 +84,7 @@ def serve_rows(
                 context.target,
                 cache,
                 ids[:, :mapped],
-                RepairConfig(selector, fraction=fraction),
+                RepairConfig(strategy, fraction=fraction),
                 source=context.source,
                 source_cache=context.source_cache,
                 start=context.span_start,
@@ -93,7 +93,7 @@ def serve_rows(
             continue
         part = row_cache(cache, index)
         source_part = source_draft = None
-        if selector.needs_source:
+        if strategy.needs_source:
             source_part = row_cache(context.source_cache, index)
             if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
                 source_draft = context.drafts["source"].rows(index)
@@ -101,7 +101,7 @@ def serve_rows(
             context.target,
             part,
             ids[index],
-            RepairConfig(selector, fraction=fraction),
+            RepairConfig(strategy, fraction=fraction),
             attention_mask=mask[index],
             position_ids=positions[index],
             source=context.source,
@@ -119,7 +119,7 @@ def serve_rows(
     if held:
         run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
     if isinstance(cache, MappedCache):
-        cache.record_step("ladder", {"rows": rows, "strategy": selector.settings()})
+        cache.record_step("ladder", {"rows": rows, "strategy": strategy.settings()})
     return rows
 
 
