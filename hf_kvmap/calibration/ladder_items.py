@@ -159,7 +159,7 @@ def measure_item(
         start = time.perf_counter()
         # each probe on drafts of its own: its seconds are what it costs when it is the ladder's only probe
         scored = dataclasses.replace(context, drafts={})
-        risks[probe_key(probe)] = float(probe.score(scored).float()[0])
+        risks[probe_key(probe)] = float(probe.risks(scored)[0])
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 

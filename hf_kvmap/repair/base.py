@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 from ..deprecation import deprecated_names
 from ..drafting import Draft
 from ..registry import registrar
+from ..scoring import Scorer, from_settings
 
 #: name -> strategy class; filled by `register_strategy`.
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -79,20 +80,15 @@ class RepairContext:
         return self.candidates.shape[1]
 
 
-class Strategy:
+class Strategy(Scorer):
     r"""
-    Base class of the repair strategies. Subclasses set `name` (the registry key), take their options as keyword
-    arguments and implement `score`: one float per cached position, higher meaning "recompute first". The base turns
-    the scores into positions (`select`), so a strategy never handles budgets, padding or ties.
+    Base class of the repair strategies, on the one scoring contract ([`~hf_kvmap.scoring.Scorer`]). Subclasses set
+    `name` (the registry key), take their options as keyword arguments and implement `score`: one float per cached
+    position, higher meaning "recompute first" (its importance). The base turns the scores into positions (`select`),
+    so a strategy never handles budgets, padding or ties.
     """
 
-    name: ClassVar[str] = ""
-    #: whether `score` reads the source model and its cache (then `repair_cache` must be given both)
-    needs_source: ClassVar[bool] = False
-
-    def settings(self) -> dict[str, Any]:
-        """What `strategy_from_dict` needs to rebuild this strategy (its name and options)."""
-        return {"name": self.name}
+    kind: ClassVar[str] = "repair strategy"
 
     def score(self, context: RepairContext) -> torch.Tensor:
         """`(batch, context.length)` float scores; only the candidates' are read."""
@@ -102,12 +98,7 @@ class Strategy:
         """The `counts[row]` best-scored candidates of every row (`select_positions` of `score`)."""
         if not any(counts):
             return select_positions(None, context.candidates, counts, context.attention_mask[:, : context.length])
-        scores = self.score(context)
-        if tuple(scores.shape) != (context.batch, context.length):
-            raise ValueError(
-                f"Repair strategy {self.name!r} returned scores of shape {tuple(scores.shape)}; expected "
-                f"(batch, cached positions) = {(context.batch, context.length)}."
-            )
+        scores = self.checked_scores(context, (context.batch, context.length), "(batch, cached positions)")
         return select_positions(scores, context.candidates, counts, context.attention_mask[:, : context.length])
 
     def __eq__(self, other: object) -> bool:
@@ -116,10 +107,6 @@ class Strategy:
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.settings(), sort_keys=True, default=str))
-
-    def __repr__(self) -> str:
-        options = ", ".join(f"{key}={value!r}" for key, value in self.settings().items() if key != "name")
-        return f"{type(self).__name__}({options})"
 
 
 def strategy_from_text(text: str) -> dict[str, Any]:
@@ -146,16 +133,7 @@ def strategy_from_dict(settings: Strategy | dict[str, Any] | str) -> Strategy:
         return settings
     if isinstance(settings, str):
         settings = strategy_from_text(settings)
-    if not isinstance(settings, dict):
-        raise TypeError(f"A repair strategy is a name, a settings dict or a Strategy; got {type(settings).__name__}.")
-    settings = dict(settings)
-    name = settings.pop("name", None)
-    if name not in STRATEGIES:
-        raise ValueError(f"Unknown repair strategy {name!r}; registered strategies: {', '.join(sorted(STRATEGIES))}.")
-    try:
-        return STRATEGIES[name](**settings)
-    except TypeError as err:
-        raise TypeError(f"Repair strategy {name!r} does not take these options: {err}") from None
+    return from_settings(STRATEGIES, settings, Strategy, "strategies")
 
 
 def budget_counts(candidates: torch.Tensor, fraction: float | None = None, tokens: int | None = None) -> list[int]:

@@ -322,7 +322,7 @@ def _serve_mapped(
             "probe", f", and the exactness audit finds the mapping inexact (error {report.audit_error:.3g})"
         )
     with clock.stage("probe"):
-        scores = probe.score(context).float()
+        scores = probe.risks(context)
     report.scores = [float(s) for s in scores]
     report.score = max(report.scores)
     if ladder is not None:

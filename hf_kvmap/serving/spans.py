@@ -99,7 +99,7 @@ def serve_span(
         span_start=start,
     )
     with clock.stage("probe"):
-        report.scores = [float(s) for s in probe.score(context).float()]
+        report.scores = [float(s) for s in probe.risks(context)]
     report.score = max(report.scores)
     try:
         climb(ladder, context, report, clock)

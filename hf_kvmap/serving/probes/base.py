@@ -22,7 +22,6 @@ A new probe is one class and one line:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,6 +31,7 @@ from transformers.cache_utils import Cache
 from ..._compat import cache_kwargs
 from ...drafting import Draft
 from ...registry import registrar
+from ...scoring import Scorer, from_settings
 from ...validation import check_int
 
 #: name -> probe class; filled by `register_probe`.
@@ -103,20 +103,20 @@ class ProbeContext:
         return self.input_ids.shape[1]
 
 
-class Probe:
+class Probe(Scorer):
     r"""
-    Base class of the probes. Subclasses set `name` (the registry key) and implement `score`.
+    Base class of the probes, on the one scoring contract ([`~hf_kvmap.scoring.Scorer`]). Subclasses set `name` (the
+    registry key) and implement `score`: one float per row, higher meaning the mapped cache is more likely to change
+    the answer (its risk). The base checks them ([`risks`]); the serving pipeline decides from them.
 
     Args:
         tokens (`int`, *optional*, defaults to the class's `default_tokens`): the probe's size (what it counts depends
             on the probe; `target_tokens` turns it into the number of tokens the target runs).
     """
 
-    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "probe"
     #: tokens a probe reads by default
     default_tokens: ClassVar[int] = 4
-    #: whether `score` runs the source model (then a cache the caller prefilled must still be at hand)
-    needs_source: ClassVar[bool] = False
     #: whether an exact mapping (the target's own cache, source = target) scores 0 by construction
     exact_scores_zero: ClassVar[bool] = False
 
@@ -134,6 +134,10 @@ class Probe:
         """What `probe_from_dict` needs to rebuild this probe."""
         return {"name": self.name, "tokens": self.tokens}
 
+    def risks(self, context: ProbeContext) -> torch.Tensor:
+        """`score(context)` checked, one float32 risk per row, `(batch,)`: what the pipeline decides from."""
+        return self.checked_scores(context, (context.batch,), "(batch,)").float()
+
     def target_tokens(self, length: int) -> int:
         """Tokens the target processes for this probe beyond what serving needs anyway, at prompt length `length`."""
         return self.tokens
@@ -142,9 +146,6 @@ class Probe:
         """`(batch,)` float risks; higher means the handoff is more likely to change the answer."""
         raise NotImplementedError
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(tokens={self.tokens})"
-
 
 def probe_from_dict(settings: Probe | dict[str, Any] | str) -> Probe:
     """Build a registered probe from `{"name": ..., "tokens": ...}` (or just its name); a `Probe` is returned as is."""
@@ -152,20 +153,7 @@ def probe_from_dict(settings: Probe | dict[str, Any] | str) -> Probe:
         return settings
     if isinstance(settings, str):
         settings = {"name": settings}
-    if not isinstance(settings, dict):
-        raise TypeError(
-            f"A probe is a name, a settings dict or a Probe; got a {type(settings).__name__} ({settings!r}). Pass "
-            'e.g. {"name": "confident_draft", "tokens": 4} or "confident_draft".'
-        )
-    settings = dict(settings)
-    name = settings.pop("name", None)
-    if name not in PROBES:
-        raise ValueError(f"Unknown probe {name!r}; registered probes: {', '.join(sorted(PROBES))}.")
-    try:
-        return PROBES[name](**settings)
-    except TypeError as err:
-        options = [key for key in inspect.signature(PROBES[name].__init__).parameters if key != "self"]
-        raise TypeError(f"Probe {name!r} does not take these options ({err}); its options are {options}.") from None
+    return from_settings(PROBES, settings, Probe, "probes")
 
 
 def extend_mask(mask: torch.Tensor, extra: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ class LinearProbe(Probe):
     def score(self, context: ProbeContext) -> torch.Tensor:
         risk = torch.full((context.batch,), self.bias)
         for weight, component in zip(self.weights, self.components):
-            risk = risk + weight * component.score(context).float().cpu()
+            risk = risk + weight * component.risks(context).cpu()
         return risk
 
     def __repr__(self) -> str:
