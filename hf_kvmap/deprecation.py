@@ -11,8 +11,9 @@ from typing import Any
 REMOVED_IN = "0.2"
 
 
-def deprecated_names(module: str, namespace: dict[str, Any], aliases: dict[str, str]) -> Callable[[str], Any]:
-    """A module `__getattr__`: `aliases` maps each old name to the new one in `namespace` (the module's globals).
+def deprecated_names(module: str, namespace: dict[str, Any], aliases: dict[str, Any]) -> Callable[[str], Any]:
+    """A module `__getattr__`: `aliases` maps each old name to the new one in `namespace` (the module's globals), or
+    to `(where the new one is, the object the old name gives)`.
 
     Example:
 
@@ -24,12 +25,13 @@ def deprecated_names(module: str, namespace: dict[str, Any], aliases: dict[str, 
     def __getattr__(name: str) -> Any:
         if name in aliases:
             new = aliases[name]
+            where, value = new if isinstance(new, tuple) else (f"{module}.{new}", namespace[new])
             warnings.warn(
-                f"{module}.{name} is deprecated and goes in hf-kvmap {REMOVED_IN}: use {module}.{new}.",
+                f"{module}.{name} is deprecated and goes in hf-kvmap {REMOVED_IN}: use {where}.",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return namespace[new]
+            return value
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

@@ -18,7 +18,6 @@ from hf_kvmap.drafting import Draft, greedy_draft
 from hf_kvmap.repair import (
     STRATEGIES,
     RepairConfig,
-    RepairContext,
     Strategy,
     apply_repair,
     repair_cache,
@@ -30,6 +29,7 @@ from hf_kvmap.repair.draft_attention import DraftAttentionStrategy
 from hf_kvmap.repair.draft_branches import DraftBranchesStrategy
 from hf_kvmap.repair.draft_coverage import DraftCoverageStrategy
 from hf_kvmap.repair.query_overlap import QueryOverlapStrategy, markup_ids, run_scores
+from hf_kvmap.request_context import RequestContext
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,7 +189,7 @@ def _context(pair, tiny, ids, mask):
     source, target, _ = pair
     cache, source_cache = _mapped(pair, tiny, ids, mask)
     length = cache.get_seq_length()
-    return RepairContext(
+    return RequestContext(
         target=target,
         cache=cache,
         input_ids=ids,
@@ -237,7 +237,7 @@ def test_query_overlap_finds_every_run_of_the_query_and_weighs_its_tokens():
 
 def _overlap_context(ids, length=None):
     length = ids.shape[1] - 1 if length is None else length
-    return RepairContext(
+    return RequestContext(
         target=None,
         cache=None,
         input_ids=ids,
@@ -432,7 +432,7 @@ def test_a_draft_read_in_steps_is_the_draft_read_at_once(pair, tiny):
 def _self_context(model, cache, ids):
     """A repair context where `model` is both the source and the target of its own cache of `ids` (one row)."""
     mask = torch.ones_like(ids)
-    return RepairContext(
+    return RequestContext(
         target=model,
         cache=cache,
         input_ids=ids,
@@ -586,7 +586,7 @@ def test_early_deviation_at_an_exact_layer_is_zero(tiny):
     model = _model(config, 0, "eager")
     ids = _prompt()
     cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config))
-    context = RepairContext(
+    context = RequestContext(
         target=model,
         cache=cache,
         input_ids=ids,
@@ -630,6 +630,32 @@ def test_a_mapped_cache_is_repaired_by_the_next_step(pair, tiny):
     partial = MappedCache.from_source(source_cache, mapper, first_layer="target", target_model=target, input_ids=ids)
     apply_repair(target, partial, ids, {"strategy": "tail", "tokens": 4})
     assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
+
+
+def test_the_three_contexts_are_one_request_context_and_their_old_names_still_build_it():
+    """`Request`, `ProbeContext` and `RepairContext` carried the same fields: one `RequestContext` now, the old names
+    resolving (with a deprecation) to subclasses that still take their old positional order and `source_draft=`."""
+    import hf_kvmap.serving as serving
+    import hf_kvmap.serving.pipeline as pipeline
+    import hf_kvmap.serving.probes as probes
+
+    ids, mask = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    draft = object()
+    with pytest.warns(DeprecationWarning, match="RepairContext is deprecated .* use hf_kvmap.request_context"):
+        from hf_kvmap.repair import RepairContext
+    old = RepairContext(None, None, ids, mask, None, mask[:, :5].bool(), source_draft=draft)
+    assert isinstance(old, RequestContext) and old.length == old.cached_length == 5 and old.source_draft is draft
+    for module in (probes, serving):
+        with pytest.warns(DeprecationWarning, match="ProbeContext is deprecated"):
+            probe_context = module.ProbeContext(None, None, ids, mask, None, None, None, 3)
+        assert probe_context.hold_back == 3 and probe_context.length == probe_context.prompt_length == 6
+    with pytest.warns(DeprecationWarning, match="Request is deprecated"):
+        request = pipeline.Request("s", "t", "m", ids, mask, tokenizer="tok")
+    assert (request.mapper, request.tokenizer, request.same_weights) == ("m", "tok", False)
+    with pytest.raises(TypeError, match="multiple values for argument 'target'"):
+        RepairContext(None, target=None)
+    with pytest.raises(TypeError):
+        RequestContext(None)  # keywords only
 
 
 def test_the_names_that_said_selector_still_resolve_with_a_deprecation():

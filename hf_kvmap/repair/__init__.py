@@ -10,14 +10,15 @@ repair_cache(target, cache, input_ids, RepairConfig(strategy="tail", fraction=0.
 
 One file per strategy, each one class registered in `STRATEGIES` (`base.register_strategy`). ("Strategy" is the one
 word: the names that said "selector", `SELECTORS`, `Selector`, `register_selector`, `selector_from_dict` and each
-`<Name>Selector` class, still resolve here with a `DeprecationWarning` until 0.2.) One door to the recompute,
+`<Name>Selector` class, still resolve here with a `DeprecationWarning` until 0.2, as does `RepairContext`, now the
+one `hf_kvmap.request_context.RequestContext` of every scorer.) One door to the recompute,
 `apply_repair`: every change of a cache's keys/values by the target goes through it (`repair_cache`, `DecodeRefresh`,
 the serving pipeline and, deprecated until 0.2, `MappedCache.from_source(repair=)`).
 """
 
 from ..deprecation import deprecated_names
 from ..drafting import Draft, greedy_draft
-from .base import STRATEGIES, RepairContext, Strategy, register_strategy, strategy_from_dict
+from .base import STRATEGIES, RequestContext, Strategy, _RepairContext, register_strategy, strategy_from_dict
 from .draft_attention import DraftAttentionStrategy
 from .draft_branches import DraftBranchesStrategy
 from .draft_coverage import DraftCoverageStrategy
@@ -45,7 +46,7 @@ __all__ = [
     "OracleStrategy",
     "QueryOverlapStrategy",
     "RepairConfig",
-    "RepairContext",
+    "RequestContext",
     "Strategy",
     "SourceAttentionStrategy",
     "SparseCache",
@@ -66,6 +67,7 @@ __all__ = [
 
 #: the names before "strategy" was the one word (deprecated, go in 0.2)
 DEPRECATED_NAMES = {
+    "RepairContext": ("hf_kvmap.request_context.RequestContext", _RepairContext),
     "SELECTORS": "STRATEGIES",
     "Selector": "Strategy",
     "register_selector": "register_strategy",

@@ -1,4 +1,4 @@
-"""What every repair strategy shares: the [`RepairContext`] it reads, the [`Strategy`] base class, the one registry
+"""What every repair strategy shares: the [`RequestContext`] it reads, the [`Strategy`] base class, the one registry
 (`STRATEGIES`) and the budget and top-k that turn a strategy's scores into the positions the target recomputes.
 
 A new strategy is one file with one class and one decorator line:
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..deprecation import deprecated_names
-from ..drafting import Draft
 from ..registry import registrar
+from ..request_context import RequestContext, legacy_context
 from ..scoring import Scorer, from_settings
 
 #: name -> strategy class; filled by `register_strategy`.
@@ -36,48 +34,6 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 #: Class decorator adding a [`Strategy`] subclass to `STRATEGIES` under its `name`.
 register_strategy = registrar(STRATEGIES, "a repair strategy")
-
-
-@dataclass
-class RepairContext:
-    r"""
-    What a strategy may read. Built by [`repair_cache`](hf_kvmap.repair.repair_cache).
-
-    Args:
-        target (`PreTrainedModel`): the model that reads (and recomputes into) the cache.
-        cache (`Cache`): the target-side cache of the first `length` prompt tokens (mapped, or partly the target's
-            own).
-        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length`; left padding allowed.
-        attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
-        position_ids (`torch.Tensor`): `(batch, T)` positions the target reads the prompt at.
-        candidates (`torch.Tensor`): `(batch, length)` bool, the cached positions a strategy may choose (the real
-            tokens, from `start` on).
-        source (`PreTrainedModel`, *optional*): the model the cache was mapped from.
-        source_cache (`Cache`, *optional*): the source's cache of the prompt (`T` tokens).
-        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at.
-        source_draft ([`~hf_kvmap.repair.Draft`], *optional*): the source's greedy draft after this prompt, as far as
-            the request decoded it already (a probe's); a strategy that drafts continues it.
-    """
-
-    target: torch.nn.Module
-    cache: Cache
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    candidates: torch.Tensor
-    source: torch.nn.Module | None = None
-    source_cache: Cache | None = None
-    source_position_ids: torch.Tensor | None = None
-    source_draft: Draft | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def length(self) -> int:
-        """Cached positions (the candidates' width)."""
-        return self.candidates.shape[1]
 
 
 class Strategy(Scorer):
@@ -90,11 +46,11 @@ class Strategy(Scorer):
 
     kind: ClassVar[str] = "repair strategy"
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         """`(batch, context.length)` float scores; only the candidates' are read."""
         raise NotImplementedError
 
-    def select(self, context: RepairContext, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, context: RequestContext, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The `counts[row]` best-scored candidates of every row (`select_positions` of `score`)."""
         if not any(counts):
             return select_positions(None, context.candidates, counts, context.attention_mask[:, : context.length])
@@ -205,7 +161,7 @@ def percentile_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Te
 
 __all__ = [
     "STRATEGIES",
-    "RepairContext",
+    "RequestContext",
     "Strategy",
     "budget_counts",
     "percentile_ranks",
@@ -215,8 +171,16 @@ __all__ = [
     "strategy_from_text",
 ]
 
-#: the names before "strategy" was the one word (deprecated, go in 0.2)
+#: the old strategy context, `(target, cache, input_ids, attention_mask, position_ids, candidates, ...)` positionally
+_RepairContext = legacy_context(
+    "RepairContext",
+    ("target", "cache", "input_ids", "attention_mask", "position_ids", "candidates", "source", "source_cache")
+    + ("source_position_ids", "source_draft"),
+)
+
+#: the names before "strategy" was the one word and one context served every scorer (deprecated, go in 0.2)
 DEPRECATED_NAMES = {
+    "RepairContext": ("hf_kvmap.request_context.RequestContext", _RepairContext),
     "SELECTORS": "STRATEGIES",
     "Selector": "Strategy",
     "register_selector": "register_strategy",

@@ -22,7 +22,7 @@ from .._compat import cache_kwargs
 from ..cache_views import prefix_view, row_cache
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, register_strategy
+from .base import RequestContext, register_strategy
 from .draft_attention import DraftAttentionStrategy
 
 
@@ -51,7 +51,7 @@ class DraftBranchesStrategy(DraftAttentionStrategy):
         return {**super().settings(), "branches": self.branches}
 
     @torch.no_grad()
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         ids, mask = context.input_ids, context.attention_mask
         positions = context.source_position_ids
         if positions is None:
@@ -74,7 +74,7 @@ class DraftBranchesStrategy(DraftAttentionStrategy):
         count = first.shape[1]
         rows = torch.arange(context.batch, device=ids.device).repeat_interleave(count)
         following = context.position_ids[rows, -1:] + 1
-        extended = RepairContext(
+        extended = RequestContext(
             target=context.target,
             cache=context.cache,
             input_ids=torch.cat([ids[rows], first.reshape(-1, 1).to(ids.device)], dim=1),

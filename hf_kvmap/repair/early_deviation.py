@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .._compat import cache_kwargs
 from ..first_layer import target_first_layer
 from ..validation import check_int
-from .base import RepairContext, Strategy, register_strategy
+from .base import RequestContext, Strategy, register_strategy
 
 
 class _Stop(Exception):
@@ -69,7 +69,7 @@ class EarlyDeviationStrategy(Strategy):
     def settings(self) -> dict:
         return {"name": self.name, "layer": self.layer}
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         if self.layer >= len(context.cache.layers):
             raise ValueError(f"layer={self.layer} but the target has {len(context.cache.layers)} layers.")
         length = context.length

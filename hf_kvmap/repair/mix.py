@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RepairContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
+from .base import RequestContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
 
 #: the default vote: the target's own reading of the prompt and the recent context
 DEFAULT_COMPONENTS = {"target_attention": 1.0, "tail": 1.0}
@@ -50,7 +50,7 @@ class MixStrategy(Strategy):
             "components": [{**strategy.settings(), "weight": weight} for strategy, weight in self.components],
         }
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         total = torch.zeros(context.batch, context.length, dtype=torch.float32)
         for strategy, weight in self.components:
             if weight:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._compat import output_cache
-from .base import RepairContext, Strategy, register_strategy
+from .base import RequestContext, Strategy, register_strategy
 
 
 @register_strategy
@@ -20,7 +20,7 @@ class OracleStrategy(Strategy):
 
     name = "oracle"
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         length = context.length
         mask = context.attention_mask[:, :length]
         own = context.target.get_decoder()(

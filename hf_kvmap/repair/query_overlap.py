@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 
 from ..validation import check_int
-from .base import RepairContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
+from .base import RequestContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
 
 
 def run_scores(
@@ -139,7 +139,7 @@ class QueryOverlapStrategy(Strategy):
             **({"skip": list(self.skip)} if self.skip else {}),
         }
 
-    def marks(self, context: RepairContext) -> torch.Tensor:
+    def marks(self, context: RequestContext) -> torch.Tensor:
         """`(batch, length)` the kept runs' scores spread over their windows (0 where none marks a position)."""
         out = torch.zeros(context.batch, context.length, dtype=torch.float32)
         ids, mask = context.input_ids.cpu(), context.attention_mask.cpu()
@@ -171,7 +171,7 @@ class QueryOverlapStrategy(Strategy):
             out[row, max(first, offset + query_start) : context.length] = top
         return out * candidates
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         marks = self.marks(context)
         rest = percentile_ranks(self.fill.score(context).cpu(), context.candidates.cpu())  # in (0, 1]
         scale = marks.amax(dim=1, keepdim=True).clamp(min=1e-9)

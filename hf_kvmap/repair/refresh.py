@@ -35,7 +35,7 @@ from transformers import LogitsProcessor
 
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, strategy_from_dict
+from .base import RequestContext, strategy_from_dict
 from .repair import apply_repair, keeps_record, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
@@ -166,7 +166,7 @@ class DecodeRefresh(LogitsProcessor):
         counts = self._budget(candidates)
         if not any(counts):
             return counts
-        context = RepairContext(
+        context = RequestContext(
             target=self.target,
             cache=self.cache,
             input_ids=input_ids,

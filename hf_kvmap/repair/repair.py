@@ -16,7 +16,7 @@ from ..drafting import Draft
 from ..input_checks import check_left_padding_mask
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, Strategy, budget_counts, strategy_from_dict
+from .base import RequestContext, Strategy, budget_counts, strategy_from_dict
 from .recompute import recompute_positions
 
 
@@ -179,7 +179,7 @@ def select_repair(
     if position_ids is None:
         position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
     candidates = candidate_positions(input_ids, attention_mask, length, start)
-    context = RepairContext(
+    context = RequestContext(
         target=target,
         cache=cache,
         input_ids=input_ids,
@@ -189,7 +189,7 @@ def select_repair(
         source=source,
         source_cache=source_cache,
         source_position_ids=source_position_ids,
-        source_draft=source_draft,
+        drafts={} if source_draft is None else {"source": source_draft},
     )
     return strategy.select(context, budget_counts(candidates, repair.fraction, repair.tokens))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RepairContext, Strategy, register_strategy
+from .base import RequestContext, Strategy, register_strategy
 
 
 @register_strategy
@@ -15,5 +15,5 @@ class TailStrategy(Strategy):
 
     name = "tail"
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         return torch.arange(context.length, dtype=torch.float32).expand(context.batch, -1)

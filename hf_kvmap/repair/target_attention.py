@@ -13,7 +13,7 @@ import torch
 
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Strategy, register_strategy
+from .base import RequestContext, Strategy, register_strategy
 
 
 @register_strategy
@@ -41,7 +41,7 @@ class TargetAttentionStrategy(Strategy):
             settings["reduce"] = self.reduce
         return settings
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         last = min(self.last_tokens, context.input_ids.shape[1] - 1)
         last = max(last, context.input_ids.shape[1] - context.length)  # the held-back tokens are read anyway
         mass = last_tokens_attention(

@@ -1,7 +1,7 @@
 """Probes: cheap checks, run on a mapped cache before it is served, that predict whether the handoff will change the
 target's answer.
 
-A probe reads a [`ProbeContext`] (the models, the prompt, the target-side cache of every prompt token but the last)
+A probe reads a [`RequestContext`] (the models, the prompt, the target-side cache of every prompt token but the last)
 and returns one *risk* per row: higher means the answer generated on the mapped cache is more likely to differ from
 the one the target would give after its own prefill. [`handoff`](hf_kvmap.serving.handoff.handoff) compares the risk with a
 threshold calibrated for the mapper (stored in `MapperConfig.handoff_probe`). A probe leaves both caches as it found
@@ -22,15 +22,14 @@ A new probe is one class and one line:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..._compat import cache_kwargs
-from ...drafting import Draft
+from ...deprecation import deprecated_names
 from ...registry import registrar
+from ...request_context import RequestContext, legacy_context
 from ...scoring import Scorer, from_settings
 from ...validation import check_int
 
@@ -42,65 +41,12 @@ PROBES: dict[str, type[Probe]] = {}
 register_probe = registrar(PROBES, "a probe")
 
 
-@dataclass
-class ProbeContext:
-    r"""
-    What a probe may read. Built by `handoff` after the mapping and before the decision.
-
-    Args:
-        source, target (`PreTrainedModel`): the two causal LMs.
-        input_ids (`torch.Tensor`): `(batch, T)` prompt (left padding allowed).
-        attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
-        position_ids (`torch.Tensor`): `(batch, T)` positions derived from the mask as `generate` does.
-        cache (`Cache`): the target-side cache of the first `T - 1` tokens: the mapped `T - hold_back` tokens, then the
-            `hold_back - 1` tokens the target ran itself.
-        source_cache (`Cache`): the source's cache of all `T` prompt tokens.
-        hold_back (`int`): how many final prompt tokens were held back from the mapping.
-        tail_logits (`torch.Tensor`, *optional*): `(batch, hold_back - 1, vocab)` target logits on the held-back
-            tokens it ran (they predict the tokens at columns `T - hold_back + 1 .. T - 1`); `None` for `hold_back=1`.
-        drafts (`dict[str, Draft]`): the greedy drafts decoded for this request so far, by role (`draft`).
-        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions `source_cache` was built at (a
-            plain forward's `0 .. T-1` differ from `position_ids` in left-padded rows); defaults to `position_ids`.
-        span_start (`int`, *optional*): a session's switch (`hf_kvmap.serving.spans`): the first mapped position of
-            its one row, the positions before it being the target's own; `None` for a request whose whole prompt
-            but the held-back tokens was mapped.
-    """
-
-    source: torch.nn.Module
-    target: torch.nn.Module
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cache: Cache
-    source_cache: Cache
-    hold_back: int = 1
-    tail_logits: torch.Tensor | None = None
-    drafts: dict[str, Draft] = field(default_factory=dict)
-    source_position_ids: torch.Tensor | None = None
-    span_start: int | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    def draft(self, role: str) -> Draft:
-        """The greedy draft of the `"source"` (on `source_cache`) or of the `"target"` (on the mapped `cache`) after
-        the prompt ([`~hf_kvmap.repair.Draft`]), decoded once per request as far as its readers ask: the probes, and
-        then a repair strategy that drafts (`draft_attention` continues the source's)."""
-        if role not in ("source", "target"):
-            raise ValueError(f"role={role!r}: a draft is the 'source''s or the 'target''s.")
-        if role not in self.drafts:
-            if role == "source":
-                positions = self.position_ids if self.source_position_ids is None else self.source_position_ids
-                model, cache = self.source, self.source_cache
-            else:
-                positions, model, cache = self.position_ids, self.target, self.cache
-            self.drafts[role] = Draft(model, cache, self.input_ids, self.attention_mask, positions)
-        return self.drafts[role]
-
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
+#: the old probe context, `(source, target, input_ids, attention_mask, position_ids, cache, source_cache, ...)`
+_ProbeContext = legacy_context(
+    "ProbeContext",
+    ("source", "target", "input_ids", "attention_mask", "position_ids", "cache", "source_cache", "hold_back")
+    + ("tail_logits", "drafts", "source_position_ids", "span_start"),
+)
 
 
 class Probe(Scorer):
@@ -134,7 +80,7 @@ class Probe(Scorer):
         """What `probe_from_dict` needs to rebuild this probe."""
         return {"name": self.name, "tokens": self.tokens}
 
-    def risks(self, context: ProbeContext) -> torch.Tensor:
+    def risks(self, context: RequestContext) -> torch.Tensor:
         """`score(context)` checked, one float32 risk per row, `(batch,)`: what the pipeline decides from."""
         return self.checked_scores(context, (context.batch,), "(batch,)").float()
 
@@ -142,7 +88,7 @@ class Probe(Scorer):
         """Tokens the target processes for this probe beyond what serving needs anyway, at prompt length `length`."""
         return self.tokens
 
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         """`(batch,)` float risks; higher means the handoff is more likely to change the answer."""
         raise NotImplementedError
 
@@ -169,4 +115,9 @@ def run_appended(model, ids, cache, mask, positions) -> torch.Tensor:
     ).logits.float()
 
 
-__all__ = ["PROBES", "Probe", "ProbeContext", "extend_mask", "probe_from_dict", "register_probe", "run_appended"]
+__all__ = ["PROBES", "Probe", "RequestContext", "extend_mask", "probe_from_dict", "register_probe", "run_appended"]
+
+#: the probe context before one context served every scorer (deprecated, goes in 0.2)
+__getattr__ = deprecated_names(
+    __name__, globals(), {"ProbeContext": ("hf_kvmap.request_context.RequestContext", _ProbeContext)}
+)
