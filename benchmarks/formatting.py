@@ -54,7 +54,7 @@ def strategy_text(strategy: dict | str) -> str:
     `draft_branches`, `query_overlap:...:fill=draft_branches:...` reads `query_overlap:fill=draft_branches`. A name
     the registry does not hold is shown with every option."""
     from hf_kvmap.calibration.ladder_items import option_text
-    from hf_kvmap.repair import SELECTORS
+    from hf_kvmap.repair import STRATEGIES
 
     if isinstance(strategy, str):
         name, *parts = re.split(r":(?=[A-Za-z_]\w*=)", strategy)  # a nested option's JSON holds colons too
@@ -63,8 +63,8 @@ def strategy_text(strategy: dict | str) -> str:
         name = strategy["name"]
         options = {k: v if isinstance(v, str) else option_text(v) for k, v in strategy.items() if k != "name"}
     defaults = {}
-    if name in SELECTORS:
-        signature = inspect.signature(SELECTORS[name].__init__)
+    if name in STRATEGIES:
+        signature = inspect.signature(STRATEGIES[name].__init__)
         defaults = {k: option_text(p.default) for k, p in signature.parameters.items() if p.default is not p.empty}
     kept = []
     for key, value in sorted(options.items()):

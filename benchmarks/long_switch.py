@@ -274,6 +274,7 @@ class Runner:
                         cache = MappedCache.from_source(
                             source_cache,
                             self.mapper,
+                            first_layer="target",
                             target_model=self.target,
                             input_ids=ids,
                             source_model=self.source,

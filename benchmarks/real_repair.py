@@ -29,7 +29,7 @@ from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
 from hf_kvmap.real import converted_path, is_converted
 from hf_kvmap.real.corpus import load_manifest, manifest_sha256
 from hf_kvmap.real.tasks import TASK_NAMES, real_family_tasks
-from hf_kvmap.repair import SELECTORS, RepairConfig
+from hf_kvmap.repair import STRATEGIES, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +53,8 @@ def _strategy(name: str) -> dict:
 
 
 def _settings(name: str) -> dict:
-    if name not in SELECTORS:
-        raise SystemExit(f"unknown repair strategy {name!r}; known: {', '.join(sorted(SELECTORS))} (or mix:a+b)")
+    if name not in STRATEGIES:
+        raise SystemExit(f"unknown repair strategy {name!r}; known: {', '.join(sorted(STRATEGIES))} (or mix:a+b)")
     return {"name": name, "last_tokens": 16} if name in ("source_attention", "target_attention") else {"name": name}
 
 
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--manifest", default=str(REPO / "benchmarks" / "real" / "calibration_manifest.json"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--tasks", default=",".join(TASK_NAMES))
-    parser.add_argument("--strategies", default=",".join(sorted(SELECTORS)))
+    parser.add_argument("--strategies", default=",".join(sorted(STRATEGIES)))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--selection-items", type=int, default=32, help="selection items of the read-back tasks")
     parser.add_argument("--selection-items-other", type=int, default=16, help="selection items of the other tasks")

@@ -36,7 +36,7 @@ from hf_kvmap import MappedCache, MapperModel
 from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.commands.models import load_causal_lm, resolve_mapper
 from hf_kvmap.flops import prefill_flops, repair_flops
-from hf_kvmap.repair import SELECTORS, RepairConfig, recompute, repair_cache
+from hf_kvmap.repair import STRATEGIES, RepairConfig, recompute, repair_cache
 from hf_kvmap.reporting import environment_info, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mapper", default=None, help="mapper folder (default: the shipped tiny-family one)")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     parser.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)))
-    parser.add_argument("--strategies", default=",".join(sorted(SELECTORS)))
+    parser.add_argument("--strategies", default=",".join(sorted(STRATEGIES)))
     parser.add_argument("--last-tokens", type=int, default=16, help="queries the attention strategies read")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -202,9 +202,9 @@ def main(argv=None) -> None:
     repeats = 1 if args.quick else args.repeats
     fractions = [float(f) for f in args.fractions.split(",")]
     strategies = [s for s in args.strategies.split(",") if s]
-    unknown = sorted(set(strategies) - set(SELECTORS))
+    unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
-        raise SystemExit(f"unknown strategies {unknown}; registered: {sorted(SELECTORS)}")
+        raise SystemExit(f"unknown strategies {unknown}; registered: {sorted(STRATEGIES)}")
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     source = load_causal_lm(args.source, dtype=dtype).to(device)

@@ -26,7 +26,7 @@ import torch
 from hf_kvmap import MapperModel
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
-from hf_kvmap.repair import SELECTORS, RepairConfig
+from hf_kvmap.repair import STRATEGIES, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.zoo import corpus
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--directions", default=",".join(DIRECTIONS), help="source:target pairs (tiny-family)")
     parser.add_argument("--mapper", default=None, help="mapper folder (one direction only)")
     parser.add_argument("--tasks", default=",".join(TASKS))
-    parser.add_argument("--strategies", default=",".join(sorted(SELECTORS)))
+    parser.add_argument("--strategies", default=",".join(sorted(STRATEGIES)))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--items", type=int, default=64, help="items per set and task")
     parser.add_argument("--selection-seed", type=int, default=4321)
@@ -175,9 +175,9 @@ def main(argv=None) -> None:
     fractions = [float(f) for f in args.fractions.split(",")]
     if args.quick:
         strategies, fractions = strategies[:2], fractions[:2]
-    unknown = sorted(set(strategies) - set(SELECTORS))
+    unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
-        raise SystemExit(f"unknown strategies {unknown}; registered: {sorted(SELECTORS)}")
+        raise SystemExit(f"unknown strategies {unknown}; registered: {sorted(STRATEGIES)}")
     tasks = {name: TASKS[name] for name in args.tasks.split(",")}
     started = time.perf_counter()
     results = {"run": {}, "directions": {}}

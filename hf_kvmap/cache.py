@@ -7,6 +7,7 @@ follows the dtype and device of the model that reads it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,8 +106,12 @@ class MappedCache(DynamicCache):
     A [`~transformers.DynamicCache`] built from another model's cache by a [`MapperModel`].
 
     Build it with [`MappedCache.from_source`] and hand it to the target model as `cache=` (`past_key_values=` on
-    transformers 5.23); it then grows like a `DynamicCache`. `mapping_info` records the mapper, its revision and
-    the number of mapped tokens.
+    transformers 5.23); it then grows like a `DynamicCache`. The cache stores and records; it computes nothing.
+    What was done to it is its own state, read through properties: `mapping_info` (the record saved with it: the
+    mapper, its revision, the mapped tokens or spans, and what a repair, a refresh or a ladder recomputed),
+    `approximate` (whether it is not the target's own prefill) and `recomputed` (the positions the target has
+    recomputed). The steps that change it record themselves through its methods: [`record_repair`],
+    [`record_recomputed`] and [`record_step`] (`hf_kvmap.repair.apply_repair`, `DecodeRefresh`, the serving ladder).
 
     Args:
         layers (`list[MappedLayer]`, *optional*):
@@ -132,15 +137,56 @@ class MappedCache(DynamicCache):
     ```
     """
 
-    #: a mapped cache approximates the target's own (`save_cache` records it; it never loads as an exact cache)
-    approximate = True
-
     def __init__(self, layers: list[MappedLayer] | None = None, mapping_info: dict[str, Any] | None = None):
         if layers is None:
             super().__init__()
         else:
             init_cache_with_layers(self, layers)
-        self.mapping_info = dict(mapping_info or {})
+        self._info = dict(mapping_info or {})
+        self._approximate = bool(self._info.get("approximate", True))
+        self._recomputed: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------ the record
+    @property
+    def mapping_info(self) -> dict[str, Any]:
+        """What was mapped into the cache and done to it since (`save_cache` writes it beside the tensors)."""
+        return self._info
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the cache is not the target's own prefill: `True` until every mapped position was recomputed (a
+        repair of all of them) or dropped (a session's fallback); `save_cache` records it, and an approximate cache
+        never loads as an exact one."""
+        return self._approximate
+
+    @property
+    def recomputed(self) -> torch.Tensor | None:
+        """`(batch, length)` bool: the positions the target recomputed (a repair, a refresh, or a session's own
+        positions around its mapped spans); what a later refresh skips. `None` before any."""
+        return self._recomputed
+
+    def record_repair(self, record: dict[str, Any]) -> None:
+        """Record a repair (`hf_kvmap.repair.apply_repair`): `mapping_info["repair"]`; the cache is exact once
+        `record["exact"]` (every position recomputed), and says so in the object and its record alike."""
+        self._info["repair"] = record
+        self._set_approximate(not record["exact"])
+
+    def record_recomputed(self, done: torch.Tensor) -> None:
+        """The positions the target has recomputed so far, `(batch, length)` bool (it replaces the earlier mask:
+        pass their union)."""
+        if not isinstance(done, torch.Tensor) or done.dim() != 2 or done.dtype != torch.bool:
+            raise TypeError("recomputed positions are a (batch, length) bool tensor.")
+        self._recomputed = done
+
+    def record_step(self, name: str, record: dict[str, Any]) -> None:
+        """Record what a step that recomputes no mapped position for good did (`"refresh"`: a `DecodeRefresh`'s
+        counts and time, `"ladder"`: the rung of every row) as `mapping_info[name]`."""
+        if name in ("repair", "approximate", "mapped_positions", "mappers", "mapped_tokens"):
+            raise ValueError(f"mapping_info[{name!r}] is kept by the cache itself; record_step records other steps.")
+        self._info[name] = record
+
+    def _set_approximate(self, approximate: bool) -> None:
+        self._info["approximate"] = self._approximate = bool(approximate)
 
     @classmethod
     @torch.no_grad()
@@ -156,6 +202,7 @@ class MappedCache(DynamicCache):
         dtype: torch.dtype | None = None,
         devices: Sequence[torch.device | str] | None = None,
         check_finite: bool = True,
+        first_layer: str | None = None,
         target_model=None,
         input_ids: torch.Tensor | None = None,
         repair=None,
@@ -180,17 +227,32 @@ class MappedCache(DynamicCache):
             dtype (`torch.dtype`, *optional*), devices (sequence, *optional*): of the cache and of each target layer;
                 default the source cache's dtype and the device of the mapper layer that produces it.
             check_finite (`bool`, *optional*, defaults to `True`): refuse a source cache holding NaN or inf.
-            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): together, the target
-                computes its first layer from the `(batch, seq)` ids instead of reading it mapped (exact).
+            first_layer (`str`, *optional*, defaults to `"mapped"`): `"mapped"`, every layer the mapper's; or
+                `"target"`, the target computes its first layer from the `(batch, seq)` ids instead (exact), which
+                needs `target_model` and `input_ids`. (Left out with `target_model` given, it is `"target"`, as before
+                it was an option: deprecated, pass it explicitly; the implication goes in 0.2.)
+            target_model (`PreTrainedModel`, *optional*), input_ids (`torch.Tensor`, *optional*): the target and the
+                prompt's ids, read by `first_layer="target"` and `repair`.
             source_model (`PreTrainedModel`, *optional*): with `input_ids`, the cache's first layer is checked against
                 the source's own for those ids (a cache of other tokens or positions raises); repair reads it too.
-            repair (`RepairConfig` or `dict`, *optional*): then the target recomputes a share of the positions
-                (`hf_kvmap.repair.apply_repair`, the one door to the recompute); needs `target_model` and `input_ids`.
+            repair (`RepairConfig` or `dict`, *optional*): deprecated (goes in 0.2): the cache stores, the target
+                recomputes. It is one call, `hf_kvmap.repair.apply_repair(target_model, cache, input_ids, repair,
+                attention_mask=, position_ids=, source=source_model, source_cache=, source_position_ids=)` on the
+                returned cache: make that call instead (the serving pipeline's `map_and_repair` does).
 
         Returns:
             `MappedCache` with `seq - hold_back` tokens in every layer. Like any prefilled `DynamicCache`, it is not
             expanded by `generate` for beam search: call `cache.batch_repeat_interleave(num_beams)` first.
         """
+        if repair is not None:
+            warnings.warn(
+                "MappedCache.from_source(repair=) is deprecated and goes in hf-kvmap 0.2: the cache stores, the target "
+                "recomputes. Call `hf_kvmap.repair.apply_repair(target, cache, input_ids, repair, source=..., "
+                "source_cache=...)` on the cache from_source returns (as the serving pipeline does).",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of from_source (through torch.no_grad's wrapper)
+            )
+        first_layer = _first_layer(first_layer, target_model, repair)
         source_kv, position_ids, source_position_ids, repair = _checked_request(
             source_cache,
             mapper,
@@ -199,13 +261,12 @@ class MappedCache(DynamicCache):
             dict(source_model=source_model, repair=repair, check_finite=check_finite),
         )
         length = source_kv[0][0].shape[2] - hold_back
-        mapped = _map(
-            mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, target_model, input_ids
-        )
-        info = _provenance(mapper.config, length, hold_back, target_model)
+        first = target_model if first_layer == "target" else None
+        mapped = _map(mapper, source_kv, length, position_ids, source_position_ids, dtype, devices, first, input_ids)
+        info = _provenance(mapper.config, length, hold_back, first_layer)
         cache = cls(layers=[MappedLayer.from_tensors(keys, values) for keys, values in mapped], mapping_info=info)
-        if repair is not None:  # the one door to the recompute: the cache stores, the target recomputes
-            from .repair import apply_repair
+        if repair is not None:  # deprecated (above): one call of the one door to the recompute
+            from .repair import apply_repair  # the upward import tests/test_architecture.py allows until 0.2
 
             apply_repair(
                 target_model,
@@ -285,10 +346,10 @@ class MappedCache(DynamicCache):
             check_finite_pairs(window)
         positions = torch.arange(begin, end, device=window[0][0].device).unsqueeze(0)
         mapped = _map(mapper, window, end - begin, positions, None, None, None, None, None)
-        cache = onto if isinstance(onto, MappedCache) else cls(layers=_mapped_layers(onto, len(mapped)))
-        if onto is not None and not isinstance(onto, MappedCache):
-            cache.mapping_info = dict(getattr(onto, "mapping_info", None) or {})
-            cache.recomputed = getattr(onto, "recomputed", None)
+        if isinstance(onto, MappedCache):
+            cache = onto
+        else:  # the model's own cache so far (or none): its tensors, and any record it carries
+            cache = cls(layers=_mapped_layers(onto, len(mapped)), mapping_info=getattr(onto, "mapping_info", None))
         for idx, (keys, values) in enumerate(mapped):
             keys, values = keys[:, :, start - begin :], values[:, :, start - begin :]
             layer = cache.layers[idx]
@@ -316,7 +377,7 @@ class MappedCache(DynamicCache):
     def _record_spans(self) -> None:
         info = self.mapping_info
         info["mapped_tokens"] = sum(b - a for a, b in info["mapped_positions"])
-        info["approximate"] = self.approximate = bool(info["mapped_positions"])
+        self._set_approximate(bool(info["mapped_positions"]))
 
 
 def _mapped_layers(onto: Cache | None, count: int) -> list[MappedLayer]:
@@ -362,7 +423,38 @@ def _checked_request(source_cache, mapper, *settings: dict):
     return source_kv, *positions, repair
 
 
-def _provenance(config, length: int, hold_back: int, target_model) -> dict[str, Any]:
+#: where the first layer of a mapped cache comes from: the mapper, or the target's own computation from the ids
+FIRST_LAYERS = ("mapped", "target")
+
+
+def _first_layer(first_layer: str | None, target_model, repair) -> str:
+    """`from_source`'s `first_layer`, checked; left out, `"target"` where a `target_model` is given (deprecated)."""
+    if first_layer is None:
+        if target_model is None:
+            return "mapped"
+        warnings.warn(
+            "MappedCache.from_source: `target_model` without `first_layer` switches on the target's exact first layer; "
+            "this implication is deprecated and goes in hf-kvmap 0.2. Pass `first_layer='target'` to keep it (or "
+            "`first_layer='mapped'` to map every layer).",
+            DeprecationWarning,
+            stacklevel=4,  # the caller of from_source (through torch.no_grad's wrapper)
+        )
+        return "target"
+    if first_layer not in FIRST_LAYERS:
+        raise ValueError(f"first_layer={first_layer!r} must be one of {FIRST_LAYERS}.")
+    if first_layer == "target" and target_model is None:
+        raise ValueError(
+            "first_layer='target' has the target compute its first layer: pass `target_model` and `input_ids`."
+        )
+    if first_layer == "mapped" and target_model is not None and repair is None:
+        raise ValueError(
+            "first_layer='mapped' maps every layer, so `target_model` is not read: leave it out, or pass "
+            "first_layer='target' for the target's exact first layer."
+        )
+    return first_layer
+
+
+def _provenance(config, length: int, hold_back: int, first_layer: str) -> dict[str, Any]:
     """The `mapping_info` of a mapped cache: the mapper, the models, what was mapped."""
     return {
         "mapper": model_id(config),
@@ -372,7 +464,7 @@ def _provenance(config, length: int, hold_back: int, target_model) -> dict[str, 
         "target_model_id": config.target_model_id,
         "mapped_tokens": length,
         "hold_back": hold_back,
-        "first_layer": "mapped" if target_model is None else "target",
+        "first_layer": first_layer,
         "approximate": True,
     }
 

@@ -35,7 +35,7 @@ class HandoffEvaluation:
         tokenizer: the shared tokenizer.
         hold_back (`int`, defaults to 1): final context tokens the reader runs itself.
         target_first_layer (`bool`, defaults to `False`): in `mapped` mode the target computes its first layer from
-            the token ids instead of reading it mapped (`MappedCache.from_source(..., target_model=, input_ids=)`).
+            the token ids instead of reading it mapped (`MappedCache.from_source(..., first_layer="target")`).
         repair ([`~hf_kvmap.repair.RepairConfig`], *optional*): in `mapped` mode the target then recomputes the
             positions it selects ([`~hf_kvmap.repair.repair_cache`]).
     """

@@ -286,7 +286,7 @@ def test_from_source_with_the_target_computes_its_first_layer(tiny):
         mapper.layers[0].key_proj.weight.mul_(-1.0)
         source = model(input_ids=ids, use_cache=True).past_key_values
         plain = MappedCache.from_source(source, mapper)
-        exact = MappedCache.from_source(source, mapper, target_model=model, input_ids=ids)
+        exact = MappedCache.from_source(source, mapper, first_layer="target", target_model=model, input_ids=ids)
     own = source.layers[0]
     torch.testing.assert_close(exact.layers[0].keys, own.keys[:, :, :9], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(exact.layers[0].values, own.values[:, :, :9], rtol=1e-5, atol=1e-6)
@@ -295,6 +295,17 @@ def test_from_source_with_the_target_computes_its_first_layer(tiny):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert exact.mapping_info["first_layer"] == "target" and plain.mapping_info["first_layer"] == "mapped"
     with pytest.raises(ValueError, match="together"):
-        MappedCache.from_source(source, mapper, target_model=model)
+        MappedCache.from_source(source, mapper, first_layer="target", target_model=model)
     with pytest.raises(ValueError, match="input_ids"):
-        MappedCache.from_source(source, mapper, target_model=model, input_ids=ids[:, :5])
+        MappedCache.from_source(source, mapper, first_layer="target", target_model=model, input_ids=ids[:, :5])
+    with pytest.raises(ValueError, match="pass `target_model` and `input_ids`"):
+        MappedCache.from_source(source, mapper, first_layer="target")
+    with pytest.raises(ValueError, match="not read"):
+        MappedCache.from_source(source, mapper, first_layer="mapped", target_model=model, input_ids=ids)
+    with pytest.raises(ValueError, match="must be one of"):
+        MappedCache.from_source(source, mapper, first_layer="exact")
+    # before it was an option, `target_model` alone switched it on: still so, with a deprecation naming the caller
+    with pytest.warns(DeprecationWarning, match="first_layer='target'") as caught:
+        legacy = MappedCache.from_source(source, mapper, target_model=model, input_ids=ids)
+    assert caught[0].filename == __file__ and legacy.mapping_info["first_layer"] == "target"
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(legacy.layers, exact.layers))

@@ -195,12 +195,12 @@ def test_a_cache_repaired_at_every_position_is_exact_in_the_object_the_record_an
     """Repair at fraction 1.0 recomputes every position: the target's own prefill (up to float rounding), so the cache
     is exact in the object, its mapping_info and its file; any smaller fraction leaves it approximate in all three."""
     from hf_kvmap import RepairConfig
+    from hf_kvmap.repair import apply_repair
 
     source, target, mapper, ids, _ = pair
     source_cache = source(input_ids=ids, use_cache=True).past_key_values
-    cache = MappedCache.from_source(
-        source_cache, mapper, target_model=target, input_ids=ids, repair=RepairConfig("tail", fraction=fraction)
-    )
+    cache = MappedCache.from_source(source_cache, mapper, first_layer="target", target_model=target, input_ids=ids)
+    apply_repair(target, cache, ids, RepairConfig("tail", fraction=fraction))
     exact = fraction == 1.0
     assert cache.mapping_info["repair"]["exact"] is exact
     assert cache.approximate is not exact and cache.mapping_info["approximate"] is not exact

@@ -161,7 +161,9 @@ def test_smol_first_layer_from_the_ids_is_its_own(smol):
     mapper = MapperModel.identity(model.config)
     with torch.no_grad():
         mapper.layers[0].key_proj.weight.mul_(-1.0)
-    cache = MappedCache.from_source(prefill(model, ids), mapper, target_model=model, input_ids=ids)
+    cache = MappedCache.from_source(
+        prefill(model, ids), mapper, first_layer="target", target_model=model, input_ids=ids
+    )
     assert torch.equal(greedy(model, tokenizer, ids, cache=cache), greedy(model, tokenizer, ids))
 
 

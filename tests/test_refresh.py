@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList
 from hf_kvmap import MappedCache, MapperModel
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.repair import DecodeRefresh, RepairConfig, repair_cache
-from hf_kvmap.repair.target_attention import TargetAttentionSelector
+from hf_kvmap.repair.target_attention import TargetAttentionStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,6 +62,8 @@ def test_refreshing_the_targets_own_cache_changes_nothing(pair, tiny):
     refresh = DecodeRefresh(target, cache, every=1, tokens=5)
     assert torch.equal(_generate(target, ids, cache, refresh), expected)
     assert refresh.recomputed == [23] and refresh.refreshes == 5  # 5 + 5 + 5 + 5 + 3 of the 23 cached positions
+    # each position once: the refresh keeps what it recomputed itself, and sets nothing on a cache that keeps no record
+    assert bool(refresh.done.all()) and not hasattr(cache, "recomputed")
 
 
 def test_refreshing_every_position_makes_the_prompt_the_targets_own(pair, tiny):
@@ -93,7 +95,7 @@ def test_a_refresh_recomputes_the_top_positions_of_the_latest_tokens_own_attenti
     refresh.refresh(full[:, :-1])
     chosen = refresh.done[0].nonzero().squeeze(-1)
     assert chosen.tolist() == sorted(expected.topk(5).indices.tolist())
-    settings = TargetAttentionSelector(last_tokens=4, reduce="max").settings()
+    settings = TargetAttentionStrategy(last_tokens=4, reduce="max").settings()
     assert settings == {"name": "target_attention", "last_tokens": 4, "reduce": "max"}
 
 

@@ -120,3 +120,63 @@ def test_objective_fine_tune_lowers_its_held_out_measure_and_records_itself(name
     assert [row["step"] for row in record["history"]] == list(range(0, 21, 5))
     assert record == result.to_dict() and len(calibration_rows(batches)) == 40
     assert all(torch.equal(t, before[key]) for key, t in model.state_dict().items())
+
+
+def _scorer_registries():
+    from hf_kvmap.repair import STRATEGIES, Strategy, strategy_from_dict
+    from hf_kvmap.serving.probes import PROBES, Probe, probe_from_dict
+
+    return {"strategy": (STRATEGIES, Strategy, strategy_from_dict), "probe": (PROBES, Probe, probe_from_dict)}
+
+
+@pytest.mark.parametrize("family", ["strategy", "probe"])
+def test_strategies_and_probes_share_one_scoring_contract_and_one_builder(family):
+    """Every registered strategy and probe is a `Scorer` that rebuilds from its settings (`scoring.from_settings`);
+    a bad name, option or type gets the same error in both families, naming the fix."""
+    from hf_kvmap.scoring import Scorer
+
+    registry, base, build = _scorer_registries()[family]
+    for name, cls in registry.items():
+        assert issubclass(cls, base) and issubclass(cls, Scorer) and cls.score is not Scorer.score, name
+        if name != "linear":  # a linear probe is built from its fitted weights
+            made = build(name)
+            assert build(made.settings()).settings() == made.settings() and repr(made).startswith(cls.__name__)
+    kind = base.kind
+    with pytest.raises(ValueError, match=f"Unknown {kind} 'nope'; registered (strategies|probes): "):
+        build({"name": "nope"})
+    with pytest.raises(TypeError, match=f"A {kind} is a name, a settings dict or a {base.__name__}; got a list"):
+        build([1])
+    with pytest.raises(TypeError, match=f"{kind.capitalize()} 'tail_nll|{kind.capitalize()} 'tail'"):
+        build({"name": "tail_nll" if family == "probe" else "tail", "bogus": 1})
+
+
+def test_the_base_checks_what_a_scorer_returns_before_it_decides():
+    """The subclass scores, the base decides: a strategy's scores must be one per cached position and a probe's one
+    per row, or the base refuses them before any top-k or threshold."""
+    from types import SimpleNamespace
+
+    from hf_kvmap.repair import Strategy
+    from hf_kvmap.serving.probes import Probe
+
+    class Flat(Strategy):
+        name = "flat"
+
+        def score(self, context):
+            return torch.zeros(context.batch)
+
+    class Wide(Probe):
+        name = "wide"
+
+        def score(self, context):
+            return torch.zeros(context.batch, 2)
+
+    candidates = torch.ones(2, 5, dtype=torch.bool)
+    context = SimpleNamespace(batch=2, length=5, candidates=candidates, attention_mask=torch.ones(2, 6))
+    with pytest.raises(
+        ValueError, match=r"Repair strategy 'flat' returned scores of shape \(2,\); expected \(batch, "
+    ):
+        Flat().select(context, [1, 1])
+    with pytest.raises(
+        ValueError, match=r"Probe 'wide' returned scores of shape \(2, 2\); expected \(batch,\) = \(2,\)"
+    ):
+        Wide().risks(context)

@@ -15,13 +15,21 @@ from hf_kvmap import MappedCache, MapperModel, handoff
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.delivery import read_provenance, save_cache
 from hf_kvmap.drafting import Draft, greedy_draft
-from hf_kvmap.repair import SELECTORS, RepairConfig, RepairContext, Selector, repair_cache, selector_from_dict
+from hf_kvmap.repair import (
+    STRATEGIES,
+    RepairConfig,
+    Strategy,
+    apply_repair,
+    repair_cache,
+    strategy_from_dict,
+)
 from hf_kvmap.repair.attention import last_tokens_attention
 from hf_kvmap.repair.base import budget_counts
-from hf_kvmap.repair.draft_attention import DraftAttentionSelector
-from hf_kvmap.repair.draft_branches import DraftBranchesSelector
-from hf_kvmap.repair.draft_coverage import DraftCoverageSelector
-from hf_kvmap.repair.query_overlap import QueryOverlapSelector, markup_ids, run_scores
+from hf_kvmap.repair.draft_attention import DraftAttentionStrategy
+from hf_kvmap.repair.draft_branches import DraftBranchesStrategy
+from hf_kvmap.repair.draft_coverage import DraftCoverageStrategy
+from hf_kvmap.repair.query_overlap import QueryOverlapStrategy, markup_ids, run_scores
+from hf_kvmap.request_context import RequestContext
 from hf_kvmap.rope import positions_from_attention_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,7 +83,7 @@ def _settings(name):
     return {"name": name, "last_tokens": 4} if name in ("source_attention", "target_attention") else name
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_recomputing_every_position_is_the_targets_own_cache(pair, tiny, name):
     source, target, _ = pair
     ids = _prompt()
@@ -116,7 +124,7 @@ def test_a_fraction_of_the_tail_rounds_down(pair, tiny):
     assert info["recomputed"] == [6] and info["candidates"] == [20] and info["recomputed_fraction"] == 0.3
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_recomputing_nothing_leaves_the_mapped_cache(pair, tiny, name):
     source, target, _ = pair
     ids = _prompt()
@@ -132,7 +140,7 @@ def test_recomputing_nothing_leaves_the_mapped_cache(pair, tiny, name):
     assert cache.mapping_info["repair"]["recomputed"] == [0] and cache.mapping_info["approximate"] is True
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_left_padded_rows_equal_single_rows(pair, tiny, name):
     source, target, _ = pair
     lengths = (15, 24, 19)
@@ -181,7 +189,7 @@ def _context(pair, tiny, ids, mask):
     source, target, _ = pair
     cache, source_cache = _mapped(pair, tiny, ids, mask)
     length = cache.get_seq_length()
-    return RepairContext(
+    return RequestContext(
         target=target,
         cache=cache,
         input_ids=ids,
@@ -194,13 +202,13 @@ def _context(pair, tiny, ids, mask):
     )
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 @pytest.mark.parametrize("budget", [{"fraction": 0.25}, {"tokens": 7}, {"tokens": 100}])
 def test_every_strategy_returns_its_budget_of_valid_positions(pair, tiny, name, budget):
     ids, mask = tiny.left_padded_batch(lengths=(10, 22, 16), seed=7)
     context = _context(pair, tiny, ids, mask)
     counts = budget_counts(context.candidates, budget.get("fraction"), budget.get("tokens"))
-    positions, valid = selector_from_dict(_settings(name)).select(context, counts)
+    positions, valid = strategy_from_dict(_settings(name)).select(context, counts)
     assert valid.sum(-1).tolist() == counts and positions.shape[1] == max(counts)
     for row in range(ids.shape[0]):
         chosen = positions[row][valid[row]]
@@ -209,10 +217,10 @@ def test_every_strategy_returns_its_budget_of_valid_positions(pair, tiny, name, 
         assert filler.unique().numel() == filler.numel() and not bool(mask[row, filler].any())
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_round_trips_its_settings(name):
-    selector = selector_from_dict(_settings(name))
-    assert isinstance(selector, Selector) and selector_from_dict(selector.settings()).settings() == selector.settings()
+    selector = strategy_from_dict(_settings(name))
+    assert isinstance(selector, Strategy) and strategy_from_dict(selector.settings()).settings() == selector.settings()
     assert RepairConfig.from_dict(RepairConfig(selector.settings(), tokens=3).to_dict()).to_dict()["strategy"] == (
         selector.settings()
     )
@@ -229,7 +237,7 @@ def test_query_overlap_finds_every_run_of_the_query_and_weighs_its_tokens():
 
 def _overlap_context(ids, length=None):
     length = ids.shape[1] - 1 if length is None else length
-    return RepairContext(
+    return RequestContext(
         target=None,
         cache=None,
         input_ids=ids,
@@ -245,7 +253,7 @@ def test_query_overlap_marks_the_planted_span_and_its_window_first_then_the_fill
     context = list(range(100, 130))
     context[10:13] = [50, 51, 52]
     ids = torch.tensor([context + [60, 50, 51, 52]])
-    selector = QueryOverlapSelector(last_tokens=4, before=2, after=3, fill="tail")
+    selector = QueryOverlapStrategy(last_tokens=4, before=2, after=3, fill="tail")
     marks = selector.marks(_overlap_context(ids))
     n = 30  # context tokens before the query, each held once
     weight = math.log(n / 2)
@@ -260,8 +268,8 @@ def test_query_overlap_marks_the_planted_span_and_its_window_first_then_the_fill
     assert positions[0].tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 28, 29, 30, 31, 32]
     # a query that repeats nothing leaves the whole budget to the fill
     alone = torch.tensor([list(range(100, 130)) + [60, 61, 62, 63]])
-    assert not QueryOverlapSelector(last_tokens=4, fill="tail").marks(_overlap_context(alone)).any()
-    positions, _ = QueryOverlapSelector(last_tokens=4, fill="tail").select(_overlap_context(alone), [5])
+    assert not QueryOverlapStrategy(last_tokens=4, fill="tail").marks(_overlap_context(alone)).any()
+    positions, _ = QueryOverlapStrategy(last_tokens=4, fill="tail").select(_overlap_context(alone), [5])
     assert positions[0].tolist() == [28, 29, 30, 31, 32]
 
 
@@ -273,13 +281,13 @@ def test_query_overlap_weighs_a_run_by_how_often_the_context_repeats_it():
     context[18] = 80
     ids = torch.tensor([context + [70, 71, 80]])
     n = 40
-    marks = QueryOverlapSelector(last_tokens=3, before=0, after=0, min_share=0.01).marks(_overlap_context(ids))[0]
+    marks = QueryOverlapStrategy(last_tokens=3, before=0, after=0, min_share=0.01).marks(_overlap_context(ids))[0]
     pair = 2 * math.log(n / 5) * (math.log(n / 4) / math.log(n)) ** 2
     single = math.log(n / 2)
     assert marks[3].item() == pytest.approx(pair) and marks[18].item() == pytest.approx(single)
     assert single > pair  # a name held once outweighs a phrase repeated throughout
     # runs under min_share of the best are dropped
-    strict = QueryOverlapSelector(last_tokens=3, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
+    strict = QueryOverlapStrategy(last_tokens=3, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
     assert strict[18] > 0 and strict[3] == 0
 
 
@@ -298,19 +306,19 @@ def test_query_overlap_skips_markup_so_the_fact_the_question_names_comes_first()
     marker = 4 * twice * specific_twice
     fact = math.log(n / 2) + math.log(n / 4)  # held once: specificity 1
     assert marker > fact > 0.8 * marker
-    plain = QueryOverlapSelector(last_tokens=6, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
+    plain = QueryOverlapStrategy(last_tokens=6, before=0, after=0, min_share=0.9).marks(_overlap_context(ids))[0]
     assert plain[2:6].tolist() == pytest.approx([marker] * 4) and plain[20:24].tolist() == pytest.approx([marker] * 4)
     assert plain[10] == 0  # under 0.9 of the marker run: not kept
-    skipping = QueryOverlapSelector(last_tokens=6, before=0, after=0, min_share=0.9, skip=[7, 6])
+    skipping = QueryOverlapStrategy(last_tokens=6, before=0, after=0, min_share=0.9, skip=[7, 6])
     marks = skipping.marks(_overlap_context(ids))[0]
     assert marks[10:12].tolist() == pytest.approx([fact] * 2)
     assert marks[:10].eq(0).all() and marks[12:30].eq(0).all()  # 8 and 9 alone are far under the share
     assert marks[30:].tolist() == pytest.approx([fact] * 5)  # the query's own cached positions
-    assert skipping.settings()["skip"] == [6, 7] and "skip" not in QueryOverlapSelector().settings()
-    assert selector_from_dict(skipping.settings()).settings() == skipping.settings()
+    assert skipping.settings()["skip"] == [6, 7] and "skip" not in QueryOverlapStrategy().settings()
+    assert strategy_from_dict(skipping.settings()).settings() == skipping.settings()
     for bad in ("markup", [7, "8"], [True], 7):
         with pytest.raises(ValueError, match="markup_ids"):
-            QueryOverlapSelector(skip=bad)
+            QueryOverlapStrategy(skip=bad)
 
 
 def test_markup_ids_are_the_tokenizers_special_tokens():
@@ -341,16 +349,16 @@ def test_skip_markup_reads_as_the_tokenizers_special_tokens_on_every_command_lin
     # calibrate-ladder's --strategies: checked at parse time, the markup kept for the command to read
     parsed = _args.strategies('[{"name": "query_overlap", "skip": "markup"}, "tail"]')
     assert parsed == [{"name": "query_overlap", "skip": "markup"}, {"name": "tail"}]
-    assert selector_from_dict(resolve_markup(parsed[0], tokenizer)).settings()["skip"] == [4, 5]
+    assert strategy_from_dict(resolve_markup(parsed[0], tokenizer)).settings()["skip"] == [4, 5]
     with pytest.raises(argparse.ArgumentTypeError, match="min_share"):
         _args.strategies('[{"name": "query_overlap", "skip": "markup", "min_share": 2}]')
 
 
 def test_query_overlap_needs_the_source_only_where_its_fill_does():
-    assert not QueryOverlapSelector().needs_source and QueryOverlapSelector(fill="draft_branches").needs_source
+    assert not QueryOverlapStrategy().needs_source and QueryOverlapStrategy(fill="draft_branches").needs_source
     nested = {"name": "draft_attention", "draft_tokens": 3}
-    assert QueryOverlapSelector(fill=nested).settings()["fill"] == {**nested, "last_tokens": 0, "stop_at_eos": True}
-    assert QueryOverlapSelector(fill="tail").settings()["fill"] == "tail"
+    assert QueryOverlapStrategy(fill=nested).settings()["fill"] == {**nested, "last_tokens": 0, "stop_at_eos": True}
+    assert QueryOverlapStrategy(fill="tail").settings()["fill"] == "tail"
 
 
 def test_attention_from_hooks_equals_the_models_own_attention_weights(tiny):
@@ -424,7 +432,7 @@ def test_a_draft_read_in_steps_is_the_draft_read_at_once(pair, tiny):
 def _self_context(model, cache, ids):
     """A repair context where `model` is both the source and the target of its own cache of `ids` (one row)."""
     mask = torch.ones_like(ids)
-    return RepairContext(
+    return RequestContext(
         target=model,
         cache=cache,
         input_ids=ids,
@@ -447,7 +455,7 @@ def test_draft_attention_is_the_models_own_attention_over_prompt_and_draft(tiny,
     full = _greedy(model, ids, None, None)[:, :23]
     model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
     context = _self_context(model, tiny.prefill(model, ids), ids)
-    scores = DraftAttentionSelector(draft_tokens=3, last_tokens=last_tokens).score(context)
+    scores = DraftAttentionStrategy(draft_tokens=3, last_tokens=last_tokens).score(context)
     with torch.no_grad():
         out = model(full, output_attentions=True)
     read = 23 if eos_at is None else 20 + eos_at + 1  # queries up to and including the first end token
@@ -465,7 +473,7 @@ def test_draft_coverage_is_the_largest_read_of_one_drafted_token(tiny, eos_at):
     full = _greedy(model, ids, None, None)[:, :24]
     model.generation_config.eos_token_id = None if eos_at is None else int(full[0, 20 + eos_at])
     context = _self_context(model, tiny.prefill(model, ids), ids)
-    scores = DraftCoverageSelector(draft_tokens=4).score(context)
+    scores = DraftCoverageStrategy(draft_tokens=4).score(context)
     with torch.no_grad():
         out = model(full, output_attentions=True)
     read = 24 if eos_at is None else 20 + eos_at + 1
@@ -473,7 +481,7 @@ def test_draft_coverage_is_the_largest_read_of_one_drafted_token(tiny, eos_at):
     expected = per_query.amax(1)[:, :19]
     assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
     assert not torch.allclose(scores, per_query.sum(1)[:, :19], atol=1e-3)  # a max, not the sum
-    summed = DraftAttentionSelector(draft_tokens=4).score(context)
+    summed = DraftAttentionStrategy(draft_tokens=4).score(context)
     assert torch.allclose(summed, per_query.sum(1)[:, :19], atol=1e-4)
 
 
@@ -482,8 +490,8 @@ def test_one_draft_branch_is_draft_attention(tiny):
     ids = _prompt(tokens=20)
     context = _self_context(model, tiny.prefill(model, ids), ids)
     for last_tokens in (0, 3):
-        one = DraftBranchesSelector(branches=1, draft_tokens=4, last_tokens=last_tokens).score(context)
-        assert torch.allclose(one, DraftAttentionSelector(draft_tokens=4, last_tokens=last_tokens).score(context))
+        one = DraftBranchesStrategy(branches=1, draft_tokens=4, last_tokens=last_tokens).score(context)
+        assert torch.allclose(one, DraftAttentionStrategy(draft_tokens=4, last_tokens=last_tokens).score(context))
 
 
 def test_draft_branches_sum_the_models_own_attention_over_each_branch(tiny):
@@ -493,7 +501,7 @@ def test_draft_branches_sum_the_models_own_attention_over_each_branch(tiny):
     model.generation_config.eos_token_id = None
     ids = _prompt(tokens=20)
     context = _self_context(model, tiny.prefill(model, ids), ids)
-    scores = DraftBranchesSelector(branches=3, draft_tokens=3).score(context)
+    scores = DraftBranchesStrategy(branches=3, draft_tokens=3).score(context)
     with torch.no_grad():
         firsts = model(ids).logits[0, -1].topk(3).indices
     expected = torch.zeros(1, 19)
@@ -504,7 +512,7 @@ def test_draft_branches_sum_the_models_own_attention_over_each_branch(tiny):
             out = model(branch, output_attentions=True)
         expected += sum(weights[:, :, 20:23].sum((1, 2)) for weights in out.attentions)[:, :19]
     assert scores.shape == (1, 19) and torch.allclose(scores, expected, atol=1e-4)
-    greedy_only = DraftAttentionSelector(draft_tokens=3).score(context)
+    greedy_only = DraftAttentionStrategy(draft_tokens=3).score(context)
     assert not torch.allclose(scores, greedy_only, atol=1e-3)
 
 
@@ -523,15 +531,15 @@ def test_draft_branches_that_end_early_score_as_each_branch_drafted_alone(tiny):
     assert ends[1] == 0 and ends != [0, 0, 0]  # at least one branch goes on past it
     model.generation_config.eos_token_id = end
     context = _self_context(model, tiny.prefill(model, ids), ids)
-    scores = DraftBranchesSelector(branches=3, draft_tokens=4).score(context)
+    scores = DraftBranchesStrategy(branches=3, draft_tokens=4).score(context)
     expected = torch.zeros(1, 19)
     for first in firsts:
         alone = torch.cat([ids, first.view(1, 1)], dim=1)
         branch = _self_context(model, tiny.prefill(model, alone), alone)
         branch.candidates = branch.candidates[:, :19]
-        expected += DraftAttentionSelector(draft_tokens=3, last_tokens=1).score(branch)
+        expected += DraftAttentionStrategy(draft_tokens=3, last_tokens=1).score(branch)
     assert torch.allclose(scores, expected, atol=1e-4)
-    read_on = DraftBranchesSelector(branches=3, draft_tokens=4, stop_at_eos=False).score(context)
+    read_on = DraftBranchesStrategy(branches=3, draft_tokens=4, stop_at_eos=False).score(context)
     assert not torch.allclose(read_on, scores, atol=1e-3)  # the end token did stop the second branch
 
 
@@ -578,7 +586,7 @@ def test_early_deviation_at_an_exact_layer_is_zero(tiny):
     model = _model(config, 0, "eager")
     ids = _prompt()
     cache = MappedCache.from_source(tiny.prefill(model, ids), MapperModel.identity(config))
-    context = RepairContext(
+    context = RequestContext(
         target=model,
         cache=cache,
         input_ids=ids,
@@ -587,7 +595,7 @@ def test_early_deviation_at_an_exact_layer_is_zero(tiny):
         candidates=torch.ones(1, ids.shape[1] - 1, dtype=torch.bool),
     )
     for layer in (0, 1, 2):
-        assert selector_from_dict({"name": "early_deviation", "layer": layer}).score(context).abs().max() < 1e-5
+        assert strategy_from_dict({"name": "early_deviation", "layer": layer}).score(context).abs().max() < 1e-5
 
 
 def test_the_repair_is_recorded_in_a_saved_cache(pair, tiny, tmp_path):
@@ -601,24 +609,101 @@ def test_the_repair_is_recorded_in_a_saved_cache(pair, tiny, tmp_path):
     assert record["repair"]["recomputed"] == [11]
 
 
-def test_from_source_repairs_with_the_target(pair, tiny):
+def test_a_mapped_cache_is_repaired_by_the_next_step(pair, tiny):
+    """The cache stores, the repair is the step after it (`apply_repair`); `from_source(repair=)`, that one call, is
+    deprecated: it warns (naming the caller) and gives the very same cache."""
     source, target, mapper = pair
     ids = _prompt()
     source_cache = tiny.prefill(source, ids)
-    repaired = MappedCache.from_source(
-        source_cache,
-        mapper,
-        target_model=target,
-        input_ids=ids,
-        source_model=source,
-        repair=RepairConfig({"name": "source_attention", "last_tokens": 4}, fraction=1.0),
-    )
+    repair = RepairConfig({"name": "source_attention", "last_tokens": 4}, fraction=1.0)
+    mapping = dict(first_layer="target", target_model=target, input_ids=ids, source_model=source)
+    repaired = MappedCache.from_source(source_cache, mapper, **mapping)
+    apply_repair(target, repaired, ids, repair, source=source, source_cache=source_cache)
     assert _max_diff(repaired, tiny.prefill(target, ids[:, :-1])) < TOL
     assert repaired.mapping_info["first_layer"] == "target" and repaired.mapping_info["approximate"] is False
-    partial = MappedCache.from_source(
-        source_cache, mapper, target_model=target, input_ids=ids, repair={"strategy": "tail", "tokens": 4}
-    )
+    with pytest.warns(DeprecationWarning, match=r"from_source\(repair=\) is deprecated .* 0\.2") as caught:
+        legacy = MappedCache.from_source(source_cache, mapper, **mapping, repair=repair)
+    assert caught[0].filename == __file__ and legacy.mapping_info == repaired.mapping_info
+    assert torch.equal(legacy.recomputed, repaired.recomputed)
+    for a, b in zip(legacy.layers, repaired.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    partial = MappedCache.from_source(source_cache, mapper, first_layer="target", target_model=target, input_ids=ids)
+    apply_repair(target, partial, ids, {"strategy": "tail", "tokens": 4})
     assert partial.mapping_info["repair"]["recomputed"] == [4] and partial.mapping_info["approximate"] is True
+
+
+def test_the_three_contexts_are_one_request_context_and_their_old_names_still_build_it():
+    """`Request`, `ProbeContext` and `RepairContext` carried the same fields: one `RequestContext` now, the old names
+    resolving (with a deprecation) to subclasses that still take their old positional order and `source_draft=`."""
+    import hf_kvmap.serving as serving
+    import hf_kvmap.serving.pipeline as pipeline
+    import hf_kvmap.serving.probes as probes
+
+    ids, mask = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    draft = object()
+    with pytest.warns(DeprecationWarning, match="RepairContext is deprecated .* use hf_kvmap.request_context"):
+        from hf_kvmap.repair import RepairContext
+    old = RepairContext(None, None, ids, mask, None, mask[:, :5].bool(), source_draft=draft)
+    assert isinstance(old, RequestContext) and old.length == old.cached_length == 5 and old.source_draft is draft
+    for module in (probes, serving):
+        with pytest.warns(DeprecationWarning, match="ProbeContext is deprecated"):
+            probe_context = module.ProbeContext(None, None, ids, mask, None, None, None, 3)
+        assert probe_context.hold_back == 3 and probe_context.length == probe_context.prompt_length == 6
+    with pytest.warns(DeprecationWarning, match="Request is deprecated"):
+        request = pipeline.Request("s", "t", "m", ids, mask, tokenizer="tok")
+    assert (request.mapper, request.tokenizer, request.same_weights) == ("m", "tok", False)
+    with pytest.raises(TypeError, match="multiple values for argument 'target'"):
+        RepairContext(None, target=None)
+    with pytest.raises(TypeError):
+        RequestContext(None)  # keywords only
+
+
+def test_the_names_that_said_selector_still_resolve_with_a_deprecation():
+    """ "Strategy" is the one word; each old public name is the same object for one release, and warns."""
+    import hf_kvmap.repair as repair
+    import hf_kvmap.repair.base as base
+
+    old = {"SELECTORS": "STRATEGIES", "Selector": "Strategy", "TailSelector": "TailStrategy"}
+    old.update(register_selector="register_strategy", selector_from_dict="strategy_from_dict")
+    for module in (repair, base):
+        for name, new in old.items():
+            if hasattr(module, new):
+                with pytest.warns(DeprecationWarning, match=f"{name} is deprecated .* 0.2: use .*{new}"):
+                    assert getattr(module, name) is getattr(module, new)
+    config = RepairConfig("tail", fraction=0.5)
+    with pytest.warns(DeprecationWarning, match="RepairConfig.selector"):
+        assert config.selector is config.strategy == STRATEGIES["tail"]()
+    with pytest.raises(AttributeError, match="no attribute 'Selectors'"):
+        repair.Selectors  # noqa: B018
+
+
+def test_what_a_repair_did_is_the_mapped_caches_own_state_and_no_other_caches(pair, tiny):
+    """A repair records itself on a `MappedCache` through its methods (read back as properties that cannot be set
+    from outside); a plain cache is recomputed in place and given no attribute."""
+    from transformers import DynamicCache
+
+    source, target, mapper = pair
+    ids = _prompt()
+    cache = MappedCache.from_source(tiny.prefill(source, ids), mapper)
+    assert cache.recomputed is None and cache.approximate is True
+    counts = apply_repair(target, cache, ids, {"strategy": "tail", "tokens": 3})
+    length = ids.shape[1] - 1
+    assert cache.recomputed.nonzero()[:, 1].tolist() == list(range(length - 3, length)) and counts == [3]
+    assert cache.mapping_info["repair"]["recomputed"] == [3] and cache.approximate is True
+    for name in ("approximate", "recomputed", "mapping_info"):
+        with pytest.raises(AttributeError):
+            setattr(cache, name, None)
+    with pytest.raises(ValueError, match="kept by the cache itself"):
+        cache.record_step("repair", {})
+    with pytest.raises(TypeError, match="bool tensor"):
+        cache.record_recomputed(torch.ones(1, length))
+    plain = DynamicCache()
+    own = tiny.prefill(target, ids[:, :-1])
+    for idx, layer in enumerate(own.layers):
+        plain.update(layer.keys.clone(), layer.values.clone(), idx)
+    apply_repair(target, plain, ids, {"strategy": "tail", "tokens": 3})
+    assert not hasattr(plain, "recomputed") and not hasattr(plain, "mapping_info")
+    assert _max_diff(plain, own) < TOL  # the target's own cache recomputed: the same keys and values
 
 
 def test_handoff_repairs_and_reports_it(pair, tiny):
@@ -683,7 +768,7 @@ def test_bad_calls_are_refused(pair, tiny):
         repair_cache(target, cache, ids, {"strategy": "tail", "share": 0.1})
     with pytest.raises(ValueError, match="layers but the target has"):
         repair_cache(_model(tiny.config(layers=2), 0, "eager"), cache, ids, RepairConfig("tail", fraction=0.1))
-    with pytest.raises(ValueError, match="repair= needs the target"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="repair= needs the target"):
         MappedCache.from_source(source_cache, mapper, repair=RepairConfig("tail", fraction=0.1))
 
 
@@ -724,7 +809,7 @@ def test_a_session_repairs_what_it_maps(pair, tiny):
     assert _max_diff(partial.caches["large"], expected) < TOL
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_repairs_a_session_turn_after_turn(pair, tiny, name):
     """Recomputing every newly mapped position, turn after turn, leaves the target's own cache of the transcript."""
     from hf_kvmap import HandoffSession
@@ -815,10 +900,10 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
     report = importlib.import_module("benchmarks.repair_report")
     assert real_repair._retention(0.625, 1.0, 0.25) == 0.5 and real_repair._retention(0.3, 0.25, 0.25) is None
     assert real_repair._gap_closed(5.0, 4.0, 8.0) == 0.75 and real_repair._gap_closed(5.0, 4.0, 3.0) is None
-    mix = RepairConfig(real_repair._strategy("mix:draft_attention+tail"), fraction=0.2).selector
+    mix = RepairConfig(real_repair._strategy("mix:draft_attention+tail"), fraction=0.2).strategy
     assert [(type(c).__name__, w) for c, w in mix.components] == [
-        ("DraftAttentionSelector", 1.0),
-        ("TailSelector", 1.0),
+        ("DraftAttentionStrategy", 1.0),
+        ("TailStrategy", 1.0),
     ]
     with pytest.raises(SystemExit, match="unknown repair strategy 'tale'"):
         real_repair._strategy("mix:draft_attention+tale")
@@ -1075,10 +1160,10 @@ def test_a_strategy_reads_from_its_text_the_one_way_every_front_end_writes_it():
 
     text = "query_overlap:fill=draft_branches,after=24"
     assert strategy_from_text(text) == {"name": "query_overlap", "fill": "draft_branches", "after": 24}
-    assert selector_from_dict(text).settings() == selector_from_dict(strategy_from_text(text)).settings()
+    assert strategy_from_dict(text).settings() == strategy_from_dict(strategy_from_text(text)).settings()
     assert long_switch_parse(text) == strategy_from_text(text)
     assert (
-        parse_rung(f"repaired:{text}@0.1").handoff_kwargs["repair"].selector.settings()["fill"]["name"]
+        parse_rung(f"repaired:{text}@0.1").handoff_kwargs["repair"].strategy.settings()["fill"]["name"]
         == "draft_branches"
     )
     with pytest.raises(ValueError, match="option 'after' is not key=value"):

@@ -237,8 +237,8 @@ FIRST_LAYER = "+target-L0"
 
 def cmd_first_layer(args) -> int:
     """The fitted mappers scored again with the target computing its own first layer from the token ids
-    (`MappedCache.from_source(..., target_model=, input_ids=)`), as variant `<variant>+target-L0`: what the map
-    keeps once layer 0, which `swap` shows breaks retrieval alone, is exact."""
+    (`MappedCache.from_source(..., first_layer="target", target_model=, input_ids=)`), as variant
+    `<variant>+target-L0`: what the map keeps once layer 0, which `swap` shows breaks retrieval alone, is exact."""
     return score_fits(args, plain=args.also_plain, first_layer=True)
 
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .._compat import cache_kwargs, output_cache
 from ..artifacts import content_hash
 from ..drafting import Draft
-from ..repair import selector_from_dict
+from ..repair import strategy_from_dict
 from ..reporting import machine_info
 from ..serving.forwards import answer_margins
 from ..serving.pipeline import prepare_context, serve_rows, target_prefill
@@ -159,7 +159,7 @@ def measure_item(
         start = time.perf_counter()
         # each probe on drafts of its own: its seconds are what it costs when it is the ladder's only probe
         scored = dataclasses.replace(context, drafts={})
-        risks[probe_key(probe)] = float(probe.score(scored).float()[0])
+        risks[probe_key(probe)] = float(probe.risks(scored)[0])
         probe_seconds[probe_key(probe)] = time.perf_counter() - start
         probe_steps[probe_key(probe)] = scored.drafts["source"].steps if "source" in scored.drafts else 0
 
@@ -170,7 +170,7 @@ def measure_item(
     answers, repair_seconds, draft_steps, check_steps, settings = {}, {}, {}, {}, {}
     for strategy in strategies:
         key = strategy_key(strategy)
-        settings[key] = selector_from_dict(strategy).settings()
+        settings[key] = strategy_from_dict(strategy).settings()
         answers[key], repair_seconds[key], draft_steps[key] = {"0": mapped}, {"0": mapped_seconds}, {"0": []}
         check_steps[key] = {"0": mapped_checked}
         for fraction in fractions:
@@ -318,7 +318,7 @@ def measure_ladder_items(
         raise ValueError(f"fractions={fractions} must lie in [0, 1): the fallback is the full prefill.")
     if isinstance(strategies, (str, dict)) or not strategies:
         raise ValueError("Pass a list of repair strategies (e.g. strategies=['tail']).")
-    strategies = [selector_from_dict(s).settings() for s in strategies]  # unknown strategies raise before any work
+    strategies = [strategy_from_dict(s).settings() for s in strategies]  # unknown strategies raise before any work
     keys = [strategy_key(s) for s in strategies]
     if len(set(keys)) != len(keys):
         raise ValueError(f"The strategies {keys} repeat one; give each once.")

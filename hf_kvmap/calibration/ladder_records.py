@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..repair import selector_from_dict
+from ..repair import strategy_from_dict
 from ..serving.ladder import FALLBACK, GuardLadder
 from ..serving.probes import Probe, probe_from_dict
 from .ladder import calibrate_ladder, ladder_outcome, refused_by_check, sparse_key
@@ -38,7 +38,7 @@ def option_text(value: Any) -> str:
 
 def strategy_key(strategy: dict | str) -> str:
     """How records name a repair strategy: its name, then its options as `:key=value` (JSON for nested ones)."""
-    settings = selector_from_dict(strategy).settings()
+    settings = strategy_from_dict(strategy).settings()
     options = {k: v for k, v in sorted(settings.items()) if k != "name"}
     parts = [f"{k}={option_text(v)}" for k, v in options.items()]
     return ":".join([settings["name"], *parts])

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._compat import output_cache
-from ..repair import selector_from_dict
+from ..repair import strategy_from_dict
 from ..reporting import machine_info
 from ..serving.pipeline import prepare_context
 from .ladder_items import (
@@ -165,7 +165,7 @@ def measure_strategies(
     seconds on the records' clock. `mapper` is the mapper's content hash; a record naming another is refused."""
     sha, ids, expected = _prompt(tokenizer, item, record)
     mapper_hash = _same_mapper(record, mapper)
-    keys = {strategy_key(s): selector_from_dict(s).settings() for s in strategies}
+    keys = {strategy_key(s): strategy_from_dict(s).settings() for s in strategies}
     held = [key for key in keys if key in record["answers"]]
     if held:
         raise ValueError(f"The record was measured with {held} already.")

@@ -161,7 +161,7 @@ def probes(text: str) -> list:
 def strategies(text: str) -> list[dict]:
     """Repair strategies: comma-separated names (`tail,source_attention`) or a JSON list of names and settings
     (`[{"name": "tail"}]`; `"skip": "markup"` names the tokenizer's special tokens, read once it is loaded)."""
-    from ..repair import resolve_markup, selector_from_dict
+    from ..repair import resolve_markup, strategy_from_dict
 
     if text.lstrip().startswith("["):
         try:
@@ -181,7 +181,7 @@ def strategies(text: str) -> list[dict]:
             # checked with `"skip": "markup"` read as no ids (no tokenizer yet); such a strategy is kept as given, and
             # the command reads the markup once its tokenizer is loaded
             checked = resolve_markup(strategy, None)
-            settings = selector_from_dict(checked).settings()
+            settings = strategy_from_dict(checked).settings()
             parsed.append(strategy if checked != strategy else settings)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(str(err)) from None

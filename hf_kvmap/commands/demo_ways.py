@@ -6,12 +6,13 @@ first token. The answer is decoded greedily from there.
 
 - `target`: the target prefills the whole prompt itself.
 - `mapped`: `MappedCache.from_source` of the source's cache; the target runs the held-back final token.
-- `repaired`: the same with `repair=` (the target recomputes the positions the strategy selects).
+- `repaired`: the same with the target's exact first layer (`first_layer="target"`), then `apply_repair` (the target
+  recomputes the positions the strategy selects): `handoff(repair=)` builds this cache with `target_first_layer=True`.
 - `guarded`: `hf_kvmap.handoff` with the mapper's calibrated guard (its ladder when it has one, or a ladder given to
   the demo): the mapped cache, a repair, or the target's own prefill, per request.
 
-Only public names are used (`hf_kvmap.handoff`, `MappedCache.from_source(..., repair=)`), so the demo shows what a
-user's server would run.
+Only public names are used (`hf_kvmap.handoff`, `MappedCache.from_source`, `hf_kvmap.repair.apply_repair`), so the
+demo shows what a user's server would run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DemoWays:
     def build(self, way: str, ids: torch.Tensor, source_cache) -> tuple[object, str]:
         """`(cache of the prompt but its held-back tokens, rung served)` of `way`; `None` for the target alone."""
         from .. import MappedCache, handoff
+        from ..repair import apply_repair
 
         if way == "target":
             return None, "target"
@@ -76,11 +78,12 @@ class DemoWays:
             cache = MappedCache.from_source(
                 source_cache,
                 self.mapper,
-                repair=self.repair,
+                first_layer="target",
                 target_model=self.target,
                 source_model=self.source,
                 input_ids=ids,
             )
+            apply_repair(self.target, cache, ids, self.repair, source=self.source, source_cache=source_cache)
             return cache, "repaired"
         if way == "guarded":
             ladder = {} if self.ladder is None else {"ladder": self.ladder}

@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
         "--strategies",
         type=_args.strategies,
         default="tail,source_attention,draft_attention",
-        help="candidate repair strategies (hf_kvmap.repair.SELECTORS), comma-separated or a JSON list of settings "
+        help="candidate repair strategies (hf_kvmap.repair.STRATEGIES), comma-separated or a JSON list of settings "
         '(\'[{"name": "query_overlap", "skip": "markup"}]\': "markup" is the tokenizer\'s special tokens); the '
         "cheapest ladder's is kept",
     )
@@ -217,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     source, target = _models.load_causal_lm(args.source, dtype), _models.load_causal_lm(args.target, dtype)
     tokenizer = _models.load_tokenizer(args.source)
-    from ..repair import resolve_markup, selector_from_dict
+    from ..repair import resolve_markup, strategy_from_dict
 
-    strategies = [selector_from_dict(resolve_markup(s, tokenizer)).settings() for s in strategies]  # "skip": "markup"
+    strategies = [strategy_from_dict(resolve_markup(s, tokenizer)).settings() for s in strategies]  # "skip": "markup"
     mapper_name = _models.resolve_mapper(args.mapper, args.source, args.target)
     mapper = _models.load_mapper(mapper_name, "calibrate-ladder")
     try:

@@ -8,7 +8,7 @@ Scored by RULER's `string_match_all` (the share of the item's `meta["references"
 held to the length of the list asked for: a reply naming more items than there are references is divided by its count
 (`task_text.string_match_listed`), so copying every candidate is not credited with the references among them.
 
-Why a sparse prefill of the question's spans falls short on each (the target prefilling only the positions a selector
+Why a sparse prefill of the question's spans falls short on each (the target prefilling only the positions a strategy
 such as `query_overlap` picks, the spans repeating the question's words, with nothing computed around them):
 
 - `ruler_vt` (variable tracking, 2-4 hops, two distractor chains): the question names only the value, which the

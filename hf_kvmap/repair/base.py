@@ -1,13 +1,13 @@
-"""What every repair strategy shares: the [`RepairContext`] it reads, the [`Selector`] base class, the one registry
-(`SELECTORS`) and the budget and top-k that turn a selector's scores into the positions the target recomputes.
+"""What every repair strategy shares: the [`RequestContext`] it reads, the [`Strategy`] base class, the one registry
+(`STRATEGIES`) and the budget and top-k that turn a strategy's scores into the positions the target recomputes.
 
 A new strategy is one file with one class and one decorator line:
 
 ```python
 >>> import torch
->>> from hf_kvmap.repair import Selector, register_selector
->>> @register_selector
-... class Head(Selector):
+>>> from hf_kvmap.repair import Strategy, register_strategy
+>>> @register_strategy
+... class Head(Strategy):
 ...     name = "head"
 ...
 ...     def score(self, context):
@@ -17,108 +17,58 @@ A new strategy is one file with one class and one decorator line:
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import Cache
 
-from ..drafting import Draft
+from ..deprecation import deprecated_names
 from ..registry import registrar
+from ..request_context import RequestContext, legacy_context
+from ..scoring import Scorer, from_settings
 
-#: name -> selector class; filled by `register_selector`.
-SELECTORS: dict[str, type[Selector]] = {}
-
-
-#: Class decorator adding a [`Selector`] subclass to `SELECTORS` under its `name`.
-register_selector = registrar(SELECTORS, "a repair strategy")
+#: name -> strategy class; filled by `register_strategy`.
+STRATEGIES: dict[str, type[Strategy]] = {}
 
 
-@dataclass
-class RepairContext:
+#: Class decorator adding a [`Strategy`] subclass to `STRATEGIES` under its `name`.
+register_strategy = registrar(STRATEGIES, "a repair strategy")
+
+
+class Strategy(Scorer):
     r"""
-    What a selector may read. Built by [`repair_cache`](hf_kvmap.repair.repair_cache).
-
-    Args:
-        target (`PreTrainedModel`): the model that reads (and recomputes into) the cache.
-        cache (`Cache`): the target-side cache of the first `length` prompt tokens (mapped, or partly the target's
-            own).
-        input_ids (`torch.Tensor`): `(batch, T)` prompt, `T >= length`; left padding allowed.
-        attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
-        position_ids (`torch.Tensor`): `(batch, T)` positions the target reads the prompt at.
-        candidates (`torch.Tensor`): `(batch, length)` bool, the cached positions a selector may choose (the real
-            tokens, from `start` on).
-        source (`PreTrainedModel`, *optional*): the model the cache was mapped from.
-        source_cache (`Cache`, *optional*): the source's cache of the prompt (`T` tokens).
-        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at.
-        source_draft ([`~hf_kvmap.repair.Draft`], *optional*): the source's greedy draft after this prompt, as far as
-            the request decoded it already (a probe's); a strategy that drafts continues it.
+    Base class of the repair strategies, on the one scoring contract ([`~hf_kvmap.scoring.Scorer`]). Subclasses set
+    `name` (the registry key), take their options as keyword arguments and implement `score`: one float per cached
+    position, higher meaning "recompute first" (its importance). The base turns the scores into positions (`select`),
+    so a strategy never handles budgets, padding or ties.
     """
 
-    target: torch.nn.Module
-    cache: Cache
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    candidates: torch.Tensor
-    source: torch.nn.Module | None = None
-    source_cache: Cache | None = None
-    source_position_ids: torch.Tensor | None = None
-    source_draft: Draft | None = None
+    kind: ClassVar[str] = "repair strategy"
 
-    @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def length(self) -> int:
-        """Cached positions (the candidates' width)."""
-        return self.candidates.shape[1]
-
-
-class Selector:
-    r"""
-    Base class of the repair strategies. Subclasses set `name` (the registry key), take their options as keyword
-    arguments and implement `score`: one float per cached position, higher meaning "recompute first". The base turns
-    the scores into positions (`select`), so a strategy never handles budgets, padding or ties.
-    """
-
-    name: ClassVar[str] = ""
-    #: whether `score` reads the source model and its cache (then `repair_cache` must be given both)
-    needs_source: ClassVar[bool] = False
-
-    def settings(self) -> dict[str, Any]:
-        """What `selector_from_dict` needs to rebuild this selector (its name and options)."""
-        return {"name": self.name}
-
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         """`(batch, context.length)` float scores; only the candidates' are read."""
         raise NotImplementedError
 
-    def select(self, context: RepairContext, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, context: RequestContext, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The `counts[row]` best-scored candidates of every row (`select_positions` of `score`)."""
         if not any(counts):
             return select_positions(None, context.candidates, counts, context.attention_mask[:, : context.length])
-        scores = self.score(context)
-        if tuple(scores.shape) != (context.batch, context.length):
-            raise ValueError(
-                f"Repair strategy {self.name!r} returned scores of shape {tuple(scores.shape)}; expected "
-                f"(batch, cached positions) = {(context.batch, context.length)}."
-            )
+        scores = self.checked_scores(context, (context.batch, context.length), "(batch, cached positions)")
         return select_positions(scores, context.candidates, counts, context.attention_mask[:, : context.length])
 
-    def __repr__(self) -> str:
-        options = ", ".join(f"{key}={value!r}" for key, value in self.settings().items() if key != "name")
-        return f"{type(self).__name__}({options})"
+    def __eq__(self, other: object) -> bool:
+        """Two strategies are equal when their settings are (what `strategy_from_dict` rebuilds one from)."""
+        return isinstance(other, Strategy) and self.settings() == other.settings()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.settings(), sort_keys=True, default=str))
 
 
 def strategy_from_text(text: str) -> dict[str, Any]:
     """A strategy's settings from its text, `name[:option=value,...]` (each value read as JSON where it is one, else
     kept as text): `query_overlap:fill=draft_branches,after=24` -> `{"name": "query_overlap", "fill":
     "draft_branches", "after": 24}`. The one syntax the command line, the rungs and the benchmarks write."""
-    import json
-
     name, _, options = text.strip().partition(":")
     settings: dict[str, Any] = {"name": name}
     for option in filter(None, (part.strip() for part in options.split(","))):
@@ -132,23 +82,14 @@ def strategy_from_text(text: str) -> dict[str, Any]:
     return settings
 
 
-def selector_from_dict(settings: Selector | dict[str, Any] | str) -> Selector:
-    """A registered selector from `{"name": ..., **options}`, its name, or its text (`name:option=value,...`,
-    `strategy_from_text`); a `Selector` is returned as is."""
-    if isinstance(settings, Selector):
+def strategy_from_dict(settings: Strategy | dict[str, Any] | str) -> Strategy:
+    """A registered strategy from `{"name": ..., **options}`, its name, or its text (`name:option=value,...`,
+    `strategy_from_text`); a `Strategy` is returned as is."""
+    if isinstance(settings, Strategy):
         return settings
     if isinstance(settings, str):
         settings = strategy_from_text(settings)
-    if not isinstance(settings, dict):
-        raise TypeError(f"A repair strategy is a name, a settings dict or a Selector; got {type(settings).__name__}.")
-    settings = dict(settings)
-    name = settings.pop("name", None)
-    if name not in SELECTORS:
-        raise ValueError(f"Unknown repair strategy {name!r}; registered strategies: {', '.join(sorted(SELECTORS))}.")
-    try:
-        return SELECTORS[name](**settings)
-    except TypeError as err:
-        raise TypeError(f"Repair strategy {name!r} does not take these options: {err}") from None
+    return from_settings(STRATEGIES, settings, Strategy, "strategies")
 
 
 def budget_counts(candidates: torch.Tensor, fraction: float | None = None, tokens: int | None = None) -> list[int]:
@@ -219,13 +160,30 @@ def percentile_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Te
 
 
 __all__ = [
-    "SELECTORS",
-    "RepairContext",
-    "Selector",
+    "STRATEGIES",
+    "RequestContext",
+    "Strategy",
     "budget_counts",
     "percentile_ranks",
-    "register_selector",
+    "register_strategy",
     "select_positions",
-    "selector_from_dict",
+    "strategy_from_dict",
     "strategy_from_text",
 ]
+
+#: the old strategy context, `(target, cache, input_ids, attention_mask, position_ids, candidates, ...)` positionally
+_RepairContext = legacy_context(
+    "RepairContext",
+    ("target", "cache", "input_ids", "attention_mask", "position_ids", "candidates", "source", "source_cache")
+    + ("source_position_ids", "source_draft"),
+)
+
+#: the names before "strategy" was the one word and one context served every scorer (deprecated, go in 0.2)
+DEPRECATED_NAMES = {
+    "RepairContext": ("hf_kvmap.request_context.RequestContext", _RepairContext),
+    "SELECTORS": "STRATEGIES",
+    "Selector": "Strategy",
+    "register_selector": "register_strategy",
+    "selector_from_dict": "strategy_from_dict",
+}
+__getattr__ = deprecated_names(__name__, globals(), DEPRECATED_NAMES)

@@ -13,7 +13,7 @@ report set, where the source's attention keeps no retrieval at that fraction.
 
 Cost: at most `draft_tokens` greedy decoding steps of the source (fewer once every row has ended its answer), plus
 one source forward of `last_tokens + draft_tokens` tokens over its cache; nothing of the target. The source cache is
-read, never changed. A draft the request already decoded (`RepairContext.source_draft`: the guard's
+read, never changed. A draft the request already decoded (`RequestContext.source_draft`: the guard's
 `draft_agreement` / `confident_draft` probe drafts the same tokens) is continued, not decoded again.
 """
 
@@ -26,11 +26,11 @@ from ..input_checks import eos_token_ids
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
-@register_selector
-class DraftAttentionSelector(Selector):
+@register_strategy
+class DraftAttentionStrategy(Strategy):
     """Scores each cached position by the attention the source pays it while drafting the answer: the queries of its
     `draft_tokens` greedy answer tokens and of the prompt's last `last_tokens`.
 
@@ -63,7 +63,7 @@ class DraftAttentionSelector(Selector):
             "stop_at_eos": self.stop_at_eos,
         }
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         ids, mask = context.input_ids, context.attention_mask
         positions = context.source_position_ids
         if positions is None:  # a plain forward: every row at 0 .. T-1
@@ -111,4 +111,4 @@ def _before_first_eos(draft: torch.Tensor, eos: list[int]) -> torch.Tensor:
     return after == 0
 
 
-__all__ = ["DraftAttentionSelector"]
+__all__ = ["DraftAttentionStrategy"]

@@ -22,12 +22,12 @@ from .._compat import cache_kwargs
 from ..cache_views import prefix_view, row_cache
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, register_selector
-from .draft_attention import DraftAttentionSelector
+from .base import RequestContext, register_strategy
+from .draft_attention import DraftAttentionStrategy
 
 
-@register_selector
-class DraftBranchesSelector(DraftAttentionSelector):
+@register_strategy
+class DraftBranchesStrategy(DraftAttentionStrategy):
     """Scores each cached position by the attention the source pays it while drafting its `branches` likeliest answers
     (top first tokens, each continued greedily), summed over the branches.
 
@@ -51,7 +51,7 @@ class DraftBranchesSelector(DraftAttentionSelector):
         return {**super().settings(), "branches": self.branches}
 
     @torch.no_grad()
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         ids, mask = context.input_ids, context.attention_mask
         positions = context.source_position_ids
         if positions is None:
@@ -65,7 +65,7 @@ class DraftBranchesSelector(DraftAttentionSelector):
             **cache_kwargs(work),
         ).logits[:, -1]
         first = logits.float().topk(min(self.branches, logits.shape[-1]), dim=-1).indices  # (batch, branches)
-        branch = DraftAttentionSelector(
+        branch = DraftAttentionStrategy(
             draft_tokens=self.draft_tokens - 1,
             last_tokens=self.last_tokens + 1,  # the forced first token's own query
             stop_at_eos=self.stop_at_eos,
@@ -74,7 +74,7 @@ class DraftBranchesSelector(DraftAttentionSelector):
         count = first.shape[1]
         rows = torch.arange(context.batch, device=ids.device).repeat_interleave(count)
         following = context.position_ids[rows, -1:] + 1
-        extended = RepairContext(
+        extended = RequestContext(
             target=context.target,
             cache=context.cache,
             input_ids=torch.cat([ids[rows], first.reshape(-1, 1).to(ids.device)], dim=1),
@@ -89,4 +89,4 @@ class DraftBranchesSelector(DraftAttentionSelector):
         return mass.view(context.batch, count, -1).sum(1)
 
 
-__all__ = ["DraftBranchesSelector"]
+__all__ = ["DraftBranchesStrategy"]

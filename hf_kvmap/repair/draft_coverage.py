@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import register_selector
-from .draft_attention import DraftAttentionSelector
+from .base import register_strategy
+from .draft_attention import DraftAttentionStrategy
 
 
-@register_selector
-class DraftCoverageSelector(DraftAttentionSelector):
+@register_strategy
+class DraftCoverageStrategy(DraftAttentionStrategy):
     """Scores each cached position by the largest attention mass one of the source's `draft_tokens` drafted tokens
     (or of the prompt's last `last_tokens`) pays it, summed over heads and layers.
 
@@ -41,4 +41,4 @@ class DraftCoverageSelector(DraftAttentionSelector):
         return mass.amax(dim=1)
 
 
-__all__ = ["DraftCoverageSelector"]
+__all__ = ["DraftCoverageStrategy"]

@@ -5,7 +5,7 @@ keys/values at `layer` deviate most from the exact ones are recomputed first.
 
 Deviation per position: `|dK| / mean |K| + |dV| / mean |V|` over the heads of that layer (norms over a position's
 heads and dims, means over the row's tokens), so keys and values weigh alike whatever their scales. A mapped cache
-whose first layer is already the target's (`from_source(..., target_model=)`) deviates nowhere at layer 0: check a
+whose first layer is already the target's (`from_source(..., first_layer="target")`) deviates nowhere at layer 0: check a
 later one.
 """
 
@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .._compat import cache_kwargs
 from ..first_layer import target_first_layer
 from ..validation import check_int
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
 class _Stop(Exception):
@@ -51,8 +51,8 @@ def exact_layer(target, input_ids, attention_mask, position_ids, layer: int) -> 
     raise RuntimeError(f"The target's forward never reached layer {layer}.")
 
 
-@register_selector
-class EarlyDeviationSelector(Selector):
+@register_strategy
+class EarlyDeviationStrategy(Strategy):
     """Scores each cached position by how far its cached keys/values at `layer` are from the target's exact ones.
 
     Args:
@@ -69,7 +69,7 @@ class EarlyDeviationSelector(Selector):
     def settings(self) -> dict:
         return {"name": self.name, "layer": self.layer}
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         if self.layer >= len(context.cache.layers):
             raise ValueError(f"layer={self.layer} but the target has {len(context.cache.layers)} layers.")
         length = context.length

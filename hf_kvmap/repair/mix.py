@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import RepairContext, Selector, percentile_ranks, register_selector, selector_from_dict
+from .base import RequestContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
 
 #: the default vote: the target's own reading of the prompt and the recent context
 DEFAULT_COMPONENTS = {"target_attention": 1.0, "tail": 1.0}
 
 
-@register_selector
-class MixSelector(Selector):
+@register_strategy
+class MixStrategy(Strategy):
     """Scores each cached position by the weighted mean of its percentile ranks under `components`.
 
     Args:
@@ -41,18 +41,18 @@ class MixSelector(Selector):
                 raise ValueError(f"mix weight {weight!r} of {entry.get('name')!r} must be a non-negative number.")
             if entry.get("name") == self.name:
                 raise ValueError("mix cannot contain itself.")
-            self.components.append((selector_from_dict(entry), float(weight)))
-        self.needs_source = any(selector.needs_source for selector, _ in self.components)
+            self.components.append((strategy_from_dict(entry), float(weight)))
+        self.needs_source = any(strategy.needs_source for strategy, _ in self.components)
 
     def settings(self) -> dict:
         return {
             "name": self.name,
-            "components": [{**selector.settings(), "weight": weight} for selector, weight in self.components],
+            "components": [{**strategy.settings(), "weight": weight} for strategy, weight in self.components],
         }
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         total = torch.zeros(context.batch, context.length, dtype=torch.float32)
-        for selector, weight in self.components:
+        for strategy, weight in self.components:
             if weight:
-                total += weight * percentile_ranks(selector.score(context).cpu(), context.candidates.cpu())
+                total += weight * percentile_ranks(strategy.score(context).cpu(), context.candidates.cpu())
         return total

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 
 from .._compat import output_cache
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
-@register_selector
-class OracleSelector(Selector):
+@register_strategy
+class OracleStrategy(Strategy):
     """Scores each cached position by its relative key and value error against the target's own cache, summed over
     layers (`|dK| / mean |K| + |dV| / mean |V|` per layer, as `early_deviation` does for one)."""
 
     name = "oracle"
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         length = context.length
         mask = context.attention_mask[:, :length]
         own = context.target.get_decoder()(

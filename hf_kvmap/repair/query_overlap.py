@@ -13,7 +13,7 @@ score as the best run (every answer reads the question). Marked positions are re
 of the budget goes to `fill`'s order.
 
 Why: where a prompt holds several similar facts (six registration numbers, four friends' towns), the question names
-the fact it wants in the prompt's own words. A selector that reads attention over the mapped cache can be led to
+the fact it wants in the prompt's own words. A strategy that reads attention over the mapped cache can be led to
 another fact by the map's error on the very keys that tell the facts apart (`target_attention` at 20 % answered none
 of the six long documents of 2K tokens it was tried on); a draft reads the facts the *source* would answer with.
 Matching the question's words recomputes the fact it names, and those that share most of its words, whichever the
@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 
 from ..validation import check_int
-from .base import RepairContext, Selector, percentile_ranks, register_selector, selector_from_dict
+from .base import RequestContext, Strategy, percentile_ranks, register_strategy, strategy_from_dict
 
 
 def run_scores(
@@ -79,8 +79,8 @@ def _specific(runs: list[tuple[int, int, float]], context_ids: list[int]) -> lis
     return out
 
 
-@register_selector
-class QueryOverlapSelector(Selector):
+@register_strategy
+class QueryOverlapStrategy(Strategy):
     """Scores the spans that repeat the prompt's last `last_tokens` tokens (and `before`/`after` tokens around them)
     above every other position, which `fill` orders.
 
@@ -124,7 +124,7 @@ class QueryOverlapSelector(Selector):
                 "template's markup."
             )
         self.skip = sorted(set(skip))
-        self.fill = selector_from_dict(fill)
+        self.fill = strategy_from_dict(fill)
         self.needs_source = self.fill.needs_source
 
     def settings(self) -> dict:
@@ -139,7 +139,7 @@ class QueryOverlapSelector(Selector):
             **({"skip": list(self.skip)} if self.skip else {}),
         }
 
-    def marks(self, context: RepairContext) -> torch.Tensor:
+    def marks(self, context: RequestContext) -> torch.Tensor:
         """`(batch, length)` the kept runs' scores spread over their windows (0 where none marks a position)."""
         out = torch.zeros(context.batch, context.length, dtype=torch.float32)
         ids, mask = context.input_ids.cpu(), context.attention_mask.cpu()
@@ -171,7 +171,7 @@ class QueryOverlapSelector(Selector):
             out[row, max(first, offset + query_start) : context.length] = top
         return out * candidates
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         marks = self.marks(context)
         rest = percentile_ranks(self.fill.score(context).cpu(), context.candidates.cpu())  # in (0, 1]
         scale = marks.amax(dim=1, keepdim=True).clamp(min=1e-9)
@@ -180,7 +180,7 @@ class QueryOverlapSelector(Selector):
 
 def markup_ids(tokenizer) -> list[int]:
     """The ids of `tokenizer`'s special tokens (its added tokens marked special, a chat template's turn markers among
-    them): `QueryOverlapSelector(skip=markup_ids(tokenizer))` matches what was said, not how turns are marked."""
+    them): `QueryOverlapStrategy(skip=markup_ids(tokenizer))` matches what was said, not how turns are marked."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return sorted(
         set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
@@ -202,4 +202,4 @@ def resolve_markup(settings, tokenizer):
     return out
 
 
-__all__ = ["QueryOverlapSelector", "markup_ids", "resolve_markup", "run_scores"]
+__all__ = ["QueryOverlapStrategy", "markup_ids", "resolve_markup", "run_scores"]

@@ -13,7 +13,8 @@ as without it; the cost is paid during decoding and recorded:
 ```python
 from hf_kvmap.repair import DecodeRefresh
 
-cache = MappedCache.from_source(source_cache, mapper, repair=RepairConfig("draft_attention", fraction=0.1), ...)
+cache = MappedCache.from_source(source_cache, mapper)
+repair_cache(target, cache, ids, RepairConfig("draft_attention", fraction=0.1), source=source, source_cache=...)
 refresh = DecodeRefresh(target, cache, every=16, tokens=64)
 target.generate(ids, past_key_values=cache, logits_processor=[refresh], max_new_tokens=256)
 cache.mapping_info["refresh"]  # {"refreshes": ..., "recomputed": [...], "seconds": ...}
@@ -27,14 +28,15 @@ before the first token recomputed are skipped, `cache.recomputed`).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers import LogitsProcessor
 
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, selector_from_dict
-from .repair import apply_repair, recomputed_mask
+from .base import RequestContext, strategy_from_dict
+from .repair import apply_repair, keeps_record, recomputed_mask
 
 #: what the refresh reads by default: the most any of the latest generated tokens' queries pays a position
 DEFAULT_STRATEGY = {"name": "target_attention", "reduce": "max"}
@@ -86,10 +88,10 @@ class DecodeRefresh(LogitsProcessor):
                 raise ValueError(f"{name}={value!r} must be in (0, 1].")
         if strategy is None:
             strategy = {**DEFAULT_STRATEGY, "last_tokens": every}
-        self.selector = selector_from_dict(strategy)
-        if self.selector.needs_source:
+        self.strategy = strategy_from_dict(strategy)
+        if self.strategy.needs_source:
             raise ValueError(
-                f"Repair strategy {self.selector.name!r} reads the source, whose cache holds none of the generated "
+                f"Repair strategy {self.strategy.name!r} reads the source, whose cache holds none of the generated "
                 "tokens; a refresh needs one that reads the target (e.g. 'target_attention')."
             )
         if not cache.layers or not all(layer.is_initialized for layer in cache.layers):
@@ -103,12 +105,23 @@ class DecodeRefresh(LogitsProcessor):
         self.refreshes = 0
         self.recomputed = [0] * self.batch
         self.seconds = 0.0
+        self._done = recomputed_mask(cache, self.batch, self.length)  # before the first token: the cache's record
         self._record()
+
+    @property
+    def selector(self):
+        """Deprecated (goes in 0.2): the strategy is `strategy`."""
+        warnings.warn(
+            "DecodeRefresh.selector is deprecated and goes in hf-kvmap 0.2: read DecodeRefresh.strategy.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.strategy
 
     @property
     def done(self) -> torch.Tensor:
         """`(batch, length)` bool: the prompt positions recomputed so far, before the first token or by a refresh."""
-        return recomputed_mask(self.cache, self.batch, self.length)
+        return self._done
 
     def _budget(self, available: torch.Tensor) -> list[int]:
         """Positions per row this refresh: the per-refresh budget (`fraction` a share of the cached prompt, not of
@@ -118,19 +131,21 @@ class DecodeRefresh(LogitsProcessor):
         return [max(0, min(each, n, cap - done)) for n, done in zip(available.sum(-1).tolist(), self.recomputed)]
 
     def _record(self) -> None:
-        info = getattr(self.cache, "mapping_info", None)
-        if isinstance(info, dict):
-            info["refresh"] = {
-                "strategy": self.selector.settings(),
-                "every": self.every,
-                "tokens": self.tokens,
-                "fraction": self.fraction,
-                "limit": self.limit,
-                "refreshes": self.refreshes,
-                "recomputed": list(self.recomputed),
-                "recomputed_fraction": sum(self.recomputed) / max(self.length * len(self.recomputed), 1),
-                "seconds": self.seconds,
-            }
+        if keeps_record(self.cache):  # a MappedCache records it as `mapping_info["refresh"]`
+            self.cache.record_step(
+                "refresh",
+                {
+                    "strategy": self.strategy.settings(),
+                    "every": self.every,
+                    "tokens": self.tokens,
+                    "fraction": self.fraction,
+                    "limit": self.limit,
+                    "refreshes": self.refreshes,
+                    "recomputed": list(self.recomputed),
+                    "recomputed_fraction": sum(self.recomputed) / max(self.length * len(self.recomputed), 1),
+                    "seconds": self.seconds,
+                },
+            )
 
     @torch.no_grad()
     def refresh(self, input_ids: torch.Tensor) -> list[int]:
@@ -151,7 +166,7 @@ class DecodeRefresh(LogitsProcessor):
         counts = self._budget(candidates)
         if not any(counts):
             return counts
-        context = RepairContext(
+        context = RequestContext(
             target=self.target,
             cache=self.cache,
             input_ids=input_ids,
@@ -161,7 +176,7 @@ class DecodeRefresh(LogitsProcessor):
             ),
             candidates=candidates,
         )
-        selection = self.selector.select(context, counts)
+        selection = self.strategy.select(context, counts)
         apply_repair(  # the one door to the recompute; the refresh keeps its own record (`_record`)
             self.target,
             self.cache,
@@ -171,6 +186,9 @@ class DecodeRefresh(LogitsProcessor):
             position_ids=context.position_ids,
             selection=selection,
         )
+        positions, valid = selection
+        for row in range(positions.shape[0]):
+            self._done[row, positions[row][valid[row]].cpu()] = True
         self.recomputed = [done + count for done, count in zip(self.recomputed, counts)]
         self.refreshes += 1
         self.seconds += time.perf_counter() - start

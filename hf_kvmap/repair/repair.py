@@ -4,6 +4,7 @@ the rest; the rung of the ladder between serving a mapped cache and the target's
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from ..drafting import Draft
 from ..input_checks import check_left_padding_mask
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
-from .base import RepairContext, Selector, budget_counts, selector_from_dict
+from .base import RequestContext, Strategy, budget_counts, strategy_from_dict
 from .recompute import recompute_positions
 
 
@@ -25,8 +26,9 @@ class RepairConfig:
     How much of a mapped cache the target recomputes, and which positions.
 
     Args:
-        strategy (`str`, `dict` or [`Selector`], *optional*, defaults to `"tail"`): a registered strategy's name
-            (`hf_kvmap.repair.SELECTORS`), or its settings `{"name": ..., **options}`, or a selector.
+        strategy (`str`, `dict` or [`Strategy`], *optional*, defaults to `"tail"`): a registered strategy's name
+            (`hf_kvmap.repair.STRATEGIES`), or its settings `{"name": ..., **options}`, or a [`Strategy`]; built
+            once, `strategy` is then the registered [`Strategy`] (two are equal when their settings are).
         fraction (`float`, *optional*): share of each row's cached tokens to recompute, in `[0, 1]` (rounded down).
         tokens (`int`, *optional*): number of cached tokens per row to recompute instead (at most the row's tokens).
 
@@ -42,7 +44,7 @@ class RepairConfig:
     ```
     """
 
-    strategy: str | dict | Selector = "tail"
+    strategy: str | dict | Strategy = "tail"
     fraction: float | None = None
     tokens: int | None = None
 
@@ -59,10 +61,21 @@ class RepairConfig:
                 raise ValueError(f"fraction={self.fraction!r} must be in [0, 1] (0 recomputes nothing, 1 everything).")
             self.fraction = float(self.fraction)
         check_int("tokens", self.tokens, 0, allow_none=True)
-        self.selector = selector_from_dict(self.strategy)
+        self.strategy = strategy_from_dict(self.strategy)  # the registered strategy, built once
+
+    @property
+    def selector(self) -> Strategy:
+        """Deprecated (goes in 0.2): the strategy is `strategy`."""
+        warnings.warn(
+            "RepairConfig.selector is deprecated and goes in hf-kvmap 0.2: read RepairConfig.strategy (the built "
+            "strategy).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.strategy
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.selector.settings(), "fraction": self.fraction, "tokens": self.tokens}
+        return {"strategy": self.strategy.settings(), "fraction": self.fraction, "tokens": self.tokens}
 
     @classmethod
     def from_dict(cls, settings: RepairConfig | dict[str, Any]) -> RepairConfig:
@@ -150,10 +163,10 @@ def select_repair(
     repair = RepairConfig.from_dict(repair)
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= input_ids.shape[1]:
         raise ValueError(f"length={length!r} must be an int in [1, {input_ids.shape[1]}] (the cached positions).")
-    selector = repair.selector
-    if selector.needs_source and (source is None or source_cache is None):
+    strategy = repair.strategy
+    if strategy.needs_source and (source is None or source_cache is None):
         raise ValueError(
-            f"Repair strategy {selector.name!r} reads the source model and its cache: pass `source=` and "
+            f"Repair strategy {strategy.name!r} reads the source model and its cache: pass `source=` and "
             "`source_cache=` (or choose a strategy that does not, e.g. 'tail' or 'early_deviation')."
         )
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= length:
@@ -166,7 +179,7 @@ def select_repair(
     if position_ids is None:
         position_ids = positions_from_attention_mask(attention_mask, batch, width, input_ids.device)
     candidates = candidate_positions(input_ids, attention_mask, length, start)
-    context = RepairContext(
+    context = RequestContext(
         target=target,
         cache=cache,
         input_ids=input_ids,
@@ -176,9 +189,9 @@ def select_repair(
         source=source,
         source_cache=source_cache,
         source_position_ids=source_position_ids,
-        source_draft=source_draft,
+        drafts={} if source_draft is None else {"source": source_draft},
     )
-    return selector.select(context, budget_counts(candidates, repair.fraction, repair.tokens))
+    return strategy.select(context, budget_counts(candidates, repair.fraction, repair.tokens))
 
 
 @torch.no_grad()
@@ -199,8 +212,8 @@ def apply_repair(
 ) -> list[int]:
     r"""
     The one door to the recompute: every change of a cache's keys/values by the target goes through here (the serving
-    pipeline's fixed repair and repairing rungs, a session's switch, `MappedCache.from_source(repair=)`,
-    [`repair_cache`] and [`DecodeRefresh`]). The target recomputes the selected positions of `cache` in place
+    pipeline's fixed repair and repairing rungs, a session's switch, [`repair_cache`], [`DecodeRefresh`] and the
+    deprecated `MappedCache.from_source(repair=)`). The target recomputes the selected positions of `cache` in place
     ([`recompute_positions`]) and they are marked recomputed (`cache.recomputed`, what a later refresh skips).
 
     Args:
@@ -264,10 +277,8 @@ def apply_repair(
         "recomputed_fraction": sum(counts) / max(sum(available), 1),
         "exact": exact,
     }
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["repair"] = record
-        info["approximate"] = cache.approximate = not exact  # the object and its record say the same
+    if keeps_record(cache):  # a MappedCache: the object and its record say the same
+        cache.record_repair(record)
     return budget_counts(candidates, repair.fraction, repair.tokens)
 
 
@@ -301,7 +312,7 @@ def repair_cache(
         position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the target reads the prompt at; defaults to
             the mask's (`cumsum - 1`), or `0 .. T-1`.
         source (`PreTrainedModel`, *optional*), source_cache (`Cache`, *optional*): the source model and its cache of
-            the `T` prompt tokens, for the strategies that read them (`Selector.needs_source`).
+            the `T` prompt tokens, for the strategies that read them (`Strategy.needs_source`).
         source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions the source cache was built at;
             defaults to a plain forward's `0 .. T-1`.
         source_draft ([`Draft`], *optional*): the source's greedy draft after this prompt as far as the request
@@ -336,9 +347,16 @@ def repair_cache(
     return cache
 
 
+def keeps_record(cache: Cache) -> bool:
+    """Whether `cache` records what is done to it (a `MappedCache`: `record_repair`, `record_recomputed`,
+    `record_step`); another cache is recomputed in place and records nothing. (Asked of the object, not with
+    `isinstance`, while the cache's deprecated `from_source(repair=)` imports this package: goes in 0.2.)"""
+    return callable(getattr(cache, "record_repair", None))
+
+
 def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
-    """`(batch, length)` bool: the positions of `cache` the target recomputed so far (`cache.recomputed`, kept by
-    `mark_recomputed`), all `False` where the cache has no such record."""
+    """`(batch, length)` bool: the positions of `cache` the target recomputed so far (a `MappedCache`'s
+    `recomputed`), all `False` where the cache has no such record."""
     done = torch.zeros(batch, length, dtype=torch.bool)
     before = getattr(cache, "recomputed", None)
     if isinstance(before, torch.Tensor) and before.dim() == 2 and before.shape[0] == batch:
@@ -347,13 +365,16 @@ def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
     return done
 
 
-def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> None:
-    """Add the `valid` `positions` (`(batch, n)`, a recompute's selection) to `cache.recomputed`, `(batch, length)`
-    bool: what a later refresh while decoding (`DecodeRefresh`) skips."""
+def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
+    """The positions recomputed so far and the `valid` `positions` (`(batch, n)`, a recompute's selection),
+    `(batch, length)` bool, recorded on a cache that keeps a record (`MappedCache.record_recomputed`): what a later
+    refresh while decoding (`DecodeRefresh`) skips."""
     done = recomputed_mask(cache, positions.shape[0], length)
     for row in range(positions.shape[0]):
         done[row, positions[row][valid[row]].cpu()] = True
-    cache.recomputed = done
+    if keeps_record(cache):
+        cache.record_recomputed(done)
+    return done
 
 
 __all__ = ["RepairConfig", "apply_repair", "repair_cache", "select_repair"]

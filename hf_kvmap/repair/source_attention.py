@@ -13,11 +13,11 @@ import torch
 from ..rope import positions_from_attention_mask
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
-@register_selector
-class SourceAttentionSelector(Selector):
+@register_strategy
+class SourceAttentionStrategy(Strategy):
     """Scores each cached position by the attention the source's last `last_tokens` prompt tokens pay it.
 
     Args:
@@ -34,7 +34,7 @@ class SourceAttentionSelector(Selector):
     def settings(self) -> dict:
         return {"name": self.name, "last_tokens": self.last_tokens}
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         positions = context.source_position_ids
         if positions is None:  # a plain forward: every row at 0 .. T-1
             positions = positions_from_attention_mask(None, *context.input_ids.shape, context.input_ids.device)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
-@register_selector
-class TailSelector(Selector):
+@register_strategy
+class TailStrategy(Strategy):
     """Scores each cached position by its index: the latest positions are recomputed first."""
 
     name = "tail"
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         return torch.arange(context.length, dtype=torch.float32).expand(context.batch, -1)

@@ -13,11 +13,11 @@ import torch
 
 from ..validation import check_int
 from .attention import last_tokens_attention
-from .base import RepairContext, Selector, register_selector
+from .base import RequestContext, Strategy, register_strategy
 
 
-@register_selector
-class TargetAttentionSelector(Selector):
+@register_strategy
+class TargetAttentionStrategy(Strategy):
     """Scores each cached position by the attention the target's last `last_tokens` prompt tokens pay it over the
     cache being repaired.
 
@@ -41,7 +41,7 @@ class TargetAttentionSelector(Selector):
             settings["reduce"] = self.reduce
         return settings
 
-    def score(self, context: RepairContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         last = min(self.last_tokens, context.input_ids.shape[1] - 1)
         last = max(last, context.input_ids.shape[1] - context.length)  # the held-back tokens are read anyway
         mass = last_tokens_attention(

@@ -7,11 +7,11 @@ from transformers.cache_utils import Cache
 
 from ..input_checks import first_layer_error
 from ..rope import positions_from_attention_mask
-from .probes import ProbeContext
+from .probes import RequestContext
 from .probes.prefix_audit import PrefixAuditProbe
 
 
-def first_layer_audit(target, context: ProbeContext) -> float:
+def first_layer_audit(target, context: RequestContext) -> float:
     """The worst relative error of the cache's first layer against the one `target` computes from the prompt's ids,
     over every cached position (real tokens only)."""
     layer = context.cache.layers[0]
@@ -24,7 +24,9 @@ def exactness_error(target, input_ids, attention_mask, cache: Cache, *, audit_to
     """The audit `handoff` certifies exactness with, for a cache of the first `T - 1` tokens of `input_ids`: every
     layer on the first `audit_tokens` tokens, and the first layer at every position (relative error, worst)."""
     positions = positions_from_attention_mask(attention_mask, *input_ids.shape, input_ids.device)
-    context = ProbeContext(None, target, input_ids, attention_mask, positions, cache, None)
+    context = RequestContext(
+        target=target, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache
+    )
     return max(PrefixAuditProbe(audit_tokens).score(context).max().item(), first_layer_audit(target, context))
 
 

@@ -23,9 +23,10 @@ from transformers.cache_utils import Cache
 from .._compat import cache_argument
 from ..input_checks import check_left_padding_mask, check_threshold, check_token_ids, derive_mask
 from ..repair import RepairConfig
+from ..request_context import RequestContext
 from ..validation import check_bool, check_choice, check_int
 from .ladder import GuardLadder
-from .pipeline import Request, serve, uncalibrated_error
+from .pipeline import serve, uncalibrated_error
 from .probes import Probe, probe_from_dict
 from .report import HandoffRefusedError, HandoffReport
 
@@ -107,8 +108,18 @@ def handoff(
     else:
         probe, threshold = resolve_probe(mapper, probe, threshold, optional=bool(audit_tokens))
     repair = None if repair is None else RepairConfig.from_dict(repair)  # bad settings raise, never fall back
-    request = Request(source, target, mapper, input_ids, attention_mask, source_cache, source_position_ids)
-    request.tokenizer, request.target_first_layer, request.same_weights = tokenizer, target_first_layer, same_weights
+    request = RequestContext(
+        source=source,
+        target=target,
+        mapper=mapper,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        source_cache=source_cache,
+        source_position_ids=source_position_ids,
+        tokenizer=tokenizer,
+        target_first_layer=target_first_layer,
+        same_weights=same_weights,
+    )
     guard = dict(probe=probe, threshold=threshold, ladder=ladder, repair=repair, audit_tokens=audit_tokens)
     return serve(request, policy=policy, notes=notes, **guard)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..repair import selector_from_dict
+from ..repair import strategy_from_dict
 from .probes import probe_from_dict
 
 #: the rung name of a row that falls back to the target's own prefill
@@ -83,7 +83,7 @@ class GuardLadder:
 
     Args:
         probe (`dict`): the probe's settings (`{"name": ..., "tokens": ...}`, `hf_kvmap.serving.probes.PROBES`).
-        strategy (`dict` or `str`): the repair strategy of the repairing rungs (`hf_kvmap.repair.SELECTORS`).
+        strategy (`dict` or `str`): the repair strategy of the repairing rungs (`hf_kvmap.repair.STRATEGIES`).
         rungs (`list[LadderRung]`): by increasing `max_risk` and increasing `fraction`; may be empty (every row falls
             back).
         calibration (`dict`, *optional*): what [`calibrate_ladder`] measured (items, costs, changed answers per task).
@@ -142,7 +142,7 @@ class GuardLadder:
                 )
             self.min_margin = float(value)
         self.probe = probe_from_dict(self.probe).settings()  # unknown probes and options raise here
-        self.strategy = selector_from_dict(self.strategy).settings()
+        self.strategy = strategy_from_dict(self.strategy).settings()
         self.rungs = [_rung(rung) for rung in _rung_list(self.rungs)]
         for low, high in zip(self.rungs, self.rungs[1:]):  # a sparse rung is cheaper than a repair of its fraction
             if not (

@@ -23,23 +23,22 @@ Stages, in order, each timed in the [`HandoffReport`]:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from transformers.cache_utils import Cache
 from transformers.utils import logging
 
 from .._compat import output_cache
 from ..cache import CACHE_DTYPES, MappedCache, source_pairs
+from ..deprecation import deprecated_names
 from ..drafting import Draft
 from ..input_checks import check_source_cache
 from ..repair import RepairConfig, apply_repair
+from ..request_context import RequestContext, legacy_context
 from ..rope import positions_from_attention_mask
 from .audit import exactness_error, first_layer_audit
 from .forwards import answer_margin, run_tokens, target_prefill
 from .ladder import GuardLadder, rung_name
-from .probes import Probe, ProbeContext
+from .probes import Probe
 from .probes.prefix_audit import PrefixAuditProbe
 from .report import Clock, HandoffRefusedError, HandoffReport
 from .rows import Refused, check_rows, climb, ladder_settings, own_rows, real_lengths, serve_rows
@@ -52,31 +51,12 @@ EXACT_TOLERANCE = 1e-3
 GROSS_ERROR = 1.0
 
 
-@dataclass
-class Request:
-    r"""
-    One batch of requests, as `handoff` checked it.
-
-    Args:
-        source, target (`PreTrainedModel`): the two causal LMs; mapper ([`MapperModel`]): fitted for them.
-        input_ids (`torch.Tensor`): `(batch, T)` prompt; attention_mask (`torch.Tensor`, *optional*): its mask.
-        source_cache (`Cache`, *optional*): the source's cache of the prompt; source_position_ids
-            (`torch.Tensor`, *optional*): the positions it was built at.
-        tokenizer (*optional*): checked against the mapper's fingerprint by the gate.
-        target_first_layer (`bool`): the target computes its first layer from the ids.
-        same_weights (`bool`): the gate does not compare model ids.
-    """
-
-    source: Any
-    target: Any
-    mapper: Any
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None = None
-    source_cache: Any = None
-    source_position_ids: torch.Tensor | None = None
-    tokenizer: Any = None
-    target_first_layer: bool = False
-    same_weights: bool = False
+#: the old request, `(source, target, mapper, input_ids, attention_mask, source_cache, ...)` positionally
+_Request = legacy_context(
+    "RequestContext",
+    ("source", "target", "mapper", "input_ids", "attention_mask", "source_cache", "source_position_ids", "tokenizer")
+    + ("target_first_layer", "same_weights"),
+)
 
 
 def uncalibrated_error(missing: str, extra: str = "") -> ValueError:
@@ -126,6 +106,7 @@ def map_and_repair(
             attention_mask=attention_mask,
             source_position_ids=source_position_ids,
             position_ids=position_ids,
+            first_layer="target" if target_first_layer else "mapped",
             **({"target_model": target, "input_ids": input_ids} if target_first_layer else {}),
         )
     drafts = {}
@@ -136,7 +117,7 @@ def map_and_repair(
         if built is None:  # a plain forward's
             built = positions_from_attention_mask(None, batch, length, input_ids.device)
         with clock.stage("repair"):
-            if repair.selector.needs_source and source is not None:
+            if repair.strategy.needs_source and source is not None:
                 drafts["source"] = Draft(source, source_cache, input_ids, mask, built)
             apply_repair(
                 target,
@@ -167,10 +148,10 @@ def prepare_context(
     clock: Clock | None = None,
     target_first_layer: bool = False,
     repair: RepairConfig | None = None,
-) -> ProbeContext:
+) -> RequestContext:
     """Stages 2 to 5: the source prefill (unless `source_cache` is given), the mapping of all prompt tokens but the
     last `hold_back`, the fixed `repair`, and the target's run of the held-back tokens but the last. Returns the
-    [`ProbeContext`] whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source
+    [`RequestContext`] whose `cache` covers `T - 1` tokens. Raises `ValueError` when the mapping refuses the source
     cache.
 
     The positions the source cache was built at: the mask-derived ones when this function prefills it, else
@@ -204,7 +185,7 @@ def prepare_context(
     if hold_back > 1:
         with clock.stage("held_back"):
             tail_logits = run_tokens(target, cache, input_ids, length - hold_back, length - 1, mask, positions).float()
-    return ProbeContext(
+    return RequestContext(
         source=source,
         target=target,
         input_ids=input_ids,
@@ -222,7 +203,7 @@ def prepare_context(
 # ------------------------------------------------------------------------------------------------ the audit
 
 
-def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffReport, clock: Clock) -> bool:
+def _audit(target, context: RequestContext, audit_tokens: int, report: HandoffReport, clock: Clock) -> bool:
     """Stage 6: whether the mapping is exact (then it is served as it is); raises `Refused` for a gross one."""
     with clock.stage("audit"):
         error = PrefixAuditProbe(audit_tokens).score(context).max().item()
@@ -240,7 +221,7 @@ def _audit(target, context: ProbeContext, audit_tokens: int, report: HandoffRepo
 # ------------------------------------------------------------------------------------------------ the decision
 
 
-def _short_batch(ladder: GuardLadder, request: Request, report: HandoffReport) -> None:
+def _short_batch(ladder: GuardLadder, request: RequestContext, report: HandoffReport) -> None:
     """Before the mapping: a batch whose every prompt is below the ladder's `min_tokens` is refused (raises
     `Refused`), unmapped: the target's own prefill of it is sooner than any rung."""
     lengths = real_lengths(request.input_ids, request.attention_mask)
@@ -266,7 +247,7 @@ def _threshold(probe: Probe, scores: torch.Tensor, threshold: float, report: Han
 
 
 def _serve_mapped(
-    request: Request,
+    request: RequestContext,
     report: HandoffReport,
     clock: Clock,
     *,
@@ -321,7 +302,7 @@ def _serve_mapped(
             "probe", f", and the exactness audit finds the mapping inexact (error {report.audit_error:.3g})"
         )
     with clock.stage("probe"):
-        scores = probe.score(context).float()
+        scores = probe.risks(context)
     report.scores = [float(s) for s in scores]
     report.score = max(report.scores)
     if ladder is not None:
@@ -332,7 +313,7 @@ def _serve_mapped(
 
 @torch.no_grad()
 def serve(
-    request: Request,
+    request: RequestContext,
     *,
     policy: str,
     probe: Probe | None,
@@ -342,7 +323,7 @@ def serve(
     audit_tokens: int,
     notes: list[str],
 ) -> tuple[Cache, HandoffReport]:
-    """Serve one batch of requests ([`Request`], checked and resolved by `handoff`) with the guard resolved there.
+    """Serve one batch of requests ([`~hf_kvmap.request_context.RequestContext`], checked and resolved by `handoff`) with the guard resolved there.
     Returns the served cache and the [`HandoffReport`]; a refused batch goes to `policy`."""
     clock = Clock()
     input_ids, target = request.input_ids, request.target
@@ -387,7 +368,7 @@ def serve(
 __all__ = [
     "EXACT_TOLERANCE",
     "GROSS_ERROR",
-    "Request",
+    "RequestContext",
     "answer_margin",
     "check_rows",
     "climb",
@@ -404,3 +385,6 @@ __all__ = [
     "target_prefill",
     "uncalibrated_error",
 ]
+
+#: the request before one context carried it through every stage (deprecated, goes in 0.2)
+__getattr__ = deprecated_names(__name__, globals(), {"Request": ("hf_kvmap.request_context.RequestContext", _Request)})

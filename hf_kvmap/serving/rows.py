@@ -1,7 +1,7 @@
 """A rung per row: the guard ladder's decision on a served batch ([`climb`]) and serving each row its rung
 ([`serve_rows`]: mapped, repaired, sparse, or the target's own prefill, [`own_rows`]), with the check after the rung
 ([`check_rows`]). A session's switch is a one-row request whose positions before its span are the target's own
-(`ProbeContext.span_start`): its repair selects within the span and its fallback recomputes the span alone.
+(`RequestContext.span_start`): its repair selects within the span and its fallback recomputes the span alone.
 `hf_kvmap.serving.pipeline` (which re-exports these names) and `hf_kvmap.serving.spans` call them."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._compat import output_cache
+from ..cache import MappedCache
 from ..cache_views import row_cache, write_rows
-from ..repair import RepairConfig, SparseCache, apply_repair, selector_from_dict
+from ..repair import RepairConfig, SparseCache, apply_repair, strategy_from_dict
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
-from .probes import ProbeContext
+from .probes import RequestContext
 from .report import Clock, HandoffReport
 from .sparse_rows import can_serve_sparse, serve_sparse
 
@@ -32,7 +33,7 @@ class Refused(Exception):
 
 @torch.no_grad()
 def serve_rows(
-    context: ProbeContext,
+    context: RequestContext,
     fractions: Sequence[float | None],
     strategy: dict[str, Any] | str,
     sparse: Sequence[bool] | None = None,
@@ -44,7 +45,7 @@ def serve_rows(
     re-runs the held-back tokens on the result, so they attend to what is served.
 
     Args:
-        context ([`~hf_kvmap.serving.probes.ProbeContext`]): what [`prepare_context`] built (`T - 1` tokens).
+        context ([`~hf_kvmap.serving.probes.RequestContext`]): what [`prepare_context`] built (`T - 1` tokens).
         fractions (sequence of `float` or `None`): one per row.
         strategy (`dict` or `str`): the repair strategy.
         sparse (sequence of `bool`, *optional*): rows whose rung is a sparse one (`LadderRung.sparse`): a one-row
@@ -75,7 +76,7 @@ def serve_rows(
     held = cache.get_seq_length() - mapped
     if held:
         cache.crop(-held)
-    selector = selector_from_dict(strategy)
+    strategy = strategy_from_dict(strategy)
     for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
         index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
         if context.span_start is not None:  # a session's switch: its one row, repaired within its span in place
@@ -83,7 +84,7 @@ def serve_rows(
                 context.target,
                 cache,
                 ids[:, :mapped],
-                RepairConfig(selector, fraction=fraction),
+                RepairConfig(strategy, fraction=fraction),
                 source=context.source,
                 source_cache=context.source_cache,
                 start=context.span_start,
@@ -92,7 +93,7 @@ def serve_rows(
             continue
         part = row_cache(cache, index)
         source_part = source_draft = None
-        if selector.needs_source:
+        if strategy.needs_source:
             source_part = row_cache(context.source_cache, index)
             if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
                 source_draft = context.drafts["source"].rows(index)
@@ -100,7 +101,7 @@ def serve_rows(
             context.target,
             part,
             ids[index],
-            RepairConfig(selector, fraction=fraction),
+            RepairConfig(strategy, fraction=fraction),
             attention_mask=mask[index],
             position_ids=positions[index],
             source=context.source,
@@ -117,13 +118,12 @@ def serve_rows(
             rows[i]["recomputed"] = n
     if held:
         run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
-    info = getattr(cache, "mapping_info", None)
-    if isinstance(info, dict):
-        info["ladder"] = {"rows": rows, "strategy": selector.settings()}
+    if isinstance(cache, MappedCache):
+        cache.record_step("ladder", {"rows": rows, "strategy": strategy.settings()})
     return rows
 
 
-def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
+def own_rows(context: RequestContext, rows: Sequence[int], end: int) -> list[int]:
     """Rows `rows` of `context.cache` (which holds `end` tokens) replaced by the target's own prefill of their first
     `end` tokens; returns the real tokens each row recomputed. A session's switch (`context.span_start`) recomputes
     its span and what follows it up to `end` on its own positions before it, and its cache forgets the span."""
@@ -154,7 +154,7 @@ def own_rows(context: ProbeContext, rows: Sequence[int], end: int) -> list[int]:
 
 @torch.no_grad()
 def check_rows(
-    context: ProbeContext, rows: list[dict[str, Any]], margins: torch.Tensor, refused: Sequence[int]
+    context: RequestContext, rows: list[dict[str, Any]], margins: torch.Tensor, refused: Sequence[int]
 ) -> None:
     """The check after the rungs, applied to [`serve_rows`]'s `rows` (in place): every served row records its `margin`
     (the target's [`answer_margin`] on its served cache, `margins`), and each row of `refused` gets the target's own
@@ -174,7 +174,7 @@ def check_rows(
             )
 
 
-def climb(ladder: GuardLadder, context: ProbeContext, report: HandoffReport, clock: Clock) -> Cache:
+def climb(ladder: GuardLadder, context: RequestContext, report: HandoffReport, clock: Clock) -> Cache:
     """Stage 8 under a ladder: each row's rung from its risk (`report.scores`), then [`serve_rows`]."""
     lengths = real_lengths(context.input_ids, context.attention_mask)
     if context.span_start is not None:  # a session's switch: the tokens it maps

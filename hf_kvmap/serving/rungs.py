@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..repair import RepairConfig, selector_from_dict
+from ..repair import RepairConfig, strategy_from_dict
 from .handoff import handoff
 from .ladder import GuardLadder, LadderRung
 from .probes.prefix_audit import PrefixAuditProbe
@@ -58,7 +58,7 @@ def _strategy_at(kind: str, argument: str) -> tuple[dict, float]:
             f"rung '{kind}:{argument}': {fraction!r} after '@' is not a number; pass a fraction in [0, 1] "
             f"(e.g. `{kind}:tail@0.2`)."
         ) from None
-    return selector_from_dict(strategy.strip() or "tail").settings(), share  # an unknown strategy raises
+    return strategy_from_dict(strategy.strip() or "tail").settings(), share  # an unknown strategy raises
 
 
 def _repaired(argument: str, options: dict) -> dict:

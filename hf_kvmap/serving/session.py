@@ -334,7 +334,7 @@ class HandoffSession:
         own = torch.ones(1, length, dtype=torch.bool)
         for start, end in spans:
             own[0, start : min(end, length)] = False
-        cache.recomputed = recomputed_mask(cache, 1, length) | own
+        cache.record_recomputed(recomputed_mask(cache, 1, length) | own)
         return DecodeRefresh(model, cache, **refresh)
 
     # ------------------------------------------------------------------------------------------------ respond

@@ -19,7 +19,7 @@ from ..cache import MappedCache
 from ..repair import RepairConfig, apply_repair
 from .forwards import run_tokens
 from .ladder import GuardLadder
-from .probes import Probe, ProbeContext
+from .probes import Probe, RequestContext
 from .report import Clock, HandoffReport
 from .rows import Refused, climb, own_rows
 
@@ -87,7 +87,7 @@ def serve_span(
         report.accepted, report.reason = True, "span mapped" + ("" if repair is None else " and repaired")
         report.timings = clock.done()
         return cache, report
-    context = ProbeContext(
+    context = RequestContext(
         source=source,
         target=target,
         input_ids=ids,
@@ -99,7 +99,7 @@ def serve_span(
         span_start=start,
     )
     with clock.stage("probe"):
-        report.scores = [float(s) for s in probe.score(context).float()]
+        report.scores = [float(s) for s in probe.risks(context)]
     report.score = max(report.scores)
     try:
         climb(ladder, context, report, clock)

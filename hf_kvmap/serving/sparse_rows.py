@@ -9,10 +9,10 @@ import torch
 
 from ..repair import RepairConfig, SparseCache, select_repair, sparse_prefill
 from .forwards import run_tokens
-from .probes import ProbeContext
+from .probes import RequestContext
 
 
-def can_serve_sparse(context: ProbeContext) -> bool:
+def can_serve_sparse(context: RequestContext) -> bool:
     """A sparse prefill serves one row without padding (rows select different positions; the layout has no slot for
     the ones a row skips), and not a session's switch (its positions before the span are the target's own)."""
     one_row = context.input_ids.shape[0] == 1 and context.span_start is None
@@ -20,7 +20,7 @@ def can_serve_sparse(context: ProbeContext) -> bool:
 
 
 @torch.no_grad()
-def serve_sparse(context: ProbeContext, fraction: float, strategy: dict[str, Any] | str) -> tuple[SparseCache, int]:
+def serve_sparse(context: RequestContext, fraction: float, strategy: dict[str, Any] | str) -> tuple[SparseCache, int]:
     """The sparse rung of `context`'s one row: `(cache of its first T - 1 tokens, positions prefilled)`; the
     held-back tokens the probe ran are run again on it, as on a repaired cache."""
     ids, length = context.input_ids, context.input_ids.shape[1]

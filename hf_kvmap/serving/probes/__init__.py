@@ -2,7 +2,9 @@
 target's answer. One file per probe, each one class registered in `PROBES` (`base.register_probe`); the shared
 context and base class are in `base`."""
 
-from .base import PROBES, Probe, ProbeContext, probe_from_dict, register_probe
+from ...deprecation import deprecated_names
+from ...request_context import RequestContext
+from .base import PROBES, Probe, _ProbeContext, probe_from_dict, register_probe
 from .confident_draft import ConfidentDraftProbe
 from .draft_agreement import DraftAgreementProbe
 from .linear import LinearProbe, fit_linear_probe
@@ -18,9 +20,14 @@ __all__ = [
     "LookaheadMarginProbe",
     "PrefixAuditProbe",
     "Probe",
-    "ProbeContext",
+    "RequestContext",
     "TailNLLProbe",
     "fit_linear_probe",
     "probe_from_dict",
     "register_probe",
 ]
+
+#: the probe context before one context served every scorer (deprecated, goes in 0.2)
+__getattr__ = deprecated_names(
+    __name__, globals(), {"ProbeContext": ("hf_kvmap.request_context.RequestContext", _ProbeContext)}
+)

@@ -1,7 +1,7 @@
 """Probes: cheap checks, run on a mapped cache before it is served, that predict whether the handoff will change the
 target's answer.
 
-A probe reads a [`ProbeContext`] (the models, the prompt, the target-side cache of every prompt token but the last)
+A probe reads a [`RequestContext`] (the models, the prompt, the target-side cache of every prompt token but the last)
 and returns one *risk* per row: higher means the answer generated on the mapped cache is more likely to differ from
 the one the target would give after its own prefill. [`handoff`](hf_kvmap.serving.handoff.handoff) compares the risk with a
 threshold calibrated for the mapper (stored in `MapperConfig.handoff_probe`). A probe leaves both caches as it found
@@ -22,16 +22,15 @@ A new probe is one class and one line:
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..._compat import cache_kwargs
-from ...drafting import Draft
+from ...deprecation import deprecated_names
 from ...registry import registrar
+from ...request_context import RequestContext, legacy_context
+from ...scoring import Scorer, from_settings
 from ...validation import check_int
 
 #: name -> probe class; filled by `register_probe`.
@@ -42,81 +41,28 @@ PROBES: dict[str, type[Probe]] = {}
 register_probe = registrar(PROBES, "a probe")
 
 
-@dataclass
-class ProbeContext:
+#: the old probe context, `(source, target, input_ids, attention_mask, position_ids, cache, source_cache, ...)`
+_ProbeContext = legacy_context(
+    "ProbeContext",
+    ("source", "target", "input_ids", "attention_mask", "position_ids", "cache", "source_cache", "hold_back")
+    + ("tail_logits", "drafts", "source_position_ids", "span_start"),
+)
+
+
+class Probe(Scorer):
     r"""
-    What a probe may read. Built by `handoff` after the mapping and before the decision.
-
-    Args:
-        source, target (`PreTrainedModel`): the two causal LMs.
-        input_ids (`torch.Tensor`): `(batch, T)` prompt (left padding allowed).
-        attention_mask (`torch.Tensor`): `(batch, T)`, ones where there is a token.
-        position_ids (`torch.Tensor`): `(batch, T)` positions derived from the mask as `generate` does.
-        cache (`Cache`): the target-side cache of the first `T - 1` tokens: the mapped `T - hold_back` tokens, then the
-            `hold_back - 1` tokens the target ran itself.
-        source_cache (`Cache`): the source's cache of all `T` prompt tokens.
-        hold_back (`int`): how many final prompt tokens were held back from the mapping.
-        tail_logits (`torch.Tensor`, *optional*): `(batch, hold_back - 1, vocab)` target logits on the held-back
-            tokens it ran (they predict the tokens at columns `T - hold_back + 1 .. T - 1`); `None` for `hold_back=1`.
-        drafts (`dict[str, Draft]`): the greedy drafts decoded for this request so far, by role (`draft`).
-        source_position_ids (`torch.Tensor`, *optional*): `(batch, T)` positions `source_cache` was built at (a
-            plain forward's `0 .. T-1` differ from `position_ids` in left-padded rows); defaults to `position_ids`.
-        span_start (`int`, *optional*): a session's switch (`hf_kvmap.serving.spans`): the first mapped position of
-            its one row, the positions before it being the target's own; `None` for a request whose whole prompt
-            but the held-back tokens was mapped.
-    """
-
-    source: torch.nn.Module
-    target: torch.nn.Module
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cache: Cache
-    source_cache: Cache
-    hold_back: int = 1
-    tail_logits: torch.Tensor | None = None
-    drafts: dict[str, Draft] = field(default_factory=dict)
-    source_position_ids: torch.Tensor | None = None
-    span_start: int | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    def draft(self, role: str) -> Draft:
-        """The greedy draft of the `"source"` (on `source_cache`) or of the `"target"` (on the mapped `cache`) after
-        the prompt ([`~hf_kvmap.repair.Draft`]), decoded once per request as far as its readers ask: the probes, and
-        then a repair strategy that drafts (`draft_attention` continues the source's)."""
-        if role not in ("source", "target"):
-            raise ValueError(f"role={role!r}: a draft is the 'source''s or the 'target''s.")
-        if role not in self.drafts:
-            if role == "source":
-                positions = self.position_ids if self.source_position_ids is None else self.source_position_ids
-                model, cache = self.source, self.source_cache
-            else:
-                positions, model, cache = self.position_ids, self.target, self.cache
-            self.drafts[role] = Draft(model, cache, self.input_ids, self.attention_mask, positions)
-        return self.drafts[role]
-
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
-
-
-class Probe:
-    r"""
-    Base class of the probes. Subclasses set `name` (the registry key) and implement `score`.
+    Base class of the probes, on the one scoring contract ([`~hf_kvmap.scoring.Scorer`]). Subclasses set `name` (the
+    registry key) and implement `score`: one float per row, higher meaning the mapped cache is more likely to change
+    the answer (its risk). The base checks them ([`risks`]); the serving pipeline decides from them.
 
     Args:
         tokens (`int`, *optional*, defaults to the class's `default_tokens`): the probe's size (what it counts depends
             on the probe; `target_tokens` turns it into the number of tokens the target runs).
     """
 
-    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "probe"
     #: tokens a probe reads by default
     default_tokens: ClassVar[int] = 4
-    #: whether `score` runs the source model (then a cache the caller prefilled must still be at hand)
-    needs_source: ClassVar[bool] = False
     #: whether an exact mapping (the target's own cache, source = target) scores 0 by construction
     exact_scores_zero: ClassVar[bool] = False
 
@@ -134,16 +80,17 @@ class Probe:
         """What `probe_from_dict` needs to rebuild this probe."""
         return {"name": self.name, "tokens": self.tokens}
 
+    def risks(self, context: RequestContext) -> torch.Tensor:
+        """`score(context)` checked, one float32 risk per row, `(batch,)`: what the pipeline decides from."""
+        return self.checked_scores(context, (context.batch,), "(batch,)").float()
+
     def target_tokens(self, length: int) -> int:
         """Tokens the target processes for this probe beyond what serving needs anyway, at prompt length `length`."""
         return self.tokens
 
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         """`(batch,)` float risks; higher means the handoff is more likely to change the answer."""
         raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(tokens={self.tokens})"
 
 
 def probe_from_dict(settings: Probe | dict[str, Any] | str) -> Probe:
@@ -152,20 +99,7 @@ def probe_from_dict(settings: Probe | dict[str, Any] | str) -> Probe:
         return settings
     if isinstance(settings, str):
         settings = {"name": settings}
-    if not isinstance(settings, dict):
-        raise TypeError(
-            f"A probe is a name, a settings dict or a Probe; got a {type(settings).__name__} ({settings!r}). Pass "
-            'e.g. {"name": "confident_draft", "tokens": 4} or "confident_draft".'
-        )
-    settings = dict(settings)
-    name = settings.pop("name", None)
-    if name not in PROBES:
-        raise ValueError(f"Unknown probe {name!r}; registered probes: {', '.join(sorted(PROBES))}.")
-    try:
-        return PROBES[name](**settings)
-    except TypeError as err:
-        options = [key for key in inspect.signature(PROBES[name].__init__).parameters if key != "self"]
-        raise TypeError(f"Probe {name!r} does not take these options ({err}); its options are {options}.") from None
+    return from_settings(PROBES, settings, Probe, "probes")
 
 
 def extend_mask(mask: torch.Tensor, extra: int) -> torch.Tensor:
@@ -181,4 +115,9 @@ def run_appended(model, ids, cache, mask, positions) -> torch.Tensor:
     ).logits.float()
 
 
-__all__ = ["PROBES", "Probe", "ProbeContext", "extend_mask", "probe_from_dict", "register_probe", "run_appended"]
+__all__ = ["PROBES", "Probe", "RequestContext", "extend_mask", "probe_from_dict", "register_probe", "run_appended"]
+
+#: the probe context before one context served every scorer (deprecated, goes in 0.2)
+__getattr__ = deprecated_names(
+    __name__, globals(), {"ProbeContext": ("hf_kvmap.request_context.RequestContext", _ProbeContext)}
+)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ProbeContext, register_probe
+from .base import RequestContext, register_probe
 from .draft_agreement import DraftAgreementProbe
 
 
@@ -19,7 +19,7 @@ class ConfidentDraftProbe(DraftAgreementProbe):
     name = "confident_draft"
 
     @torch.no_grad()
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         disagree, confidence = self.verify(context)
         return (disagree * confidence).mean(-1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...cache_views import prefix_view
-from .base import Probe, ProbeContext, extend_mask, register_probe, run_appended
+from .base import Probe, RequestContext, extend_mask, register_probe, run_appended
 
 
 @register_probe
@@ -24,12 +24,12 @@ class DraftAgreementProbe(Probe):
     exact_scores_zero = True
 
     @torch.no_grad()
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         disagree, _ = self.verify(context)
         return disagree.mean(-1)
 
     @torch.no_grad()
-    def verify(self, context: ProbeContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, context: RequestContext) -> tuple[torch.Tensor, torch.Tensor]:
         """`(disagree, confidence)`, each `(batch, tokens)`: whether the target's argmax on the mapped cache differs
         from each draft token, and the source's probability of that draft token."""
         steps = self.tokens

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import Probe, ProbeContext, probe_from_dict, register_probe
+from .base import Probe, RequestContext, probe_from_dict, register_probe
 
 
 @register_probe
@@ -42,10 +42,10 @@ class LinearProbe(Probe):
     def target_tokens(self, length: int) -> int:
         return sum(component.target_tokens(length) for component in self.components)
 
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         risk = torch.full((context.batch,), self.bias)
         for weight, component in zip(self.weights, self.components):
-            risk = risk + weight * component.score(context).float().cpu()
+            risk = risk + weight * component.risks(context).cpu()
         return risk
 
     def __repr__(self) -> str:

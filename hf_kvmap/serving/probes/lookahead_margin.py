@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Probe, ProbeContext, register_probe
+from .base import Probe, RequestContext, register_probe
 
 
 @register_probe
@@ -18,7 +18,7 @@ class LookaheadMarginProbe(Probe):
     name = "lookahead_margin"
 
     @torch.no_grad()
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         top = context.draft("target").top2(self.tokens)
         return 1.0 - (top[..., 0] - top[..., 1]).amin(-1)
 

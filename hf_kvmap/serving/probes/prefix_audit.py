@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._compat import output_cache
-from .base import Probe, ProbeContext, register_probe
+from .base import Probe, RequestContext, register_probe
 
 
 @register_probe
@@ -23,7 +23,7 @@ class PrefixAuditProbe(Probe):
         return min(self.tokens, length - 1)
 
     @torch.no_grad()
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         mapped_tokens = context.length - context.hold_back
         width = min(self.tokens, mapped_tokens)
         mask = context.attention_mask[:, :width]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Probe, ProbeContext, register_probe
+from .base import Probe, RequestContext, register_probe
 
 
 @register_probe
@@ -26,7 +26,7 @@ class TailNLLProbe(Probe):
     def target_tokens(self, length: int) -> int:
         return min(self.tokens, length) - 1
 
-    def score(self, context: ProbeContext) -> torch.Tensor:
+    def score(self, context: RequestContext) -> torch.Tensor:
         if context.tail_logits is None or context.tail_logits.shape[1] == 0:
             return torch.zeros(context.batch)
         held = context.tail_logits.shape[1]
