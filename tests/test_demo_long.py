@@ -177,3 +177,22 @@ def test_the_first_screen_says_when_the_switch_pays_nowhere():
     flat = " ".join(line.strip() for line in first_screen(_results(rows)).splitlines())
     assert "The switch pays on no row measured" in flat and "The switch pays:" not in flat
     assert "repaired above 256 tokens (not sooner at the longest measured)" in flat
+
+
+def test_the_docs_block_renders_the_first_screen_from_the_results():
+    """`benchmarks.sections.long_markdown` (the docs page's first demo table) says what the first screen says."""
+    from benchmarks.sections import long_markdown
+
+    rows = {
+        "recall": [
+            _row(256, (0.94, 60.0), (0.80, 20.0), (0.94, 80.0), (0.90, 90.0)),
+            _row(512, (0.80, 120.0), (0.60, 25.0), (0.78, 100.0), (0.80, 80.0)),
+        ]
+    }
+    block = long_markdown(_results(rows))
+    assert "| recall | 512 | 0.800 / 120.0 | 0.600 / 25.0 | **0.780 / 100.0** | **0.800 / 80.0** |" in block
+    assert "| recall | 256 | 0.940 / 60.0 | 0.800 / 20.0 | 0.940 / 80.0 | 0.900 / 90.0 |" in block
+    assert "- The switch pays on recall at 512 tokens: repaired 0.780 in 100.0 ms (1.20x sooner)" in block
+    assert "on the 2 rows where it beats chance: mapped on 0, repaired on 2, guarded on 2." in block
+    assert "  - recall: mapped below 256 tokens (sooner at every length measured); repaired about 398 tokens" in block
+    assert demo_long.BREAK_EVEN_RULE in block

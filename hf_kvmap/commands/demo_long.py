@@ -188,10 +188,16 @@ def first_screen(results: dict) -> str:
         return lines[0] + "\n(no long rows: --long-lengths was empty)"
     reach = long["reach"]
     where = "stated first" if reach is None else f"stated {reach} tokens before the prompt's end"
+    why = (
+        " (the tiny target, trained on 256-token windows, does not recall a fact stated first much past them: "
+        "--reach first measures it)"
+        if reach is not None
+        else ""
+    )
     lines += _wrapped(
-        f"Long prompts of the family's own text, one fact {where} and the question about it last, {long['items']} "
-        "items per task and length; accuracy / median ms to the first token from the source's prefill, each length "
-        "warmed up first:"
+        f"Long prompts of the family's own text, one fact {where}{why} and the question about it last, "
+        f"{long['items']} items per task and length; accuracy / median ms to the first token from the source's "
+        "prefill, each length warmed up first:"
     )
     header = "".join(f"{label:<19}" for label in ("target alone", *HANDOFF_WAYS)).rstrip()
     lines += ["", f"{'task':<8}{'tokens':>7}   {header}"]
