@@ -18,12 +18,15 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="Hand conversations from a small to a large tiny-family model: the target alone, the mapped, the repaired "
-        "and the guarded handoff, with accuracy and time to first token.",
-        description="Loads the shipped tiny family and mapper, evaluates every task (source alone, target alone, "
-        "source prefill -> mapped cache -> target), reports the tasks the target does better than chance (and names "
-        "the others, with why), serves each of their requests four ways (the target alone, the mapped cache, the "
-        "repaired cache, the guarded handoff) with the time to the first token, and times the mapper against the "
-        "target's re-prefill per context length.",
+        "and the guarded handoff, with accuracy and time to first token, and where the switch pays.",
+        description="Loads the shipped tiny family and mapper and prints first where the switch pays: the long forms "
+        "of recall and chat (one fact in a long prompt of the family's own text, the question about it last) at "
+        "--long-lengths, each request served four ways (the target alone, the mapped cache, the repaired cache, the "
+        "guarded handoff) with accuracy and time to the first token, the rows where a handoff answers at the "
+        "target's accuracy sooner, and each way's break-even length. Then it evaluates every short task (source "
+        "alone, target alone, source prefill -> mapped cache -> target), reports the tasks the target does better "
+        "than chance (and names the others, with why), serves each of their requests the same four ways, and times "
+        "the mapper against the target's re-prefill per context length.",
     )
     parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
     parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
