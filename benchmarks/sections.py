@@ -67,12 +67,95 @@ def serving_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def long_markdown(results: dict) -> str:
+    """The demo's first screen as markdown: the long rows (the ways that pay in bold), the rows where the switch pays,
+    the break-even lengths and how they were obtained."""
+    from hf_kvmap.commands.demo_long import (
+        BREAK_EVEN_RULE,
+        HANDOFF_WAYS,
+        break_even_text,
+        kept_text,
+        paying_rows,
+        pays,
+    )
+
+    long = results["long"]
+    reach = long["reach"]
+    where = "stated first" if reach is None else f"stated {reach} tokens before the prompt's end"
+    tolerance = fmt_number(long["tolerance"], 2)
+    lines = [
+        f"**Where the switch pays** (what the demo prints first): long prompts of the family's own text, one fact {where} "
+        f"and the question about it last, {long['items']} items per task and length; accuracy / median time to the first "
+        "token (ms) from the source's prefill, each length warmed up; in bold where a handoff pays (its first token "
+        f"sooner than the target alone's, its accuracy within {tolerance} of it, where the target alone beats chance).",
+        "",
+        "| task | prompt tokens | " + " | ".join(WAY_LABELS[way] for way in ("target", *HANDOFF_WAYS)) + " |",
+        "|---|---|" + "---|" * (1 + len(HANDOFF_WAYS)),
+    ]
+    for task, rows in long["tasks"].items():
+        for row in rows:
+            cells = []
+            for way in ("target", *HANDOFF_WAYS):
+                served = row["ways"][way]
+                cell = f"{fmt_number(served['accuracy'])} / {fmt_number(served['ttft_ms'], 1)}"
+                cells.append(f"**{cell}**" if way != "target" and pays(row, way) else cell)
+            note = "" if row["target_does_task"] else " (the target alone does not beat chance)"
+            lines.append(f"| {task} | {row['tokens']}{note} | " + " | ".join(cells) + " |")
+    lines.append("")
+    paying = paying_rows(long["tasks"])
+    for task, row, ways in paying:
+        target = row["ways"]["target"]
+        served = ", ".join(
+            f"{WAY_LABELS[way]} {fmt_number(row['ways'][way]['accuracy'])} in {fmt_number(row['ways'][way]['ttft_ms'], 1)}"
+            f" ms ({fmt_number(target['ttft_ms'] / row['ways'][way]['ttft_ms'], 2)}x sooner)"
+            for way in ways
+        )
+        lines.append(
+            f"- The switch pays on {task} at {row['tokens']} tokens: {served}; the target alone "
+            f"{fmt_number(target['accuracy'])} in {fmt_number(target['ttft_ms'], 1)} ms."
+        )
+    if not paying:
+        lines.append(
+            f"- The switch pays on no row measured: no handoff answers within {tolerance} of the target alone's accuracy "
+            "with its first token sooner."
+        )
+    lines.append(f"- {kept_text(long['tasks'], long['tolerance'])}")
+    lines.append(f"- Where it does not pay: below the break-even length, {BREAK_EVEN_RULE}:")
+    for task, entries in long["break_even"].items():
+        text = "; ".join(f"{WAY_LABELS[way]} {break_even_text(e)}" for way, e in entries.items())
+        lines.append(f"  - {task}: {text}.")
+    latency = results.get("latency_break_even") or {}
+    if latency:
+        text = "; ".join(f"{WAY_LABELS[way]} {break_even_text(e)}" for way, e in latency.items())
+        lines.append(f"  - random tokens (the latency table below): {text}.")
+    return "\n".join(lines)
+
+
+def _load_text(env: dict) -> str:
+    """`, load average 2.1 at the start and 2.4 at the end` (1 minute) where the run recorded it."""
+    if "loadavg_start" not in env:
+        return ""
+    return (
+        f", load average {env['loadavg_start'][0]:.1f} at the start and {env['loadavg_end'][0]:.1f} at the end "
+        "(1 minute)"
+    )
+
+
 def demo_markdown(results: dict, source_file: str) -> str:
     """The docs block for one `hf-kvmap demo` JSON: per-task table, perplexity, the four ways and latency."""
     run = results["run"]
+    env = results.get("environment", {})
     lines = [
         f"Generated from `{source_file}` (`{run['source']}` -> `{run['target']}`, mapper `{run['mapper']}`"
-        f"{_mapper_summary(run.get('mapper_config'))}, {run['items_per_task']} items per task, seed {run['seed']}).",
+        f"{_mapper_summary(run.get('mapper_config'))}, {run['items_per_task']} items per task, seed {run['seed']}; "
+        f"{env.get('device', 'cpu')}, {env.get('threads', '?')} threads{_load_text(env)}, "
+        f"{fmt_number(run.get('seconds'), 0)} s in all).",
+    ]
+    if results.get("long"):
+        lines += ["", long_markdown(results)]
+    lines += [
+        "",
+        "On the tiny family's own (short) items: each model alone and the handoff (mapped) per task.",
         "",
         "| task | source alone | target alone | handoff (mapped) | chance | retention | floor-normalized |",
         "|---|---|---|---|---|---|---|",
@@ -100,7 +183,6 @@ def demo_markdown(results: dict, source_file: str) -> str:
             "Not reported, because the target alone does not do them better than chance over the items (one-sided "
             "exact binomial test at the 5 % level), so a handoff has nothing to retain: " + "; ".join(cells) + ".",
         ]
-    env = results.get("environment", {})
     if results.get("serving"):
         lines += ["", serving_markdown(results)]
     if results.get("latency"):

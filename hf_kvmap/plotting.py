@@ -121,17 +121,41 @@ def plot_diagnostics(diagnostics: dict, path) -> bool:
     return True
 
 
+def _plot_long(ax, long: dict, colors: dict) -> None:
+    """The demo's long rows: each way's first token per length and task (filled where it pays)."""
+    from .commands.demo_long import pays
+
+    for task, style in zip(long, ("-", "--", ":", "-.")):
+        rows = long[task]
+        for way in ("target", "mapped", "repaired", "guarded"):
+            tokens = [row["tokens"] for row in rows]
+            ax.plot(
+                tokens, [row["ways"][way]["ttft_ms"] for row in rows], style, color=colors[way], label=f"{task}: {way}"
+            )
+            paying = [row for row in rows if way != "target" and pays(row, way)]
+            ax.plot([r["tokens"] for r in paying], [r["ways"][way]["ttft_ms"] for r in paying], "o", color=colors[way])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms to the first token (median)")
+    ax.set_title("long prompts (dots: pays, at the target's accuracy)")
+    ax.legend(fontsize="x-small", ncol=2)
+
+
 def plot_demo(results: dict, path: Path) -> bool:
-    """An `hf-kvmap demo` results dict: accuracy per task and way (chance dotted), time to first token per task and
-    way, and the latency curves per context length."""
+    """An `hf-kvmap demo` results dict: the long rows' time to the first token per length and way (where the demo
+    measured them), accuracy per task and way (chance dotted), time to first token per task and way, and the latency
+    curves per context length."""
     plt = pyplot("the demo plot")
     if plt is None:
         return False
     serving = results.get("serving") or {}
     tasks = list(results["tasks"])
-    fig, (ax_acc, ax_ttft, ax_lat) = plt.subplots(1, 3, figsize=(16, 4.2))
+    long = (results.get("long") or {}).get("tasks") or {}
+    fig, axes = plt.subplots(1, 3 + bool(long), figsize=(16 + 5 * bool(long), 4.2))
+    ax_acc, ax_ttft, ax_lat = axes[-3:]
     ways = ("source", "target", "mapped", "repaired", "guarded")
     colors = {way: f"C{k}" for k, way in enumerate(ways)}  # one colour per way in every panel
+    if long:
+        _plot_long(axes[0], long, colors)
     width = 0.8 / len(ways)
     for k, way in enumerate(ways):
         values = [

@@ -175,7 +175,8 @@ def test_cli_refuses_different_tokenizers(tiny, tmp_path):
 
 def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_path, capsys):
     out, plot = tmp_path / "demo.json", tmp_path / "demo.png"
-    args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--json", str(out), "--plot", str(plot)]
+    args = ["demo", "--items", "6", "--lengths", "32,64", "--repeats", "1", "--long-lengths", "64,96", "--long-items",
+            "3", "--reach", "40", "--json", str(out), "--plot", str(plot)]  # fmt: skip
     threads = torch.get_num_threads()
     assert cli_main(args) == 0
     assert torch.get_num_threads() == threads  # the demo ran on 1 thread (its default) and gave the count back
@@ -205,6 +206,20 @@ def test_short_demo_reports_the_tasks_the_target_does_and_names_the_others(tmp_p
         for way in ("target alone", "mapped", "repaired", "guarded"):
             assert re.search(rf"^{name} +{way} +[0-9.]+ +[0-9.]+", printed, re.MULTILINE), (name, way)
     assert results["environment"]["threads"] == 1
+    assert all(len(results["environment"][key]) == 3 for key in ("loadavg_start", "loadavg_end"))
+    # the long forms of the kept tasks that have one, served four ways at each length, and the first screen printed
+    long = results["long"]
+    assert long["lengths"] == [64, 96] and long["reach"] == 40 and long["items"] == 3
+    assert set(long["tasks"]) == {"recall", "chat"} & set(results["tasks"]) == set(long["break_even"])
+    for rows in long["tasks"].values():
+        assert [row["tokens"] for row in rows] == [64, 96]
+        for row in rows:
+            assert list(row["ways"]) == ["target", "mapped", "repaired", "guarded"]
+            assert all(row["ways"][way]["n_items"] == 3 for way in row["ways"])
+            assert row["prompt_tokens"][1] <= row["tokens"]
+    assert set(results["latency_break_even"]) == {"mapped", "repaired"}
+    assert printed.startswith("hf-kvmap demo: tiny-s -> tiny-l (mapper zoo:tiny-s-to-tiny-l): where the switch pays")
+    assert "Where it does not pay: below the break-even length" in printed
     assert results["run"]["repair"]["fraction"] == 0.2 and results["run"]["guard"]["probe"]["name"]
     assert plot.stat().st_size > 10_000
 

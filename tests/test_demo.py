@@ -63,7 +63,36 @@ def test_demo_takes_token_counts_or_no_latency_table(no_models):
     assert _accepted(["--lengths", ""])[0] == []
 
 
-@pytest.mark.parametrize("flag", ["--repeats", "--items", "--threads"])
+@pytest.mark.parametrize("lengths", ["abc", "256,x", "16", "2048"])
+def test_demo_refuses_long_lengths_outside_the_family_positions(lengths, no_models, capsys):
+    message = _refused(["--long-lengths", lengths], capsys)
+    assert f"--long-lengths {lengths!r}" in message and "from 32 to 1024" in message
+
+
+@pytest.mark.parametrize("reach", ["abc", "8", "-3"])
+def test_demo_refuses_a_reach_that_is_not_a_token_count(reach, no_models, capsys):
+    message = _refused(["--reach", reach], capsys)
+    assert f"--reach {reach!r}" in message and "'first'" in message
+
+
+def test_demo_refuses_a_reach_the_long_lengths_cannot_hold(no_models, capsys):
+    message = _refused(["--long-lengths", "96,256", "--reach", "128"], capsys)
+    assert "--reach 128 does not fit in --long-lengths 96" in message and "smaller --reach" in message
+
+
+def test_demo_takes_long_lengths_and_a_reach_or_the_fact_first(no_models):
+    args = build_parser().parse_args(["demo", "--long-lengths", "64, 512", "--reach", "first"])
+    demo.check_arguments(args)
+    assert args.long_lengths == [64, 512] and args.reach is None
+    args = build_parser().parse_args(["demo"])
+    demo.check_arguments(args)
+    assert args.long_lengths == [256, 384, 512] and args.reach == 96
+    args = build_parser().parse_args(["demo", "--long-lengths", ""])
+    demo.check_arguments(args)
+    assert args.long_lengths == []
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--items", "--threads", "--long-items"])
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_demo_refuses_counts_below_one(flag, value, no_models, capsys):
     assert f"{flag}: {value} must be a positive integer" in _refused([flag, value], capsys)
@@ -165,7 +194,8 @@ def test_demo_serves_the_guarded_way_with_a_given_ladder(tmp_path, capsys):
     args = build_parser().parse_args(["demo", "--ladder", str(path)])
     demo.check_arguments(args)
     assert isinstance(args.ladder, GuardLadder) and args.ladder.to_dict()["rungs"] == LADDER["rungs"]
-    assert cli_main(["demo", "--items", "4", "--lengths", "", "--ladder", str(path), "--json", str(out)]) == 0
+    argv = ["demo", "--items", "4", "--lengths", "", "--long-lengths", "", "--ladder", str(path), "--json", str(out)]
+    assert cli_main(argv) == 0
     results = json.loads(out.read_text())
     assert results["run"]["guard"]["ladder"]["rungs"] == LADDER["rungs"]
     for ways in results["serving"].values():

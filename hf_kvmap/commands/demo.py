@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from . import _args
+from .demo_long import DEFAULT_LONG_ITEMS, DEFAULT_LONG_LENGTHS, DEFAULT_REACH
 
-DEFAULT_LENGTHS = (64, 256, 512, 1000)
+DEFAULT_LENGTHS = (64, 128, 256, 384, 512, 1000)
 #: the repair of the `repaired` way: the positions the source reads while it drafts the answer, a fifth of them
 DEFAULT_REPAIR = "draft_attention:0.2"
 
@@ -16,12 +18,15 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="Hand conversations from a small to a large tiny-family model: the target alone, the mapped, the repaired "
-        "and the guarded handoff, with accuracy and time to first token.",
-        description="Loads the shipped tiny family and mapper, evaluates every task (source alone, target alone, "
-        "source prefill -> mapped cache -> target), reports the tasks the target does better than chance (and names "
-        "the others, with why), serves each of their requests four ways (the target alone, the mapped cache, the "
-        "repaired cache, the guarded handoff) with the time to the first token, and times the mapper against the "
-        "target's re-prefill per context length.",
+        "and the guarded handoff, with accuracy and time to first token, and where the switch pays.",
+        description="Loads the shipped tiny family and mapper and prints first where the switch pays: the long forms "
+        "of recall and chat (one fact in a long prompt of the family's own text, the question about it last) at "
+        "--long-lengths, each request served four ways (the target alone, the mapped cache, the repaired cache, the "
+        "guarded handoff) with accuracy and time to the first token, the rows where a handoff answers at the "
+        "target's accuracy sooner, and each way's break-even length. Then it evaluates every short task (source "
+        "alone, target alone, source prefill -> mapped cache -> target), reports the tasks the target does better "
+        "than chance (and names the others, with why), serves each of their requests the same four ways, and times "
+        "the mapper against the target's re-prefill per context length.",
     )
     parser.add_argument("--source", default="tiny-s", help="source member (default: tiny-s)")
     parser.add_argument("--target", default="tiny-l", help="target member (default: tiny-l)")
@@ -47,6 +52,24 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--repeats", type=_args.positive_int, default=7, help="timed repeats per length (median reported)"
+    )
+    parser.add_argument(
+        "--long-lengths",
+        default=",".join(map(str, DEFAULT_LONG_LENGTHS)),
+        help="prompt lengths (tokens) of the long forms of recall and chat served four ways, the first screen "
+        f"(default: {','.join(map(str, DEFAULT_LONG_LENGTHS))}; an empty string for none)",
+    )
+    parser.add_argument(
+        "--long-items",
+        type=_args.positive_int,
+        default=DEFAULT_LONG_ITEMS,
+        help=f"long items per task and length (default: {DEFAULT_LONG_ITEMS})",
+    )
+    parser.add_argument(
+        "--reach",
+        default=str(DEFAULT_REACH),
+        help=f"tokens from the long prompts' fact to their end (default: {DEFAULT_REACH}), or 'first' to state the "
+        "fact first",
     )
     parser.add_argument("--json", type=_args.output_file, default=None, help="write the results JSON here")
     parser.add_argument(
@@ -110,6 +133,50 @@ def read_ladder(path) -> object:
         )
 
 
+def _token_counts(flag: str, text, minimum: int, example: str, empty: str, maximum: int | None = None) -> list[int]:
+    """Comma-separated token counts of `flag`, each from `minimum` to `maximum`, or a clear exit naming the flag."""
+    counts = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < minimum or (maximum is not None and int(part) > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+            _fail(
+                f"{flag} {text!r}: {part!r} is not a token count {bound}; give comma-separated counts "
+                f"(e.g. {example}), or an empty string for {empty}."
+            )
+        counts.append(int(part))
+    return counts
+
+
+def check_long_arguments(args: argparse.Namespace) -> None:
+    """`--long-lengths` and `--reach` checked (a clear exit naming the flag) and parsed in place: `args.long_lengths`
+    a list of token counts within the family's positions, `args.reach` an int or `None` (the fact first)."""
+    from ..zoo.family import MAX_POSITIONS
+    from ..zoo.long_items import MIN_LENGTH
+
+    args.long_lengths = _token_counts(
+        "--long-lengths", args.long_lengths, MIN_LENGTH, "256,384,512", "no long rows", maximum=MAX_POSITIONS
+    )
+    reach = str(args.reach).strip()
+    if reach == "first":
+        args.reach = None
+        return
+    if not reach.isdigit() or int(reach) < MIN_LENGTH:
+        _fail(
+            f"--reach {args.reach!r}: give the tokens from the fact to the prompt's end (at least {MIN_LENGTH}), or "
+            "'first' to state the fact first."
+        )
+    args.reach = int(reach)
+    short = [length for length in args.long_lengths if length <= args.reach]
+    if short:
+        _fail(
+            f"--reach {args.reach} does not fit in --long-lengths {', '.join(map(str, short))}: give lengths longer "
+            "than the reach, or a smaller --reach."
+        )
+
+
 def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
     """`(lengths, RepairConfig, mapper name)` from the command line, every argument checked before any model loads
     (a clear exit naming the flag and what to give instead); `args.ladder` becomes the `GuardLadder` it names."""
@@ -118,17 +185,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], object, str]:
     if args.ladder is not None:
         args.ladder = read_ladder(args.ladder)
 
-    lengths = []
-    for part in str(args.lengths).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if not part.isdigit() or int(part) < 2:
-            _fail(
-                f"--lengths {args.lengths!r}: {part!r} is not a token count of at least 2; give comma-separated counts "
-                "(e.g. 64,256,1000), or an empty string for no latency table."
-            )
-        lengths.append(int(part))
+    lengths = _token_counts("--lengths", args.lengths, 2, "64,256,1000", "no latency table")
+    check_long_arguments(args)
     strategy, _, fraction = str(args.repair).rpartition(":")
     try:
         repair = RepairConfig(strategy, fraction=float(fraction))
@@ -214,11 +272,27 @@ def serve_tasks(ways, tasks, kept) -> dict:
     return out
 
 
+def serve_long_tasks(ways, kept, args) -> dict | None:
+    """The long forms of the kept tasks served four ways at `--long-lengths` (`demo_long.measure_long`), or `None`
+    without lengths."""
+    from tqdm.auto import tqdm
+
+    from ..zoo.long_items import LONG_TASKS
+    from .demo_long import measure_long
+
+    if not args.long_lengths:
+        return None
+    total = len([task for task in LONG_TASKS if task in kept]) * len(args.long_lengths) * args.long_items
+    with tqdm(total=total, desc="long prompts, four ways", unit="item") as bar:
+        return measure_long(ways, kept, args, progress=lambda: bar.update(1))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..plotting import plot_demo
     from ._output import finish
+    from .demo_long import first_screen
 
     lengths, repair, mapper_name = check_arguments(args)
     threads = torch.get_num_threads()
@@ -227,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         results = measure(args, lengths, repair, mapper_name)
     finally:
         torch.set_num_threads(threads)
+    print(first_screen(results))
+    print()
     print(format_table(results))
     finish(args.json, results)
     if args.plot:
@@ -240,10 +316,11 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
     from .. import zoo
     from ..evaluation import HandoffEvaluation, evaluate_tasks
     from ..reporting import environment_info
+    from .demo_long import latency_break_evens
     from .demo_ways import DemoWays
     from .models import load_mapper
 
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), os.getloadavg()
     tokenizer = zoo.load_tokenizer(padding_side="left")
     source, target = zoo.load_model(args.source), zoo.load_model(args.target)
     mapper = load_mapper(mapper_name, "demo")
@@ -253,7 +330,9 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
     results = drop_unmeasurable_tasks(evaluate_tasks(handoff, tasks))
     ways = DemoWays(source, target, mapper, zoo.load_tokenizer(), repair, ladder=args.ladder)
     results["serving"] = serve_tasks(ways, tasks, results["tasks"])
+    results["long"] = serve_long_tasks(ways, results["tasks"], args)
     results["latency"] = ways.latency(lengths, args.repeats) if lengths else []
+    results["latency_break_even"] = latency_break_evens(results["latency"])
     results["run"] = {
         "source": args.source,
         "target": args.target,
@@ -277,5 +356,10 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
         "repeats": args.repeats,
         "seconds": time.perf_counter() - started,
     }
-    results["environment"] = environment_info()
+    # the machine's load (1, 5 and 15 minute averages) when the run started and ended: timings of a busy machine wait
+    results["environment"] = {
+        **environment_info(),
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(os.getloadavg()),
+    }
     return results
