@@ -300,6 +300,10 @@ class Runner:
         reference = out["target"]["tokens"] if "target" in out else reference  # continuations agree with it
         for arm, record in out.items():
             record.update(score(item, record["text"], record["tokens"], reference if arm != "target" else None))
+        if reference and item["task"] != "continuation":  # the 1.5B's own answer read through each arm's cache
+            for arm, (model, cache) in kept.items():  # (nats a token): finer than right or wrong, for choosing maps
+                if arm != "source":  # the 0.5B reads with other weights: its NLL is not comparable
+                    out[arm]["answer_nll"] = text_nll(model, cache, last, reference)
         if len(item.get("questions", [])) > 1:  # the next questions, asked on the cache each arm served
             for arm, (model, cache) in kept.items():
                 replies = follow_ups(model, self.tokenizer, cache, last, item["questions"], max_new, stop, self.eos)

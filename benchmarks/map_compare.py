@@ -181,21 +181,33 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
 
 
 def summary(args) -> dict:
-    """Per map, task and arm: items, mean score, and the map's arms minus their sparse peers (paired, same items)."""
+    """Per map, task and arm over the items every arm of the map's file holds: the mean score, the map's rungs minus
+    their sparse peers (paired, the same items), and the mean NLL of the 1.5B's own answer read through each arm's
+    cache (`answer_nll`, nats a token; finer than right or wrong, where the maps answer alike)."""
     out = Path(args.records_dir)
     result: dict = {}
     for path in sorted(out.glob("*.jsonl")):
         rows = long_switch_report.load(path).values()
         for row in rows:
+            if not all(arm in row["arms"] for arm in ("target", "mapped", "source")):
+                continue  # an item still being measured
             cell = result.setdefault(path.stem, {}).setdefault(row["task"], {})
             for arm, record in row["arms"].items():
                 cell.setdefault(arm, []).append(record["score"])
+                if "answer_nll" in record:
+                    cell.setdefault(f"{arm}/nll", []).append(record["answer_nll"])
     table = {}
     for label, tasks in result.items():
         for task, arms in tasks.items():
-            means = {arm: round(sum(s) / len(s), 3) for arm, s in arms.items()}
-            adds = {arm: round(means[arm] - means[SPARSE + arm], 3) for arm in arms if SPARSE + arm in arms}
-            table.setdefault(label, {})[task] = {"items": len(arms["target"]), "mean": means, "map_adds": adds}
+            means = {arm: round(sum(s) / len(s), 3) for arm, s in arms.items() if not arm.endswith("/nll")}
+            nll = {arm[:-4]: round(sum(s) / len(s), 4) for arm, s in arms.items() if arm.endswith("/nll")}
+            adds = {arm: round(means[arm] - means[SPARSE + arm], 3) for arm in means if SPARSE + arm in means}
+            table.setdefault(label, {})[task] = {
+                "items": len(arms["target"]),
+                "mean": means,
+                "map_adds": adds,
+                "answer_nll": nll,
+            }
     print(json.dumps(table, indent=1))
     return table
 

@@ -767,3 +767,28 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
         map_compare.parse_maps(f"a={tmp_path}")
     with pytest.raises(SystemExit, match="is not a folder"):
         map_compare.parse_maps(f"a={tmp_path},b={tmp_path / 'nothing'}")
+
+
+def test_each_target_arm_reads_the_targets_own_answer_through_its_cache(tiny, monkeypatch):
+    """`answer_nll`: the NLL of the target arm's answer read through each arm's cache. With an identity map every
+    cache the target serves from is its own prefill's, so every arm's NLL is the target's; the source arm (another
+    model) has none; and a sparse prefill of a quarter of the positions reads it differently."""
+    from hf_kvmap import MapperModel
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "long_chat", 6)
+    model = tiny.model(seed=5)
+    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner.source = runner.target = model
+    runner.mapper = MapperModel.identity(model.config)
+    runner.eos, runner.batch = set(), True
+    runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    item = {"task": "long_chat", "index": 0, "ids": ids, "answer": "x"}
+    labels = ("tail@0.25", "sparse:tail@1.0", "sparse:tail@0.25")
+    rungs = {label: long_switch.parse_rung(label) for label in labels}
+    measured = runner.measure(item, ["target", "mapped", *rungs, "source"], rungs, {})
+    own = measured["target"]["answer_nll"]
+    assert own > 0.0 and "answer_nll" not in measured["source"]
+    for arm in ("mapped", "tail@0.25", "sparse:tail@1.0"):
+        assert measured[arm]["answer_nll"] == pytest.approx(own, abs=1e-4), arm
+    assert measured["sparse:tail@0.25"]["answer_nll"] != pytest.approx(own, abs=1e-3)
