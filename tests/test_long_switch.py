@@ -348,20 +348,28 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     assert sorted(again) == sorted([*rungs, "source"])  # what a record holds is not measured again
 
 
-def test_a_sparse_arm_prefills_its_repairs_selection_alone(tiny, monkeypatch):
-    """`sparse:R` serves the target's prefill of the positions rung R selects and nothing else: its tokens are greedy's
-    on `sparse_prefill` of that selection (the tail's last quarter here), it records how many it prefilled, and a
-    repair served beside it recomputes the same positions (one selection, timed once for both)."""
+def _identity_runner(model):
+    """A `long_switch.Runner` serving `model` as both source and target through the identity map, batching the
+    target's arms, no end-of-text ids, a tokenizer that spells token ids."""
     from hf_kvmap import MapperModel
-    from hf_kvmap.repair import sparse_prefill
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
-    model = tiny.model(seed=5)
     runner = long_switch.Runner.__new__(long_switch.Runner)
     runner.source = runner.target = model
     runner.mapper = MapperModel.identity(model.config)
     runner.eos, runner.batch = set(), True
     runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    return runner
+
+
+def test_a_sparse_arm_prefills_its_repairs_selection_alone(tiny, monkeypatch):
+    """`sparse:R` serves the target's prefill of the positions rung R selects and nothing else: its tokens are greedy's
+    on `sparse_prefill` of that selection (the tail's last quarter here), it records how many it prefilled, and a
+    repair served beside it recomputes the same positions (one selection, timed once for both)."""
+    from hf_kvmap.repair import sparse_prefill
+
+    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
+    model = tiny.model(seed=5)
+    runner = _identity_runner(model)
     ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(2)).tolist()
     item = {"task": "continuation", "ids": ids, "continuation_ids": ids[:6], "answer": ""}
     rungs = {label: long_switch.parse_rung(label) for label in ("tail@0.25", "sparse:tail@0.25")}
@@ -773,15 +781,10 @@ def test_each_target_arm_reads_the_targets_own_answer_through_its_cache(tiny, mo
     """`answer_nll`: the NLL of the target arm's answer read through each arm's cache. With an identity map every
     cache the target serves from is its own prefill's, so every arm's NLL is the target's; the source arm (another
     model) has none; and a sparse prefill of a quarter of the positions reads it differently."""
-    from hf_kvmap import MapperModel
 
     monkeypatch.setitem(long_switch.MAX_NEW, "long_chat", 6)
     model = tiny.model(seed=5)
-    runner = long_switch.Runner.__new__(long_switch.Runner)
-    runner.source = runner.target = model
-    runner.mapper = MapperModel.identity(model.config)
-    runner.eos, runner.batch = set(), True
-    runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
+    runner = _identity_runner(model)
     ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(3)).tolist()
     item = {"task": "long_chat", "index": 0, "ids": ids, "answer": "x"}
     labels = ("tail@0.25", "sparse:tail@1.0", "sparse:tail@0.25")
