@@ -18,7 +18,8 @@ the serving pipeline and, deprecated until 0.2, `MappedCache.from_source(repair=
 
 from ..deprecation import deprecated_names
 from ..drafting import Draft, greedy_draft
-from .base import STRATEGIES, RequestContext, Strategy, _RepairContext, register_strategy, strategy_from_dict
+from .base import DEPRECATED_NAMES as _BASE_DEPRECATED
+from .base import STRATEGIES, RequestContext, Strategy, register_strategy, strategy_from_dict
 from .draft_attention import DraftAttentionStrategy
 from .draft_branches import DraftBranchesStrategy
 from .draft_coverage import DraftCoverageStrategy
@@ -67,11 +68,7 @@ __all__ = [
 
 #: the names before "strategy" was the one word (deprecated, go in 0.2)
 DEPRECATED_NAMES = {
-    "RepairContext": ("hf_kvmap.request_context.RequestContext", _RepairContext),
-    "SELECTORS": "STRATEGIES",
-    "Selector": "Strategy",
-    "register_selector": "register_strategy",
-    "selector_from_dict": "strategy_from_dict",
+    **_BASE_DEPRECATED,  # the registry's own old names, kept in one place (`repair.base`)
     **{
         name.replace("Strategy", "Selector"): name
         for name in __all__
