@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hf_kvmap import MapperModel
+from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.finetune import frozen
 from hf_kvmap.long_kl import RowStore, long_kl_finetune, row_kl, tail_start, teacher_topk, topk_kl
 from hf_kvmap.objectives import mapped_kl
@@ -46,9 +48,27 @@ def _store(tmp_path, model, top_k=128, count=8, tail=8, name="rows"):
     return store
 
 
-def test_topk_kl_is_the_coarsened_kl():
+def _model_logits(tiny):
+    """The tiny model's own next-token logits on a tail and its logits reading a perturbed map of the prefix."""
+    model = tiny.model(seed=3)
+    ids = torch.tensor(_sequences(2))
+    with torch.no_grad():
+        teacher = model(input_ids=ids).logits[:, 36:]
+        source = output_cache(model(input_ids=ids[:, :36], use_cache=True))
+        mapped = _perturbed_identity(model, scale=0.1)(
+            [layer.keys for layer in source.layers], [layer.values for layer in source.layers]
+        )
+        student = model(input_ids=ids[:, 36:], **cache_kwargs(DynamicCache(ddp_cache_data=mapped))).logits
+    return teacher, student
+
+
+@pytest.mark.parametrize("logits", ["random", "tiny model"])
+def test_topk_kl_is_the_coarsened_kl(tiny, logits):
     generator = torch.Generator().manual_seed(0)
-    teacher, student = (3 * torch.randn(5, 7, 128, generator=generator) for _ in range(2))
+    if logits == "random":
+        teacher, student = (3 * torch.randn(5, 7, 128, generator=generator) for _ in range(2))
+    else:
+        teacher, student = _model_logits(tiny)
     full = _full_kl(teacher, student)
     # the whole vocabulary: the full KL
     assert torch.allclose(topk_kl(*teacher_topk(teacher, 128), student), full, atol=1e-5)
@@ -57,8 +77,8 @@ def test_topk_kl_is_the_coarsened_kl():
         indices, logprobs, rest = teacher_topk(teacher, k)
         coarse = topk_kl(indices, logprobs, rest, student)
         # the chain rule: what is left out is the rest's mass times the KL of the two rests, renormalised
-        p = torch.log_softmax(teacher, -1).scatter(-1, indices, float("-inf"))
-        q = torch.log_softmax(student, -1).scatter(-1, indices, float("-inf"))
+        p = torch.log_softmax(teacher.float(), -1).scatter(-1, indices, float("-inf"))
+        q = torch.log_softmax(student.float(), -1).scatter(-1, indices, float("-inf"))
         p_rest, q_rest = p - p.logsumexp(-1, keepdim=True), q - q.logsumexp(-1, keepdim=True)
         within = torch.where(p_rest.isinf(), 0.0, p_rest.exp() * (p_rest - q_rest)).sum(-1)
         assert torch.allclose(full - coarse, rest.exp() * within, atol=1e-5)
@@ -165,3 +185,14 @@ def test_resuming_a_checkpoint_reaches_the_uninterrupted_weights(tiny, tmp_path)
         long_kl_finetune(again, model, store, max_minutes=1.0, **options)
     with pytest.raises(ValueError, match="val_rows"):
         long_kl_finetune(again, model, store, **(options | {"val_rows": 8}))
+
+
+def test_the_command_takes_the_pair_from_the_maps_config(tiny):
+    from benchmarks.real.long_finetune import pair_of
+
+    mapper = MapperModel.identity(tiny.model().config)
+    with pytest.raises(SystemExit, match="real pair"):
+        pair_of(mapper)
+    mapper.config.source_model_id = "hf-kvmap-real:qwen2.5-coder-0.5b-instruct"
+    mapper.config.target_model_id = "hf-kvmap-real:qwen2.5-coder-1.5b-instruct"
+    assert pair_of(mapper) == ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")

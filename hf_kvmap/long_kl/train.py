@@ -70,8 +70,8 @@ class LongKLOptions:
 @dataclass
 class LongKLResult:
     """What [`long_kl_finetune`] did: its settings and rows, the held-out KL before and after, the best step, whether
-    it finished (`False`: stopped by `max_minutes` at a checkpoint), and the history (every step's training KL, the
-    held-out KL at each evaluation)."""
+    it finished (`False`: stopped by `max_minutes` at a checkpoint), and the history (every step's training KL and
+    seconds, the held-out KL and its seconds at each evaluation, the seconds since the start)."""
 
     settings: dict[str, Any]
     rows: dict[str, Any]
@@ -249,17 +249,18 @@ def long_kl_finetune(
             best, state = _load_checkpoint(folder, named, optimizer, identity)
         else:
             initial = held_out_kl(mapper, target_model, store, val)
+            evaluated = time.perf_counter() - started
             best = best_state()
             state = {"identity": identity, "step": 0, "initial": initial, "best": initial, "best_step": 0}
             state |= {"best_trained": math.inf, "stale": 0, "done": False, "seconds": 0.0}
-            state["history"] = [{"step": 0, "val_kl": initial, "seconds": 0.0}]
+            state["history"] = [{"step": 0, "val_kl": initial, "eval_seconds": evaluated, "seconds": evaluated}]
         previous_seconds = state["seconds"]
         bar = tqdm(
             total=steps, initial=state["step"], desc="KL fine-tune at length", unit="step", disable=not progress
         )
         try:
             while not state["done"] and state["step"] < steps:
-                step = state["step"] + 1
+                step, began = state["step"] + 1, time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 total = 0.0
                 for index in step_rows(train, step, batch_rows, seed):
@@ -270,13 +271,14 @@ def long_kl_finetune(
                     total += loss.item() / batch_rows
                 optimizer.step()
                 state["step"] = step
-                seconds = previous_seconds + time.perf_counter() - started
-                record = {"step": step, "train_kl": total, "seconds": seconds}
+                record = {"step": step, "train_kl": total, "step_seconds": time.perf_counter() - began}
                 bar.update(1)
                 bar.set_postfix({"train_kl": f"{total:.4g}", "best": f"{state['best']:.4g}"}, refresh=False)
                 evaluate = step % eval_every == 0 or step == steps
                 if evaluate:
+                    began = time.perf_counter()
                     value = record["val_kl"] = held_out_kl(mapper, target_model, store, val)
+                    record["eval_seconds"] = time.perf_counter() - began
                     if value < state["best"]:
                         state["best"], state["best_step"], best = value, step, best_state()
                     if value < state["best_trained"]:
@@ -285,8 +287,8 @@ def long_kl_finetune(
                         state["stale"] += 1
                     state["done"] = patience is not None and state["stale"] >= patience
                     bar.set_postfix({"val_kl": f"{value:.4g}", "best": f"{state['best']:.4g}"}, refresh=False)
+                state["seconds"] = record["seconds"] = previous_seconds + time.perf_counter() - started
                 state["history"].append(record)
-                state["seconds"] = seconds
                 out_of_time = max_minutes is not None and time.perf_counter() - started > 60 * max_minutes
                 if folder is not None and (evaluate or out_of_time or state["step"] == steps):
                     _save_checkpoint(folder, named, optimizer, best, state)
