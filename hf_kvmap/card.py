@@ -104,7 +104,8 @@ def refit_reproducibility(config) -> str:
             f"other bytes on another CPU (gathered with {gathered}, solved with {solved}); set {portable} for a "
             "reproducible refit"
         )
-    trained = [key for key in ("mlp_training", "attention_finetune", "kl_finetune") if key in calibration]
+    trained = ("mlp_training", "attention_finetune", "kl_finetune", "long_kl_finetune")
+    trained = [key for key in trained if key in calibration]
     if trained:
         return (
             f"the statistics and ridge are portable; not measured for the training after them ({', '.join(trained)})"
@@ -155,6 +156,21 @@ def _objective_rows(config) -> list[tuple[str, str]]:
                 f"(best step {record['best_step']} of {record['steps_run']}; Adam lr {settings['lr']:g}, "
                 f"{settings['batch_size']} sequences per step, {record['sequences_train']} + "
                 f"{record['sequences_val']} held-out sequences of {record['sequence_length']} tokens)",
+            )
+        )
+    record = calibration.get("long_kl_finetune")
+    if record:
+        settings, data = record["settings"], record["rows"]
+        rows.append(
+            (
+                "fine-tuned: KL at length",
+                f"end-to-end KL through the frozen target of a tail of {data['tail']} tokens read through the mapped "
+                f"cache of the rest (rows of {data['seq_len']} tokens, the teacher's top {data['top_k']} tokens): "
+                f"held-out KL {fmt_number(record['initial_val_kl'], 4, 'g')} -> "
+                f"{fmt_number(record['best_val_kl'], 4, 'g')} (best step {record['best_step']} of "
+                f"{record['steps_run']}; Adam lr {settings['lr']:g}, {settings['batch_rows']} rows per step, "
+                f"{len(data['train'])} + {len(data['val'])} held-out rows; from the map "
+                f"{record['base_content_hash'] or '(unhashed)'})",
             )
         )
     return rows

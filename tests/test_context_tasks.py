@@ -38,7 +38,10 @@ def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     root = Path(context_tasks.__file__).parents[1]
-    texts = [path.read_text() for path in sorted(root.rglob("*.py"))] + [" ".join(WORDS)] * 5
+    # the vocabulary moves with every file added to the package, and code_defs at TOKENS then falls more than 3 % short
+    # of its length (measured when `long_kl` came); its sources stay out until this is trained on a fixed text
+    texts = [path.read_text() for path in sorted(root.rglob("*.py")) if "long_kl" not in path.parts]
+    texts += [" ".join(WORDS)] * 5
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=2000, special_tokens=["<eos>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")

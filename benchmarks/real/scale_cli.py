@@ -22,6 +22,7 @@ from .common import DTYPES, MANIFEST
 from .finetune import FINETUNE_OBJECTIVES, cmd_features, cmd_finetune
 from .guard import cmd_guard
 from .layers import KEYS_RESULTS, cmd_keys, cmd_swap
+from .long_finetune import add_command as add_long_finetune
 from .scale import TASKS, cmd_first_layer, cmd_follow, cmd_run, cmd_score, int_list
 from .scale_report import cmd_report
 
@@ -95,6 +96,7 @@ def add_commands(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--val-sequences", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_finetune)
+    add_long_finetune(sub)
     p = fit_command(sub, "features", "fit and score the mappers that need features (windows, both kinds, MLP)", TASKS)
     p.add_argument("--calibration", type=Path, required=True, help="the calibration folder (its snapshots)")
     p.add_argument("--selection-positions", type=int, default=32768, help="the snapshot whose k = 8 selection is used")
