@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 
 from .artifacts import side_mismatches
@@ -104,6 +105,13 @@ class KVMapConnector(KVConnectorBase_V1):
             problems = side_mismatches(config, "target", vllm_config.model_config.hf_config, same_weights=True)
             if problems:
                 raise ValueError(f"The mapper {location} does not map into this engine's model: {problems}.")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"KVMapConnector writes every KV head of every layer in one worker; this engine runs tensor parallel "
+                f"{parallel.tensor_parallel_size} and pipeline parallel {parallel.pipeline_parallel_size}. Run it with "
+                "tensor_parallel_size=1 and pipeline_parallel_size=1."
+            )
         self.block_size = vllm_config.cache_config.block_size
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.dtype = vllm_config.model_config.dtype
@@ -234,7 +242,6 @@ class KVMapConnector(KVConnectorBase_V1):
             extract_layer_index(name): layer
             for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None
-            and hasattr(getattr(layer, "impl", None), "do_kv_cache_update")
         }
         for load in meta.loads:
             try:
@@ -242,8 +249,13 @@ class KVMapConnector(KVConnectorBase_V1):
                 mapped = engine_prefix.map_prefix(
                     path, load.plan, load.prompt_token_ids, self.mappers[load.plan.mapper], self.dtype
                 )
-                if sorted(layers) != list(range(len(mapped))):
-                    raise ValueError(f"the forward pass has attention layers {sorted(layers)}, mapped {len(mapped)}")
+                kinds = sorted({type(layer).__name__ for layer in layers.values()})
+                standard = all(isinstance(layer, Attention) for layer in layers.values())
+                if sorted(layers) != list(range(len(mapped))) or not standard:
+                    raise ValueError(
+                        f"the forward pass has KV-cache layers {sorted(layers)} ({kinds}); the mapper writes "
+                        f"{len(mapped)} layers of standard attention (`Attention`, not MLA)"
+                    )
             except (OSError, ValueError) as err:
                 logger.warning(f"KVMapConnector: request {load.request_id}'s mapped prefix did not load: {err}")
                 self._failed_blocks.update(load.block_ids)
