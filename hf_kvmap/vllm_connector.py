@@ -200,7 +200,11 @@ class KVMapConnector(KVConnectorBase_V1):
         `{"hf_kvmap": {"mapped_tokens", "loaded_tokens", "approximate", "source_cache", "content_sha256"}}` (its
         first `mapped_tokens` positions hold mapped K/V, `loaded_tokens` of them written by this request's load, the
         rest the engine's prefix-cache hits of earlier loads of the same file), or `{"hf_kvmap": {"mapped_tokens": 0,
-        "refused": reason}}`; a load the worker could not complete adds `"load_failed": True`."""
+        "refused": reason}}`; a load the worker could not complete adds `"load_failed": True`.
+
+        `approximate` errs on the safe side: it is false only when nothing mapped can have reached the request (a
+        refusal, or a failed load with no prefix-cache hit before it). A request whose load the scheduler dropped for
+        a partial-block prefix-cache hit is reported approximate, with `mapped_tokens` its block-aligned hits."""
         plan = self._plans.pop(request.request_id, None)
         served = self._served.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
@@ -209,11 +213,11 @@ class KVMapConnector(KVConnectorBase_V1):
         if isinstance(plan, str):
             return False, {engine_prefix.PARAMS_KEY: {"mapped_tokens": 0, "refused": plan}}
         failed = bool(served and served.get("load_failed"))
-        mapped = plan.start if failed else plan.end
+        loaded = served is not None and not failed
         report = {
-            "mapped_tokens": mapped,
-            "loaded_tokens": plan.num_tokens if served is not None and not failed else 0,
-            "approximate": mapped > 0,
+            "mapped_tokens": plan.end if loaded or plan.num_tokens == 0 else plan.start,
+            "loaded_tokens": plan.num_tokens if loaded else 0,
+            "approximate": not (failed and plan.start == 0),
             "source_cache": plan.source_cache,
             "content_sha256": plan.content_sha256,
         }
