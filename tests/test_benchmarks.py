@@ -1183,3 +1183,28 @@ def test_portable_fit_says_which_settings_refit_one_mapper_and_which_step_differ
     page = portable_fit.markdown({"run": {"positions": "x"}, "fits": old})
     assert "| native | as the machine runs | - | `ab12ab12ab12` | - | 12 |" in page
     assert page.endswith("Native settings: one mapper. Portable settings: one mapper.")
+
+
+def test_pair_timing_sums_its_stages_and_refuses_a_used_folder(tmp_path):
+    """`benchmarks.pair_timing`: minutes are the stages' seconds summed, a failed stage fails the run and its target,
+    and a `--work` folder that holds anything is refused (a resumed calibration would time less than a run from
+    nothing)."""
+    from benchmarks import pair_timing
+
+    stages = [
+        {"stage": "pair", "seconds": 600.0, "returncode": 0, "load_before": 1.0, "load_after": 2.5},
+        {"stage": "serve", "seconds": 60.0, "returncode": 0, "load_before": 2.0, "load_after": 1.5},
+    ]
+    assert pair_timing.summarize(stages) == {
+        "minutes": 11.0,
+        "succeeded": True,
+        "target_minutes": 25.0,
+        "within_target": True,
+        "max_load": 2.5,
+    }
+    assert pair_timing.summarize(stages, target_minutes=10.0)["within_target"] is False
+    stages[1]["returncode"] = 1
+    assert pair_timing.summarize(stages)["within_target"] is False
+    (tmp_path / "left-over").write_text("x")
+    with pytest.raises(SystemExit, match="not empty"):
+        pair_timing.main(["--work", str(tmp_path), "--json", str(tmp_path / "pair.json")])
