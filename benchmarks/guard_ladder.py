@@ -44,11 +44,10 @@ from hf_kvmap.calibration.ladder_items import (
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.calibration.ladder_remeasure import has_source_answers
-from hf_kvmap.calibration.ladder_side import machines, with_side_measurements
 from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.repair import resolve_markup
 from hf_kvmap.reporting import environment_info, write_json
+from lab.ladder_migration import has_source_answers, machines, with_side_measurements
 
 from .formatting import strategy_text
 from .ladder_lengths import GATED, changed_outcome, gated_way
@@ -61,7 +60,7 @@ REAL_MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5
 PROBES = "draft_agreement:2,lookahead_margin:1,confident_draft:2"
 STRATEGIES = "tail,source_attention,target_attention,early_deviation"
 FRACTIONS = "0.1,0.2,0.3,0.5"
-#: the real family's long forms (`hf_kvmap.real.long_tasks`), built at `--tokens`
+#: the real family's long forms (`lab.real.long_tasks`), built at `--tokens`
 LONG_TASKS = ("long_chat", "long_doc")
 
 
@@ -95,9 +94,9 @@ def task_items(args, tokenizer, items: int, seed: int, tokens: int):
     names = args.tasks.split(",")
     long_items = []
     if args.family == "real":
-        from hf_kvmap.real import long_tasks
         from hf_kvmap.real.corpus import load_manifest
-        from hf_kvmap.real.tasks import real_family_tasks
+        from lab.real import long_tasks
+        from lab.real.tasks import real_family_tasks
 
         documents = load_manifest(args.manifest)
         short = [name for name in names if name not in LONG_TASKS]
@@ -359,7 +358,7 @@ def study(selection: list[dict], report: list[dict], max_changed: float, confide
 
 
 def measured_beside(selection: list[dict], report: list[dict]) -> dict[str, dict]:
-    """Per strategy measured beside the records after them (`hf_kvmap.calibration.ladder_side`), per set: how many
+    """Per strategy measured beside the records after them (`lab.ladder_migration`), per set: how many
     records hold it, the median factor its yardstick put its seconds on the records' clock by (None: timed apart
     from the records' prefills, before yardsticks), and the content hashes of the mappers it was measured with where
     the records name none of their own (a record naming its mapper refuses a measurement with another)."""

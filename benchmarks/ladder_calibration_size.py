@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 from hf_kvmap.calibration.ladder import changed_budget
-from hf_kvmap.calibration.ladder_side import with_side_measurements
 from hf_kvmap.reporting import environment_info, write_json
+from lab.ladder_migration import with_side_measurements
 
 from .guard_ladder import calibrated_replay, mapped_only
 

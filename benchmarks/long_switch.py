@@ -1,5 +1,5 @@
 """Where a switch pays: the real pair (Qwen2.5-Coder 0.5B <-> 1.5B) on tasks at serving lengths where the larger
-model should answer better (`hf_kvmap.real.long_tasks`), each item served every way in one run.
+model should answer better (`lab.real.long_tasks`), each item served every way in one run.
 
 Per item the source's prefill is taken as paid (a switch happens after the source has read the conversation), and
 the target's own prefill is computed once, timed, and serves the target-alone arm; every other arm maps the source's
@@ -36,8 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvmap.input_checks import eos_token_ids
-from hf_kvmap.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 from hf_kvmap.reporting import environment_info
+from lab.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 
 from . import long_switch_report
 from .decoding import continue_batch, first_token, follow_ups, greedy, text_nll
@@ -47,7 +47,7 @@ from .sealed.protocol import SPARSE, ProtocolError, load_protocol
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}
 MAX_NEW = {"long_chat": 12, "long_doc": 12, "humaneval": 320, "continuation": 128}
-MAX_NEW.update({name: task.max_new for name, task in CONTEXT_TASKS.items()})  # hf_kvmap.real.context_tasks
+MAX_NEW.update({name: task.max_new for name, task in CONTEXT_TASKS.items()})  # lab.real.context_tasks
 
 
 def parse_options(options: str) -> dict:
@@ -131,12 +131,12 @@ def score(item: dict, text: str, tokens: list[int], reference: list[int] | None)
     if item["task"] in ("long_chat", "long_doc"):
         return {"score": float(text.strip() == item["answer"])}
     if item["task"] in CONTEXT_TASKS:  # the family's own rule, on the item's fields (`meta` flattened into it)
-        from hf_kvmap.real.context_tasks import score as context_score
-        from hf_kvmap.real.long_tasks import LongItem
+        from lab.real.context_tasks import score as context_score
+        from lab.real.long_tasks import LongItem
 
         return {"score": context_score(LongItem(item["task"], "", item["answer"], item), text)}
     if item["task"] == "humaneval":
-        from hf_kvmap.real.humaneval import passes, truncate_completion
+        from lab.real.humaneval import passes, truncate_completion
 
         return {"score": float(passes(item["problem"], truncate_completion(text)))}
     agree = sum(a == b for a, b in zip(tokens, reference or tokens)) / len(reference or tokens)
@@ -176,7 +176,7 @@ class Runner:
     def _stop(self, task: str):
         if task != "humaneval" and not (task in CONTEXT_TASKS and CONTEXT_TASKS[task].code):
             return lambda tokens: False
-        from hf_kvmap.real.humaneval import STOP_SEQUENCES
+        from lab.real.humaneval import STOP_SEQUENCES
 
         return lambda tokens: any(s in self.tokenizer.decode(tokens) for s in STOP_SEQUENCES)
 
@@ -315,8 +315,8 @@ class Runner:
 
 def build_items(tok, args) -> list[dict]:
     """The run's items as plain dicts (`task`, `index`, `ids`, `answer`, metadata), in measuring order."""
-    from hf_kvmap.real import long_tasks
     from hf_kvmap.real.corpus import load_manifest
+    from lab.real import long_tasks
 
     documents = load_manifest(args.manifest)
     per_task = []
@@ -327,7 +327,7 @@ def build_items(tok, args) -> list[dict]:
         elif task == "long_doc":
             built = long_tasks.long_doc(tok, documents, args.items, args.tokens, args.seed)
         elif task == "humaneval":
-            from hf_kvmap.real.humaneval import humaneval_problems
+            from lab.real.humaneval import humaneval_problems
 
             problems = humaneval_problems(args.cache_dir)[args.offset : args.offset + args.items]
             built = long_tasks.humaneval(tok, documents, problems, args.tokens, args.seed, contexts=args.contexts)
@@ -336,7 +336,7 @@ def build_items(tok, args) -> list[dict]:
         elif task == "continuation":
             built = long_tasks.continuation(tok, documents, args.items, args.tokens, seed=args.seed)
         elif task in CONTEXT_TASKS:
-            from hf_kvmap.real.context_tasks import build_items as build_context_items
+            from lab.real.context_tasks import build_items as build_context_items
 
             built = build_context_items(task, tok, documents, args.items, args.tokens, args.seed)
         else:
@@ -370,7 +370,7 @@ def key_of(args, item: dict) -> str:
 
 def write_items(args) -> None:
     """`--write-items PATH`: the run's long_chat / long_doc items, or those of a whole-context chat family
-    (`hf_kvmap.real.context_tasks`, with its `references` and `questions` where it has them), as exact-match JSONL
+    (`lab.real.context_tasks`, with its `references` and `questions` where it has them), as exact-match JSONL
     (`hf_kvmap.evaluation`'s format, one task per task and length, e.g. `long_chat@2048`) for `hf-kvmap calibrate-ladder
     --tasks PATH`; no model is loaded, only the target's tokenizer."""
     from hf_kvmap.atomic import write_text_atomically

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from hf_kvmap.real.context_tasks import CHANCE as CONTEXT_CHANCE
-from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered, retention_measurable
+from lab.real.context_tasks import CHANCE as CONTEXT_CHANCE
+from lab.real.long_tasks import CHANCE
 
 from .formatting import break_even_text, retention_text
 

@@ -1,5 +1,5 @@
 """Selective repair on the real pair (Qwen2.5-Coder 0.5B <-> 1.5B, from `hf-kvmap obtain`): retention vs fraction
-recomputed for each repair strategy, on the five tasks of `hf_kvmap.real.tasks`, with a fitted real mapper.
+recomputed for each repair strategy, on the five tasks of `lab.real.tasks`, with a fitted real mapper.
 Strategies and fractions are chosen on one item set (seed `--selection-seed`) and reported on another
 (`--report-seed`); every point is written as soon as it is measured, so a stopped run resumes where it stopped.
 
@@ -28,9 +28,9 @@ from hf_kvmap import MapperModel
 from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
 from hf_kvmap.real import converted_path, is_converted
 from hf_kvmap.real.corpus import load_manifest, manifest_sha256
-from hf_kvmap.real.tasks import TASK_NAMES, real_family_tasks
 from hf_kvmap.repair import STRATEGIES, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
+from lab.real.tasks import TASK_NAMES, real_family_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-instruct"}

@@ -156,7 +156,7 @@ def _items(args, tokenizer) -> list[torch.Tensor]:
     else:
         from benchmarks.real.common import MANIFEST
         from hf_kvmap.real.corpus import load_manifest
-        from hf_kvmap.real.tasks import real_family_tasks
+        from lab.real.tasks import real_family_tasks
 
         documents = load_manifest(MANIFEST)
         (task,) = real_family_tasks(tokenizer, documents, args.items, args.seed, [args.task])

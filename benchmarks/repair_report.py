@@ -13,8 +13,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered
+from lab.real.long_tasks import CHANCE
 
 from .formatting import fraction_text, number_text, pct, retention_text, rung_label, rung_order, strategy_text
 

@@ -7,8 +7,8 @@ whether it is met, computed from `benchmarks/results/long_switch.json` (`benchma
 
 from __future__ import annotations
 
-from hf_kvmap.real.long_tasks import CHANCE
 from hf_kvmap.reporting import floor_retention, gap_recovered
+from lab.real.long_tasks import CHANCE
 
 from .formatting import number_text, pct, retention_text, strategy_text
 

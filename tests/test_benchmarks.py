@@ -551,7 +551,7 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
     from benchmarks.guard_ladder import build_parser, study
     from benchmarks.long_switch import parse_strategy, split_rungs
     from benchmarks.repair_report import ladder_markdown
-    from hf_kvmap.calibration.ladder_side import with_side_measurements
+    from lab.ladder_migration import with_side_measurements
 
     text = "tail,query_overlap:fill=draft_branches,after=24,source_attention"
     assert [parse_strategy(t) for t in split_rungs(build_parser().parse_args(["--strategies", text]).strategies)] == [
@@ -622,7 +622,7 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
 def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):
     from benchmarks.guard_ladder import study
     from benchmarks.repair_report import ladder_markdown
-    from hf_kvmap.calibration.ladder_side import with_side_measurements
+    from lab.ladder_migration import with_side_measurements
 
     def records(n):  # the target right on every item, the source on a quarter; half a repair right on three quarters
         out = []

@@ -1,4 +1,4 @@
-"""Tasks at serving lengths (`hf_kvmap.real.long_tasks`, `hf_kvmap.real.humaneval`) and the switch benchmark's
+"""Tasks at serving lengths (`lab.real.long_tasks`, `lab.real.humaneval`) and the switch benchmark's
 decoding and report (`benchmarks.long_switch`, `benchmarks.long_switch_report`), on tiny stand-ins: no real weights,
 no download."""
 
@@ -16,7 +16,8 @@ import torch
 
 from benchmarks import long_switch, long_switch_report
 from hf_kvmap._compat import cache_kwargs, output_cache
-from hf_kvmap.real import ChecksumMismatchError, corpus, humaneval, long_tasks
+from hf_kvmap.real import ChecksumMismatchError, corpus
+from lab.real import humaneval, long_tasks
 
 PROBLEMS = [
     {

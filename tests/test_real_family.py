@@ -15,7 +15,7 @@ import torch
 from hf_kvmap import CalibrationStatistics, LayerSelection, MappedCache, mapper_from_statistics
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.real import corpus
-from hf_kvmap.real.tasks import TASK_META, real_family_tasks
+from lab.real.tasks import TASK_META, real_family_tasks
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -258,7 +258,7 @@ def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
     from benchmarks import handoff as bench
     from hf_kvmap import MapperModel, zoo
-    from hf_kvmap.real.tasks import PromptItem
+    from lab.real.tasks import PromptItem
 
     model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
     mapper = MapperModel.identity(model.config).eval()

@@ -21,8 +21,8 @@ def cmd_guard(args) -> int:
 
     from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
     from hf_kvmap.reporting import environment_info
+    from lab.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from hf_kvmap.real.context_tasks import CHANCE as CONTEXT_CHANCE
-from hf_kvmap.real.long_tasks import CHANCE as LONG_CHANCE
 from hf_kvmap.reporting import retention_measurable, write_json
+from lab.real.context_tasks import CHANCE as CONTEXT_CHANCE
+from lab.real.long_tasks import CHANCE as LONG_CHANCE
 
 from ..long_switch_report import load
 from .protocol import SPARSE, Protocol, ProtocolError, load_protocol

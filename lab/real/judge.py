@@ -16,7 +16,7 @@ The guards, from the outside in (which of them hold depends on the system; `Judg
   files; the number of processes from inside, which Linux does not enforce for root). Output beyond the file-size
   limit kills the child (`SIGXFSZ`); the judge reads its output from a file in chunks and keeps the first
   `SHOWN_BYTES`, so a completion that prints 150 MB costs neither memory nor a pass.
-- **The guard inside the interpreter** (`hf_kvmap.real.judge_child`), installed before the program runs: an audit
+- **The guard inside the interpreter** (`lab.real.judge_child`), installed before the program runs: an audit
   hook (which no later code can remove) refuses starting or signalling processes, deleting, renaming or changing
   files, writing outside the temporary folder, reading or listing outside it and the interpreter's own standard
   library, opening sockets, and the known ways to the interpreter's frames, objects or memory (`sys._getframe` but

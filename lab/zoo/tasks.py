@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import corpus
+from hf_kvmap.zoo import corpus
 
 
 def _pad_right(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
-"""What the whole-context tasks (`hf_kvmap.real.ruler_tasks`, `hf_kvmap.real.context_tasks`,
-`hf_kvmap.real.code_tasks`) share: word lists written for them, streams of held-out real text to fill with, the
+"""What the whole-context tasks (`lab.real.ruler_tasks`, `lab.real.context_tasks`,
+`lab.real.code_tasks`) share: word lists written for them, streams of held-out real text to fill with, the
 binary search that fits an item to a token length (as RULER fits its haystacks), and RULER's scoring.
 
 ```python
-from hf_kvmap.real.task_text import string_match_all
+from lab.real.task_text import string_match_all
 
 string_match_all("They are ABCDE and FGHIJ.", ["abcde", "fghij", "klmno"])   # 2 of 3 references found
 ```
@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from .corpus import Document, code_texts, prose_texts
+from hf_kvmap.real.corpus import Document, code_texts, prose_texts
 
 #: an item's prompt is at most its `tokens` and at least this share below them
 LENGTH_TOLERANCE = 0.03

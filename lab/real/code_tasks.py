@@ -1,5 +1,5 @@
 """`code_defs`: a long Python file whose last function must be completed with helpers defined across it, judged by
-executing tests (HumanEval's way, `hf_kvmap.real.humaneval.passes`).
+executing tests (HumanEval's way, `lab.real.humaneval.passes`).
 
 Each item generates three helpers from the templates of `_HELPERS` (two that transform a list of integers, one that
 folds it into one integer), each with a made-up name, an argument order of its own and a constant that only its body
@@ -24,7 +24,8 @@ import ast
 import random
 from collections.abc import Sequence
 
-from .corpus import Document, code_texts
+from hf_kvmap.real.corpus import Document, code_texts
+
 from .humaneval import passes, truncate_completion
 from .long_tasks import LongItem
 from .task_text import LENGTH_TOLERANCE, TaskLengthError, token_length

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-from . import corpus
-from .family import FAMILY, make_config
-from .tasks import eval_sets, evaluate_model
-from .tokenizer import build_tokenizer, save_tokenizer
+from hf_kvmap.zoo import FAMILY_DIR, corpus
+from hf_kvmap.zoo.family import FAMILY, make_config
+from hf_kvmap.zoo.tokenizer import build_tokenizer, save_tokenizer
 
-FAMILY_DIR = Path(__file__).resolve().parent / "family"
+from .tasks import eval_sets, evaluate_model
 
 #: default schedule per member: steps, peak lr, batch size (sized for ~100 min on one CPU core in total)
 DEFAULTS = {

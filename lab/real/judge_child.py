@@ -1,4 +1,4 @@
-"""The child side of the judge (`hf_kvmap.real.judge`): run by a fresh `python -I` as a script, never imported by the
+"""The child side of the judge (`lab.real.judge`): run by a fresh `python -I` as a script, never imported by the
 library. Standard library only, so it runs before anything of the caller's is loaded.
 
     python -I judge_child.py PROGRAM ENTRY_POINT FOLDER [--no-guard]

@@ -1,13 +1,12 @@
-"""Summarise the trained family (``python -m hf_kvmap.zoo.report`` rewrites ``family/README.md``)."""
+"""Summarise the trained family (``python -m lab.zoo.report`` rewrites ``family/README.md``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .family import FAMILY, MATCHED, MISMATCHED
-
-FAMILY_DIR = Path(__file__).resolve().parent / "family"
+from hf_kvmap.zoo import FAMILY_DIR
+from hf_kvmap.zoo.family import FAMILY, MATCHED, MISMATCHED
 
 
 def family_table(family_dir: Path = FAMILY_DIR) -> list[dict]:
@@ -107,7 +106,7 @@ def markdown(family_dir: Path = FAMILY_DIR) -> str:
         "",
         "Retrain: `python examples/train_tiny_family.py --force` (resumes from `runs/zoo/<member>/` if interrupted;",
         "members with an `eval.json` are skipped without `--force`). `--steps`, `--lr`, `--members` override",
-        "the per-member defaults in `hf_kvmap/zoo/train.py`.",
+        "the per-member defaults in `lab/zoo/train.py`.",
         "",
     ]
     return "\n".join(out)

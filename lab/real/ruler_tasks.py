@@ -37,7 +37,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .corpus import Document
+from hf_kvmap.real.corpus import Document
+
 from .long_tasks import LongItem
 from .task_text import (
     KEY_ADJECTIVES,

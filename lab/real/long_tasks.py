@@ -1,5 +1,5 @@
 """Tasks at serving lengths (2K-4K tokens) where the larger model of a pair should answer better than the smaller,
-built from the held-out split of the real corpus (`hf_kvmap.real.corpus`) and HumanEval (`hf_kvmap.real.humaneval`).
+built from the held-out split of the real corpus (`hf_kvmap.real.corpus`) and HumanEval (`lab.real.humaneval`).
 
 - `long_chat` (exact match, chat template, multi-turn): the first user turn introduces four friends, each with a
   home town and a dog; turns of real prose (a passage the user shares, a passage the assistant answers with) follow
@@ -26,7 +26,8 @@ import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .corpus import Document, code_texts, prose_texts
+from hf_kvmap.real.corpus import Document, code_texts, prose_texts
+
 from .tasks import _ADJECTIVES, _FACTS, _NOUNS, _chat, _whole_lines
 
 LONG_TASK_NAMES = ("long_chat", "long_doc", "humaneval", "continuation")

@@ -1,5 +1,5 @@
 """Tasks that need the whole context, and the one registry of every such family (`CONTEXT_TASKS`): RULER's families
-(`hf_kvmap.real.ruler_tasks`), code completed with names defined across a file (`hf_kvmap.real.code_tasks`), and two
+(`lab.real.ruler_tasks`), code completed with names defined across a file (`lab.real.code_tasks`), and two
 conversation forms defined here. Each item is a `long_tasks.LongItem` whose prompt is at most `tokens` tokens of the
 tokenizer given and within `task_text.LENGTH_TOLERANCE` of it (the filler of real held-out prose binary-searched), a
 function of the seed and the item's index only.
@@ -18,12 +18,12 @@ function of the seed and the item's index only.
   reply). What it measures is served elsewhere: question 1 through a switch, questions 2 and 3 from the cache that
   switch left. Why a sparse prefill fails there: a prefill of question 1's spans computed one of the three turns;
   questions 2 and 3 ask about the other two, at positions it never computed.
-- `code_defs` (pass@1 by executed tests): see `hf_kvmap.real.code_tasks`.
+- `code_defs` (pass@1 by executed tests): see `lab.real.code_tasks`.
 - `ruler_multikey`, `ruler_multivalue`, `ruler_vt`, `ruler_cwe`, `ruler_fwe` (RULER's `string_match_all`, held to
-  the length of the list asked for): see `hf_kvmap.real.ruler_tasks` (the needle families are its control: there the question's spans hold the answer).
+  the length of the list asked for): see `lab.real.ruler_tasks` (the needle families are its control: there the question's spans hold the answer).
 
 ```python
-from hf_kvmap.real.context_tasks import CONTEXT_TASKS, build_items, score
+from lab.real.context_tasks import CONTEXT_TASKS, build_items, score
 
 items = build_items("ruler_vt", tokenizer, documents, items=4, tokens=2048, seed=4321)
 score(items[0], "They are: " + items[0].answer)   # 1.0
@@ -37,8 +37,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hf_kvmap.real.corpus import Document
+
 from . import code_tasks, ruler_tasks
-from .corpus import Document
 from .long_tasks import LongItem
 from .task_text import COLORS, NAMES, PETS, TOWNS, TextStream, fit_to_length, string_match_listed, token_length
 

@@ -20,8 +20,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..evaluation import TaskSpec
-from .corpus import Document, code_texts, prose_texts
+from hf_kvmap.evaluation import TaskSpec
+from hf_kvmap.real.corpus import Document, code_texts, prose_texts
 
 TASK_NAMES = ("prose_retrieval", "chat_recall", "code_recall", "code_nll", "prose_ppl")
 
