@@ -321,8 +321,7 @@ def bounds(mapper, target_config, tokens: int) -> dict:
 # -------------------------------------------------------------------------------------------------------------- run
 def handoff_tasks(source_cache, mapper, target, ids: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The four timed tasks for one context `ids` `(1, T)`: mapper, prefill, handoff, baseline (see the module doc)."""
-    from hf_kvmap import MappedCache
-    from hf_kvmap._compat import cache_kwargs
+    from hf_kvmap import MappedCache, cache_kwargs
 
     body = target.get_decoder()
     held, prefix = ids[:, -1:], ids[:, :-1]
@@ -360,7 +359,7 @@ def measure(args) -> dict:
     source, source_info = load_model(args.source, max(tokens), dtype, device, attn, args.random_weights)
     target, target_info = load_model(args.target, max(tokens), dtype, device, attn, args.random_weights)
     mapper, mapper_info = load_mapper(args, source, target, dtype, device)
-    from hf_kvmap._compat import output_cache
+    from hf_kvmap import output_cache
     from hf_kvmap.flops import mapper_parameters
 
     mapper_info["parameters"] = mapper_parameters(mapper.config)

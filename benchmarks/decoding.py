@@ -10,7 +10,7 @@ import torch
 
 
 def _forward(model, ids: torch.Tensor, cache):
-    from hf_kvmap._compat import cache_kwargs
+    from hf_kvmap import cache_kwargs
 
     return model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
 

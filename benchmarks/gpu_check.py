@@ -101,8 +101,7 @@ def _devices(cache) -> list[str]:
 
 def check_placement(checks: Checks, label: str, target, mapper_dir: Path, source_cache, ids, *, run: bool):
     """Load the mapper beside `target`, map, and check devices (and generation when `run`)."""
-    from hf_kvmap import MappedCache, MapperModel, mapper_device_map, target_layer_devices
-    from hf_kvmap._compat import cache_kwargs, output_cache
+    from hf_kvmap import MappedCache, MapperModel, cache_kwargs, mapper_device_map, output_cache, target_layer_devices
 
     device_map = mapper_device_map(target)
     mapper = MapperModel.from_pretrained(mapper_dir, device_map=device_map)
@@ -163,8 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    from hf_kvmap import MapperModel
-    from hf_kvmap._compat import output_cache
+    from hf_kvmap import MapperModel, output_cache
 
     out = args.out or REPO / "benchmarks" / "results" / (
         "gpu_check_dry_run.json" if args.dry_run else "gpu_check.json"

@@ -44,7 +44,7 @@ from hf_kvmap.calibration.ladder_items import (
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
+from hf_kvmap.loading import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.repair import resolve_markup
 from hf_kvmap.reporting import environment_info, write_json
 from lab.ladder_migration import has_source_answers, machines, with_side_measurements

@@ -34,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import MapperModel, zoo
-from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap import MapperModel, cache_kwargs, output_cache, zoo
 from hf_kvmap.calibration.probe_thresholds import auc, calibrate_probe, calibrate_threshold, roc_curve
 from hf_kvmap.delivery import load_cache, save_cache
 from hf_kvmap.reporting import environment_info, write_json

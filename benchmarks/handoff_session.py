@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import HandoffSession, MapperModel, zoo
-from hf_kvmap._compat import cache_kwargs
+from hf_kvmap import HandoffSession, MapperModel, cache_kwargs, zoo
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.serving.pipeline import target_prefill
 from hf_kvmap.zoo import corpus, mapper_path

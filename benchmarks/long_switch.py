@@ -183,8 +183,7 @@ class Runner:
     @torch.no_grad()
     def measure(self, item: dict, arms: list[str], rungs: dict, done: dict) -> dict:
         """Every arm of `arms` not in `done` on one item; returns `{arm: record}`."""
-        from hf_kvmap import MappedCache
-        from hf_kvmap._compat import output_cache
+        from hf_kvmap import MappedCache, output_cache
         from hf_kvmap.repair import DecodeRefresh, RepairConfig, repair_cache, select_repair, sparse_prefill
 
         ids = torch.tensor([item["ids"]])

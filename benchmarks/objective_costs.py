@@ -63,8 +63,7 @@ def counted() -> dict:
 
 def timed(mapper_path: Path, repeats: int, sequences: int, length: int) -> dict:
     """Median seconds of one step of each objective on tiny-family batches (interleaved)."""
-    from hf_kvmap import MapperModel, zoo
-    from hf_kvmap._compat import output_cache
+    from hf_kvmap import MapperModel, output_cache, zoo
     from hf_kvmap.objectives import attention_errors, mapped_kl, target_reads
 
     mapper = MapperModel.from_pretrained(mapper_path).float()

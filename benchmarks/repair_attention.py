@@ -25,8 +25,7 @@ import sys
 
 import torch
 
-from hf_kvmap import MappedCache, MapperModel
-from hf_kvmap._compat import cache_kwargs, output_cache
+from hf_kvmap import MappedCache, MapperModel, cache_kwargs, output_cache
 from hf_kvmap.repair import RepairConfig, repair_cache
 from hf_kvmap.reporting import environment_info, write_json
 

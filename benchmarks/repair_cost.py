@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from hf_kvmap import MappedCache, MapperModel
-from hf_kvmap._compat import cache_kwargs, output_cache
-from hf_kvmap.commands.models import load_causal_lm, resolve_mapper
+from hf_kvmap import MappedCache, MapperModel, cache_kwargs, output_cache
 from hf_kvmap.flops import prefill_flops, repair_flops
+from hf_kvmap.loading import load_causal_lm, resolve_mapper
 from hf_kvmap.repair import STRATEGIES, RepairConfig, recompute, repair_cache
 from hf_kvmap.reporting import environment_info, write_json
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from hf_kvmap import MapperModel
-from hf_kvmap.commands.models import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.evaluation import HandoffEvaluation, evaluate_items
+from hf_kvmap.loading import load_causal_lm, load_tokenizer, resolve_mapper
 from hf_kvmap.repair import STRATEGIES, RepairConfig
 from hf_kvmap.reporting import environment_info, write_json
 from hf_kvmap.zoo import corpus

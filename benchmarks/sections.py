@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hf_kvmap.commands.demo import WAY_LABELS
+from hf_kvmap.payoff import WAY_LABELS
 from hf_kvmap.reporting import fmt_number, retention_cells
 
 
@@ -70,7 +70,7 @@ def serving_markdown(results: dict) -> str:
 def long_markdown(results: dict) -> str:
     """The demo's first screen as markdown: the long rows (the ways that pay in bold), the rows where the switch pays,
     the break-even lengths and how they were obtained."""
-    from hf_kvmap.commands.demo_long import (
+    from hf_kvmap.payoff import (
         BREAK_EVEN_RULE,
         HANDOFF_WAYS,
         break_even_text,

@@ -144,7 +144,15 @@ def test_the_checks_find_a_planted_upward_import_and_a_planted_cycle():
 
 def test_compute_modules_never_import_plotting_or_the_demo_family():
     graph = import_graph()
-    front = ("hf_kvmap.commands", "hf_kvmap.cli", "hf_kvmap.lm_eval_model", "hf_kvmap.plotting", "hf_kvmap.zoo")
+    # `loading` resolves the names a command line or a benchmark gives (a tiny-family member among them)
+    front = (
+        "hf_kvmap.commands",
+        "hf_kvmap.cli",
+        "hf_kvmap.lm_eval_model",
+        "hf_kvmap.loading",
+        "hf_kvmap.plotting",
+        "hf_kvmap.zoo",
+    )
     offenders = [
         (source, target)
         for source, targets in graph.items()

@@ -100,7 +100,7 @@ class PrefillStore:
         from safetensors.torch import load_file, save_file
         from transformers import DynamicCache
 
-        from hf_kvmap._compat import output_cache
+        from hf_kvmap import output_cache
 
         # the dtype is part of the key: a bfloat16 prefill must never stand in for a float32 one
         path = self._path(f"{name}-{str(model.dtype).removeprefix('torch.')}", ids, mask)
