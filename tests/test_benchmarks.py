@@ -419,26 +419,32 @@ def test_every_benchmarks_readme_command_parses(monkeypatch):
             main(shlex.split(args, comments=True))
 
 
-def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
-    """benchmarks/ is a package (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600 lines,
-    and none imports a private library module or name or passes a private keyword (`_allocate=`...). The one
-    exception is `hf_kvmap._compat`, the single home of transformers version gates, for the name of the cache
-    argument (`cache=` from 5.24, `past_key_values` before), as the library itself calls it."""
+def test_benchmarks_and_the_lab_are_packages_of_small_modules_on_the_public_api():
+    """benchmarks/ and lab/ are packages (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600
+    lines, and none imports a private library module or name (`hf_kvmap._compat`, `_name`), the command line's
+    modules (`hf_kvmap.commands`, `hf_kvmap.cli`) or passes a private keyword (`_allocate=`...): they call what a user
+    of the library calls (the cache argument's name is `hf_kvmap.cache_kwargs` and `hf_kvmap.output_cache`)."""
     import ast
 
-    folders = {path.parent for path in BENCHMARKS.rglob("*.py")}
-    assert all((folder / "__init__.py").is_file() for folder in folders), folders
-    for path in sorted(BENCHMARKS.rglob("*.py")):
+    lab = BENCHMARKS.parent / "lab"
+    paths = sorted(path for root in (BENCHMARKS, lab) for path in root.rglob("*.py") if "results" not in path.parts)
+    folders = {path.parent for path in paths}
+    assert lab in folders and all((folder / "__init__.py").is_file() for folder in folders), folders
+    for path in paths:
         text = path.read_text()
         assert len(text.splitlines()) < 600, path
         assert "sys.path" not in text, path
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_kvmap"):
-                if node.module == "hf_kvmap._compat":
-                    assert {alias.name for alias in node.names} <= {"cache_kwargs", "output_cache"}, path
-                    continue
-                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
+            modules = []
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("hf_kvmap"):
+                modules = [node.module]
                 assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names if alias.name.startswith("hf_kvmap")]
+            for module in modules:
+                parts = module.split(".")
+                assert not any(part.startswith("_") for part in parts), (path, module)
+                assert not {"commands", "cli"} & set(parts), (path, module)
             if isinstance(node, ast.keyword) and node.arg:
                 assert not node.arg.startswith("_"), (path, node.arg)
 
