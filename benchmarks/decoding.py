@@ -1,6 +1,6 @@
 """Greedy decoding as a benchmark times it: the first token apart from the rest, several caches of one length decoded
 as one batch (a CPU's decoding reads the weights once a step for every row), and the NLL of a real continuation.
-`benchmarks.long_switch` decodes every arm with these."""
+`benchmarks.switch.long_switch` decodes every arm with these."""
 
 from __future__ import annotations
 

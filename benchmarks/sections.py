@@ -1,5 +1,5 @@
 """Marked sections of the docs (`<!-- name:start -->` ... `<!-- name:end -->`) and the markdown of the demo and
-`benchmarks.apply` JSON: what `python -m benchmarks.docs` writes. The library never writes documentation files."""
+`benchmarks.speed.apply` JSON: what `python -m benchmarks.docs` writes. The library never writes documentation files."""
 
 from __future__ import annotations
 
@@ -223,10 +223,10 @@ def update_file_section(path: str | Path, name: str, content: str) -> bool:
 
 
 def performance_markdown(results: dict, source_file: str) -> str:
-    """The README block for one `benchmarks/apply.py` JSON: measured speedups next to the FLOP bound."""
+    """The README block for one `benchmarks/speed/apply.py` JSON: measured speedups next to the FLOP bound."""
     run, env = results["run"], results["environment"]
     lines = [
-        f"Generated from `{source_file}` by `benchmarks/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
+        f"Generated from `{source_file}` by `benchmarks/speed/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
         f"models in {run['dtype']}, mapper in {run.get('mapper', {}).get('dtype', run['dtype'])}, {env['device']}, "
         f"{env['torch_threads']} torch threads, load average "
         f"{env['loadavg_start'][0]:.1f} at start; medians of {run['repeats']} interleaved repeats).",

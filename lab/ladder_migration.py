@@ -2,7 +2,7 @@
 library keeps the strategies added later, `hf_kvmap.calibration.ladder_side`): the answer margins a check after the
 rung reads (`measure_margins`: the first token's, or with `tokens=True` every answer token's and each check step's
 seconds) and the source's own answer (`measure_source_answer`: what not switching serves). Each returns one small
-dict per record (`benchmarks.guard_ladder --margins --token-margins --source-answers`), and `with_margins` /
+dict per record (`benchmarks.ladder.guard_ladder --margins --token-margins --source-answers`), and `with_margins` /
 `with_source_answers` put them where [`~hf_kvmap.calibration.ladder_items.measure_item`] writes them, so a ladder
 calibrated on old records with them equals one calibrated on records measured anew. `with_side_measurements` here
 reads and measures every kind, the library's and the migration's.

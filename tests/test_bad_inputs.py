@@ -1149,7 +1149,7 @@ def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
     measured no rung. After: argparse's error naming the flag and the entry, before any tokenizer or model loads."""
     import re
 
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
 
     text = _benchmark_error(long_switch.build_parser().parse_args, ["--rungs", rungs], capsys)
     assert "argument --rungs: " in text and re.search(BAD_RUNGS[rungs], text), text
@@ -1160,7 +1160,7 @@ def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
 
 def test_long_switch_refuses_a_folder_as_records(tmp_path, capsys):
     """Before: `IsADirectoryError` after the models loaded. After: refused while parsing."""
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
 
     parse = long_switch.build_parser().parse_args
     assert "argument --records: " in _benchmark_error(parse, ["--records", str(tmp_path)], capsys)
@@ -1179,8 +1179,8 @@ BAD_RECORDS = {
 
 @pytest.fixture
 def switch_run(monkeypatch):
-    """`benchmarks.long_switch.main` with no tokenizer, and loading the models failing the test."""
-    from benchmarks import long_switch
+    """`benchmarks.switch.long_switch.main` with no tokenizer, and loading the models failing the test."""
+    from benchmarks.switch import long_switch
 
     def no_models(*args, **kwargs):
         raise RuntimeError("the models were loaded")
@@ -1211,7 +1211,7 @@ def test_long_switch_refuses_a_bad_records_line_by_file_and_line(case, tmp_path,
 def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_path, switch_run, capsys):
     """A kill while a row is appended leaves a line without its end: cut (the item is measured again), as
     calibrate-ladder's records; the report reads such a file and leaves it as it is."""
-    from benchmarks import long_switch_report
+    from benchmarks.switch import long_switch_report
 
     path = tmp_path / "records.jsonl"
     torn = RUN_LINE + ITEM % "k1" + '{"key": "k2", "arms": {"tar'
@@ -1225,7 +1225,7 @@ def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_pat
 
 def test_long_switch_names_obtain_for_a_missing_model(tmp_path, capsys):
     """Before: transformers' "Repo id must be ..." traceback. After: the command that obtains the model."""
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
     from hf_kvmap.real.obtain import obtained_path
 
     argv = ["--mapper", "m", "--records", str(tmp_path / "r.jsonl"), "--cache-dir", str(tmp_path / "cache")]

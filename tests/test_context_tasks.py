@@ -1,5 +1,5 @@
 """The whole-context task families (`lab.real.context_tasks`, `ruler_tasks`, `code_tasks`), HumanEval's distinct
-code contexts (`long_tasks.humaneval(contexts="distinct")`) and their registration in `benchmarks.long_switch`, on a
+code contexts (`long_tasks.humaneval(contexts="distinct")`) and their registration in `benchmarks.switch.long_switch`, on a
 byte-level tokenizer trained here and a fake machine's corpus: no real weights, no download."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import long_switch
+from benchmarks.switch import long_switch
 from hf_kvmap.real import corpus
 from lab.real import code_tasks, context_tasks, long_tasks, ruler_tasks
 from lab.real.humaneval import passes

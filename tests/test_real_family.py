@@ -253,10 +253,10 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
 
 
 def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
-    """The guard's rows (`benchmarks/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
+    """The guard's rows (`benchmarks/handoff/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
     model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
-    from benchmarks import handoff as bench
+    from benchmarks.handoff import handoff as bench
     from hf_kvmap import MapperModel, zoo
     from lab.real.tasks import PromptItem
 

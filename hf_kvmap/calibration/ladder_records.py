@@ -72,7 +72,7 @@ def _need_margins(records: Sequence[dict], tokens: int = 1) -> None:
         raise ValueError(
             f"A ladder that checks {tokens} answer token(s) after each rung needs the {what} in every record; these "
             "records were measured before they were recorded: measure them with the repository lab's `lab.ladder_migration.measure_margins` "
-            f"(`python -m benchmarks.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
+            f"(`python -m benchmarks.ladder.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
         )
 
 
