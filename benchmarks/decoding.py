@@ -1,6 +1,6 @@
 """Greedy decoding as a benchmark times it: the first token apart from the rest, several caches of one length decoded
 as one batch (a CPU's decoding reads the weights once a step for every row), and the NLL of a real continuation.
-`benchmarks.long_switch` decodes every arm with these."""
+`benchmarks.switch.long_switch` decodes every arm with these."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 
 def _forward(model, ids: torch.Tensor, cache):
-    from hf_kvmap._compat import cache_kwargs
+    from hf_kvmap import cache_kwargs
 
     return model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
 

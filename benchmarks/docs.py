@@ -15,33 +15,23 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import (
-    handoff_report,
-    ladder_calibration_size,
-    ladder_headroom,
-    ladder_lengths,
-    long_switch_report,
-    mapper_variants,
-    package_size,
-    portable_fit,
-    real_repair_maps,
-    repair_attention,
-    repair_report,
-    retention_curve,
-    switch_targets,
-    variant_parameters,
-)
 from .formatting import pct
+from .handoff import handoff_report
+from .ladder import ladder_calibration_size, ladder_headroom, ladder_lengths
 from .real import family_report, guard, scale_report
+from .repair import real_repair_maps, repair_attention, repair_report
 from .sealed import decisions as sealed_decisions
 from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
+from .speed import portable_fit
+from .switch import long_switch_report, switch_targets
+from .variants import mapper_variants, package_size, retention_curve, variant_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-#: the `benchmarks.real_repair` runs of one pair with different maps that docs/repair.md sets side by side
+#: the `benchmarks.repair.real_repair` runs of one pair with different maps that docs/repair.md sets side by side
 REPAIR_MAPS = ("real_repair.json", "real_repair_kl.json")
 
 
@@ -70,7 +60,7 @@ def _relative(path: Path) -> str:
 
 
 def _variants(name: str) -> str:
-    """A `benchmarks.mapper_variants` comparison: every variant per direction and the rule's choice."""
+    """A `benchmarks.variants.mapper_variants` comparison: every variant per direction and the rule's choice."""
     result = _json(name)
     return f"Generated from `benchmarks/results/{name}`.\n\n{mapper_variants.markdown(result['directions'], result['choice'])}"
 
@@ -138,12 +128,12 @@ REAL_LADDERS = (
 
 #: the guard ladder calibrated on the long forms at 2K and replayed at each report length (docs/switch.md)
 LONG_LADDER = "guard_ladder_long2k.json"
-#: the perfect probe against the calibrated ladder on the same long-form records (`benchmarks.ladder_headroom`)
+#: the perfect probe against the calibrated ladder on the same long-form records (`benchmarks.ladder.ladder_headroom`)
 LONG_HEADROOM = "ladder_headroom_long2k.json"
 
 
 def _long_ladder() -> str:
-    """The guard ladder on `long_chat`/`long_doc` (`benchmarks.guard_ladder --tasks long_chat,long_doc --report-tokens
+    """The guard ladder on `long_chat`/`long_doc` (`benchmarks.ladder.guard_ladder --tasks long_chat,long_doc --report-tokens
     ...`): its saving per report length, then the whole run as docs/ladder.md shows one, with its plot; until that run
     is committed, the command that writes it."""
     path = RESULTS / LONG_LADDER
@@ -165,11 +155,11 @@ def _long_ladder() -> str:
 
 def _long_ladder_headroom() -> str:
     """What a perfect probe would save on the long forms' records, and how well each real probe separates the
-    requests each rung changes (`benchmarks.ladder_headroom` over the long ladder's records)."""
+    requests each rung changes (`benchmarks.ladder.ladder_headroom` over the long ladder's records)."""
     path = RESULTS / LONG_HEADROOM
     if not path.exists():
         return (
-            f"Not measured yet: `benchmarks/results/{LONG_HEADROOM}` is written by `python -m benchmarks.ladder_headroom` "
+            f"Not measured yet: `benchmarks/results/{LONG_HEADROOM}` is written by `python -m benchmarks.ladder.ladder_headroom` "
             f"over the records of `benchmarks/results/{LONG_LADDER.removesuffix('.json')}/` (benchmarks/README.md)."
         )
     return ladder_headroom.markdown(json.loads(path.read_text()), _relative(path))
@@ -192,7 +182,7 @@ def _real_ladders(runs: tuple[tuple[str, str], ...], results: str) -> str:
 
 
 def _guard_ladder() -> str:
-    """The guard ladder of the tiny family (`benchmarks.guard_ladder`), then the real pair's runs of `REAL_LADDERS`."""
+    """The guard ladder of the tiny family (`benchmarks.ladder.guard_ladder`), then the real pair's runs of `REAL_LADDERS`."""
     return repair_report.ladder_markdown(_json("guard_ladder.json")) + _real_ladders(
         REAL_LADDERS, "../benchmarks/results"
     )
@@ -200,7 +190,7 @@ def _guard_ladder() -> str:
 
 def headline_tiny() -> str:
     """README: per shipped direction, the report-set accuracy of the target alone, the mapped cache and guarded
-    serving (`benchmarks.handoff`), with the fallback rate and the net saving per request."""
+    serving (`benchmarks.handoff.handoff`), with the fallback rate and the net saving per request."""
     result = _json("handoff.json")
     lines = [
         f"From `benchmarks/results/handoff.json` ({result['run']['items_per_task_and_set']} held-out items per task; "
@@ -234,7 +224,7 @@ HEADLINE_REPAIRS = (
 
 
 def headline_repair() -> str:
-    """README: the real pair's report set (`benchmarks.real_repair`), per direction and map: the target alone, the
+    """README: the real pair's report set (`benchmarks.repair.real_repair`), per direction and map: the target alone, the
     mapped cache and the repair chosen on the selection set, on the two exact-match tasks."""
     tasks = ("prose_retrieval", "chat_recall")
     first = _json(HEADLINE_REPAIRS[0][0])
@@ -272,7 +262,7 @@ def published_retention() -> str:
 
 def published_latency() -> str:
     """docs/method.md: the paper's latency table, from the one copy kept as data (`gpu_shapes.PAPER`)."""
-    from .gpu_shapes import DIRECTIONS, PAPER
+    from .gpu.gpu_shapes import DIRECTIONS, PAPER
 
     head, rule = "| tokens |", "|---|"
     for name in PAPER:
@@ -307,13 +297,13 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "mapper-variants-shipped": lambda: _variants("mapper_variants_longer.json"),
         "mapper-held-out-shipped": lambda: _held_out(held_out_shipped_paths()),
         "retention-curve": lambda: (
-            "Generated from `benchmarks/results/retention_curve.json` by `benchmarks/retention_curve.py`.\n\n"
+            "Generated from `benchmarks/results/retention_curve.json` by `benchmarks/variants/retention_curve.py`.\n\n"
             + retention_curve.markdown(_json("retention_curve.json"))
         ),
     },
     "docs/fitting.md": {
         "variant-parameters": lambda: (
-            "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variant_parameters.py`.\n\n"
+            "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variants/variant_parameters.py`.\n\n"
             + variant_parameters.markdown(_json("variant_parameters.json"))
         ),
     },

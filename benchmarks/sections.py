@@ -1,12 +1,12 @@
 """Marked sections of the docs (`<!-- name:start -->` ... `<!-- name:end -->`) and the markdown of the demo and
-`benchmarks.apply` JSON: what `python -m benchmarks.docs` writes. The library never writes documentation files."""
+`benchmarks.speed.apply` JSON: what `python -m benchmarks.docs` writes. The library never writes documentation files."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from hf_kvmap.commands.demo import WAY_LABELS
+from hf_kvmap.payoff import WAY_LABELS
 from hf_kvmap.reporting import fmt_number, retention_cells
 
 
@@ -70,7 +70,7 @@ def serving_markdown(results: dict) -> str:
 def long_markdown(results: dict) -> str:
     """The demo's first screen as markdown: the long rows (the ways that pay in bold), the rows where the switch pays,
     the break-even lengths and how they were obtained."""
-    from hf_kvmap.commands.demo_long import (
+    from hf_kvmap.payoff import (
         BREAK_EVEN_RULE,
         HANDOFF_WAYS,
         break_even_text,
@@ -223,10 +223,10 @@ def update_file_section(path: str | Path, name: str, content: str) -> bool:
 
 
 def performance_markdown(results: dict, source_file: str) -> str:
-    """The README block for one `benchmarks/apply.py` JSON: measured speedups next to the FLOP bound."""
+    """The README block for one `benchmarks/speed/apply.py` JSON: measured speedups next to the FLOP bound."""
     run, env = results["run"], results["environment"]
     lines = [
-        f"Generated from `{source_file}` by `benchmarks/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
+        f"Generated from `{source_file}` by `benchmarks/speed/apply.py` ({run['source']['name']} -> {run['target']['name']}, "
         f"models in {run['dtype']}, mapper in {run.get('mapper', {}).get('dtype', run['dtype'])}, {env['device']}, "
         f"{env['torch_threads']} torch threads, load average "
         f"{env['loadavg_start'][0]:.1f} at start; medians of {run['repeats']} interleaved repeats).",

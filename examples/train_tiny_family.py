@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 try:
-    from hf_kvmap.zoo.train import main
+    from lab.zoo.train import main
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hf_kvmap.zoo.train import main
+    from lab.zoo.train import main
 
 if __name__ == "__main__":
     main()

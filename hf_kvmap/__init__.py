@@ -2,7 +2,9 @@
 
 The public names load on first use (a module `__getattr__`, as transformers' `_LazyModule` does), so that
 `import hf_kvmap.cache` loads the mapping code only, not fitting, fine-tuning, evaluation or serving. The config and
-the model load at once: they are registered with `AutoConfig` and `AutoModel`.
+the model load at once: they are registered with `AutoConfig` and `AutoModel`. `cache_kwargs` and `output_cache` are
+the one transformers version gate that code driving a model around a cache needs (the cache argument's and the output
+field's name, `past_key_values` before transformers 5.24, `cache` from it).
 """
 
 import importlib
@@ -38,6 +40,7 @@ _LAZY_NAMES = {
     "MappedLayer": "cache",
     "Probe": "serving.probes.base",
     "UnsupportedArchitectureError": "geometry",
+    "cache_kwargs": "_compat",
     "calibrate_probe": "calibration.probe_thresholds",
     "fit_mapper": "fitting",
     "fitted_config": "fitting",
@@ -47,6 +50,7 @@ _LAZY_NAMES = {
     "mapper_device_map": "placement",
     "mapper_from_statistics": "fitting",
     "measure_ladder_items": "calibration.ladder_items",
+    "output_cache": "_compat",
     "register_probe": "serving.probes.base",
     "DecodeRefresh": "repair",
     "RepairConfig": "repair",
@@ -56,6 +60,7 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:
+    from ._compat import cache_kwargs, output_cache
     from .cache import MappedCache, MappedLayer
     from .calibration.ladder import calibrate_ladder
     from .calibration.ladder_items import LadderItem, measure_ladder_items
@@ -110,6 +115,7 @@ __all__ = [
     "RepairConfig",
     "UnsupportedArchitectureError",
     "__version__",
+    "cache_kwargs",
     "calibrate_ladder",
     "calibrate_probe",
     "fit_mapper",
@@ -119,6 +125,7 @@ __all__ = [
     "mapper_device_map",
     "mapper_from_statistics",
     "measure_ladder_items",
+    "output_cache",
     "register_probe",
     "repair_cache",
     "save_cache",

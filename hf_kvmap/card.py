@@ -93,7 +93,7 @@ _MLP_SETTINGS = (
 def refit_reproducibility(config) -> str:
     """Whether a refit of the same calibration on another CPU is expected to give this mapper's bytes, from the
     kernel settings its statistics were gathered and solved with (`hf_kvmap.reporting.kernel_settings`; measured
-    for ridge fits by `benchmarks.portable_fit`, not for trained or fine-tuned maps)."""
+    for ridge fits by `benchmarks.speed.portable_fit`, not for trained or fine-tuned maps)."""
     calibration = config.calibration or {}
     gathered, solved = calibration.get("kernel_settings"), calibration.get("solve_kernel_settings")
     portable = "`ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`"  # the environment PORTABLE_KERNELS labels

@@ -123,7 +123,7 @@ def plot_diagnostics(diagnostics: dict, path) -> bool:
 
 def _plot_long(ax, long: dict, colors: dict) -> None:
     """The demo's long rows: each way's first token per length and task (filled where it pays)."""
-    from .commands.demo_long import pays
+    from .payoff import pays
 
     for task, style in zip(long, ("-", "--", ":", "-.")):
         rows = long[task]

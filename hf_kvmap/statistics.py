@@ -10,13 +10,12 @@ For every part (`"key"`, `"value"`) a `CalibrationStatistics` holds, over all ca
 Features are content-space keys (RoPE removed with each model's own rotary embedding) or values, flattened as
 `feature = layer * n_kv * head_dim + head * head_dim + dim`. Because the Gram and cross moments cover every source
 layer, source-layer selection and the ridge solve for any `k` are sub-block solves of the same object
-(see `hf_kvmap.selection`, `hf_kvmap.fitting`). Statistics from several processes or machines are sums: `merge` and `all_reduce` add them.
+(see `hf_kvmap.selection`, `hf_kvmap.fitting`). Statistics from several processes or machines are sums: `merge` and
+`all_reduce` add them (`hf_kvmap.statistics_merge`); `save` and `load` write and read them (`hf_kvmap.statistics_files`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,19 +24,17 @@ from transformers import PretrainedConfig
 from transformers.utils import logging
 
 from ._compat import model_id, model_revision
-from .artifacts import file_sha256
 from .configuration_mapper import summarize_model_config
 from .features import PARTS, batch_features, feature_matrix, input_device
 from .geometry import KVGeometry
-from .moments import DTYPES, NUM_LIMBS, PER_PART, PartStatistics, dtype_name, fingerprint_hex, limbs, sequence_digest
+from .moments import NUM_LIMBS, PartStatistics, dtype_name, fingerprint_hex, limbs, sequence_digest
 from .reporting import joined_settings, kernel_settings
+from .statistics_files import FORMAT_VERSION, METADATA_FILE, STATISTICS_FILE, SavedStatistics
+from .statistics_merge import MergeableStatistics
 from .validation import check_int
 
 logger = logging.get_logger(__name__)
 
-STATISTICS_FILE = "statistics.safetensors"
-METADATA_FILE = "statistics.json"
-FORMAT_VERSION = 1
 
 _SHARED = ("tokens", "sequences", "fingerprint_limbs")
 
@@ -59,7 +56,7 @@ def _normalize_target_layers(target_layers, num_layers: int) -> list[int] | None
     return None if layers == list(range(num_layers)) else layers
 
 
-class CalibrationStatistics:
+class CalibrationStatistics(MergeableStatistics, SavedStatistics):
     r"""
     Streaming sufficient statistics between every source layer and every (or selected) target layer.
 
@@ -422,178 +419,5 @@ class CalibrationStatistics:
         )
         return stats.accumulate(source_model, target_model, calibration, progress=progress)
 
-    # ------------------------------------------------------------------------------------------------ combining
-    def _add_settings(self, theirs: str | None, held: bool) -> None:
-        """The kernel settings once sums gathered under `theirs` are added; `held`: whether these sums held any
-        positions before (empty sums take the other's label)."""
-        self.kernel_settings = joined_settings(self.kernel_settings, theirs) if held else theirs
 
-    def _compatibility(self) -> dict[str, Any]:
-        return {
-            "source_summary": self.source_summary,
-            "target_summary": self.target_summary,
-            "parts": list(self.parts),
-            "target_layers": self.target_layers,
-            "stride": self.stride,
-            "dtype": dtype_name(self.dtype),
-            "source_model_id": self.source_model_id,
-            "source_revision": self.source_revision,
-            "target_model_id": self.target_model_id,
-            "target_revision": self.target_revision,
-            "tokenizer_fingerprint": self.tokenizer_fingerprint,
-        }
-
-    def check_compatible(self, other: CalibrationStatistics) -> None:
-        """Raise `ValueError` naming the first field in which `other` cannot be summed with `self`."""
-        mine, theirs = self._compatibility(), other._compatibility()
-        for field, value in mine.items():
-            other_value = theirs[field]
-            if field.endswith(("_model_id", "_revision", "_fingerprint")) and (value is None or other_value is None):
-                continue  # unknown provenance on one side does not block a merge
-            if value != other_value:
-                raise ValueError(
-                    f"Cannot merge calibration statistics: {field} differs ({value!r} here, {other_value!r} in the "
-                    "other). Statistics only add up for the same model pair, parts, target_layers, stride and dtype."
-                )
-
-    @torch.no_grad()
-    def merge(self, other: CalibrationStatistics) -> CalibrationStatistics:
-        """Add `other`'s sums into `self` (in place) after checking compatibility; returns `self`."""
-        self.check_compatible(other)
-        if int(other.tokens) > 0:
-            self._add_settings(other.kernel_settings, int(self.tokens) > 0)
-        theirs = other.state_dict()
-        for name, tensor in self.state_dict().items():
-            tensor += theirs[name].to(tensor.device)
-        for side in ("source", "target"):
-            for field in ("model_id", "revision"):
-                attr = f"{side}_{field}"
-                if getattr(self, attr) is None:
-                    setattr(self, attr, getattr(other, attr))
-        if self.tokenizer_fingerprint is None:
-            self.tokenizer_fingerprint = other.tokenizer_fingerprint
-        return self
-
-    @torch.no_grad()
-    def all_reduce(self, group=None) -> CalibrationStatistics:
-        """Sum every tensor across the processes of `group` with `torch.distributed`; returns `self`.
-
-        A no-op when `torch.distributed` is not initialized. Every rank must hold compatible statistics (checked
-        first, with one `all_gather_object`). With NCCL the statistics must live on the rank's CUDA device.
-        """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        world = dist.get_world_size(group)
-        if world == 1:
-            return self
-        gathered: list[Any] = [None] * world
-        mine = (self._compatibility(), int(self.tokens) > 0, self.kernel_settings)
-        dist.all_gather_object(gathered, mine, group=group)
-        for rank, (theirs, _, _) in enumerate(gathered):
-            if theirs != self._compatibility():
-                diff = sorted(k for k in theirs if theirs[k] != self._compatibility()[k])
-                raise ValueError(f"Rank {rank} holds incompatible calibration statistics (differs in {diff}).")
-        for tensor in self.state_dict().values():
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        if labels := [settings for _, held, settings in gathered if held]:  # ranks without positions add nothing
-            self.kernel_settings = joined_settings(*labels)
-        return self
-
-    def to(self, device: torch.device | str) -> CalibrationStatistics:
-        """Move every tensor to `device` (in place); returns `self`."""
-        self.device = torch.device(device)
-        for stats in self.stats.values():
-            for name, tensor in stats.tensors().items():
-                setattr(stats, name, tensor.to(self.device))
-        self.tokens, self.sequences = self.tokens.to(self.device), self.sequences.to(self.device)
-        self.fingerprint_limbs = self.fingerprint_limbs.to(self.device)
-        return self
-
-    # ------------------------------------------------------------------------------------------------ persistence
-    def metadata(self) -> dict[str, Any]:
-        """The JSON side of `save`: everything but the tensors."""
-        return {
-            "format_version": FORMAT_VERSION,
-            **self._compatibility(),
-            "calibration": self.provenance(),
-        }
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write `statistics.safetensors` and `statistics.json` (with the tensors' sha256) into folder `path`, swapped
-        in whole (`hf_kvmap.atomic`: a kill leaves the previous statistics or the new ones); a folder holding other
-        files is refused (statistics get a folder of their own)."""
-        from safetensors.torch import save_file
-
-        from .atomic import write_folder_atomically
-
-        if others := sorted(set(os.listdir(path) if os.path.isdir(path) else ()) - {STATISTICS_FILE, METADATA_FILE}):
-            raise ValueError(f"{path} holds other files ({', '.join(others[:3])}): give statistics their own folder.")
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-
-        def write(folder) -> None:
-            save_file(state, os.path.join(folder, STATISTICS_FILE), metadata={"format": "pt"})
-            metadata = {**self.metadata(), "sha256": file_sha256(os.path.join(folder, STATISTICS_FILE))}
-            with open(os.path.join(folder, METADATA_FILE), "w", encoding="utf-8") as handle:
-                handle.write(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-
-        write_folder_atomically(path, write)
-
-    @classmethod
-    def load(
-        cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", verify: bool = True
-    ) -> CalibrationStatistics:
-        """Load statistics written by `save`. With `verify`, refuse a tensors file whose sha256 does not match."""
-        from safetensors.torch import load_file
-
-        from .atomic import recover_folder
-
-        recover_folder(path)  # a save killed between its two renames (where folders cannot be exchanged)
-        with open(os.path.join(path, METADATA_FILE), encoding="utf-8") as handle:
-            meta = json.load(handle)
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{path}: statistics format_version {meta.get('format_version')} is not {FORMAT_VERSION}."
-            )
-        tensors_path = os.path.join(path, STATISTICS_FILE)
-        if verify and meta.get("sha256") != file_sha256(tensors_path):
-            raise ValueError(
-                f"{tensors_path} does not match the sha256 recorded in {METADATA_FILE}: refusing to load it."
-            )
-        stats = cls(
-            meta["source_summary" if "source_summary" in meta else "source_config"],  # "*_config": files before 0.1
-            meta["target_summary" if "target_summary" in meta else "target_config"],
-            parts=meta["parts"] if "parts" in meta else meta["kinds"],  # "kinds": files written before 0.1
-            target_layers=meta["target_layers"],
-            stride=meta["stride"],
-            dtype=DTYPES[meta["dtype"]],
-            device=device,
-            source_model_id=meta.get("source_model_id"),
-            source_revision=meta.get("source_revision"),
-            target_model_id=meta.get("target_model_id"),
-            target_revision=meta.get("target_revision"),
-            tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
-            kernel_settings=meta.get("calibration", {}).get("kernel_settings"),  # files before it: unknown
-            allocate=False,
-        )
-        state = load_file(tensors_path, device=str(torch.device(device)))
-        shared = {"tokens": (), "sequences": (), "fingerprint_limbs": (NUM_LIMBS,)}
-        expected = {name: (shape, torch.int64) for name, shape in shared.items()}
-        empty = PartStatistics.zeros(stats.source_width, stats.target_width, stats.dtype, "meta").tensors()  # shapes
-        expected |= {f"{part}.{name}": (tuple(t.shape), t.dtype) for part in stats.parts for name, t in empty.items()}
-        if set(state) != set(expected):
-            raise ValueError(f"{tensors_path} holds tensors {sorted(state)}; expected {sorted(expected)}.")
-        for name, (shape, dtype) in expected.items():
-            if tuple(state[name].shape) != shape or state[name].dtype != dtype:
-                raise ValueError(
-                    f"{tensors_path}: {name} is {tuple(state[name].shape)} {state[name].dtype}; expected {shape} {dtype}."
-                )
-        for part in stats.parts:
-            stats.stats[part] = PartStatistics(**{name: state[f"{part}.{name}"] for name in PER_PART})
-        stats.tokens, stats.sequences = state["tokens"], state["sequences"]
-        stats.fingerprint_limbs = state["fingerprint_limbs"]
-        return stats
-
-
-__all__ = ["CalibrationStatistics"]
+__all__ = ["FORMAT_VERSION", "METADATA_FILE", "STATISTICS_FILE", "CalibrationStatistics"]

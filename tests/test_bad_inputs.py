@@ -908,8 +908,8 @@ LAYERS = {"judge": {}, "interpreter guard alone": {"namespaces": False}, "namesp
 
 
 def _judge(completion: str, layers: str = "judge", timeout: float = 10.0):
-    from hf_kvmap.real.humaneval import program
-    from hf_kvmap.real.judge import namespace_command, run_program
+    from lab.real.humaneval import program
+    from lab.real.judge import namespace_command, run_program
 
     if layers == "namespaces alone" and not namespace_command():
         pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
@@ -924,7 +924,7 @@ def _body(code: str) -> str:
 def test_the_judge_passes_a_right_completion_and_nothing_else():
     """The controls of every guard case below: a right completion passes (also one that uses the standard library's
     frame readers, namedtuple and the functional Enum), a wrong one, an error, a timeout and a syntax error do not."""
-    from hf_kvmap.real.humaneval import judge
+    from lab.real.humaneval import judge
 
     assert judge(ADD, RIGHT).passed and judge(ADD, RIGHT).reason == "passed"
     library = "from collections import namedtuple\nimport enum\nP = namedtuple('P', 'x')\nenum.Enum('E', 'a b')"
@@ -1068,9 +1068,9 @@ def _judge_in_a_process(completion: str, layers: str) -> subprocess.CompletedPro
     process's peak memory before and after."""
     from pathlib import Path
 
-    from hf_kvmap.real.humaneval import program
+    from lab.real.humaneval import program
 
-    judge_file = Path(__file__).resolve().parents[1] / "hf_kvmap" / "real" / "judge.py"
+    judge_file = Path(__file__).resolve().parents[1] / "lab" / "real" / "judge.py"
     script = (
         "import importlib.util, json, resource, sys\n"
         f"spec = importlib.util.spec_from_file_location('judge', {str(judge_file)!r})\n"
@@ -1089,7 +1089,7 @@ def test_a_completion_cannot_kill_the_judge(how, layers):
     """Before: `os.kill(os.getppid(), 9)` killed the judging process. After: refused by the guard; in a PID
     namespace the parent is not even visible (`getppid()` is 0)."""
     if layers == "namespaces alone":
-        from hf_kvmap.real.judge import namespace_command
+        from lab.real.judge import namespace_command
 
         if not namespace_command():
             pytest.skip("this system cannot create network and PID namespaces (`unshare`)")
@@ -1108,7 +1108,7 @@ def test_a_completion_cannot_kill_the_judge(how, layers):
 def test_a_completion_printing_150_mb_costs_no_memory():
     """Before: the judge held all it printed. After: output beyond the file-size limit fails the run, and the judge
     reads it in chunks and keeps the first `SHOWN_BYTES`."""
-    from hf_kvmap.real.judge import SHOWN_BYTES
+    from lab.real.judge import SHOWN_BYTES
 
     flood = _body("import sys\nfor _ in range(150):\n    sys.stdout.write('x' * (1 << 20))")
     result = json.loads(_judge_in_a_process(flood, "judge").stdout)
@@ -1149,7 +1149,7 @@ def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
     measured no rung. After: argparse's error naming the flag and the entry, before any tokenizer or model loads."""
     import re
 
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
 
     text = _benchmark_error(long_switch.build_parser().parse_args, ["--rungs", rungs], capsys)
     assert "argument --rungs: " in text and re.search(BAD_RUNGS[rungs], text), text
@@ -1160,7 +1160,7 @@ def test_long_switch_refuses_a_bad_rung_while_parsing(rungs, capsys):
 
 def test_long_switch_refuses_a_folder_as_records(tmp_path, capsys):
     """Before: `IsADirectoryError` after the models loaded. After: refused while parsing."""
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
 
     parse = long_switch.build_parser().parse_args
     assert "argument --records: " in _benchmark_error(parse, ["--records", str(tmp_path)], capsys)
@@ -1179,8 +1179,8 @@ BAD_RECORDS = {
 
 @pytest.fixture
 def switch_run(monkeypatch):
-    """`benchmarks.long_switch.main` with no tokenizer, and loading the models failing the test."""
-    from benchmarks import long_switch
+    """`benchmarks.switch.long_switch.main` with no tokenizer, and loading the models failing the test."""
+    from benchmarks.switch import long_switch
 
     def no_models(*args, **kwargs):
         raise RuntimeError("the models were loaded")
@@ -1211,7 +1211,7 @@ def test_long_switch_refuses_a_bad_records_line_by_file_and_line(case, tmp_path,
 def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_path, switch_run, capsys):
     """A kill while a row is appended leaves a line without its end: cut (the item is measured again), as
     calibrate-ladder's records; the report reads such a file and leaves it as it is."""
-    from benchmarks import long_switch_report
+    from benchmarks.switch import long_switch_report
 
     path = tmp_path / "records.jsonl"
     torn = RUN_LINE + ITEM % "k1" + '{"key": "k2", "arms": {"tar'
@@ -1225,7 +1225,7 @@ def test_long_switch_cuts_a_torn_last_record_and_measures_its_item_again(tmp_pat
 
 def test_long_switch_names_obtain_for_a_missing_model(tmp_path, capsys):
     """Before: transformers' "Repo id must be ..." traceback. After: the command that obtains the model."""
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
     from hf_kvmap.real.obtain import obtained_path
 
     argv = ["--mapper", "m", "--records", str(tmp_path / "r.jsonl"), "--cache-dir", str(tmp_path / "cache")]

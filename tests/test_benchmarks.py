@@ -121,7 +121,7 @@ def _load_script(name: str):
 
 
 def test_live_tensor_bytes_counts_peak_of_new_storages():
-    apply = _load_script("apply")
+    apply = _load_script("speed.apply")
     existing = torch.ones(1000, 1000)  # allocated before: never counted
     with apply.LiveTensorBytes() as mode:
         a = existing * 2  # 4 MB
@@ -135,7 +135,7 @@ def test_live_tensor_bytes_counts_peak_of_new_storages():
 
 
 def test_interleaved_medians_rotates_and_stops_on_budget():
-    apply = _load_script("apply")
+    apply = _load_script("speed.apply")
     calls = []
     tasks = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     result = apply.interleaved_medians(tasks, "cpu", repeats=4, warmup=1)
@@ -147,7 +147,7 @@ def test_interleaved_medians_rotates_and_stops_on_budget():
 
 
 def test_apply_benchmark_quick_run_writes_json(tmp_path):
-    apply = _load_script("apply")
+    apply = _load_script("speed.apply")
     torch.set_num_threads(1)
     out = tmp_path / "apply.json"
     result = apply.main(
@@ -177,7 +177,7 @@ def _run_script(name: str, *args: str, timeout: int = 60) -> subprocess.Complete
 
 def test_gpu_shapes_dry_run(tmp_path):
     out = tmp_path / "gpu_shapes.json"
-    proc = _run_script("gpu_shapes.py", "--dry-run", "--out", str(out))
+    proc = _run_script("gpu.gpu_shapes", "--dry-run", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["run"]["dry_run"] is True
@@ -185,14 +185,14 @@ def test_gpu_shapes_dry_run(tmp_path):
     assert all(row["mapper_ms"] > 0 and row["bound"] > 1 for row in result["rows"])
     assert "mapper / re-prefill (ms)" in proc.stdout
     # the real shapes written in the script are the public Qwen3 configs used above
-    gpu_shapes = _load_script("gpu_shapes")
+    gpu_shapes = _load_script("gpu.gpu_shapes")
     for name, expected in (("14B", QWEN3_14B), ("32B", QWEN3_32B)):
         assert {key: gpu_shapes.QWEN3[name][key] for key in expected} == expected
 
 
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = _run_script("gpu_check.py", "--dry-run", "--out", str(out))
+    proc = _run_script("gpu.gpu_check", "--dry-run", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would mean a check failed
     result = json.loads(out.read_text())
     checks = {check["check"]: check["ok"] for check in result["checks"]}
@@ -214,7 +214,7 @@ def test_mapper_variants_reports_what_the_evaluations_say(tmp_path):
     for name, data in (("a", evaluation), ("b", other)):
         shutil.copytree(shipped.parent, tmp_path / name / "tiny-s-to-tiny-l")
         (tmp_path / name / "tiny-s-to-tiny-l" / "evaluation.json").write_text(json.dumps(data))
-    script = importlib.import_module("benchmarks.mapper_variants")
+    script = importlib.import_module("benchmarks.variants.mapper_variants")
     out = tmp_path / "variants.json"
     args = ["--json", str(out), "--keep", str(tmp_path / "k"), "--markdown", str(tmp_path / "table.md")]
     script.main([*args, "--variant", f"a={tmp_path / 'a'}", "--variant", f"b={tmp_path / 'b'}"])
@@ -279,7 +279,7 @@ def test_cli_benchmark_times_the_shipped_mapper_beside_its_bound(tmp_path):
 
 
 def test_mapper_variants_chooses_on_the_tasks_the_target_beats_chance_on(tmp_path):
-    script = importlib.import_module("benchmarks.mapper_variants")
+    script = importlib.import_module("benchmarks.variants.mapper_variants")
 
     def row(recall, choice):
         return {
@@ -304,7 +304,7 @@ def test_variant_parameters_at_paper_scale(tmp_path):
     that map's extra inputs (7 more blocks of 8 x 1024 source features), the target's key norm one head_dim per layer."""
     from hf_kvmap.flops import ridge_mapper_parameters
 
-    script = importlib.import_module("benchmarks.variant_parameters")
+    script = importlib.import_module("benchmarks.variants.variant_parameters")
     rows = script.main(["--json", str(tmp_path / "p.json")])["variants"]
     ridge = ridge_mapper_parameters((40, 8, 128), (64, 8, 128), k=8)
     assert rows["ridge"]["parameters"] == ridge
@@ -350,7 +350,7 @@ def test_finetune_step_cost_counts_each_objective_from_its_parts(tmp_path):
         finetune_step_cost("mse", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=4)
     with pytest.raises(ValueError, match="prefix"):
         finetune_step_cost("kl", QWEN3_14B, QWEN3_32B, params, batch=1, tokens=8, prefix=8)
-    script = importlib.import_module("benchmarks.objective_costs")
+    script = importlib.import_module("benchmarks.speed.objective_costs")
     result = script.main(["--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["counted"] == json.loads(json.dumps(result["counted"]))
 
@@ -359,7 +359,7 @@ def test_retention_curve_counts_each_design_and_keeps_the_frontier(tmp_path):
     """The curve: a variant's design comes from its name (a fine-tune changes no shape), its parameters are counted
     from that design and must agree with what the comparison recorded, and the frontier keeps exactly the variants
     no other one beats on both retention and size (speed)."""
-    script = importlib.import_module("benchmarks.retention_curve")
+    script = importlib.import_module("benchmarks.variants.retention_curve")
     assert script.design_of("ridge-l3w3-kn-attn-kl") == ("ridge-lNw3-kn", 3)
     assert script.design_of("ridge-l1w3-kn") == ("ridge-lNw3-kn", 1)
     assert script.design_of("mlp-w3-e40") == ("mlp-w3", None)
@@ -401,7 +401,7 @@ def test_every_benchmarks_readme_command_parses(monkeypatch):
 
     text = (BENCHMARKS / "README.md").read_text().replace("\\\n", " ")
     commands = re.findall(r"^(?:OMP_NUM_THREADS=\d+ )?python -m (benchmarks[.\w]*)(.*)$", text, re.MULTILINE)
-    assert {module for module, _ in commands} >= {"benchmarks.apply", "benchmarks.docs", "benchmarks.real"}
+    assert {module for module, _ in commands} >= {"benchmarks.speed.apply", "benchmarks.docs", "benchmarks.real"}
 
     class Parsed(Exception):
         pass
@@ -419,26 +419,32 @@ def test_every_benchmarks_readme_command_parses(monkeypatch):
             main(shlex.split(args, comments=True))
 
 
-def test_benchmarks_are_a_package_of_small_modules_on_the_public_api():
-    """benchmarks/ is a package (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600 lines,
-    and none imports a private library module or name or passes a private keyword (`_allocate=`...). The one
-    exception is `hf_kvmap._compat`, the single home of transformers version gates, for the name of the cache
-    argument (`cache=` from 5.24, `past_key_values` before), as the library itself calls it."""
+def test_benchmarks_and_the_lab_are_packages_of_small_modules_on_the_public_api():
+    """benchmarks/ and lab/ are packages (every folder has an `__init__.py`), no module edits `sys.path` or exceeds 600
+    lines, and none imports a private library module or name (`hf_kvmap._compat`, `_name`), the command line's
+    modules (`hf_kvmap.commands`, `hf_kvmap.cli`) or passes a private keyword (`_allocate=`...): they call what a user
+    of the library calls (the cache argument's name is `hf_kvmap.cache_kwargs` and `hf_kvmap.output_cache`)."""
     import ast
 
-    folders = {path.parent for path in BENCHMARKS.rglob("*.py")}
-    assert all((folder / "__init__.py").is_file() for folder in folders), folders
-    for path in sorted(BENCHMARKS.rglob("*.py")):
+    lab = BENCHMARKS.parent / "lab"
+    paths = sorted(path for root in (BENCHMARKS, lab) for path in root.rglob("*.py") if "results" not in path.parts)
+    folders = {path.parent for path in paths}
+    assert lab in folders and all((folder / "__init__.py").is_file() for folder in folders), folders
+    for path in paths:
         text = path.read_text()
         assert len(text.splitlines()) < 600, path
         assert "sys.path" not in text, path
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_kvmap"):
-                if node.module == "hf_kvmap._compat":
-                    assert {alias.name for alias in node.names} <= {"cache_kwargs", "output_cache"}, path
-                    continue
-                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
+            modules = []
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("hf_kvmap"):
+                modules = [node.module]
                 assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names if alias.name.startswith("hf_kvmap")]
+            for module in modules:
+                parts = module.split(".")
+                assert not any(part.startswith("_") for part in parts), (path, module)
+                assert not {"commands", "cli"} & set(parts), (path, module)
             if isinstance(node, ast.keyword) and node.arg:
                 assert not node.arg.startswith("_"), (path, node.arg)
 
@@ -463,7 +469,7 @@ def _tail_run(tasks: list[str], items: int) -> dict:
         "tasks": tasks,
         "selection": {"items_per_task": items, "seed": 1},
         "report": {"items_per_task": items, "seed": 2},
-        "command": "python -m benchmarks.guard_ladder",
+        "command": "python -m benchmarks.ladder.guard_ladder",
         "family": "tiny",
         "dtype": "float32",
         "probes": ["draft_agreement:2"],
@@ -474,7 +480,7 @@ def _tail_run(tasks: list[str], items: int) -> dict:
 
 
 def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_report_set():
-    from benchmarks.guard_ladder import study
+    from benchmarks.ladder.guard_ladder import study
 
     def records(n):  # risk < 0.3: the mapped cache keeps the answer; < 0.6: half a repair does; above: only prefill
         out = []
@@ -509,8 +515,8 @@ def test_guard_ladder_study_replays_the_ladder_and_the_binary_guard_on_the_repor
 
 
 def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margins():
-    from benchmarks.guard_ladder import served_plan, study
-    from benchmarks.repair_report import ladder_markdown
+    from benchmarks.ladder.guard_ladder import served_plan, study
+    from benchmarks.repair.repair_report import ladder_markdown
 
     def records(n, margins=True):  # the risk says nothing; half a repair changes every fourth answer, of low margin
         out = []
@@ -548,10 +554,10 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
 
 
 def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
-    from benchmarks.guard_ladder import build_parser, study
-    from benchmarks.long_switch import parse_strategy, split_rungs
-    from benchmarks.repair_report import ladder_markdown
-    from hf_kvmap.calibration.ladder_side import with_side_measurements
+    from benchmarks.ladder.guard_ladder import build_parser, study
+    from benchmarks.repair.repair_report import ladder_markdown
+    from benchmarks.switch.long_switch import parse_strategy, split_rungs
+    from lab.ladder_migration import with_side_measurements
 
     text = "tail,query_overlap:fill=draft_branches,after=24,source_attention"
     assert [parse_strategy(t) for t in split_rungs(build_parser().parse_args(["--strategies", text]).strategies)] == [
@@ -620,9 +626,9 @@ def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
 
 
 def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tmp_path):
-    from benchmarks.guard_ladder import study
-    from benchmarks.repair_report import ladder_markdown
-    from hf_kvmap.calibration.ladder_side import with_side_measurements
+    from benchmarks.ladder.guard_ladder import study
+    from benchmarks.repair.repair_report import ladder_markdown
+    from lab.ladder_migration import with_side_measurements
 
     def records(n):  # the target right on every item, the source on a quarter; half a repair right on three quarters
         out = []
@@ -663,8 +669,8 @@ def test_guard_ladder_reports_the_sources_score_and_the_gap_a_repair_recovers(tm
 
 
 def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_cannot_vouch(tmp_path):
-    from benchmarks.guard_ladder import study
-    from benchmarks.repair_report import ladder_markdown
+    from benchmarks.ladder.guard_ladder import study
+    from benchmarks.repair.repair_report import ladder_markdown
 
     def records(n):  # as above, but each task's mapped answer changes for every tenth item of low risk too
         out = []
@@ -695,7 +701,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     assert bound["selection"]["mean_cost"] > point["selection"]["mean_cost"]  # the bound costs
 
     run = {
-        "command": "python -m benchmarks.guard_ladder --confidence 0.9",
+        "command": "python -m benchmarks.ladder.guard_ladder --confidence 0.9",
         "family": "tiny",
         "dtype": "float32",
         "probes": ["draft_agreement:2"],
@@ -711,7 +717,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     assert "| ladder, bound at 0.9 |" in text and "Clopper-Pearson upper bound at 0.9" in text
 
     # one run's report sets at two lengths (`--report-tokens`): one row per length and calibration
-    from benchmarks.ladder_lengths import markdown as ladder_lengths_markdown
+    from benchmarks.ladder.ladder_lengths import markdown as ladder_lengths_markdown
 
     longer = study(records(200), records(40), max_changed=0.05, confidence=0.9)
     directions = {"a-to-b": {"mapper": "m", **many}, "a-to-b at 4096 tokens": {"mapper": "m", **longer}}
@@ -742,7 +748,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
         f"worst task {100 * _worst(many['ladder_confident']['report']):.1f} % changed, 100: cost {bound['mean_cost']:.2f}, "
         f"worst task {100 * worst:.1f} % changed."
     )
-    from benchmarks.ladder_lengths import gated_way
+    from benchmarks.ladder.ladder_lengths import gated_way
     from hf_kvmap.serving.ladder import GuardLadder
 
     shorter = [{**record, "tokens": 99} for record in records(40)]
@@ -753,7 +759,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     assert _worst(gated["report"]) == 0.0
 
     # the break-even length: interpolated on 1 / mean cost between the lengths on either side of the prefill's cost
-    from benchmarks.ladder_lengths import break_even_lines as ladder_break_even_lines
+    from benchmarks.ladder.ladder_lengths import break_even_lines as ladder_break_even_lines
 
     def entry(tokens, cost):
         return {
@@ -787,7 +793,7 @@ def test_guard_ladder_study_with_a_confidence_bound_falls_back_where_the_items_c
     )
 
     # the plot's data: per way, (tokens, mean cost, worst changed) by length; the lost-budget way counts changed ones
-    from benchmarks import guard_ladder, ladder_lengths
+    from benchmarks.ladder import guard_ladder, ladder_lengths
 
     directions["a-to-b at 4096 tokens"]["tokens"] = 4096  # the records' own lengths are all 100
     found = ladder_lengths.per_length({"run": run, "directions": directions})["a-to-b"]
@@ -818,7 +824,7 @@ def test_a_ladder_with_its_budget_on_lost_answers_serves_a_changed_answer_that_i
     """`lost_only`: an answer counts against the budget only where the target's own is right and the served one is
     wrong. Here the mapped cache changes every answer of risk 0.3-0.6 but keeps it right (the target is wrong there),
     so the lost-answer ladder serves the mapped cache up to risk 0.6 where the changed-answer ladder repairs from 0.3."""
-    from benchmarks.guard_ladder import lost_only, study
+    from benchmarks.ladder.guard_ladder import lost_only, study
 
     def records(n):
         out = []
@@ -848,7 +854,7 @@ def test_a_ladder_with_its_budget_on_lost_answers_serves_a_changed_answer_that_i
 
 
 def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path):
-    from benchmarks import ladder_calibration_size as size
+    from benchmarks.ladder import ladder_calibration_size as size
 
     def records(n, offset):  # the mapped answer changes above risk 0.5; half a repair never changes one
         out = []
@@ -890,7 +896,7 @@ def test_ladder_calibration_size_replays_every_draw_and_holds_the_bound(tmp_path
 
 
 def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_measures_separation(tmp_path):
-    from benchmarks import ladder_headroom as headroom
+    from benchmarks.ladder import ladder_headroom as headroom
 
     # changed answers at the mapped cache (0) and at half a repair (0.5), with the probe's risk
     planted = [({"0": False, "0.5": False}, 0.1), ({"0": True, "0.5": False}, 0.9), ({"0": True, "0.5": True}, 0.8)]
@@ -963,7 +969,7 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
     planted_file = tmp_path / "planted.jsonl"
     planted_file.write_text("\n".join(json.dumps(r) for r in records))
     (tmp_path / "planted.margins.jsonl").write_text("\n".join(json.dumps(m) for m in margins))
-    from benchmarks.ladder_calibration_size import read_records
+    from benchmarks.ladder.ladder_calibration_size import read_records
 
     merged = read_records([str(planted_file)])
     check = headroom.separation(merged, "0.5")["chat"][headroom.CHECK]
@@ -978,7 +984,7 @@ def test_ladder_headroom_sets_a_perfect_probe_beside_the_calibrated_ladders_and_
 
 
 def test_switch_targets_reads_each_verdict_off_the_results():
-    from benchmarks import switch_targets
+    from benchmarks.switch import switch_targets
 
     def arm(retention, gap, speedup, fraction):
         return {"retention": retention, "gap_recovered": gap, "speedup": speedup, "fraction": fraction}
@@ -1105,14 +1111,14 @@ def test_switch_targets_reads_each_verdict_off_the_results():
 
 
 def test_recorded_commands_name_mappers_and_models_where_the_readme_puts_them():
-    from benchmarks.repair_report import portable_command, portable_path
+    from benchmarks.repair.repair_report import portable_command, portable_path
 
     command = (
-        "python -m benchmarks.guard_ladder --mapper /work/runs/real/mappers/0.5b-to-1.5b/ridge-k8 --source "
+        "python -m benchmarks.ladder.guard_ladder --mapper /work/runs/real/mappers/0.5b-to-1.5b/ridge-k8 --source "
         "/root/.cache/hf-kvmap/models/qwen2.5-coder-0.5b-instruct --work /tmp/records --tokens 2048"
     )
     assert portable_command(command) == (
-        "python -m benchmarks.guard_ladder --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 --source "
+        "python -m benchmarks.ladder.guard_ladder --mapper $WORK/mappers/0.5b-to-1.5b/ridge-k8 --source "
         "~/.cache/hf-kvmap/models/qwen2.5-coder-0.5b-instruct --tokens 2048"
     )
     shipped = "/x/hf_kvmap/zoo/mappers/tiny-m-to-tiny-l"
@@ -1152,7 +1158,7 @@ def test_results_name_the_cpu_and_the_kernels_that_computed_them():
 
 
 def test_portable_fit_says_which_settings_refit_one_mapper_and_which_step_differs():
-    from benchmarks import portable_fit
+    from benchmarks.speed import portable_fit
 
     def fit(digest, env, statistics=None, solve=None):
         out = {"env": env, "hash": "sha256:" + digest * 16, "seconds": 12.4}
@@ -1186,10 +1192,10 @@ def test_portable_fit_says_which_settings_refit_one_mapper_and_which_step_differ
 
 
 def test_pair_timing_sums_its_stages_and_refuses_a_used_folder(tmp_path):
-    """`benchmarks.pair_timing`: minutes are the stages' seconds summed, a failed stage fails the run and its target,
+    """`benchmarks.speed.pair_timing`: minutes are the stages' seconds summed, a failed stage fails the run and its target,
     and a `--work` folder that holds anything is refused (a resumed calibration would time less than a run from
     nothing)."""
-    from benchmarks import pair_timing
+    from benchmarks.speed import pair_timing
 
     stages = [
         {"stage": "pair", "seconds": 600.0, "returncode": 0, "load_before": 1.0, "load_after": 2.5},

@@ -1,5 +1,5 @@
-"""The whole-context task families (`hf_kvmap.real.context_tasks`, `ruler_tasks`, `code_tasks`), HumanEval's distinct
-code contexts (`long_tasks.humaneval(contexts="distinct")`) and their registration in `benchmarks.long_switch`, on a
+"""The whole-context task families (`lab.real.context_tasks`, `ruler_tasks`, `code_tasks`), HumanEval's distinct
+code contexts (`long_tasks.humaneval(contexts="distinct")`) and their registration in `benchmarks.switch.long_switch`, on a
 byte-level tokenizer trained here and a fake machine's corpus: no real weights, no download."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import long_switch
-from hf_kvmap.real import code_tasks, context_tasks, corpus, long_tasks, ruler_tasks
-from hf_kvmap.real.humaneval import passes
-from hf_kvmap.real.task_text import LENGTH_TOLERANCE, WORDS, TaskLengthError, string_match_all, words_of
+from benchmarks.switch import long_switch
+from hf_kvmap.real import corpus
+from lab.real import code_tasks, context_tasks, long_tasks, ruler_tasks
+from lab.real.humaneval import passes
+from lab.real.task_text import LENGTH_TOLERANCE, WORDS, TaskLengthError, string_match_all, words_of
 
 TOKENS = 1200
 FAMILIES = (
@@ -32,16 +33,13 @@ FAMILIES = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE tokenizer trained on the package's own sources (every character round-trips; words and code
-    take a token or a few, as a real tokenizer's do), with a chat template."""
+    """A byte-level BPE tokenizer trained on the repository's own sources, the package's and the lab's (every
+    character round-trips; words and code take a token or a few, as a real tokenizer's do), with a chat template."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    root = Path(context_tasks.__file__).parents[1]
-    # the vocabulary moves with every file added to the package, and code_defs at TOKENS then falls more than 3 % short
-    # of its length (measured when `long_kl` came); its sources stay out until this is trained on a fixed text
-    texts = [path.read_text() for path in sorted(root.rglob("*.py")) if "long_kl" not in path.parts]
-    texts += [" ".join(WORDS)] * 5
+    roots = (Path(corpus.__file__).parents[1], Path(context_tasks.__file__).parents[1])  # hf_kvmap/, lab/
+    texts = [path.read_text() for root in roots for path in sorted(root.rglob("*.py"))] + [" ".join(WORDS)] * 5
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=2000, special_tokens=["<eos>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")
@@ -360,7 +358,7 @@ def test_exact_match_reads_the_answer_whatever_its_case_and_a_closing_full_stop(
 
 
 def test_a_reply_that_copies_every_candidate_scores_its_precision():
-    from hf_kvmap.real.task_text import string_match_all, string_match_listed
+    from lab.real.task_text import string_match_all, string_match_listed
 
     references = ["velvet", "walnut", "badge"]
     dump = "attic, velvet, ladder, walnut, gopher, badge"  # the whole list: every reference, and three that are not

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from hf_kvmap import zoo
-from hf_kvmap.commands import demo_long
-from hf_kvmap.commands.demo_long import break_even, break_even_text, first_screen, pays
+from hf_kvmap import payoff, zoo
+from hf_kvmap.commands.demo_long import first_screen
+from hf_kvmap.payoff import break_even, break_even_text, pays
 from hf_kvmap.zoo import corpus
 from hf_kvmap.zoo.long_items import LONG_TASKS, MAX_SHORTFALL, make_long_set, token_count
 
@@ -125,15 +125,15 @@ def _row(tokens: int, target, mapped, repaired, guarded, does: bool = True) -> d
 
 def test_a_way_pays_only_sooner_within_the_tolerance_where_the_target_does_the_task():
     row = _row(512, (0.80, 100.0), (0.74, 20.0), (0.75, 90.0), (0.90, 100.0))
-    assert [way for way in demo_long.HANDOFF_WAYS if pays(row, way)] == ["repaired"]  # 0.05 below: kept
+    assert [way for way in payoff.HANDOFF_WAYS if pays(row, way)] == ["repaired"]  # 0.05 below: kept
     assert not pays({**row, "target_does_task": False}, "repaired")
     assert pays(row, "mapped", tolerance=0.06)
 
 
 def _results(rows: dict, latency=None) -> dict:
-    long = {"reach": 96, "items": 32, "tolerance": 0.05, "tasks": rows, "break_even": demo_long.break_evens(rows)}
+    long = {"reach": 96, "items": 32, "tolerance": 0.05, "tasks": rows, "break_even": payoff.break_evens(rows)}
     run = {"source": "tiny-s", "target": "tiny-l", "mapper": "zoo:tiny-s-to-tiny-l"}
-    return {"run": run, "long": long, "latency_break_even": demo_long.latency_break_evens(latency or [])}
+    return {"run": run, "long": long, "latency_break_even": payoff.latency_break_evens(latency or [])}
 
 
 def test_the_first_screen_names_where_the_switch_pays_and_the_break_even():
@@ -167,7 +167,7 @@ def test_the_first_screen_names_where_the_switch_pays_and_the_break_even():
     assert f"recall: mapped below 256 tokens (sooner at every length measured); repaired about {round(256 + 0.25 * 256 / 0.45)} tokens (between the measured 256 and 512)" in flat  # fmt: skip
     assert "random tokens (the latency rows below): mapped below 256 tokens" in flat
     assert "repaired about 352 tokens (between the measured 256 and 512)" in flat.split("random tokens")[1]
-    assert demo_long.BREAK_EVEN_RULE in flat
+    assert payoff.BREAK_EVEN_RULE in flat
     # accuracy kept on the rows where the target alone beats chance (chat at 512 is not one), whatever the times
     assert "on the 3 rows where it beats chance: mapped on 0, repaired on 3, guarded on 3." in flat
 
@@ -195,4 +195,4 @@ def test_the_docs_block_renders_the_first_screen_from_the_results():
     assert "- The switch pays on recall at 512 tokens: repaired 0.780 in 100.0 ms (1.20x sooner)" in block
     assert "on the 2 rows where it beats chance: mapped on 0, repaired on 2, guarded on 2." in block
     assert "  - recall: mapped below 256 tokens (sooner at every length measured); repaired about 398 tokens" in block
-    assert demo_long.BREAK_EVEN_RULE in block
+    assert payoff.BREAK_EVEN_RULE in block

@@ -36,21 +36,20 @@ from hf_kvmap.calibration.ladder_items import (
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.calibration.ladder_remeasure import (
-    has_source_answers,
-    measure_margins,
-    measure_source_answer,
-    measure_strategies,
-    with_source_answers,
-    with_strategies,
-)
-from hf_kvmap.calibration.ladder_side import machines
+from hf_kvmap.calibration.ladder_side import measure_strategies, with_strategies
 from hf_kvmap.cli import main as cli
 from hf_kvmap.reporting import machine_info
 from hf_kvmap.rope import positions_from_attention_mask
 from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
 from hf_kvmap.serving.pipeline import prepare_context, serve_rows
 from hf_kvmap.serving.probes import probe_from_dict
+from lab.ladder_migration import (
+    has_source_answers,
+    machines,
+    measure_margins,
+    measure_source_answer,
+    with_source_answers,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,16 +23,16 @@ from hf_kvmap.calibration.ladder_items import (
     replay_ladder,
     strategy_key,
 )
-from hf_kvmap.calibration.ladder_remeasure import (
-    measure_margins,
-    with_margins,
-)
 from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.rope import positions_from_attention_mask
 from hf_kvmap.serving import HandoffRefusedError
 from hf_kvmap.serving.forwards import answer_margins
 from hf_kvmap.serving.ladder import FALLBACK, GuardLadder, LadderRung
 from hf_kvmap.serving.pipeline import answer_margin, prepare_context, serve_rows, target_prefill
+from lab.ladder_migration import (
+    measure_margins,
+    with_margins,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -250,7 +250,7 @@ def test_the_cli_measures_and_places_sparse_rungs_with_sparse(tmp_path, capsys):
 
 def test_the_benchmark_tables_name_a_sparse_rung_as_such():
     from benchmarks.formatting import rung_label, rung_order
-    from benchmarks.repair_report import _rungs
+    from benchmarks.repair.repair_report import _rungs
 
     names = ["fallback", "repair:0.5", "sparse:0.5", "mapped", "repair:0.2", "short"]
     assert sorted(names, key=rung_order) == ["mapped", "repair:0.2", "sparse:0.5", "repair:0.5", "fallback", "short"]

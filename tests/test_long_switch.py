@@ -1,5 +1,5 @@
-"""Tasks at serving lengths (`hf_kvmap.real.long_tasks`, `hf_kvmap.real.humaneval`) and the switch benchmark's
-decoding and report (`benchmarks.long_switch`, `benchmarks.long_switch_report`), on tiny stand-ins: no real weights,
+"""Tasks at serving lengths (`lab.real.long_tasks`, `lab.real.humaneval`) and the switch benchmark's
+decoding and report (`benchmarks.switch.long_switch`, `benchmarks.switch.long_switch_report`), on tiny stand-ins: no real weights,
 no download."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks import long_switch, long_switch_report
+from benchmarks.switch import long_switch, long_switch_report
 from hf_kvmap._compat import cache_kwargs, output_cache
-from hf_kvmap.real import ChecksumMismatchError, corpus, humaneval, long_tasks
+from hf_kvmap.real import ChecksumMismatchError, corpus
+from lab.real import humaneval, long_tasks
 
 PROBLEMS = [
     {
@@ -497,11 +498,11 @@ def test_the_break_even_length_interpolates_between_the_lengths_measured():
 
 
 def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(byte_tokenizer, documents, monkeypatch):
-    """`benchmarks.guard_ladder --family real --tasks long_chat,long_doc --tokens N`: the long items, in turn, each
+    """`benchmarks.ladder.guard_ladder --family real --tasks long_chat,long_doc --tokens N`: the long items, in turn, each
     answer followed by the end of the assistant's turn."""
     import argparse
 
-    from benchmarks import guard_ladder
+    from benchmarks.ladder import guard_ladder
     from hf_kvmap.real import corpus as corpus_module
 
     monkeypatch.setattr(corpus_module, "load_manifest", lambda path: documents)
@@ -516,7 +517,7 @@ def test_the_guard_ladder_benchmark_builds_the_long_forms_at_the_length_asked(by
 def test_the_guard_ladder_calibrated_at_one_length_is_replayed_at_each_report_length(tmp_path, monkeypatch):
     """`--tokens 2048 --report-tokens 2048,4096`: the selection set is built at 2,048 tokens, one report set at each
     length into its own records file (the first keeps `<direction>.report.jsonl`), and each is its own entry."""
-    from benchmarks import guard_ladder
+    from benchmarks.ladder import guard_ladder
 
     built, files, studied = [], [], []
     monkeypatch.setattr(guard_ladder, "load_pair", lambda args, direction: (None, None, None, "tok", "map"))
@@ -570,9 +571,9 @@ def test_a_continuation_reports_its_agreed_prefix_and_the_nll_gap_it_closes(tmp_
     assert "wins_kept" not in arms["mapped"]  # no right or wrong answers to count
 
 
-@pytest.mark.parametrize("module", ["long_switch", "guard_ladder"])
+@pytest.mark.parametrize("module", ["switch.long_switch", "ladder.guard_ladder"])
 def test_every_benchmarks_readme_long_command_parses(module):
-    """Each `python -m benchmarks.long_switch` / `guard_ladder` command in benchmarks/README.md is one the module
+    """Each `python -m benchmarks.switch.long_switch` / `guard_ladder` command in benchmarks/README.md is one the module
     accepts, every rung of --rungs included."""
     import importlib
     import re
@@ -585,7 +586,9 @@ def test_every_benchmarks_readme_long_command_parses(module):
     assert len(commands) >= 2
     for command in commands:
         args = script.build_parser().parse_args(shlex.split(command.replace("$WORK", "/w"), comments=True))
-        for rung in long_switch.split_rungs((getattr(args, "rungs", None) or "") if module == "long_switch" else ""):
+        for rung in long_switch.split_rungs(
+            (getattr(args, "rungs", None) or "") if module == "switch.long_switch" else ""
+        ):
             long_switch.parse_rung(rung)
 
 
@@ -729,10 +732,10 @@ def test_follow_up_questions_are_asked_on_the_cache_each_arm_served(tiny, monkey
 
 
 def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch, tmp_path):
-    """`benchmarks.map_compare`: two maps on one item. The target, source and sparse arms are measured once and stand
+    """`benchmarks.switch.map_compare`: two maps on one item. The target, source and sparse arms are measured once and stand
     in both maps' files (the same records); the identity map's rungs answer as the target, a halved map's mapped cache
     does not; each file is a complete long_switch records file; a rerun measures nothing again."""
-    from benchmarks import map_compare
+    from benchmarks.switch import map_compare
     from hf_kvmap import MapperModel
 
     monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)

@@ -15,7 +15,7 @@ import torch
 from hf_kvmap import CalibrationStatistics, LayerSelection, MappedCache, mapper_from_statistics
 from hf_kvmap._compat import cache_kwargs
 from hf_kvmap.real import corpus
-from hf_kvmap.real.tasks import TASK_META, real_family_tasks
+from lab.real.tasks import TASK_META, real_family_tasks
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -253,12 +253,12 @@ def test_scale_cards_are_written_for_the_plain_ridges_at_the_paper_scale_only(sc
 
 
 def test_guard_rows_of_an_identity_handoff_keep_every_answer(one_thread):
-    """The guard's rows (`benchmarks/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
+    """The guard's rows (`benchmarks/handoff/handoff.py`'s `item_rows`, prompts and gold as the real tasks give them) on a
     model handing off to itself through the identity mapper: no answer changes at any hold-back, the mapped answer
     is right exactly when the target's own is, every candidate has a risk, and the exact audit sees no error."""
-    from benchmarks import handoff as bench
+    from benchmarks.handoff import handoff as bench
     from hf_kvmap import MapperModel, zoo
-    from hf_kvmap.real.tasks import PromptItem
+    from lab.real.tasks import PromptItem
 
     model, tokenizer = zoo.load_model("tiny-s"), zoo.load_tokenizer()
     mapper = MapperModel.identity(model.config).eval()

@@ -331,7 +331,7 @@ def test_markup_ids_are_the_tokenizers_special_tokens():
 def test_skip_markup_reads_as_the_tokenizers_special_tokens_on_every_command_line():
     import argparse
 
-    from benchmarks import long_switch
+    from benchmarks.switch import long_switch
     from hf_kvmap.commands import _args
     from hf_kvmap.repair import resolve_markup
 
@@ -838,7 +838,7 @@ def test_the_flop_bound_of_recomputing_everything_is_a_prefill(tiny):
 
     from hf_kvmap.flops import attention_flops, prefill_flops
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_cost.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair" / "repair_cost.py"
     spec = importlib.util.spec_from_file_location("repair_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -853,7 +853,7 @@ def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair_frontier.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repair" / "repair_frontier.py"
     spec = importlib.util.spec_from_file_location("repair_frontier", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -875,10 +875,10 @@ def test_the_frontier_chooses_on_one_set_and_reports_on_the_other():
 
 
 def _real_task(task_type, chance, target, mapped, rows, items=8):
-    """One task of a `benchmarks.real_repair` result: `rows` maps a strategy to its `(fraction, value)` points."""
+    """One task of a `benchmarks.repair.real_repair` result: `rows` maps a strategy to its `(fraction, value)` points."""
     import importlib
 
-    real_repair = importlib.import_module("benchmarks.real_repair")
+    real_repair = importlib.import_module("benchmarks.repair.real_repair")
     judged = "gap_closed" if task_type == "perplexity" else "retention"
     data = {"items": items, "task_type": task_type, "chance": chance, "target": target, "mapped": mapped}
     data["repair"] = {
@@ -891,13 +891,13 @@ def _real_task(task_type, chance, target, mapped, rows, items=8):
 
 
 def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_cut_run():
-    """`benchmarks.real_repair`: floor-normalized retention (none where the target does not beat chance), the share
+    """`benchmarks.repair.real_repair`: floor-normalized retention (none where the target does not beat chance), the share
     of the perplexity gap closed, a choice that reads only the tasks with a retention, and a page of a run cut before
     its report set was done."""
     import importlib
 
-    real_repair = importlib.import_module("benchmarks.real_repair")
-    report = importlib.import_module("benchmarks.repair_report")
+    real_repair = importlib.import_module("benchmarks.repair.real_repair")
+    report = importlib.import_module("benchmarks.repair.repair_report")
     assert real_repair._retention(0.625, 1.0, 0.25) == 0.5 and real_repair._retention(0.3, 0.25, 0.25) is None
     assert real_repair._gap_closed(5.0, 4.0, 8.0) == 0.75 and real_repair._gap_closed(5.0, 4.0, 3.0) is None
     mix = RepairConfig(real_repair._strategy("mix:draft_attention+tail"), fraction=0.2).strategy
@@ -931,7 +931,7 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
             "goal": 0.9,
             "selection": {"seed": 1, "items": 8, "items_other": 8},
             "report": {"seed": 2, "items": 8, "items_other": 8, "fractions": [0.1]},
-            "command": "python -m benchmarks.real_repair --mapper /x/0.5b-to-1.5b/ridge-k8 --out /tmp/x.json",
+            "command": "python -m benchmarks.repair.real_repair --mapper /x/0.5b-to-1.5b/ridge-k8 --out /tmp/x.json",
         },
         "sets": {
             "selection": selection,
@@ -946,11 +946,11 @@ def test_the_real_frontier_chooses_by_the_tasks_with_a_retention_and_renders_a_c
 
 
 def test_two_maps_are_compared_on_the_same_items_only(tmp_path):
-    """`benchmarks.real_repair_maps`: each map's frontier for the strategy both runs measured, its chosen point and
+    """`benchmarks.repair.real_repair_maps`: each map's frontier for the strategy both runs measured, its chosen point and
     its report row; runs on other items are refused, not compared."""
     import importlib
 
-    maps = importlib.import_module("benchmarks.real_repair_maps")
+    maps = importlib.import_module("benchmarks.repair.real_repair_maps")
 
     def run(mapper, fine_tunes, mapped, values, chosen, report_value):
         selection = {
@@ -1016,8 +1016,8 @@ def test_real_repair_records_the_fine_tunes_a_mapper_went_through():
     import importlib
     import types
 
-    real_repair = importlib.import_module("benchmarks.real_repair")
-    maps = importlib.import_module("benchmarks.real_repair_maps")
+    real_repair = importlib.import_module("benchmarks.repair.real_repair")
+    maps = importlib.import_module("benchmarks.repair.real_repair_maps")
     config = types.SimpleNamespace(calibration={"positions": 8192, "kl_finetune": {}, "attention_finetune": {}})
     assert real_repair.fine_tunes(config) == ["kl", "attention"]
     assert real_repair.fine_tunes(types.SimpleNamespace(calibration=None)) == []
@@ -1031,7 +1031,7 @@ def test_real_repair_points_resume_only_under_their_setup_and_share_only_the_tar
     import importlib
     import json
 
-    real_repair = importlib.import_module("benchmarks.real_repair")
+    real_repair = importlib.import_module("benchmarks.repair.real_repair")
     setup = {
         "direction": "0.5b:1.5b",
         "mapper": "sha256:a",
@@ -1076,17 +1076,17 @@ def test_every_benchmarks_readme_repair_command_parses(script):
     from pathlib import Path
 
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
-    spec = importlib.util.spec_from_file_location(script, benchmarks / f"{script}.py")
+    spec = importlib.util.spec_from_file_location(script, benchmarks / "repair" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     text = (benchmarks / "README.md").read_text().replace("\\\n", " ")
-    commands = re.findall(rf"^python benchmarks/{script}\.py(.*)$", text, re.MULTILINE)
+    commands = re.findall(rf"^python benchmarks/repair/{script}\.py(.*)$", text, re.MULTILINE)
     assert len(commands) >= 2
     for command in commands:
         module.build_parser().parse_args(shlex.split(command, comments=True))
 
 
-@pytest.mark.parametrize("module", ["real_repair", "real_repair_maps"])
+@pytest.mark.parametrize("module", ["repair.real_repair", "repair.real_repair_maps"])
 def test_every_benchmarks_readme_real_repair_command_parses(module):
     """Each `python -m benchmarks.<module>` command in benchmarks/README.md is one the module accepts, strategies
     included (a `mix:a+b` too)."""
@@ -1101,7 +1101,7 @@ def test_every_benchmarks_readme_real_repair_command_parses(module):
     assert commands
     for command in commands:
         args = script.build_parser().parse_args(shlex.split(command, comments=True))
-        for name in getattr(args, "strategies", "").split(",") if module == "real_repair" else []:
+        for name in getattr(args, "strategies", "").split(",") if module == "repair.real_repair" else []:
             RepairConfig(script._strategy(name), fraction=0.1)
 
 
@@ -1118,7 +1118,7 @@ def test_a_float32_mapped_cache_is_repaired_in_the_targets_dtype(tiny):
 
 
 def test_repair_attention_reads_the_own_cache_when_everything_is_recomputed(one_thread):
-    """`benchmarks.repair_attention`: recomputing every position gives the target's own reading of the continuation
+    """`benchmarks.repair.repair_attention`: recomputing every position gives the target's own reading of the continuation
     (the same NLL and the same attention on those positions), and the positions it reports repaired are the budget's;
     its summary splits the items by whether the repair raised the NLL."""
     import importlib
@@ -1126,7 +1126,7 @@ def test_repair_attention_reads_the_own_cache_when_everything_is_recomputed(one_
     from hf_kvmap import MapperModel, zoo
     from hf_kvmap.zoo import corpus
 
-    bench = importlib.import_module("benchmarks.repair_attention")
+    bench = importlib.import_module("benchmarks.repair.repair_attention")
     source = zoo.load_model("tiny-m")
     target = zoo.load_model("tiny-l", attn_implementation="eager")
     mapper, tokenizer = MapperModel.from_pretrained(zoo.mapper_path("tiny-m", "tiny-l")), zoo.load_tokenizer()
@@ -1171,6 +1171,6 @@ def test_a_strategy_reads_from_its_text_the_one_way_every_front_end_writes_it():
 
 
 def long_switch_parse(text):
-    from benchmarks.long_switch import parse_strategy
+    from benchmarks.switch.long_switch import parse_strategy
 
     return parse_strategy(text)

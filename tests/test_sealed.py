@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import long_switch
 from benchmarks.sealed import report
 from benchmarks.sealed.protocol import ProtocolError, load_protocol
+from benchmarks.switch import long_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = sorted((ROOT / "benchmarks" / "protocols").glob("*.json"))
@@ -269,9 +269,9 @@ def test_the_switch_decision_reads_the_verdicts_of_the_repair_and_its_sparse_pee
 
 
 def test_maps_compared_under_protocols_are_theirs_and_take_their_choices(tmp_path, monkeypatch):
-    """`benchmarks.map_compare --protocol A,B`: every label of --maps is a map of exactly one protocol; the run takes
+    """`benchmarks.switch.map_compare --protocol A,B`: every label of --maps is a map of exactly one protocol; the run takes
     their rungs, items and seed (they must agree on them) and stamps each map's records with its protocol's sha256."""
-    from benchmarks import map_compare
+    from benchmarks.switch import map_compare
 
     one = _protocol(tmp_path, maps={"ridge-k8-5k": "the 5k recipe"})
     (tmp_path / "one.json").write_text(one.read_text())

@@ -161,7 +161,7 @@ def test_shipped_mappers_match_their_models():
 
 
 def test_shipped_mappers_are_the_chosen_variants():
-    """Each shipped mapper is the variant `benchmarks/mapper_variants.py` chose for its direction among every variant
+    """Each shipped mapper is the variant `benchmarks/variants/mapper_variants.py` chose for its direction among every variant
     (`mapper_variants_longer.json`, the last comparison, holding every earlier one): its evaluation is the one kept for that variant, it is the very mapper scored on
     the held-out items (same content hash)."""
     results = json.loads((ROOT / "benchmarks" / "results" / "mapper_variants.json").read_text())

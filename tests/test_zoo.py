@@ -137,7 +137,7 @@ def test_matched_members_share_kv_geometry_mismatched_differs():
 def test_family_is_trained_and_larger_is_better():
     """Quality floor, measured now (not read from the committed eval.json): the larger member recalls facts from
     the context, the smaller one does not, and every member predicts text far better than a uniform guess (~50)."""
-    from hf_kvmap.zoo.tasks import evaluate_model
+    from lab.zoo.tasks import evaluate_model
 
     tok = zoo.load_tokenizer()
     sets = {name: items[:32] for name, items in evaluate_sets().items()}
@@ -149,14 +149,14 @@ def test_family_is_trained_and_larger_is_better():
 
 
 def evaluate_sets() -> dict:
-    from hf_kvmap.zoo.tasks import eval_sets
+    from lab.zoo.tasks import eval_sets
 
     return eval_sets(32, seed=0)
 
 
 @pytest.mark.slow
 def test_recall_generation_large_member():
-    from hf_kvmap.zoo.tasks import generate_answers
+    from lab.zoo.tasks import generate_answers
 
     model = zoo.load_model(zoo.MATCHED[-1])
     tok = zoo.load_tokenizer()
@@ -166,7 +166,7 @@ def test_recall_generation_large_member():
 
 
 def test_generate_left_padded_batch():
-    from hf_kvmap.zoo.tasks import generate_answers
+    from lab.zoo.tasks import generate_answers
 
     model = zoo.load_model(zoo.MATCHED[0])
     tok = zoo.load_tokenizer()
@@ -185,7 +185,7 @@ def test_checkpoint_round_trip(tmp_path):
 
     from hf_kvmap.zoo.family import make_config
     from hf_kvmap.zoo.tokenizer import build_tokenizer
-    from hf_kvmap.zoo.train import _batch, _load_ckpt, _save_ckpt
+    from lab.zoo.train import _batch, _load_ckpt, _save_ckpt
 
     tok = build_tokenizer()
     torch.manual_seed(0)

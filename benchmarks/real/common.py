@@ -100,7 +100,7 @@ class PrefillStore:
         from safetensors.torch import load_file, save_file
         from transformers import DynamicCache
 
-        from hf_kvmap._compat import output_cache
+        from hf_kvmap import output_cache
 
         # the dtype is part of the key: a bfloat16 prefill must never stand in for a float32 one
         path = self._path(f"{name}-{str(model.dtype).removeprefix('torch.')}", ids, mask)
@@ -170,7 +170,7 @@ def assemble(scores: dict, source: str, target: str, variant: str, run: str | No
     Scores are keyed `task|alone|model` and `task|direction|variant`, or `task|run|direction|variant` with `run`
     (e.g. the calibration size of a fit along the scale curve); `source`/`target` are full or short names."""
     from hf_kvmap.evaluation import summarize_retention
-    from hf_kvmap.real.tasks import TASK_META
+    from lab.real.tasks import TASK_META
 
     results = {"tasks": {}, "perplexity": {}}
     direction = direction_name(source, target)

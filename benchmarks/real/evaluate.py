@@ -32,7 +32,7 @@ def cmd_evaluate(args) -> int:
     from hf_kvmap import MapperModel
     from hf_kvmap.evaluation import evaluate_items
     from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
+    from lab.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -130,7 +130,7 @@ def cmd_analyze(args) -> int:
     from hf_kvmap import MapperModel
     from hf_kvmap.diagnostics import diagnose
     from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
+    from lab.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)

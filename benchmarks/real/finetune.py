@@ -28,7 +28,7 @@ def readback_rows(tokenizer, documents, count: int, seed: int, chat_passage: int
     tokens, so that both kinds come out about as long), each with its answer and the chat's end of turn,
     left-cropped to the shortest so that the rows share one length. The crop may eat the start of the system prompt,
     never the fact read back: a row whose kept part no longer states its answer raises."""
-    from hf_kvmap.real.tasks import chat_recall, prose_retrieval
+    from lab.real.tasks import chat_recall, prose_retrieval
 
     half = (count + 1) // 2
     retrieval = prose_retrieval(tokenizer, documents, half, seed=seed, split="calibration")

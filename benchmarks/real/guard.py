@@ -14,15 +14,15 @@ from .scale import GUARD_RESULTS, GUARD_TASKS, fitted_mapper, mapper_folder
 
 
 def cmd_guard(args) -> int:
-    """The guarded handoff on real weights: `benchmarks/handoff.py`'s candidate probes on one fitted mapper, their
+    """The guarded handoff on real weights: `benchmarks/handoff/handoff.py`'s candidate probes on one fitted mapper, their
     thresholds chosen on the `--seed` items (calibration set) and their rates reported on the `--report-seed` items;
     resumable per set and task. Writes `results/real_family_guard.json`."""
     import handoff as bench
 
     from hf_kvmap import MapperModel
     from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
     from hf_kvmap.reporting import environment_info
+    from lab.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)

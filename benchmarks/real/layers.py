@@ -105,7 +105,7 @@ def cmd_keys(args) -> int:
     """Per target layer, how the mapped keys of each `--fits` mapper sit against the target's own on the
     perplexity tasks' held-out contexts (`key_geometry`), from the prefill store (a model loads only on a miss)."""
     from hf_kvmap.real import corpus
-    from hf_kvmap.real.tasks import real_family_tasks
+    from lab.real.tasks import real_family_tasks
 
     torch.set_num_threads(args.threads)
     source, target = direction_models(args.direction)

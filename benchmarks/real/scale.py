@@ -83,7 +83,7 @@ class Scorer:
 
     def __init__(self, args, models: dict | None = None):
         from hf_kvmap.real import corpus
-        from hf_kvmap.real.tasks import real_family_tasks
+        from lab.real.tasks import real_family_tasks
 
         self.args = args
         self.work = Path(args.work)

@@ -5,7 +5,7 @@ The file names the direction, dtype and threads, the maps (each a recipe and a l
 with (`strategy[:options]@fraction`; each repair is also served as a sparse prefill of the same selection, the
 map-free peer), the rung the verdicts read, the report cells (tasks, context length, items and a seed that no
 selection ever used), the interval and the verdict rules. Its sha256 (of the file's bytes) is stamped into every
-record made under it; `benchmarks.long_switch --protocol` takes every choice from it and refuses flags that would
+record made under it; `benchmarks.switch.long_switch --protocol` takes every choice from it and refuses flags that would
 change one, and `benchmarks.sealed.report` refuses a record stamped with another hash.
 """
 

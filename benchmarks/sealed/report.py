@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from hf_kvmap.real.context_tasks import CHANCE as CONTEXT_CHANCE
-from hf_kvmap.real.long_tasks import CHANCE as LONG_CHANCE
 from hf_kvmap.reporting import retention_measurable, write_json
+from lab.real.context_tasks import CHANCE as CONTEXT_CHANCE
+from lab.real.long_tasks import CHANCE as LONG_CHANCE
 
-from ..long_switch_report import load
+from ..switch.long_switch_report import load
 from .protocol import SPARSE, Protocol, ProtocolError, load_protocol
 
 
@@ -65,7 +65,7 @@ def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], 
 
 def follow_up_rows(key: str, row: dict) -> list[tuple[str, dict]]:
     """A conversation's follow-up questions as rows of their own (`followups:q2`, `followups:q3`): every arm's reply
-    to question `i`, asked on the cache that arm served (`benchmarks.long_switch`); its first token is the
+    to question `i`, asked on the cache that arm served (`benchmarks.switch.long_switch`); its first token is the
     follow-up's."""
     arms = row["arms"]
     count = min((len(record.get("followups", [])) for record in arms.values()), default=0)
@@ -299,7 +299,7 @@ def assemble(protocol: Protocol, paths: list[str]) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--protocol", required=True, help="the sealed protocol the records were made under")
-    parser.add_argument("--records", nargs="+", required=True, help="JSONL records of benchmarks.long_switch")
+    parser.add_argument("--records", nargs="+", required=True, help="JSONL records of benchmarks.switch.long_switch")
     parser.add_argument("--out", required=True, help="the results JSON to write")
     parser.add_argument("--markdown", default=None, help="also write the tables here")
     args = parser.parse_args(argv)

@@ -259,7 +259,7 @@ def calibrate_ladder(
             raise ValueError(
                 "min_margin checks each rung's answer margin: pass margins with one value per item for every measured "
                 "fraction (records measured before margins were recorded get them from "
-                "`ladder_remeasure.measure_margins`)."
+                "the repository lab's `lab.ladder_migration.measure_margins`)."
             )
         refused = refused_by_check(margins, min_margin)
     # the changed answers the budget counts: those served (a check sends some back, which changes none)

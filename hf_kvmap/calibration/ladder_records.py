@@ -71,8 +71,8 @@ def _need_margins(records: Sequence[dict], tokens: int = 1) -> None:
         what = "answer margins" if tokens == 1 else "margins of every answer token"
         raise ValueError(
             f"A ladder that checks {tokens} answer token(s) after each rung needs the {what} in every record; these "
-            "records were measured before they were recorded: measure them with `ladder_remeasure.measure_margins` "
-            f"(`python -m benchmarks.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
+            "records were measured before they were recorded: measure them with the repository lab's `lab.ladder_migration.measure_margins` "
+            f"(`python -m benchmarks.ladder.guard_ladder ... {'--margins' if tokens == 1 else '--token-margins'}`)."
         )
 
 

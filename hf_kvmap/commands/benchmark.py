@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
         description=(
             "For each context length, the mapper and the target body (no LM head) are timed interleaved in one run "
             "(medians of --repeats after one warm-up), and the measured speedup is set beside the FLOP bound of "
-            "hf_kvmap.flops. benchmarks/apply.py measures more (whole handoff, peak memory, contexts beyond the "
+            "hf_kvmap.flops. benchmarks/speed/apply.py measures more (whole handoff, peak memory, contexts beyond the "
             "models' position limit, GPUs)."
         ),
     )
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if max(tokens) > limit:
         raise SystemExit(
             f"hf-kvmap benchmark: --tokens {max(tokens)} exceeds the models' max_position_embeddings ({limit}); "
-            "use shorter contexts, or benchmarks/apply.py, which raises the limit for timing."
+            "use shorter contexts, or benchmarks/speed/apply.py, which raises the limit for timing."
         )
     mapper_name = resolve_mapper(args.mapper, args.source, args.target)
     mapper = load_mapper(mapper_name, "benchmark")

@@ -6,6 +6,7 @@ import argparse
 import os
 import time
 
+from ..payoff import WAY_LABELS
 from . import _args
 from .demo_long import DEFAULT_LONG_ITEMS, DEFAULT_LONG_LENGTHS, DEFAULT_REACH
 
@@ -210,10 +211,6 @@ def _rungs(rungs: dict) -> str:
     return ", ".join(f"{name} {100 * share:.0f} %" for name, share in rungs.items())
 
 
-#: how each way is named in the printout, the docs and the plot
-WAY_LABELS = {"target": "target alone", "mapped": "mapped", "repaired": "repaired", "guarded": "guarded"}
-
-
 def format_table(results: dict) -> str:
     from ..reporting import retention_cells
 
@@ -315,8 +312,8 @@ def measure(args: argparse.Namespace, lengths: list[int], repair, mapper_name: s
     """The demo's results dict: the three-way evaluation, the four ways per request, the latency rows, the run."""
     from .. import zoo
     from ..evaluation import HandoffEvaluation, evaluate_tasks
+    from ..payoff import latency_break_evens
     from ..reporting import environment_info
-    from .demo_long import latency_break_evens
     from .demo_ways import DemoWays
     from .models import load_mapper
 

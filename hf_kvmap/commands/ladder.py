@@ -83,7 +83,7 @@ def add_parser(subparsers) -> None:
         type=_args.positive_int,
         default=None,
         help="map no prompt shorter than this: the target prefills it (the break-even length "
-        "benchmarks/ladder_lengths.py measures); items below it count as prefilled in the calibration's outcome",
+        "benchmarks/ladder/ladder_lengths.py measures); items below it count as prefilled in the calibration's outcome",
     )
     parser.add_argument(
         "--dtype",
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if args.min_tokens is not None and args.min_tokens < 2:  # checked before anything is measured
         raise SystemExit(
             f"hf-kvmap calibrate-ladder: --min-tokens {args.min_tokens} maps every prompt; give at least 2 (the "
-            "break-even length benchmarks/ladder_lengths.py measures), or leave it out."
+            "break-even length benchmarks/ladder/ladder_lengths.py measures), or leave it out."
         )
     if args.confidence is not None and not 0.0 < args.confidence < 1.0:
         raise SystemExit(f"hf-kvmap calibrate-ladder: --confidence {args.confidence} must be in (0, 1), e.g. 0.9.")

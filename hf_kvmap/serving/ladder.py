@@ -17,7 +17,7 @@ starts with), and a row whose first answer token's probability margin (top-1 min
 back after all (with `check_tokens=k`, its smallest margin over its first `k` greedy answer tokens: an answer whose
 first token is certain but whose later ones waver). A probe guesses before the repair how a row will fare; the check
 reads the repaired cache itself. A ladder with `min_tokens` maps no prompt shorter than that: below the break-even
-length the target's own prefill is sooner than any rung (`benchmarks/ladder_lengths.py` measures it), and a ladder
+length the target's own prefill is sooner than any rung (`benchmarks/ladder/ladder_lengths.py` measures it), and a ladder
 calibrated on long prompts vouches for nothing on short ones. The serving pipeline
 (`hf_kvmap.serving.pipeline.serve_rows`) gives each row its rung; `hf_kvmap.calibration.ladder.calibrate_ladder`
 chooses the rungs on measured items (`hf-kvmap calibrate-ladder` measures them, `hf_kvmap.calibration.ladder_items`):
@@ -121,7 +121,7 @@ class GuardLadder:
         if shortest is not None and (isinstance(shortest, bool) or not isinstance(shortest, int) or shortest < 2):
             raise ValueError(
                 f"GuardLadder min_tokens={shortest!r} must be an int >= 2 (the fewest prompt tokens a switch maps; "
-                "the break-even length of `benchmarks/ladder_lengths.py`), or None to map every length."
+                "the break-even length of `benchmarks/ladder/ladder_lengths.py`), or None to map every length."
             )
         tokens = self.check_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:

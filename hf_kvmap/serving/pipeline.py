@@ -62,7 +62,7 @@ _Request = legacy_context(
 def uncalibrated_error(missing: str, extra: str = "") -> ValueError:
     return ValueError(
         f"The mapper has no calibrated handoff probe (`config.handoff_probe` is empty) and no {missing} was passed"
-        f"{extra}. Calibrate one with `hf_kvmap.calibrate_probe(...)` (benchmarks/handoff.py does it for the shipped "
+        f"{extra}. Calibrate one with `hf_kvmap.calibrate_probe(...)` (benchmarks/handoff/handoff.py does it for the shipped "
         "mappers), or pass `probe=` and `threshold=` explicitly."
     )
 

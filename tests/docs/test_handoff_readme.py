@@ -17,7 +17,7 @@ DECISIONS = {"true_alarm", "false_alarm", "refused", "fallback_rate", "changed_a
 
 
 def test_shipped_probes_and_readme_come_from_the_benchmark():
-    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff.py` chose, and the docs/guard.md
+    """Each shipped mapper's `handoff_probe` is the probe and threshold `benchmarks/handoff/handoff.py` chose, and the docs/guard.md
     section is exactly what the benchmark JSON renders."""
     import re
     from pathlib import Path
@@ -30,7 +30,7 @@ def test_shipped_probes_and_readme_come_from_the_benchmark():
         chosen = direction["probes"][direction["chosen"]]
         assert stored["handoff_probe"]["probe"] == chosen["settings"], name
         assert stored["handoff_probe"]["threshold"] == chosen["threshold"], name
-    from benchmarks import handoff_report
+    from benchmarks.handoff import handoff_report
 
     page = (root / "docs" / "guard.md").read_text()
     section = re.search(r"<!-- handoff:start -->\n(.*?)<!-- handoff:end -->", page, re.DOTALL).group(1)
@@ -84,7 +84,7 @@ def test_handoff_results_are_what_the_checkpoints_give():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    from benchmarks import handoff as script
+    from benchmarks.handoff import handoff as script
 
     results = root / "benchmarks" / "results"
     committed = json.loads((results / "handoff.json").read_text())

@@ -128,8 +128,8 @@ def test_readme_fitting_snippet_runs(tmp_path, monkeypatch):
 
 
 def _comparison(path: str):
-    """`(benchmarks.mapper_variants, the committed comparison at path)`."""
-    from benchmarks import mapper_variants
+    """`(benchmarks.variants.mapper_variants, the committed comparison at path)`."""
+    from benchmarks.variants import mapper_variants
 
     return mapper_variants, json.loads((ROOT / path).read_text())
 
@@ -207,11 +207,11 @@ def test_package_weight_lists_every_shipped_mapper():
 
 
 def test_retention_curve_is_what_the_committed_comparison_builds():
-    """The curve's JSON is what `benchmarks.retention_curve` builds from the comparison and held-out files it names
+    """The curve's JSON is what `benchmarks.variants.retention_curve` builds from the comparison and held-out files it names
     (its table in docs/results-tiny-family.md is checked with every other section)."""
     from transformers import Qwen3Config
 
-    from benchmarks import retention_curve as script
+    from benchmarks.variants import retention_curve as script
     from hf_kvmap.configuration_mapper import summarize_model_config
 
     result = json.loads((ROOT / "benchmarks" / "results" / "retention_curve.json").read_text())
