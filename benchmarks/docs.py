@@ -296,12 +296,12 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "mapper-held-out": lambda: _held_out(sorted((RESULTS / "held_out").glob("*.json"))),
         "mapper-variants-shipped": lambda: _variants("mapper_variants_longer.json"),
         "mapper-held-out-shipped": lambda: _held_out(held_out_shipped_paths()),
+    },
+    "docs/fitting.md": {
         "retention-curve": lambda: (
             "Generated from `benchmarks/results/retention_curve.json` by `benchmarks/variants/retention_curve.py`.\n\n"
             + retention_curve.markdown(_json("retention_curve.json"))
         ),
-    },
-    "docs/fitting.md": {
         "variant-parameters": lambda: (
             "Generated from `benchmarks/results/variant_parameters.json` by `benchmarks/variants/variant_parameters.py`.\n\n"
             + variant_parameters.markdown(_json("variant_parameters.json"))

@@ -261,3 +261,12 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target.read_text()):
                 broken.append(f"{page.name}: {link} (no such heading)")
     assert not broken, broken
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_docs_page_opens_with_the_decision_and_stays_short(page):
+    """A docs page says what its reader decides from it within its first 15 lines and holds at most 400 lines (the
+    history of experiments goes to a dated `docs/notes/` page)."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    assert len(lines) <= 400, f"docs/{page} has {len(lines)} lines; move its history to docs/notes/"
+    assert re.search(r"decide|what to do", "\n".join(lines[:15]), flags=re.IGNORECASE), page
