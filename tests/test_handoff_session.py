@@ -281,3 +281,19 @@ def test_a_span_is_checked_and_recorded_as_from_source_is(tiny, one_thread):
     poisoned[1][0][0, 0, 7, 0] = 0.0
     poisoned[1][0][0, 0, 2, 0] = float("inf")  # before the window: never read
     assert MappedCache.from_source_span(poisoned, identity, 9, 12, onto=own).get_seq_length() == 12
+
+
+def test_a_span_is_served_from_the_one_request_context_of_one_row_with_its_span(tiny):
+    """`serving.spans.serve_span` takes the pipeline's `RequestContext` (no request record of its own): one row with
+    `span_start` set, and refuses anything else by name before any model runs."""
+    from hf_kvmap.request_context import RequestContext
+    from hf_kvmap.serving.spans import serve_span
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for context in (
+        RequestContext(input_ids=ids),  # no span
+        RequestContext(input_ids=ids.repeat(2, 1), span_start=0),  # two rows
+        RequestContext(span_start=0),  # no transcript
+    ):
+        with pytest.raises(ValueError, match="one row with its span_start set"):
+            serve_span(context)

@@ -31,12 +31,13 @@ from .._compat import cache_kwargs, output_cache
 from ..input_checks import as_token_row
 from ..repair import DecodeRefresh, RepairConfig
 from ..repair.repair import recomputed_mask
+from ..request_context import RequestContext
 from .forwards import run_tokens
 from .ladder import GuardLadder, rung_name
 from .probes import probe_from_dict
 from .report import HandoffReport
 from .rows import ladder_settings
-from .spans import SpanRequest, serve_span
+from .spans import serve_span
 
 logger = logging.get_logger(__name__)
 
@@ -253,19 +254,18 @@ class HandoffSession:
             record.report = _short_report(self.ladder, upto - have)  # the model prefills them below
             logger.info("%s prefills the tokens it has not seen: fewer than the ladder's min_tokens", name)
         elif donor is not None:
-            request = SpanRequest(
+            request = RequestContext(
                 source=self.models[donor],
                 target=self.models[name],
                 mapper=self.mappers[(donor, name)],
                 input_ids=self.input_ids[:, : end + 1],
                 source_cache=self.caches[donor],
                 cache=self.caches[name],
-                start=have,
-                upto=upto,
-                label=donor,
+                span_start=have,
+                hold_back=end + 1 - upto,
             )
             self.caches[name], record.report = serve_span(
-                request, repair=self.repair, ladder=self.ladder, probe=self._probe
+                request, repair=self.repair, ladder=self.ladder, probe=self._probe, label=donor
             )
             record.mapped_from = donor
             record.prefilled_tokens = end - (have if record.rung == rung_name(None) else upto)

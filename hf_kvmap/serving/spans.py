@@ -9,11 +9,7 @@ the check after the rung). `HandoffSession` serves every switch through [`serve_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from transformers.cache_utils import Cache
 
 from ..cache import MappedCache
 from ..repair import RepairConfig, apply_repair
@@ -24,54 +20,45 @@ from .report import Clock, HandoffReport
 from .rows import Refused, climb, own_rows
 
 
-@dataclass
-class SpanRequest:
-    r"""
-    One switch of a conversation (batch 1) from the model that processed `[start, upto)` to the one that takes over.
-
-    Args:
-        source, target (`PreTrainedModel`): the model whose cache is mapped and the one taking over; mapper
-            ([`MapperModel`]): fitted for them (checked when the session was built).
-        input_ids (`torch.Tensor`): `(1, end + 1)` the transcript; its last token is left for `generate`.
-        source_cache (`Cache`): the source's cache, covering at least `upto` positions.
-        cache (`Cache`, *optional*): the target's cache of `[0, start)` (`None` for `start = 0`).
-        start (`int`), upto (`int`): the span to map.
-        label (`str`, *optional*): the source's name, recorded with the span.
-    """
-
-    source: Any
-    target: Any
-    mapper: Any
-    input_ids: torch.Tensor
-    source_cache: Cache
-    cache: Cache | None
-    start: int
-    upto: int
-    label: str | None = None
-
-
 @torch.no_grad()
 def serve_span(
-    request: SpanRequest,
+    request: RequestContext,
     *,
     repair: RepairConfig | None = None,
     ladder: GuardLadder | None = None,
     probe: Probe | None = None,
+    label: str | None = None,
 ) -> tuple[MappedCache, HandoffReport]:
-    """Serve one switch: the map, the fixed `repair` (or, with a `ladder` and its `probe`, the probe and a rung), the
-    target's own run of the tokens after the span. Returns the target's cache of every transcript token but the last
-    (a [`MappedCache`] recording its spans) and the [`HandoffReport`] (stages `map`, `repair`, `held_back`, `probe`,
-    `check`, `fallback`; `accepted` is `False` when the ladder sent the switch back: the target computed the span
-    itself)."""
+    r"""
+    Serve one switch: the map, the fixed `repair` (or, with a `ladder` and its `probe`, the probe and a rung), the
+    target's own run of the tokens after the span.
+
+    Args:
+        request ([`RequestContext`]): the switch, one row: `source`, `target`, `mapper`, `input_ids` `(1, end + 1)`
+            (the transcript; its last token is left for `generate`), `source_cache` (covering at least the span),
+            `cache` (the target's own cache of `[0, span_start)`, `None` for `span_start = 0`), `span_start` and
+            `hold_back` (the span is `[span_start, end + 1 - hold_back)`). Not changed: the served context is a copy.
+        repair ([`RepairConfig`], *optional*): a fixed repair of the span.
+        ladder ([`GuardLadder`], *optional*) and probe ([`Probe`], *optional*): a rung per switch from the probe's risk.
+        label (`str`, *optional*): the source's name, recorded with the span.
+
+    Returns:
+        The target's cache of every transcript token but the last (a [`MappedCache`] recording its spans) and the
+        [`HandoffReport`] (stages `map`, `repair`, `held_back`, `probe`, `check`, `fallback`; `accepted` is `False` when
+        the ladder sent the switch back: the target computed the span itself).
+    """
+    if request.span_start is None or request.input_ids is None or request.input_ids.shape[0] != 1:
+        raise ValueError("serve_span serves one switch: a RequestContext of one row with its span_start set.")
     clock = Clock()
-    ids, start, upto = request.input_ids, request.start, request.upto
+    ids, start = request.input_ids, request.span_start
     end = ids.shape[1] - 1
+    upto = end + 1 - request.hold_back
     target, source = request.target, request.source
     report = HandoffReport(False, "", probe=None if probe is None else probe.settings(), hold_back=end + 1 - upto)
     with clock.stage("map"):
         dtype = next(target.parameters()).dtype
         cache = MappedCache.from_source_span(
-            request.source_cache, request.mapper, start, upto, onto=request.cache, dtype=dtype, label=request.label
+            request.source_cache, request.mapper, start, upto, onto=request.cache, dtype=dtype, label=label
         )
     report.mapped_tokens, report.window_tokens = upto - start, cache.mapping_info["mappers"][-1]["window"]
     if repair is not None:
@@ -111,4 +98,4 @@ def serve_span(
     return context.cache, report
 
 
-__all__ = ["SpanRequest", "serve_span"]
+__all__ = ["serve_span"]
