@@ -93,7 +93,7 @@ def item_row(source, target, mapper, ids: torch.Tensor, gold: list[int], probes=
         context = prepare_context(source, target, mapper, ids, source_cache=source_cache, hold_back=hold_back)
         for probe in probes:
             if probe.hold_back == hold_back:
-                row["risk"][key(probe.settings())] = float(probe.score(context)[0])
+                row["risk"][key(probe.settings())] = float(probe.risks(context)[0])
         mapped = greedy(target, ids, context.cache, steps)
         row["changed"][str(hold_back)] = mapped != own
         row["mapped_correct"][str(hold_back)] = mapped == gold
@@ -166,7 +166,7 @@ def run_augment(args) -> None:
                         context = prepare_context(
                             source, target, mapper, ids, source_cache=source_cache, hold_back=probe.hold_back
                         )
-                        row["risk"][key(settings)] = float(probe.score(context)[0])
+                        row["risk"][key(settings)] = float(probe.risks(context)[0])
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
@@ -198,14 +198,14 @@ def direction_costs(source, target, mapper, ids: torch.Tensor, args) -> dict:
         "load": lambda: load_cache(path, input_ids=ids),
     }
     audit = probe_from_dict(EXACT_AUDIT)
-    jobs[key(EXACT_AUDIT)] = lambda: audit.score(context)
+    jobs[key(EXACT_AUDIT)] = lambda: audit.risks(context)
     for probe, settings in zip(probes, CANDIDATES):
         if probe.hold_back > 1:  # timed as the map with the longer hold-back plus the target's tail run
             jobs[key(settings) + "+map"] = lambda h=probe.hold_back: prepare_context(
                 source, target, mapper, ids, source_cache=source_cache, hold_back=h
             )
         else:
-            jobs[key(settings)] = lambda p=probe: p.score(context)
+            jobs[key(settings)] = lambda p=probe: p.risks(context)
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for _ in range(args.warmup + args.repeats):
         for name, job in jobs.items():
