@@ -494,3 +494,21 @@ def test_the_cli_calibrates_a_check_with_the_ladder(ladder_cli, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit, match="measure_margins"):
         cli([*args, "--check"])
+
+
+def test_a_batch_served_row_by_row_records_what_the_target_recomputed_of_each_row(ladder_pair, tiny):
+    """`serve_rows` on a left-padded batch (a mapped row, a row repaired at 0.3 by `tail`, a fallback row): the served
+    `MappedCache.recomputed` is exactly each row's recomputed positions (none; the last real tokens the tail selects,
+    as many as the row's record says; the whole row), so a later `DecodeRefresh` skips them."""
+    source, target, mapper = ladder_pair
+    ids, mask = tiny.left_padded_batch((20, 26, 23), seed=5)
+    context = prepare_context(source, target, mapper, ids, mask, None, 1)
+    rows = serve_rows(context, [0.0, 0.3, None], "tail")
+    assert [row["rung"] for row in rows] == ["mapped", "repair:0.3", "fallback"]
+    mapped = ids.shape[1] - 1
+    done = context.cache.recomputed
+    assert done.shape == (3, mapped)
+    assert not done[0].any() and done[2].all()
+    repaired = rows[1]["recomputed"]
+    assert 0 < repaired < int(mask[1, :mapped].sum())
+    assert done[1].tolist() == [False] * (mapped - repaired) + [True] * repaired

@@ -365,13 +365,21 @@ def recomputed_mask(cache: Cache, batch: int, length: int) -> torch.Tensor:
     return done
 
 
+def selected_mask(selection: tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
+    """`(batch, length)` bool: the valid positions of a repair's `selection` (`(positions, valid)`, `(batch, n)`, as
+    [`select_repair`] returns it)."""
+    positions, valid = selection
+    mask = torch.zeros(positions.shape[0], length, dtype=torch.bool)
+    for row in range(positions.shape[0]):
+        mask[row, positions[row][valid[row]].cpu()] = True
+    return mask
+
+
 def mark_recomputed(cache: Cache, positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
     """The positions recomputed so far and the `valid` `positions` (`(batch, n)`, a recompute's selection),
     `(batch, length)` bool, recorded on a cache that keeps a record (`MappedCache.record_recomputed`): what a later
     refresh while decoding (`DecodeRefresh`) skips."""
-    done = recomputed_mask(cache, positions.shape[0], length)
-    for row in range(positions.shape[0]):
-        done[row, positions[row][valid[row]].cpu()] = True
+    done = recomputed_mask(cache, positions.shape[0], length) | selected_mask((positions, valid), length)
     if keeps_record(cache):
         cache.record_recomputed(done)
     return done

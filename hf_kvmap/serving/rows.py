@@ -15,7 +15,8 @@ from transformers.cache_utils import Cache
 from .._compat import output_cache
 from ..cache import MappedCache
 from ..cache_views import row_cache, write_rows
-from ..repair import RepairConfig, SparseCache, apply_repair, strategy_from_dict
+from ..repair import RepairConfig, SparseCache, apply_repair, select_repair, strategy_from_dict
+from ..repair.repair import recomputed_mask, selected_mask
 from .forwards import answer_margin, run_tokens
 from .ladder import GuardLadder, below_margin, rung_name
 from .probes import RequestContext
@@ -77,6 +78,7 @@ def serve_rows(
     if held:
         cache.crop(-held)
     strategy = strategy_from_dict(strategy)
+    done = recomputed_mask(cache, batch, mapped)  # what the target recomputed before, and below, of each row
     for fraction in sorted({f for f in fractions if f not in (None, 0.0)}):
         index = torch.tensor([i for i, f in enumerate(fractions) if f == fraction], device=ids.device)
         if context.span_start is not None:  # a session's switch: its one row, repaired within its span in place
@@ -97,28 +99,32 @@ def serve_rows(
             source_part = row_cache(context.source_cache, index)
             if "source" in context.drafts:  # the probe's draft: a strategy that drafts continues it
                 source_draft = context.drafts["source"].rows(index)
-        counts = apply_repair(
-            context.target,
-            part,
-            ids[index],
-            RepairConfig(strategy, fraction=fraction),
-            attention_mask=mask[index],
-            position_ids=positions[index],
-            source=context.source,
-            source_cache=source_part,
-            source_position_ids=None if source_position_ids is None else source_position_ids[index],
-            source_draft=source_draft,
-        )
+        repair = RepairConfig(strategy, fraction=fraction)
+        inputs = {
+            "attention_mask": mask[index],
+            "position_ids": positions[index],
+            "source": context.source,
+            "source_cache": source_part,
+            "source_position_ids": None if source_position_ids is None else source_position_ids[index],
+            "source_draft": source_draft,
+        }
+        # selected here so that the rows' copy records what was recomputed in the served cache too
+        selection = select_repair(context.target, ids[index], repair, length=mapped, cache=part, **inputs)
+        counts = apply_repair(context.target, part, ids[index], repair, selection=selection, **inputs)
         write_rows(cache, index, part)
+        done[index] |= selected_mask(selection, mapped)
         for i, n in zip(index.tolist(), counts):
             rows[i]["recomputed"] = n
     fallback = [i for i, f in enumerate(fractions) if f is None]
     if fallback:
         for i, n in zip(fallback, own_rows(context, fallback, mapped)):
             rows[i]["recomputed"] = n
+        done[fallback] = True
     if held:
         run_tokens(context.target, cache, ids, mapped, length - 1, mask, positions)
     if isinstance(cache, MappedCache):
+        if context.span_start is None:  # a session's switch records itself (its repair, its span dropped)
+            cache.record_recomputed(done)
         cache.record_step("ladder", {"rows": rows, "strategy": strategy.settings()})
     return rows
 
