@@ -32,14 +32,15 @@ def stand_ins(tiny, tmp_path, monkeypatch, split_by_relative_path):
     }
     loads = []
 
-    def load_model(name, cache_dir, dtype="float32"):
+    def load_converted(name, cache_dir, dtype="float32"):  # as from the cache: the model goes by the folder
         loads.append(name)
+        models[name].config.name_or_path = str(tmp_path / "cache" / "models" / name)
         return models[name]
 
     def refuse(*args, **kwargs):
         raise AssertionError("nothing is obtained in these tests")
 
-    monkeypatch.setattr(pairing, "load_model", load_model)
+    monkeypatch.setattr(pairing, "load_converted", load_converted)
     monkeypatch.setattr(pairing, "load_tokenizer", lambda name, cache_dir: build_tokenizer())
     monkeypatch.setattr(pairing, "is_converted", lambda name, cache_dir=None: True)
     monkeypatch.setattr(pairing, "obtain", refuse)
@@ -192,8 +193,9 @@ def test_statistics_folders_keep_the_benchmark_layout():
 
 
 def test_the_printed_next_command_serves_a_prompt_through_the_pair(stand_ins, tmp_path, tiny):
-    """`serve_prompt` (what `hf-kvmap pair` prints) serves the rung of `serving.json`: a repair of every position
-    decodes exactly the target's own greedy tokens; the default rung reports itself."""
+    """`serve_prompt` (what `hf-kvmap pair` prints) serves the rung of `serving.json` through the gate, the models
+    going by their registered ids as the mapper records them (not by the cache folders they were read from): a repair
+    of every position decodes exactly the target's own greedy tokens; the default rung reports itself."""
     models, loads, manifest = stand_ins
     out = tmp_path / "pair"
     pairing.make_pair(SOURCE, TARGET, out, manifest=manifest, rung="repaired:tail@1.0", **SHORT)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hf_kvmap.real.calibrating import calibrate
+from hf_kvmap.real.registry import registered_id
 
 from .common import DIRECTIONS, LARGE, SHORT, SMALL, load_model, load_tokenizer
 
@@ -76,7 +77,7 @@ def cmd_calibrate(args, models: dict | None = None, after_checkpoint=None) -> in
             DIRECTIONS,
             stride=args.stride,
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            model_ids={name: f"hf-kvmap-real:{name}" for name in (SMALL, LARGE)},
+            model_ids={name: registered_id(name) for name in (SMALL, LARGE)},
             labels=SHORT,
             max_minutes=args.max_minutes or None,  # 0, as before: no limit
             snapshots=args.snapshots,

@@ -18,9 +18,10 @@ from statistics import mean
 
 import torch
 
+from hf_kvmap.real.registry import MODEL_ID_PREFIX
+
 from .common import SHORT, load_model, load_tokenizer, save_atomically, write_json
 
-MODEL_PREFIX = "hf-kvmap-real:"
 TURN_START = "<|im_start|>"
 
 
@@ -29,12 +30,12 @@ def pair_of(mapper) -> tuple[str, str]:
     names = []
     for side in ("source", "target"):
         model_id = getattr(mapper.config, f"{side}_model_id") or ""
-        if not model_id.startswith(MODEL_PREFIX) or model_id[len(MODEL_PREFIX) :] not in SHORT:
+        if not model_id.startswith(MODEL_ID_PREFIX) or model_id[len(MODEL_ID_PREFIX) :] not in SHORT:
             raise SystemExit(
                 f"The mapper's {side} is {model_id!r}; this command fine-tunes maps between the real pair "
-                f"({', '.join(MODEL_PREFIX + name for name in SHORT)})."
+                f"({', '.join(MODEL_ID_PREFIX + name for name in SHORT)})."
             )
-        names.append(model_id[len(MODEL_PREFIX) :])
+        names.append(model_id[len(MODEL_ID_PREFIX) :])
     return names[0], names[1]
 
 

@@ -64,6 +64,25 @@ def summarize(stages: list[dict], target_minutes: float = TARGET_MINUTES) -> dic
     }
 
 
+def markdown(result: dict, path: str = "benchmarks/results/pair.json") -> str:
+    """README's sentence on what `pair` costs, from a run's JSON."""
+    seconds = {s["stage"]: s["seconds"] for s in result["stages"]}
+    summary, environment = result["summary"], result["run"]["environment"]
+    if not summary["succeeded"]:
+        failed = next(s["stage"] for s in result["stages"] if s["returncode"] != 0)
+        return f"Timed from nothing (`{path}`): the run failed at its {failed} stage; no minutes to report."
+    within = "within" if summary["within_target"] else "over"
+    threads = result["run"]["threads"] or environment["threads"]
+    return (
+        f"Timed from nothing (`{path}`, `python -m benchmarks.speed.pair_timing`): {summary['minutes']:.1f} minutes "
+        f"from an empty model cache to a served prompt on {threads} CPU threads ({environment['cpu']}), "
+        f"{seconds['pair'] / 60:.1f} of them `pair` itself (both models downloaded and converted, the calibration, "
+        f"the fit) and {seconds.get('serve', 0.0):.0f} s serving the prompt (both models loaded); {within} the "
+        f"{summary['target_minutes']:.0f} minutes aimed at, with the machine's load average at most "
+        f"{summary['max_load']:.1f} while it ran."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, type=Path, help="a new or empty folder")

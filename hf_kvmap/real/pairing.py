@@ -34,7 +34,7 @@ from ..reporting import write_json
 from . import corpus
 from .calibrating import CalibrationRun, calibrate, check_setting, load_statistics, read_progress
 from .obtain import converted_path, is_converted, obtain
-from .registry import REGISTRY
+from .registry import REGISTRY, registered_id
 
 logger = logging.get_logger(__name__)
 
@@ -73,7 +73,16 @@ def check_output(out: str | os.PathLike) -> None:
 
 def load_model(name: str, cache_dir: str | os.PathLike | None, dtype: str = "float32"):
     """An obtained model as a causal LM in `dtype` (float32 by default: on CPUs without bfloat16 arithmetic a float32
-    forward is several times faster)."""
+    forward is several times faster), going by its registered id (`registry.registered_id`, the id its calibration
+    records in a mapper's config) rather than by the cache folder it was read from, so the gate checks a pair's mapper
+    against it as against a Hub model."""
+    model = load_converted(name, cache_dir, dtype)
+    model.config.name_or_path = registered_id(name)
+    return model
+
+
+def load_converted(name: str, cache_dir: str | os.PathLike | None, dtype: str = "float32"):
+    """The converted folder of an obtained model, loaded as a causal LM in `dtype` (it goes by the folder's path)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(converted_path(name, cache_dir), dtype=DTYPES[dtype]).eval()
@@ -221,7 +230,7 @@ def make_pair(
         [(source, target)],
         stride=stride,
         tokenizer_fingerprint=fingerprint,
-        model_ids={name: f"hf-kvmap-real:{name}" for name in (source, target)},
+        model_ids={name: registered_id(name) for name in (source, target)},
         max_minutes=max_minutes,
         progress=progress,
     )

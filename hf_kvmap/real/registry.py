@@ -107,3 +107,15 @@ def get_model(name: str) -> RealModel:
         return REGISTRY[name]
     except KeyError:
         raise KeyError(f"Unknown real model {name!r}; known: {', '.join(sorted(REGISTRY))}.") from None
+
+
+#: how a registered model is named where a model id is recorded (a mapper's config, the gate's check)
+MODEL_ID_PREFIX = "hf-kvmap-real:"
+
+
+def registered_id(name: str) -> str:
+    """The id a registered model goes by (`hf-kvmap-real:NAME`): what a calibration records in the mapper's config
+    and what [`hf_kvmap.real.pairing.load_model`] gives the model it loads, so the gate compares the two (a folder of
+    the cache holds those pinned weights, checked by `obtain`)."""
+    get_model(name)
+    return f"{MODEL_ID_PREFIX}{name}"
