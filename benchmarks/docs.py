@@ -23,7 +23,7 @@ from .repair import real_repair_maps, repair_attention, repair_report
 from .sealed import decisions as sealed_decisions
 from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
-from .speed import portable_fit
+from .speed import pair_timing, portable_fit
 from .switch import long_switch_report, switch_targets
 from .variants import mapper_variants, package_size, retention_curve, variant_parameters
 
@@ -288,6 +288,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
             [_json("sealed/whole-context.json"), _json("sealed/switch-chat-doc.json")]
         ),
         "package-weight": lambda: package_size.markdown(_json("package_size.json")),
+        "pair-timing": lambda: pair_timing.markdown(_json("pair.json")),
     },
     "docs/results-tiny-family.md": {
         "demo-results": lambda: demo_markdown(_json("demo.json"), "benchmarks/results/demo.json"),
