@@ -24,7 +24,7 @@ from .sealed import decisions as sealed_decisions
 from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
 from .speed import pair_timing, portable_fit
-from .switch import long_switch_report, switch_targets
+from .switch import long_switch_report, map_compare, switch_targets
 from .variants import mapper_variants, package_size, retention_curve, variant_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +313,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "real-guard": lambda: guard.guard_markdown(_json("real_family_guard.json")),
     },
     "docs/real-family.md": {
+        "map-choice-4k": lambda: map_compare.markdown(_json("map-choice/4096-summary.json")),
         "real-family": lambda: with_errata(
             "real_family.json", family_report.report_markdown(_json("real_family.json"))
         ),

@@ -798,3 +798,33 @@ def test_each_target_arm_reads_the_targets_own_answer_through_its_cache(tiny, mo
     for arm in ("mapped", "tail@0.25", "sparse:tail@1.0"):
         assert measured[arm]["answer_nll"] == pytest.approx(own, abs=1e-4), arm
     assert measured["sparse:tail@0.25"]["answer_nll"] != pytest.approx(own, abs=1e-3)
+
+
+def test_the_map_choice_table_names_the_map_the_rule_picks():
+    """`map_compare.markdown`: the rule reads the NLL of its rung over every item of a complete map (item-weighted
+    across tasks); a map still being measured is marked and not picked; maps within 0.01 are named together."""
+    from benchmarks.switch import map_compare
+
+    rung, sparse = map_compare.RULE_RUNG, map_compare.SPARSE + map_compare.RULE_RUNG
+
+    def cells(a: float, b: float, items=(8, 8)) -> dict:
+        arms = {"target": 0.2, "mapped": 3.0, rung: a, sparse: 0.7}
+        return {
+            "t1": {
+                "items": items[0],
+                "mean": {rung: 0.5, sparse: 0.5, "target": 0.5, "source": 0.3},
+                "answer_nll": arms,
+            },
+            "t2": {
+                "items": items[1],
+                "mean": {rung: 0.5, sparse: 0.5, "target": 0.5, "source": 0.3},
+                "answer_nll": {**arms, rung: b},
+            },
+        }
+
+    table = {"a": cells(0.50, 0.70), "b": cells(0.40, 0.70), "c": cells(0.10, 0.10, items=(8, 2))}
+    text = map_compare.markdown(table)
+    assert "it picks **b**." in text and "| c (measuring) | 10 |" in text
+    assert "| b | 16 | 0.550 / 0.700 |" in text  # (8 * 0.40 + 8 * 0.70) / 16
+    table["a"] = cells(0.405, 0.70)
+    assert "one of **a**, **b** (within 0.01" in map_compare.markdown(table)
