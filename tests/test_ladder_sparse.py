@@ -262,3 +262,23 @@ def test_the_benchmark_tables_name_a_sparse_rung_as_such():
         "risk <= 0.1: recompute 0 % (mapped); risk <= 0.3: sparse prefill 50 %; risk <= 0.5: recompute 50 %; "
         "above: prefill"
     )
+
+
+def test_the_perfect_probe_serves_a_sparse_rung_where_it_keeps_the_answer_and_costs_least():
+    """`cheapest_keeping(..., sparse=True)`: a record whose answer a sparse rung keeps, cheaper than the repair of its
+    fraction, is served that sparse rung; one whose sparse rung changed the answer gets the repair; without `sparse`
+    the sparse rungs are never chosen."""
+    from hf_kvmap.calibration.ladder import sparse_key
+    from hf_kvmap.calibration.ladder_records import cheapest_keeping
+
+    costs = {0.0: 0.1, 0.5: 0.6, sparse_key(0.5): 0.4, "fallback": 1.1}
+
+    def record(mapped: bool, repair: bool, sparse: bool) -> dict:
+        answers = {"0": {"changed": mapped}, "0.5": {"changed": repair}}
+        return {"answers": {"s": answers}, "sparse": {"s": {"0.5": {"changed": sparse}}}}
+
+    assert cheapest_keeping(record(True, False, False), "s", costs, sparse=True) == sparse_key(0.5)
+    assert cheapest_keeping(record(True, False, True), "s", costs, sparse=True) == 0.5
+    assert cheapest_keeping(record(False, False, False), "s", costs, sparse=True) == 0.0
+    assert cheapest_keeping(record(True, True, True), "s", costs, sparse=True) is None
+    assert cheapest_keeping(record(True, False, False), "s", costs) == 0.5

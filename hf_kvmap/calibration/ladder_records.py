@@ -315,22 +315,30 @@ def with_min_tokens(ladder: GuardLadder, min_tokens: int, records: Sequence[dict
     return gated
 
 
-def cheapest_keeping(record: dict, strategy: str, costs: dict[float | str, float]) -> float | None:
+def cheapest_keeping(
+    record: dict, strategy: str, costs: dict[float | str, float], sparse: bool = False
+) -> float | str | None:
     """The rung of one record that keeps the target's answer at the least cost: the measured fraction of `strategy`
-    (0: the mapped cache) whose answer is unchanged and whose `costs` entry is least, or `None` (the fallback) where no
-    such rung costs less than `costs["fallback"]`."""
-    answers = record["answers"][strategy]
-    kept = [f for f in sorted(float(k) for k in answers) if not answers[f"{f:g}"]["changed"]]
-    best = min(kept, key=lambda f: costs[f], default=None)
+    (0: the mapped cache), or with `sparse` also a sparse rung (`sparse_key(f)`), whose answer is unchanged and whose
+    `costs` entry is least (ties to the rung listed first: the repairs by fraction, then the sparse rungs), or `None`
+    (the fallback) where no such rung costs less than `costs["fallback"]`."""
+    outcomes = _outcomes(record, strategy, sparse)
+    fractions = sorted(rung for rung in outcomes if not isinstance(rung, str))
+    order = fractions + [sparse_key(f) for f in fractions if sparse_key(f) in outcomes]
+    kept = [rung for rung in order if not outcomes[rung]["changed"] and rung in costs]
+    best = min(kept, key=lambda rung: costs[rung], default=None)
     return best if best is not None and costs[best] < costs[FALLBACK] else None
 
 
-def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str | None = None) -> dict[str, Any]:
+def perfect_probe_outcome(
+    records: Sequence[dict], strategy: str, cost_of: str | None = None, sparse: bool = False
+) -> dict[str, Any]:
     """What a perfect probe would serve on measured records: every request the cheapest rung that keeps the target's
     answer ([`cheapest_keeping`]; the fallback always does), as [`ladder_outcome`] with the rungs costed as a
-    calibrated ladder's ([`record_costs`]). The probe costs nothing, or what probe `cost_of` (a key of the records'
-    risks) cost on each record. It serves no changed answer and costs no more than any ladder of these rungs that
-    serves none; the gap to a calibrated ladder's cost is what a better probe could save with these rungs."""
+    calibrated ladder's ([`record_costs`]); with `sparse` the sparse rungs are among them. The probe costs nothing, or
+    what probe `cost_of` (a key of the records' risks) cost on each record. It serves no changed answer and costs no
+    more than any ladder of these rungs that serves none; the gap to a calibrated ladder's cost is what a better probe
+    could save with these rungs."""
     perfect = "perfect"  # a probe key no record holds
     priced = []
     for record in records:
@@ -346,9 +354,9 @@ def perfect_probe_outcome(records: Sequence[dict], strategy: str, cost_of: str |
                 },
             }
         )
-    costs = record_costs(priced, perfect, strategy)
-    plan = [cheapest_keeping(record, strategy, costs) for record in records]
-    return ladder_outcome(plan, _changed(records, strategy), costs, [r["task"] for r in records])
+    costs = record_costs(priced, perfect, strategy, sparse=sparse)
+    plan = [cheapest_keeping(record, strategy, costs, sparse) for record in records]
+    return ladder_outcome(plan, _changed(records, strategy, sparse), costs, [r["task"] for r in records])
 
 
 __all__ = [
