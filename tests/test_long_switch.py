@@ -769,6 +769,26 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
     calls.clear()
     map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path, args)
     assert len(calls) == 1  # the warm-up only: every arm of both maps is on file
+    later = types.SimpleNamespace(**vars(args), shared_from="id")  # a map added later measures its own arms only
+    quarter = MapperModel.identity(model.config)
+    with torch.no_grad():
+        for parameter in quarter.parameters():
+            parameter.mul_(0.25)
+    quarter.config.content_hash = "quarter"
+    calls.clear()
+    map_compare.compare(runner, {"quarter": quarter}, [item], rungs, tmp_path, later)
+    assert calls == [sorted(["target", "mapped", *rungs, "source"])] * 2  # the warm-up, then the item
+    three = next(iter(long_switch_report.load(tmp_path / "quarter.jsonl").values()))["arms"]
+    for arm in ("target", "source", "sparse:tail@0.25"):
+        assert three[arm] == one[arm]  # taken from the earlier map's file, its run kept
+    assert three["mapped"]["nll"] != pytest.approx(one["mapped"]["nll"])
+    other = types.SimpleNamespace(**{**vars(later), "dtype": "bfloat16"})
+    with pytest.raises(SystemExit, match="does not exist"):
+        map_compare.compare(runner, {"quarter": quarter}, [item], rungs, tmp_path / "x", other)
+    (tmp_path / "x" / "id.jsonl").write_text((tmp_path / "id.jsonl").read_text())
+    with pytest.raises(SystemExit, match="share arms only between runs of one setting"):
+        map_compare.compare(runner, {"quarter": quarter}, [item], rungs, tmp_path / "x", other)
+    calls.clear()
     sealed = types.SimpleNamespace(**vars(args), stamps={"id": "e" * 64, "half": "f" * 64})
     map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path / "sealed", sealed)
     for label, stamp in sealed.stamps.items():  # under protocols every map's records carry its protocol's sha256
@@ -776,6 +796,9 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
         assert row["setup"]["protocol"] == stamp and row["setup"]["map"] == label
     with pytest.raises(SystemExit, match="at least two maps"):
         map_compare.parse_maps(f"a={tmp_path}")
+    refused = ["--maps", f"a={tmp_path}", "--shared-from", "id", "--records-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="a sealed run measures every arm side by side"):
+        map_compare.main([*refused, "--protocol", "benchmarks/protocols/whole-context.json"])
     with pytest.raises(SystemExit, match="is not a folder"):
         map_compare.parse_maps(f"a={tmp_path},b={tmp_path / 'nothing'}")
 

@@ -5,7 +5,9 @@ Per item, as `benchmarks.switch.long_switch` measures it: the target alone, the 
 (map-free: the same for every map) and, for every map, the mapped cache and each rung's repair of it. The shared arms
 are measured once, with the first map, and written into every map's row, so each map's records file is a complete
 `benchmarks.switch.long_switch` records file (its report and `benchmarks.sealed.report` read it alone) and two maps compare
-item by item. A rerun resumes: an item is measured again only for the maps whose file lacks it.
+item by item. A rerun resumes: an item is measured again only for the maps whose file lacks it. A map added later
+takes the shared arms from the maps measured before it (`--shared-from ridge-k8-5k`, selection runs only), so only
+its own arms cost time.
 
     python -m benchmarks.switch.map_compare --maps ridge-k8-5k=$A,ridge-k8-conv=$B --tasks ruler_vt,chat_split \
         --tokens 4096 --items 8 --seed 4321 --dtype bfloat16 \
@@ -39,8 +41,8 @@ from . import long_switch, long_switch_report
 SHARED = ("target", "source")  # and every sparse arm: none of them reads a map
 
 
-def parse_maps(text: str) -> dict[str, Path]:
-    """`label=folder,label=folder` -> `{label: folder}` (at least two maps, distinct labels, folders that exist)."""
+def parse_maps(text: str, least: int = 2) -> dict[str, Path]:
+    """`label=folder,label=folder` -> `{label: folder}` (at least `least` maps, distinct labels, folders that exist)."""
     maps: dict[str, Path] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         label, sep, folder = entry.partition("=")
@@ -51,9 +53,10 @@ def parse_maps(text: str) -> dict[str, Path]:
         if not Path(folder).expanduser().is_dir():
             raise SystemExit(f"--maps {label}: {folder} is not a folder (a fitted map's folder, with config.json)")
         maps[label] = Path(folder).expanduser()
-    if len(maps) < 2:
+    if len(maps) < least:
         raise SystemExit(
-            f"--maps {text!r}: name at least two maps to compare (one map: benchmarks.switch.long_switch)"
+            f"--maps {text!r}: name at least two maps to compare (one map: benchmarks.switch.long_switch, or one "
+            "map beside a map measured earlier on the same items: --shared-from)"
         )
     return maps
 
@@ -93,6 +96,28 @@ def stamps_of(args, labels: list[str]) -> dict[str, str]:
     return {label: owners[label][0].sha256 for label in labels}
 
 
+def shared_rows(out: Path, labels: str | None, args) -> dict[str, list[dict]]:
+    """`--shared-from A[,B]`: `{key: [row, ...]}` of maps measured earlier on the same items (`out/A.jsonl`), whose
+    shared arms (the target, the source, the sparse prefills: none reads a map) a new map's rows take instead of
+    measuring them again. Their rows must be of the same dtype and direction. The arms keep the run that measured
+    them, so a report compares first tokens only within a run; sealed runs (`--protocol`) measure every arm side by
+    side and refuse it."""
+    found: dict[str, list[dict]] = {}
+    for label in filter(None, (labels or "").split(",")):
+        path = out / f"{label}.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"--shared-from {label}: {path} does not exist (a map's records file in --records-dir)")
+        for key, row in long_switch_report.load(path).items():
+            setup = row.get("setup", {})
+            if (setup.get("dtype"), setup.get("direction")) != (args.dtype, args.direction):
+                raise SystemExit(
+                    f"--shared-from {label}: {key} was measured in {setup.get('dtype')} {setup.get('direction')}, "
+                    f"this run is {args.dtype} {args.direction}; share arms only between runs of one setting"
+                )
+            found.setdefault(key, []).append(row)
+    return found
+
+
 def shared(arm: str) -> bool:
     return arm in SHARED or arm.startswith(SPARSE)
 
@@ -101,7 +126,7 @@ def run(args) -> None:
     from hf_kvmap import MapperModel
     from hf_kvmap.repair import resolve_markup
 
-    maps = parse_maps(args.maps)
+    maps = parse_maps(args.maps, least=1 if args.shared_from else 2)
     tokenizer = long_switch.target_tokenizer(args)
     rungs = {}
     for entry in long_switch.split_rungs(args.rungs):
@@ -124,6 +149,7 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
     for label in mappers:
         path = out / f"{label}.jsonl"
         records[label] = long_switch_report.load(path, resume=True) if path.is_file() else {}
+    earlier = shared_rows(out, getattr(args, "shared_from", None), args)
     arms = ["target", "mapped", *rungs, "source"]
     own = [arm for arm in arms if not shared(arm)]
     setups = {
@@ -153,7 +179,9 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
         missing = [label for label in mappers if not all(arm in stored[label]["arms"] for arm in arms)]
         if not missing:
             continue
-        done = {}  # the shared arms, from whichever map's file has them
+        done = {}  # the shared arms, from whichever map's file has them (`--shared-from`'s first)
+        for row in earlier.get(key, ()):
+            done.update({a: r for a, r in row["arms"].items() if shared(a) and a not in done})
         for label in mappers:
             done.update({a: r for a, r in stored[label]["arms"].items() if shared(a) and a not in done})
         load = os.getloadavg()[0]
@@ -277,6 +305,12 @@ def main(argv=None) -> None:
     parser.add_argument("--maps", default=None, help="label=folder,label=folder: the fitted maps compared")
     parser.add_argument("--records-dir", required=True, help="one records file per map (<label>.jsonl) here")
     parser.add_argument("--summary", action="store_true", help="print the means of the records and stop")
+    parser.add_argument(
+        "--shared-from",
+        default=None,
+        help="labels of maps measured earlier on these items in --records-dir: their target, source and sparse arms "
+        "are reused (selection only: their first tokens are another run's; refused with --protocol)",
+    )
     args = parser.parse_args(argv)
     if args.summary:
         summary(args)
@@ -285,6 +319,11 @@ def main(argv=None) -> None:
         raise SystemExit("--map/--mapper: map_compare takes its maps from --maps (label=folder,...)")
     if not args.maps:
         raise SystemExit("--maps is required to measure (label=folder,label=folder)")
+    if args.protocol and args.shared_from:
+        raise SystemExit(
+            "--shared-from with --protocol: a sealed run measures every arm side by side (first tokens of one run); "
+            "leave --shared-from out"
+        )
     if args.protocol:  # report items: every map one protocol's, every choice from them, its sha256 stamped
         labels = list(parse_maps(args.maps))
         args.stamps = stamps_of(args, labels)
