@@ -75,7 +75,7 @@ def long_markdown(results: dict) -> str:
         HANDOFF_WAYS,
         break_even_text,
         kept_text,
-        paying_rows,
+        paying_text,
         pays,
     )
 
@@ -102,23 +102,7 @@ def long_markdown(results: dict) -> str:
             note = "" if row["target_does_task"] else " (the target alone does not beat chance)"
             lines.append(f"| {task} | {row['tokens']}{note} | " + " | ".join(cells) + " |")
     lines.append("")
-    paying = paying_rows(long["tasks"])
-    for task, row, ways in paying:
-        target = row["ways"]["target"]
-        served = ", ".join(
-            f"{WAY_LABELS[way]} {fmt_number(row['ways'][way]['accuracy'])} in {fmt_number(row['ways'][way]['ttft_ms'], 1)}"
-            f" ms ({fmt_number(target['ttft_ms'] / row['ways'][way]['ttft_ms'], 2)}x sooner)"
-            for way in ways
-        )
-        lines.append(
-            f"- The switch pays on {task} at {row['tokens']} tokens: {served}; the target alone "
-            f"{fmt_number(target['accuracy'])} in {fmt_number(target['ttft_ms'], 1)} ms."
-        )
-    if not paying:
-        lines.append(
-            f"- The switch pays on no row measured: no handoff answers within {tolerance} of the target alone's accuracy "
-            "with its first token sooner."
-        )
+    lines += [f"- {sentence}" for sentence in paying_text(long["tasks"], long["tolerance"])]
     lines.append(f"- {kept_text(long['tasks'], long['tolerance'])}")
     lines.append(f"- Where it does not pay: below the break-even length, {BREAK_EVEN_RULE}:")
     for task, entries in long["break_even"].items():

@@ -132,6 +132,28 @@ def paying_rows(long_rows: dict) -> list[tuple[str, dict, list[str]]]:
     return out
 
 
+def paying_text(long_rows: dict, tolerance: float = TOLERANCE) -> list[str]:
+    """One sentence a row where the switch pays (`The switch pays on recall at 512 tokens: repaired 0.750 in 60.2 ms
+    (1.52x sooner); the target alone 0.781 in 91.8 ms.`), or the one sentence that says it pays nowhere: what the
+    demo prints and the docs generated from its JSON list."""
+    sentences = []
+    for task, row, ways in paying_rows(long_rows):
+        target = row["ways"]["target"]
+        served = ", ".join(
+            f"{WAY_LABELS[way]} {row['ways'][way]['accuracy']:.3f} in {row['ways'][way]['ttft_ms']:.1f} ms "
+            f"({target['ttft_ms'] / row['ways'][way]['ttft_ms']:.2f}x sooner)"
+            for way in ways
+        )
+        sentences.append(
+            f"The switch pays on {task} at {row['tokens']} tokens: {served}; the target alone "
+            f"{target['accuracy']:.3f} in {target['ttft_ms']:.1f} ms."
+        )
+    return sentences or [
+        f"The switch pays on no row measured: no handoff answers within {tolerance:.2f} of the target alone's "
+        "accuracy with its first token sooner."
+    ]
+
+
 __all__ = [
     "BREAK_EVEN_RULE",
     "HANDOFF_WAYS",
@@ -145,4 +167,5 @@ __all__ = [
     "latency_break_evens",
     "pays",
     "paying_rows",
+    "paying_text",
 ]

@@ -160,7 +160,7 @@ def test_the_first_screen_names_where_the_switch_pays_and_the_break_even():
     assert "chat        512" in screen and "(the target alone does not beat chance here)" in screen
     flat = " ".join(line.strip() for line in lines)
     assert (
-        "The switch pays: recall at 512 tokens, repaired 0.780 in 100.0 ms (1.20x sooner), guarded 0.800 in 80.0 ms "
+        "The switch pays on recall at 512 tokens: repaired 0.780 in 100.0 ms (1.20x sooner), guarded 0.800 in 80.0 ms "
         "(1.50x sooner); the target alone 0.800 in 120.0 ms." in flat
     )
     # recall's repaired: speedups 0.75 at 256, 1.2 at 512 -> 256 + 0.25 * 256 / 0.45
@@ -175,7 +175,7 @@ def test_the_first_screen_names_where_the_switch_pays_and_the_break_even():
 def test_the_first_screen_says_when_the_switch_pays_nowhere():
     rows = {"recall": [_row(256, (0.94, 60.0), (0.50, 20.0), (0.94, 80.0), (0.94, 90.0))]}
     flat = " ".join(line.strip() for line in first_screen(_results(rows)).splitlines())
-    assert "The switch pays on no row measured" in flat and "The switch pays:" not in flat
+    assert "The switch pays on no row measured" in flat and "The switch pays on recall" not in flat
     assert "repaired above 256 tokens (not sooner at the longest measured)" in flat
 
 

@@ -17,7 +17,7 @@ from ..payoff import (
     break_even_text,
     break_evens,
     kept_text,
-    paying_rows,
+    paying_text,
     pays,
 )
 
@@ -99,23 +99,8 @@ def first_screen(results: dict) -> str:
             lines.append(f"{task:<8}{row['tokens']:>7}   {cells}{note}")
     tolerance = long.get("tolerance", TOLERANCE)
     lines += [f"+ pays: the first token sooner than the target alone's, the accuracy within {tolerance:.2f} of it", ""]
-    paying = paying_rows(rows_by_task)
-    for task, row, ways in paying:
-        target = row["ways"]["target"]
-        served = ", ".join(
-            f"{way} {row['ways'][way]['accuracy']:.3f} in {row['ways'][way]['ttft_ms']:.1f} ms "
-            f"({target['ttft_ms'] / row['ways'][way]['ttft_ms']:.2f}x sooner)"
-            for way in ways
-        )
-        lines += _wrapped(
-            f"The switch pays: {task} at {row['tokens']} tokens, {served}; the target alone {target['accuracy']:.3f} "
-            f"in {target['ttft_ms']:.1f} ms."
-        )
-    if not paying:
-        lines += _wrapped(
-            f"The switch pays on no row measured: no handoff answers within {tolerance:.2f} of the target alone's "
-            "accuracy with its first token sooner."
-        )
+    for sentence in paying_text(rows_by_task, tolerance):
+        lines += _wrapped(sentence)
     lines += _wrapped(kept_text(rows_by_task, tolerance))
     lines += _wrapped(f"Where it does not pay: below the break-even length, {BREAK_EVEN_RULE}:")
     for task, entries in long.get("break_even", {}).items():
