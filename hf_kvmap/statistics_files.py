@@ -87,6 +87,10 @@ class SavedStatistics:
             allocate=False,
         )
         state = load_file(tensors_path, device=str(torch.device(device)))
+        # safetensors hands back views into the file's buffer at the file's offsets, not 64-byte aligned; MKL picks its
+        # GEMM code path by the output's alignment, so a calibration resumed into them (`addmm_`) would round otherwise
+        # than an uninterrupted one on some CPUs (seen on AMD EPYC). Fresh tensors are allocated 64-byte aligned.
+        state = {name: tensor.clone() for name, tensor in state.items()}
         shared = {"tokens": (), "sequences": (), "fingerprint_limbs": (NUM_LIMBS,)}
         expected = {name: (shape, torch.int64) for name, shape in shared.items()}
         empty = PartStatistics.zeros(stats.source_width, stats.target_width, stats.dtype, "meta").tensors()  # shapes
