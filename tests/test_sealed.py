@@ -260,8 +260,9 @@ def test_the_switch_decision_reads_the_verdicts_of_the_repair_and_its_sparse_pee
     cell = next(c for c in results["cells"] if (c["task"], c["length"]) == ("long_chat", 4096))
     assert decision in decisions.decide(protocol, cell)
     table = decisions.markdown([results])
-    assert f"| long_chat | 4096 | 64/64 | {decisions.decide(protocol, cell)} |" in table
-    assert "| long_chat | 2048 | 0/64 | measuring (0 of 64 items) |" in table
+    maps = ", ".join(protocol.settings["maps"])
+    assert f"| long_chat | 4096 | {maps} | 64/64 | {decisions.decide(protocol, cell)} |" in table
+    assert f"| long_chat | 2048 | {maps} | 0/64 | measuring (0 of 64 items) |" in table
     half = report.assemble(protocol, [str(_records(tmp_path / "h.jsonl", protocol, "long_chat", outcomes[:40]))])
     assert decisions.decide(protocol, next(c for c in half["cells"] if c["length"] == 4096)) == (
         "measuring (40 of 64 items)"

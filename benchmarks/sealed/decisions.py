@@ -60,14 +60,16 @@ def decide(protocol, cell: dict) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    """One row per planned cell of every sealed report in `results`, decision first."""
+    """One row per planned cell of every sealed report in `results`, decision first; the map column tells apart the
+    rows of two protocols that serve the same cells through other maps."""
     lines = [
-        "| task | tokens | items | decision | repair: share of the gap | its first token | sparse prefill: share of "
-        "the gap | its first token | the map adds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | tokens | map | items | decision | repair: share of the gap | its first token | sparse prefill: share "
+        "of the gap | its first token | the map adds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in results:
         protocol = load_protocol(report["protocol"]["path"])
+        maps = ", ".join(protocol.settings["maps"])
         for cell in report["cells"]:
             if ":" in cell["task"]:  # follow-up questions: docs/sealed.md has them
                 continue
@@ -84,7 +86,7 @@ def markdown(results: list[dict]) -> str:
                     _figure(cell, f"{rung}/map_adds"),
                 ]
             lines.append(
-                f"| {cell['task']} | {cell['length']} | {cell['items']}/{cell['planned']} | {decision} | "
+                f"| {cell['task']} | {cell['length']} | {maps} | {cell['items']}/{cell['planned']} | {decision} | "
                 + " | ".join(figures)
                 + " |"
             )
