@@ -257,15 +257,13 @@ def markdown(table: dict, path: str = "benchmarks/results/map-choice/4096-summar
     mapped cache and the target's own prefill; accuracy of the rule's rung, its sparse peer, the target and the
     source), and which complete map the rule picks (lowest NLL of `RULE_RUNG`; within 0.01, the first listed)."""
     total = max(sum(cell["items"] for cell in tasks.values()) for tasks in table.values())
-    rungs = sorted(
-        {arm for tasks in table.values() for cell in tasks.values() for arm in cell["answer_nll"]}
-        - {"target", "mapped"}
-        - {
+    rungs = sorted(  # the repairs: every arm read but the target, the mapped cache and the sparse peers
+        {
             arm
             for tasks in table.values()
             for cell in tasks.values()
             for arm in cell["answer_nll"]
-            if arm.startswith(SPARSE)
+            if arm not in ("target", "mapped") and not arm.startswith(SPARSE)
         }
     )
     fmt = lambda value, digits=3: "n/a" if value is None else f"{value:.{digits}f}"  # noqa: E731
