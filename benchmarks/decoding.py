@@ -1,6 +1,8 @@
 """Greedy decoding as a benchmark times it: the first token apart from the rest, several caches of one length decoded
 as one batch (a CPU's decoding reads the weights once a step for every row), and the NLL of a real continuation.
-`benchmarks.switch.long_switch` decodes every arm with these."""
+`benchmarks.switch.long_switch` decodes every arm with these. Each decoder can also keep every step's answer margin
+(`margins=`: the top-1 minus top-2 probability of the token it chose, what a guard ladder's check after the rung reads,
+`hf_kvmap.serving.forwards.answer_margins`); the first token's is taken after its seconds are read."""
 
 from __future__ import annotations
 
@@ -15,16 +17,23 @@ def _forward(model, ids: torch.Tensor, cache):
     return model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
 
 
+def step_margins(logits: torch.Tensor) -> list[float]:
+    """Each row's top-1 minus top-2 probability of `logits` (`(batch, vocab)`), computed in float32."""
+    top = logits.float().softmax(-1).topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
 def _ended(tokens: list[int], max_new: int, stop, eos: set[int]) -> bool:
     return tokens[-1] in eos or len(tokens) >= max_new or stop(tokens)
 
 
 @torch.no_grad()
-def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], step=None):
+def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], step=None, margins=None):
     """Greedy tokens after `cache` + `last` (`(1, n)` held-back ids) until an end token, `stop(tokens)` or
     `max_new`; returns them, the seconds to the first token and the seconds of the rest. `step(tokens)`, when given,
     is called before each token is chosen, once the cache holds the `tokens` generated before it (where `generate`
-    calls a logits processor). The cache is cropped back to its length after."""
+    calls a logits processor). With `margins` (a list), each token's margin is appended to it (`step_margins`; the
+    rest's seconds include them). The cache is cropped back to its length after."""
     length = cache.get_seq_length()
     start = time.perf_counter()
     logits = _forward(model, last, cache).logits[:, -1]
@@ -32,6 +41,8 @@ def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], 
         step([])
     token = int(logits.argmax(-1))
     first = time.perf_counter() - start
+    if margins is not None:
+        margins.extend(step_margins(logits))
     tokens = [token]
     start = time.perf_counter()
     while not _ended(tokens, max_new, stop, eos):
@@ -40,25 +51,33 @@ def greedy(model, cache, last: torch.Tensor, max_new: int, stop, eos: set[int], 
             step(tokens)
         token = int(logits.argmax(-1))
         tokens.append(token)
+        if margins is not None:
+            margins.extend(step_margins(logits))
     rest = time.perf_counter() - start
     cache.crop(length - cache.get_seq_length())  # negative: drop what decoding appended
     return tokens, first, rest
 
 
 @torch.no_grad()
-def first_token(model, cache, last: torch.Tensor) -> tuple[int, float]:
-    """The greedy first token after `cache` + `last` and its seconds; the cache then holds `last` too."""
+def first_token(model, cache, last: torch.Tensor, margins=None) -> tuple[int, float]:
+    """The greedy first token after `cache` + `last` and its seconds; the cache then holds `last` too. With `margins`
+    (a list), the token's margin is appended to it after the seconds are read."""
     start = time.perf_counter()
-    token = int(_forward(model, last, cache).logits[:, -1].argmax(-1))
-    return token, time.perf_counter() - start
+    logits = _forward(model, last, cache).logits[:, -1]
+    token = int(logits.argmax(-1))
+    seconds = time.perf_counter() - start
+    if margins is not None:
+        margins.extend(step_margins(logits))
+    return token, seconds
 
 
 @torch.no_grad()
-def continue_batch(model, caches: list, firsts: list[int], max_new: int, stop, eos: set[int]):
+def continue_batch(model, caches: list, firsts: list[int], max_new: int, stop, eos: set[int], margins=None):
     """`greedy`'s tokens of several caches of one length, each after its first token (`first_token`), decoded as one
     batch: a CPU's decoding is bound by reading the weights, which a batch reads once per step for every row. A row
     ends as `greedy` ends it and leaves the batch; the caches are not changed (the batch decodes a copy). Returns
-    every row's tokens and the seconds of the batch."""
+    every row's tokens and the seconds of the batch. With `margins` (one list a row), each row's margins of the tokens
+    it decodes here are appended to its list."""
     from transformers.cache_utils import Cache
 
     from hf_kvmap.cache_views import as_layer
@@ -73,10 +92,14 @@ def continue_batch(model, caches: list, firsts: list[int], max_new: int, stop, e
     batch = Cache(layers=[as_layer(keys, values) for keys, values in layers])
     while rows:
         ids = torch.tensor([[tokens[row][-1]] for row in rows])
-        chosen = _forward(model, ids, batch).logits[:, -1].argmax(-1).tolist()
+        logits = _forward(model, ids, batch).logits[:, -1]
+        chosen = logits.argmax(-1).tolist()
+        taken = step_margins(logits) if margins is not None else None
         keep = []
         for place, (row, token) in enumerate(zip(rows, chosen)):
             tokens[row].append(token)
+            if taken is not None:
+                margins[row].append(taken[place])
             if not _ended(tokens[row], max_new, stop, eos):
                 keep.append(place)
         if len(keep) < len(rows):
@@ -113,4 +136,4 @@ def follow_ups(model, tokenizer, cache, last: torch.Tensor, questions: list[dict
     return replies
 
 
-__all__ = ["continue_batch", "first_token", "follow_ups", "greedy", "text_nll"]
+__all__ = ["continue_batch", "first_token", "follow_ups", "greedy", "step_margins", "text_nll"]

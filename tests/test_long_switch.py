@@ -343,6 +343,8 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
         alone = ("source", "tail@0.1+refresh:every=3,tokens=4", "sparse:tail@1.0")  # a layout or a decode of its own
         assert ("decoded_with" in record) == (arm not in alone), arm
         assert record.get("answer_s", record["ttft_s"]) >= record["ttft_s"]
+        assert len(record["margins"]) == 12, arm  # every answer token's, batched or alone
+        assert record["margins"] == pytest.approx(measured["target"]["margins"], abs=1e-4), arm
     refreshed = measured["tail@0.1+refresh:every=3,tokens=4"]["refresh"]
     assert refreshed["refreshes"] == 4 and refreshed["recomputed"] == [16]  # calls 3, 6, 9, 12 of 12 tokens
     again = runner.measure(item, arms, rungs, {"target": measured["target"], "mapped": measured["mapped"]})
@@ -411,6 +413,35 @@ def test_a_batch_decodes_each_row_as_greedy_decodes_it_alone(tiny):
         single = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), 9)]
         single = single[:4] if single[:4] == alone[1][:4] else single
         assert ended[row] == single, row
+
+
+def test_each_decoder_keeps_the_margins_a_ladder_check_reads(tiny):
+    """`margins=` keeps each answer token's top-1 minus top-2 probability: greedy's are the serving check's
+    (`answer_margins` over the same tokens), a batch's rows keep their own, and the tokens are the ones decoded
+    without it."""
+    from hf_kvmap.serving.forwards import answer_margins
+
+    model = tiny.model(seed=3)
+    prompts = [torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    alone, caches, firsts, batch_margins = [], [], [], []
+    for ids in prompts:
+        with torch.no_grad():
+            cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
+        margins: list[float] = []
+        tokens, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set(), margins=margins)
+        assert tokens == long_switch.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set())[0]
+        served, chosen, _ = answer_margins(model, cache, ids, tokens=6, eos_token_ids=())
+        assert chosen[0].tolist() == tokens and len(margins) == 6
+        assert margins == pytest.approx(served[0].tolist(), abs=1e-5) and all(0 <= m <= 1 for m in margins)
+        alone.append(margins)
+        row: list[float] = []
+        firsts.append(long_switch.first_token(model, cache, ids[:, -1:], row)[0])
+        caches.append(cache)
+        batch_margins.append(row)
+    assert [row[0] for row in batch_margins] == pytest.approx([m[0] for m in alone], abs=1e-6)
+    long_switch.continue_batch(model, caches, firsts, 6, lambda t: False, set(), margins=batch_margins)
+    for row, margins in zip(batch_margins, alone):
+        assert row == pytest.approx(margins, abs=1e-4)
 
 
 def test_first_tokens_compare_only_within_one_run(tmp_path):

@@ -55,6 +55,35 @@ def test_a_protocol_that_does_not_say_what_it_must_is_refused(tmp_path, changes,
         load_protocol(_protocol(tmp_path, **changes))
 
 
+CONV4K = ROOT / "benchmarks" / "protocols" / "whole-context-conv4k.json"
+
+
+def _ladder(**changes) -> dict:
+    ladder = json.loads(CONV4K.read_text())["ladder"]
+    return {**ladder, **changes}
+
+
+@pytest.mark.parametrize(
+    "ladder, message",
+    [
+        ({"probe": "lookahead_margin:1"}, "ladder: exactly"),
+        (_ladder(calibration={"tasks": ["long_chat"], "tokens": 2048, "items": 99, "seed": 5}), "100 or more"),
+        (_ladder(calibration={"tasks": ["long_chat"], "tokens": 2048, "items": 100, "seed": 4321}), "selection or"),
+        (_ladder(calibration={"tasks": ["long_chat"], "tokens": 2048, "items": 100, "seed": 20261207}), "report seed"),
+        (_ladder(calibration={"tasks": ["long_chat"], "tokens": 512, "items": 100, "seed": 5}), "no report cell"),
+        (_ladder(max_changed=5), "a share"),
+        (_ladder(check_tokens=4), "first token"),
+        (_ladder(verdicts={"max_cost": 0.35}), "max_cost and max_changed"),
+    ],
+)
+def test_a_ladder_the_protocol_cannot_calibrate_apart_from_its_report_items_is_refused(tmp_path, ladder, message):
+    settings = json.loads(CHAT_DOC.read_text())
+    assert 20261207 in {c["seed"] for c in settings["cells"]} and 512 not in {c["tokens"] for c in settings["cells"]}
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(_protocol(tmp_path, ladder=ladder))
+    assert load_protocol(_protocol(tmp_path, ladder=_ladder())).settings["ladder"] == _ladder()
+
+
 def test_the_sha256_is_of_the_files_bytes(tmp_path):
     first = load_protocol(_protocol(tmp_path))
     path = tmp_path / "protocol.json"

@@ -35,6 +35,11 @@ _KEYS = {
     "timing",
     "verdicts",
 }
+#: keys a protocol may hold besides `_KEYS`: `ladder`, the guard ladder replayed on its report items
+_OPTIONAL_KEYS = {"ladder"}
+_LADDER_KEYS = {"what", "probe", "check_tokens", "max_changed", "confidence", "calibration", "verdicts"}
+#: a ladder is calibrated on at least this many items (all its tasks together), none of them a report item
+LADDER_CALIBRATION_ITEMS = 100
 _VERDICT_KEYS = {"gap", "gap_lower", "retention", "min_gap_items", "speedup", "map_adds", "map_adds_lower"}
 
 
@@ -80,6 +85,44 @@ def _require(condition: bool, path, message: str) -> None:
         raise ProtocolError(f"{path}: {message}")
 
 
+def _check_ladder(ladder: Any, settings: dict, path) -> None:
+    """A protocol's `ladder`: its probe, check, budget, calibration cell (its own seed, at least
+    `LADDER_CALIBRATION_ITEMS` items, a length with a report cell) and verdicts."""
+    _require(
+        isinstance(ladder, dict) and set(ladder) == _LADDER_KEYS, path, f"ladder: exactly {sorted(_LADDER_KEYS)}."
+    )
+    _require(isinstance(ladder["probe"], str) and ladder["probe"], path, "ladder.probe: e.g. 'lookahead_margin:1'.")
+    _require(
+        ladder["check_tokens"] in (None, 1), path, "ladder.check_tokens: 1 (records time the first token) or null."
+    )
+    budget = ladder["max_changed"]
+    _require(isinstance(budget, float) and 0 < budget < 1, path, "ladder.max_changed: a share, e.g. 0.05.")
+    confidence = ladder["confidence"]
+    _require(confidence is None or 0.5 < confidence < 1, path, "ladder.confidence: null or e.g. 0.95.")
+    cell = ladder["calibration"]
+    _require(
+        isinstance(cell, dict) and set(cell) == {"tasks", "tokens", "items", "seed"},
+        path,
+        "ladder.calibration: tasks, tokens, items, seed.",
+    )
+    used = set(settings["selection_seeds"]) | {c["seed"] for c in settings["cells"]}
+    _require(cell["seed"] not in used, path, f"ladder.calibration seed {cell['seed']} is a selection or report seed.")
+    total = cell["items"] * len(cell["tasks"])
+    _require(
+        total >= LADDER_CALIBRATION_ITEMS,
+        path,
+        f"ladder.calibration: {total} items in all; a ladder is calibrated on {LADDER_CALIBRATION_ITEMS} or more.",
+    )
+    lengths = {c["tokens"] for c in settings["cells"]}
+    _require(cell["tokens"] in lengths, path, f"ladder.calibration tokens {cell['tokens']}: no report cell there.")
+    verdicts = ladder["verdicts"]
+    _require(
+        isinstance(verdicts, dict) and {"max_cost", "max_changed"} <= set(verdicts),
+        path,
+        "ladder.verdicts: max_cost and max_changed (and how changed answers are read).",
+    )
+
+
 def load_protocol(path: str | Path) -> Protocol:
     """Read and check a protocol file; its sha256 is of the bytes as committed."""
     path = Path(path)
@@ -91,9 +134,13 @@ def load_protocol(path: str | Path) -> Protocol:
     except json.JSONDecodeError as err:
         raise ProtocolError(f"{path} is not JSON ({err}).") from None
     _require(isinstance(settings, dict), path, "a protocol is a JSON object.")
-    missing, unknown = _KEYS - set(settings), set(settings) - _KEYS
+    missing, unknown = _KEYS - set(settings), set(settings) - _KEYS - _OPTIONAL_KEYS
     _require(not missing, path, f"missing {sorted(missing)}.")
-    _require(not unknown, path, f"unknown keys {sorted(unknown)}; a protocol holds {sorted(_KEYS)}.")
+    _require(
+        not unknown,
+        path,
+        f"unknown keys {sorted(unknown)}; a protocol holds {sorted(_KEYS)} (and optionally {sorted(_OPTIONAL_KEYS)}).",
+    )
     rungs = settings["rungs"]
     _require(isinstance(rungs, list) and rungs and len(set(rungs)) == len(rungs), path, "rungs: distinct entries.")
     for rung in rungs:
@@ -124,6 +171,8 @@ def load_protocol(path: str | Path) -> Protocol:
     )
     level = settings["interval"].get("level")
     _require(isinstance(level, float) and 0.5 < level < 1, path, "interval.level: e.g. 0.95.")
+    if "ladder" in settings:
+        _check_ladder(settings["ladder"], settings, path)
     return Protocol(settings, hashlib.sha256(raw).hexdigest(), str(path))
 
 

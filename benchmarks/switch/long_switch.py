@@ -6,7 +6,8 @@ the target's own prefill is computed once, timed, and serves the target-alone ar
 cache (`MappedCache.from_source`), optionally repairs it (`repair=`, one rung per strategy and fraction), runs the
 held-back token and decodes greedily. Each arm records its answer, its score, the seconds it took to prepare the
 cache and its time to first token (preparing + the first forward), so ratios to the re-prefill are measured side by
-side. Every item is appended to `--records` (JSON lines) as soon as it is measured, and a rerun skips what is there:
+side, and each answer token's margin (top-1 minus top-2 probability: what a guard ladder's probe reads on the mapped
+cache and its check reads after a rung, so a ladder can be replayed on the items). Every item is appended to `--records` (JSON lines) as soon as it is measured, and a rerun skips what is there:
 a stopped run resumes, and a rung added later is measured without the target's prefill again (the target arm's
 record is kept).
 
@@ -126,6 +127,12 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
 
 
 # ----------------------------------------------------------------------------------------------------------- scoring
+def rounded(margins: list[float]) -> list[float]:
+    """Answer margins as a record keeps them (each answer token's top-1 minus top-2 probability, what a ladder's check
+    after the rung reads): to 5 decimals."""
+    return [round(m, 5) for m in margins]
+
+
 def score(item: dict, text: str, tokens: list[int], reference: list[int] | None) -> dict:
     """An arm's score on one item (see the module docstring)."""
     if item["task"] in ("long_chat", "long_doc"):
@@ -204,24 +211,27 @@ class Runner:
             step = None
             if refresh is not None:  # called as generate calls a logits processor
                 step = lambda tokens: refresh(torch.tensor([item["ids"] + tokens]), None)  # noqa: E731
-            tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step)
+            margins: list[float] = []
+            tokens, first, rest = greedy(model, cache, last, max_new, stop, self.eos, step, margins)
             out[arm], kept[arm] = record_of(model, cache, tokens, prepare, first), (model, cache)
             out[arm]["answer_s"] = prepare + first + rest  # the whole answer, a refresh's recomputes included
+            out[arm]["margins"] = rounded(margins)
             if refresh is not None:
                 info = cache.mapping_info["refresh"]
                 out[arm]["refresh"] = {
                     k: info[k] for k in ("refreshes", "recomputed", "recomputed_fraction", "seconds")
                 }
 
-        batched: list[tuple] = []  # (arm, cache, prepare, first token, its seconds): decoded together below
+        batched: list[tuple] = []  # (arm, cache, prepare, first token, its seconds, margins): decoded together below
         kept: dict[str, tuple] = {}  # arm -> (model, its served cache of the prompt): what follow-ups are asked on
 
         def start(arm: str, cache, prepare: float, refresh=None) -> None:
             if refresh is not None or not self.batch:
                 finish(arm, self.target, cache, prepare, refresh)
             else:
-                token, seconds = first_token(self.target, cache, last)
-                batched.append((arm, cache, prepare, token, seconds))
+                margins: list[float] = []
+                token, seconds = first_token(self.target, cache, last, margins)
+                batched.append((arm, cache, prepare, token, seconds, margins))
 
         if "target" in arms and "target" not in done:
             began = time.perf_counter()
@@ -286,11 +296,15 @@ class Runner:
                 start(arm, cache, prepare, refresh)
         if batched:
             caches = [entry[1] for entry in batched]
-            decoded, seconds = continue_batch(self.target, caches, [e[3] for e in batched], max_new, stop, self.eos)
+            margins = [e[5] for e in batched]
+            decoded, seconds = continue_batch(
+                self.target, caches, [e[3] for e in batched], max_new, stop, self.eos, margins
+            )
             for i in range(len(batched)):
-                arm, cache, prepare, _, first = batched[i]
+                arm, cache, prepare, _, first, _ = batched[i]
                 cache.crop(-last.shape[1])  # back to the prompt's cache, for the NLL
                 out[arm], kept[arm] = record_of(self.target, cache, decoded[i], prepare, first), (self.target, cache)
+                out[arm]["margins"] = rounded(margins[i])
                 out[arm]["decoded_with"] = len(batched)  # rows of the batch that decoded it (its seconds shared)
                 out[arm]["batch_s"] = seconds
         if source_cache is not None and "source" in arms and "source" not in done:
