@@ -255,8 +255,12 @@ def test_the_readme_headline_names_each_complete_cell_with_its_intervals(tmp_pat
     text = report.headline([results])
     rung = protocol.chosen("long_chat")
     assert text.count("\n- ") == 1  # one complete cell; the cells measured in part or not at all are left out
-    assert f"- long_chat at 4096 tokens (64 items, protocol `switch-chat-doc`): `{rung}` keeps 1.00" in text
-    assert "first token 10.00x [" in text and "the map adds 0.25 [" in text
+    assert f"- long_chat at 4096 tokens (64 items, protocol `switch-chat-doc`): `{rung}` retains 1.00" in text
+    assert "first token 10.00x [" in text and "the map adds 0.25 [" in text and "no gap" not in text
+    few = [(1, 0, 0, 1, 1)] * 14 + [(1, 1, 0, 1, 1)] * 50  # the 1.5B right where the 0.5B is wrong on 14 items
+    results = report.assemble(protocol, [str(_records(tmp_path / "f.jsonl", protocol, "long_chat", few))])
+    assert "(64 items, protocol `switch-chat-doc`): no gap to recover (the 1.5B right where the 0.5B is wrong on 14 " \
+        f"items); `{rung}` retains" in report.headline([results])  # fmt: skip
     empty = report.assemble(protocol, [str(_records(tmp_path / "s.jsonl", protocol, "long_chat", outcomes[:10]))])
     assert report.headline([empty]).endswith("no sealed cell is complete yet.")
 
