@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from pathlib import Path
 from statistics import mean
 from typing import Any
 
@@ -41,7 +40,7 @@ from hf_kvmap.serving.ladder import GuardLadder
 
 from ..switch.long_switch import parse_rung
 from ..switch.long_switch_report import load
-from .protocol import SPARSE, Protocol, ProtocolError, load_protocol
+from .protocol import SPARSE, Protocol, existing_files, protocol_from_flag
 from .report import read_records, timed
 
 #: the probe a long_switch record gives: the target's first answer margin on the mapped cache (its mapped arm)
@@ -354,13 +353,8 @@ def main(argv=None) -> None:
     parser.add_argument("--records", nargs="+", required=True, help="the report records made under the protocol")
     parser.add_argument("--out", required=True, help="the results JSON to write")
     args = parser.parse_args(argv)
-    try:
-        protocol = load_protocol(args.protocol)
-    except ProtocolError as err:
-        raise SystemExit(f"--protocol: {err}") from None
-    for path in [*args.calibration, *args.records]:
-        if not Path(path).is_file():
-            raise SystemExit(f"{path}: no such file")
+    protocol = protocol_from_flag(args.protocol)
+    existing_files([*args.calibration, *args.records])
     results = assemble(protocol, args.calibration, args.records)
     write_json(args.out, results)
     print(markdown(results))

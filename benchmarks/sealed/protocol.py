@@ -176,4 +176,19 @@ def load_protocol(path: str | Path) -> Protocol:
     return Protocol(settings, hashlib.sha256(raw).hexdigest(), str(path))
 
 
-__all__ = ["SPARSE", "Protocol", "ProtocolError", "load_protocol"]
+def protocol_from_flag(path: str | Path) -> Protocol:
+    """`load_protocol` for a command's `--protocol` flag: a bad file exits naming the flag and what is wrong."""
+    try:
+        return load_protocol(path)
+    except ProtocolError as err:
+        raise SystemExit(f"--protocol: {err}") from None
+
+
+def existing_files(paths: list[str]) -> None:
+    """Exit naming the first of a command's input `paths` that is not a file."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise SystemExit(f"{path}: no such file")
+
+
+__all__ = ["SPARSE", "Protocol", "ProtocolError", "existing_files", "load_protocol", "protocol_from_flag"]

@@ -26,7 +26,7 @@ from lab.real.context_tasks import CHANCE as CONTEXT_CHANCE
 from lab.real.long_tasks import CHANCE as LONG_CHANCE
 
 from ..switch.long_switch_report import load
-from .protocol import SPARSE, Protocol, ProtocolError, load_protocol
+from .protocol import SPARSE, Protocol, ProtocolError, existing_files, protocol_from_flag
 
 
 def read_records(protocol: Protocol, paths: list[str]) -> dict[tuple[str, int], list[dict]]:
@@ -308,13 +308,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="the results JSON to write")
     parser.add_argument("--markdown", default=None, help="also write the tables here")
     args = parser.parse_args(argv)
-    try:
-        protocol = load_protocol(args.protocol)
-    except ProtocolError as err:
-        raise SystemExit(f"--protocol: {err}") from None
-    for path in args.records:
-        if not Path(path).is_file():
-            raise SystemExit(f"--records {path}: no such file")
+    protocol = protocol_from_flag(args.protocol)
+    existing_files(args.records)
     results = assemble(protocol, args.records)
     write_json(args.out, results)
     text = markdown(results)

@@ -41,7 +41,7 @@ from hf_kvmap.reporting import environment_info
 from lab.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 
 from ..decoding import continue_batch, first_token, follow_ups, greedy, text_nll
-from ..sealed.protocol import SPARSE, ProtocolError, load_protocol
+from ..sealed.protocol import SPARSE, ProtocolError, protocol_from_flag
 from . import long_switch_report
 from .long_switch_args import records_argument, rungs_argument
 
@@ -423,10 +423,7 @@ def apply_protocol(args):
         ):
             setattr(args, flag[2:], default if value is None else value)
         return None
-    try:
-        protocol = load_protocol(args.protocol)
-    except ProtocolError as err:
-        raise SystemExit(f"--protocol: {err}") from None
+    protocol = protocol_from_flag(args.protocol)
     settings = protocol.settings
     given = {"--rungs": args.rungs, "--direction": args.direction, "--dtype": args.dtype, "--threads": args.threads}
     fixed = {"--rungs": None, "--direction": settings["direction"], "--dtype": settings["dtype"], "--threads": None}
