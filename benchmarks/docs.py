@@ -127,6 +127,9 @@ REAL_LADDERS = (
 
 
 #: the guard ladder calibrated on the long forms at 2K and replayed at each report length (docs/switch.md)
+#: the sealed protocols' reports (`benchmarks/results/sealed/<name>.json`) the README headline and the switch decisions
+#: read, each protocol's map named in its rows
+SEALED = ("whole-context", "whole-context-conv4k", "switch-chat-doc")
 LONG_LADDER = "guard_ladder_long2k.json"
 #: the perfect probe against the calibrated ladder on the same long-form records (`benchmarks.ladder.ladder_headroom`)
 LONG_HEADROOM = "ladder_headroom_long2k.json"
@@ -285,7 +288,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "headline-tiny": headline_tiny,
         "headline-repair": headline_repair,
         "headline-sealed": lambda: sealed_report.headline(
-            [_json("sealed/whole-context.json"), _json("sealed/switch-chat-doc.json")]
+            [_json(f"sealed/{name}.json") for name in SEALED]
         ),
         "package-weight": lambda: package_size.markdown(_json("package_size.json")),
         "pair-timing": lambda: pair_timing.markdown(_json("pair.json")),
@@ -357,7 +360,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/switch.md": {
         "switch-decisions": lambda: sealed_decisions.markdown(
-            [_json("sealed/whole-context.json"), _json("sealed/switch-chat-doc.json")]
+            [_json(f"sealed/{name}.json") for name in SEALED]
         ),
     },
     "docs/notes/2026-12-07-switch-history.md": {
@@ -371,6 +374,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/sealed.md": {
         "sealed-chat-doc": lambda: sealed_report.markdown(_json("sealed/switch-chat-doc.json")),
         "sealed-whole-context": lambda: sealed_report.markdown(_json("sealed/whole-context.json")),
+        "sealed-whole-context-conv4k": lambda: sealed_report.markdown(_json("sealed/whole-context-conv4k.json")),
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
