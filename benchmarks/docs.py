@@ -23,7 +23,7 @@ from .repair import real_repair_maps, repair_attention, repair_report
 from .sealed import decisions as sealed_decisions
 from .sealed import report as sealed_report
 from .sections import demo_markdown, performance_markdown, replace_section
-from .speed import pair_timing, portable_fit
+from .speed import packed_attention, pair_timing, portable_fit
 from .switch import long_switch_report, map_compare, switch_targets
 from .variants import mapper_variants, package_size, retention_curve, variant_parameters
 
@@ -287,9 +287,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {
         "headline-tiny": headline_tiny,
         "headline-repair": headline_repair,
-        "headline-sealed": lambda: sealed_report.headline(
-            [_json(f"sealed/{name}.json") for name in SEALED]
-        ),
+        "headline-sealed": lambda: sealed_report.headline([_json(f"sealed/{name}.json") for name in SEALED]),
         "package-weight": lambda: package_size.markdown(_json("package_size.json")),
         "pair-timing": lambda: pair_timing.markdown(_json("pair.json")),
     },
@@ -359,9 +357,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
         "published-latency": published_latency,
     },
     "docs/switch.md": {
-        "switch-decisions": lambda: sealed_decisions.markdown(
-            [_json(f"sealed/{name}.json") for name in SEALED]
-        ),
+        "switch-decisions": lambda: sealed_decisions.markdown([_json(f"sealed/{name}.json") for name in SEALED]),
     },
     "docs/notes/2026-12-07-switch-history.md": {
         "switch-targets": lambda: switch_targets.markdown(
@@ -378,6 +374,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     },
     "docs/performance.md": {
         "performance": lambda: performance_markdown(_json("apply.json"), "benchmarks/results/apply.json"),
+        "packed-attention": lambda: packed_attention.markdown(_json("packed_attention.json")),
     },
 }
 

@@ -57,6 +57,7 @@ _LAZY_NAMES = {
     "repair_cache": "repair",
     "save_cache": "delivery",
     "target_layer_devices": "placement",
+    "use_packed_attention": "packed_attention",
 }
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from .fit_options import FitOptions
     from .fitting import FittedMapper, fit_mapper, fitted_config, mapper_from_statistics
     from .geometry import UnsupportedArchitectureError
+    from .packed_attention import use_packed_attention
     from .placement import mapper_device_map, target_layer_devices
     from .repair import DecodeRefresh, RepairConfig, repair_cache
     from .selection import LayerSelection
@@ -130,4 +132,5 @@ __all__ = [
     "repair_cache",
     "save_cache",
     "target_layer_devices",
+    "use_packed_attention",
 ]

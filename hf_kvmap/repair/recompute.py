@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .._compat import attention_implementation, cache_kwargs
 
 #: attention implementations that take a custom 4-D mask, and the mask each takes
-MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+MASK_KINDS = {"sdpa": "bool", "eager": "additive", "hf_kvmap_packed_sdpa": "bool"}  # the last: packed_attention
 
 
 class RecomputeLayer(DynamicLayer):
