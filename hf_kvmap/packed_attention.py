@@ -59,7 +59,8 @@ def packed_sdpa_forward(
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, length, dim = query.shape
     plain = (
-        length != 1
+        torch.compiler.is_compiling()  # traced code keeps sdpa's own path (its shapes and guards)
+        or length != 1
         or attention_mask is not None
         or groups == 1
         or dropout
@@ -94,6 +95,11 @@ def use_packed_attention(model) -> None:
         )
     register_packed_attention()
     model.set_attn_implementation(PACKED_SDPA)
+    if attention_implementation(model) != PACKED_SDPA:  # transformers only warns where a model cannot switch
+        raise ValueError(
+            f"{type(model).__name__} did not take attn_implementation={PACKED_SDPA!r} (it runs "
+            f"{attention_implementation(model)!r}): its attention does not go through transformers' AttentionInterface."
+        )
 
 
 __all__ = ["PACKED_SDPA", "packed_sdpa_forward", "register_packed_attention", "use_packed_attention"]

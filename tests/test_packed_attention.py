@@ -51,10 +51,11 @@ def test_every_other_call_is_sdpas_own():
     assert torch.equal(packed_sdpa_forward(module, step, key, value, mask)[0], _stock(module, step, key, value, mask))
 
 
-def test_a_model_switched_to_it_decodes_the_same_tokens(tiny, monkeypatch):
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_model_switched_to_it_decodes_the_same_tokens(tiny, monkeypatch, kv_heads):
     """Greedy generation (two rows, no padding) gives the tokens it gave under sdpa, and its decoding steps ran
-    packed: torch's attention saw the four query heads of the one key/value head as four queries of one head."""
-    model = tiny.model(seed=4, attn_implementation="sdpa", kv_heads=1)
+    packed: torch's attention saw the query heads of each key/value head as queries of that head."""
+    model = tiny.model(seed=4, attn_implementation="sdpa", kv_heads=kv_heads)
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
@@ -73,16 +74,21 @@ def test_a_model_switched_to_it_decodes_the_same_tokens(tiny, monkeypatch):
         after = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
         cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
         again = model(input_ids=ids[:, -1:], **cache_kwargs(cache)).logits
-    assert (2, 1, 4, 16) in shapes and (2, 4, 23, 16) in shapes  # packed steps; the prefill as sdpa runs it
+    assert (2, kv_heads, 4 // kv_heads, 16) in shapes  # the packed steps
+    assert (2, 4, 23, 16) in shapes  # the prefill as sdpa runs it
     assert torch.equal(before, after)
     assert torch.allclose(step, again, atol=1e-5)
     use_packed_attention(model)  # a second call keeps it
 
 
-def test_a_model_on_another_implementation_is_refused(tiny):
+def test_a_model_on_another_implementation_is_refused(tiny, monkeypatch):
     model = tiny.model(seed=0, attn_implementation="eager")
     with pytest.raises(ValueError, match="runs 'eager'. Load it with attn_implementation='sdpa'"):
         use_packed_attention(model)
+    stuck = tiny.model(seed=0, attn_implementation="sdpa")  # a model whose switch transformers only warns about
+    monkeypatch.setattr(stuck, "set_attn_implementation", lambda name: None)
+    with pytest.raises(ValueError, match="did not take attn_implementation='hf_kvmap_packed_sdpa'"):
+        use_packed_attention(stuck)
 
 
 def test_repair_runs_on_a_target_switched_to_it(tiny):

@@ -59,8 +59,10 @@ CONV4K = ROOT / "benchmarks" / "protocols" / "whole-context-conv4k.json"
 
 
 def _ladder(**changes) -> dict:
+    """The conv4k protocol's ladder, calibrated on items of `CHAT_DOC`'s tasks (what the tests load it into)."""
     ladder = json.loads(CONV4K.read_text())["ladder"]
-    return {**ladder, **changes}
+    fitting = {"tasks": ["long_chat", "long_doc"], "tokens": 4096, "items": 50, "seed": 5}
+    return {**ladder, "calibration": fitting, **changes}
 
 
 @pytest.mark.parametrize(
@@ -71,6 +73,8 @@ def _ladder(**changes) -> dict:
         (_ladder(calibration={"tasks": ["long_chat"], "tokens": 2048, "items": 100, "seed": 4321}), "selection or"),
         (_ladder(calibration={"tasks": ["long_chat"], "tokens": 2048, "items": 100, "seed": 20261207}), "report seed"),
         (_ladder(calibration={"tasks": ["long_chat"], "tokens": 512, "items": 100, "seed": 5}), "no report cell"),
+        (_ladder(calibration={"tasks": ["ruler_vt"], "tokens": 4096, "items": 100, "seed": 5}), "no report cell"),
+        (_ladder(probe="draft_agreement:2"), "the probe a long_switch record holds"),
         (_ladder(max_changed=5), "a share"),
         (_ladder(check_tokens=4), "first token"),
         (_ladder(verdicts={"max_cost": 0.35}), "max_cost and max_changed"),

@@ -8,12 +8,18 @@
 No item is measured again: every arm of a `benchmarks.switch.long_switch` record keeps each answer token's margin
 (top-1 minus top-2 probability), so one record holds what a ladder of the protocol's rungs would have read and served
 (`ladder_record`): the probe `lookahead_margin:1` is one minus the mapped arm's first margin, each rung's first margin
-is what a check after it reads, each arm's seconds are its stage's cost over the item's own re-prefill. The ladder is
+is what a check after it reads, each arm's seconds are its stage's cost over the item's own re-prefill. A path is
+costed as `hf_kvmap.serving` serves it, to its first token: the mapping and the probe's step on the mapped cache on
+every path, a rung's whole preparation (its selection and the repair, and its own mapping again: a repair maps with the
+target's own first layer, so the replay pays a second mapping, a few hundredths of a 4K re-prefill here), the check's forward
+where the ladder checks, and the served cache's first token; the fallback pays the re-prefill to its first token on
+top of what came before it (a rung the check refused included). The ladder is
 chosen as `hf-kvmap calibrate-ladder` chooses one (`hf_kvmap.calibration.ladder_records.ladder_from_records`: the
 cheapest candidate, with and without a check, whose changed answers served stay within the budget on every task of
-the calibration items), then served once on the report items: per task, the rungs it gave, the changed answers it
-served with their one-sided upper bound, the right answers it kept, and its mean cost (on the items timed at the
-protocol's load) with a bootstrap interval, beside what a perfect probe would cost with the same rungs. Its verdicts:
+the calibration items, its costs read on the calibration items timed at the protocol's load), then served once on the
+report items: per task, the rungs it gave, the changed answers it served with their one-sided upper bound, the right
+answers it kept, and its mean cost (on the items timed at the protocol's load) with a bootstrap interval, beside what a
+perfect probe would cost with the same rungs. Its verdicts:
 mean cost at most `max_cost` (read on the interval's upper end) and changed answers at most `max_changed` (read on
 their upper bound).
 """
@@ -60,9 +66,14 @@ def ladder_record(row: dict, rungs: list[str]) -> dict[str, Any]:
     """One item of `benchmarks.switch.long_switch` (every arm of `rungs`, their sparse peers, the target and the
     mapped cache, with margins) as a measured ladder item (`hf_kvmap.calibration.ladder_items.measure_item`'s
     fields): the probe [`PROBE`]'s risk, each rung's outcome at its fraction (0: the mapped cache) and its sparse
-    peer's, and the seconds of each stage. A rung's seconds are its whole preparation (selection, its own mapping,
-    the repair), the check after it its first token's step; the re-prefill's first token is the item's prefill."""
+    peer's, and the seconds of each stage, to the first token (the module's docstring): the re-prefill's time to its
+    first token is the item's prefill, a rung's "repair" its whole preparation and its first token, a check its own
+    forward (a first-token step, as serving runs it), the mapped rung's repair and check one step each on the mapped
+    cache. Rungs of one strategy at two fractions are refused (a record keys each rung by its strategy)."""
     arms = row["arms"]
+    strategies_of = [strategy_key(parse_rung(rung)[1]) for rung in rungs]
+    if len(set(strategies_of)) < len(rungs):
+        raise ValueError(f"Rungs {rungs} repeat a strategy: a ladder replay keys each rung by its strategy alone.")
     needed = ["target", "mapped", *rungs, *(SPARSE + rung for rung in rungs)]
     missing = [arm for arm in needed if arm not in arms or "margins" not in arms[arm]]
     if missing:
@@ -92,10 +103,12 @@ def ladder_record(row: dict, rungs: list[str]) -> dict[str, Any]:
         strategies[key] = strategy_from_dict(settings).settings()
         answers[key] = {"0": outcome("mapped"), f: outcome(rung)}
         sparse[key] = {f: {**outcome(SPARSE + rung), "selected": arms[SPARSE + rung].get("selected")}}
-        seconds["repair"][key] = {"0": 0.0, f: arms[rung]["prepare_s"]}
-        seconds["verify"][key] = {"0": 0.0, f: _first_s(arms[rung])}  # the mapped rung's: the probe's step
-        seconds["sparse"][key] = {f: arms[SPARSE + rung]["prepare_s"]}
-        seconds["sparse_check_steps"][key] = {f: [_first_s(arms[SPARSE + rung])]}
+        mapped_step, step = _first_s(arms["mapped"]), _first_s(arms[rung])
+        seconds["repair"][key] = {"0": mapped_step, f: arms[rung]["prepare_s"] + step}  # to the first token
+        seconds["verify"][key] = {"0": mapped_step, f: step}  # the check: one more forward of the held-back token
+        sparse_step = _first_s(arms[SPARSE + rung])
+        seconds["sparse"][key] = {f: arms[SPARSE + rung]["prepare_s"] + sparse_step}
+        seconds["sparse_check_steps"][key] = {f: [sparse_step]}
     return {
         "key": row["key"],
         "task": row["task"],
@@ -126,9 +139,17 @@ def read_calibration(protocol: Protocol, paths: list[str]) -> list[dict]:
                     f"{path}: {key} is not an item of the ladder's calibration cell ({','.join(cell['tasks'])} at "
                     f"{cell['tokens']} tokens, seed {cell['seed']}): leave the file out."
                 )
-            if row.get("setup", {}).get("dtype") != protocol.settings["dtype"]:
+            setup = row.get("setup", {})
+            for name in ("dtype", "direction"):
+                if setup.get(name) != protocol.settings[name]:
+                    raise SystemExit(
+                        f"{path}: {key} was measured with {name} {setup.get(name)!r}, not the protocol's "
+                        f"{protocol.settings[name]!r}."
+                    )
+            if key in rows and rows[key]["setup"].get("mapper") != setup.get("mapper"):
                 raise SystemExit(
-                    f"{path}: {key} was measured in {row.get('setup', {}).get('dtype')}, not the protocol's."
+                    f"{path}: {key} was measured with two fits of the map: an item is served on one; leave one of "
+                    "its records out."
                 )
             rows.setdefault(key, {**row, "arms": {}})["arms"].update(row["arms"])
     return list(rows.values())
@@ -262,8 +283,16 @@ def assemble(protocol: Protocol, calibration_paths: list[str], report_paths: lis
     if not calibration or not report:
         return out
     checked = rules["check_tokens"] is not None
+    quiet = [record for record in calibration if record["timed"]]
+    if not quiet:
+        raise SystemExit(
+            f"No calibration item was measured at a load of at most {max_load}: the ladder's costs have nothing to "
+            "be read on; measure calibration items on a quiet machine."
+        )
+    out["calibration"]["timed_items"] = len(quiet)
     ladder = ladder_from_records(
         calibration,
+        cost_records=quiet,
         probe=rules["probe"],
         max_changed=rules["max_changed"],
         confidence=rules["confidence"],

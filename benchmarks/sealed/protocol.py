@@ -91,7 +91,11 @@ def _check_ladder(ladder: Any, settings: dict, path) -> None:
     _require(
         isinstance(ladder, dict) and set(ladder) == _LADDER_KEYS, path, f"ladder: exactly {sorted(_LADDER_KEYS)}."
     )
-    _require(isinstance(ladder["probe"], str) and ladder["probe"], path, "ladder.probe: e.g. 'lookahead_margin:1'.")
+    _require(
+        ladder["probe"] == "lookahead_margin:1",
+        path,
+        "ladder.probe: 'lookahead_margin:1', the probe a long_switch record holds (its mapped arm's first margin).",
+    )
     _require(
         ladder["check_tokens"] in (None, 1), path, "ladder.check_tokens: 1 (records time the first token) or null."
     )
@@ -113,8 +117,9 @@ def _check_ladder(ladder: Any, settings: dict, path) -> None:
         path,
         f"ladder.calibration: {total} items in all; a ladder is calibrated on {LADDER_CALIBRATION_ITEMS} or more.",
     )
-    lengths = {c["tokens"] for c in settings["cells"]}
-    _require(cell["tokens"] in lengths, path, f"ladder.calibration tokens {cell['tokens']}: no report cell there.")
+    for task in cell["tasks"]:
+        held = any(task in c["tasks"] and c["tokens"] == cell["tokens"] for c in settings["cells"])
+        _require(held, path, f"ladder.calibration: no report cell of {task} at {cell['tokens']} tokens to replay on.")
     verdicts = ladder["verdicts"]
     _require(
         isinstance(verdicts, dict) and {"max_cost", "max_changed"} <= set(verdicts),

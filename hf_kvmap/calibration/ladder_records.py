@@ -206,10 +206,12 @@ def ladder_from_records(
     check: bool | Sequence[float] = False,
     check_tokens: Sequence[int] | None = None,
     sparse: bool | None = None,
+    cost_records: Sequence[dict] | None = None,
 ) -> GuardLadder:
     """The calibrated ladder of `records` ([`calibrate_ladder`], budget per task): of `probe` (a key of the records'
     risks) and `strategy`, or else of the candidate probe and strategy whose ladder costs least there; `max_changed`
-    and `confidence` as in [`calibrate_ladder`]. With `check` (`True`: the margins of `CHECK_MARGINS`, or a sequence
+    and `confidence` as in [`calibrate_ladder`]. Each rung's cost is its mean over `cost_records` (default: `records`;
+    e.g. the records measured on a quiet machine, while the changed answers are read on all of them). With `check` (`True`: the margins of `CHECK_MARGINS`, or a sequence
     of them), the ladder may also check each rung's answer margin: every candidate is calibrated without a check and
     with each `min_margin`, and the cheapest kept (the records need margins), over checks of each number of answer
     tokens of `check_tokens` (default: `CHECK_TOKENS` where every record holds every answer token's margin, else the
@@ -220,6 +222,9 @@ def ladder_from_records(
     candidate are kept in `calibration["candidates"]`."""
     if not records:
         raise ValueError("No records: measure items first (measure_ladder_items).")
+    priced = records if cost_records is None else cost_records
+    if not priced:
+        raise ValueError("No cost_records: a ladder's costs need at least one timed record.")
     probes = _pick([probe] if probe else None, sorted(records[0]["risks"]), "risk of the probes")
     strategies = _pick(
         [strategy_key(strategy)] if strategy is not None else None, held_strategies(records), "strategies"
@@ -236,9 +241,9 @@ def ladder_from_records(
         for name in strategies:
             spared = has_sparse(records, name) if sparse is None else bool(sparse)  # `True` refuses records without
             changed = _changed(records, name, spared)
-            costs, margins = {None: record_costs(records, key, name, sparse=spared)}, {}
+            costs, margins = {None: record_costs(priced, key, name, sparse=spared)}, {}
             for tokens in check_tokens:  # the same for every margin tried
-                costs[tokens] = record_costs(records, key, name, check=True, check_tokens=tokens, sparse=spared)
+                costs[tokens] = record_costs(priced, key, name, check=True, check_tokens=tokens, sparse=spared)
                 margins[tokens] = record_margins(records, name, tokens, spared)
             tries = [(None, None)] + [(m, k) for k in check_tokens for m in margins_checked]
             for min_margin, tokens in tries:

@@ -16,9 +16,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .._compat import attention_implementation, cache_kwargs
+from ..packed_attention import PACKED_SDPA
 
 #: attention implementations that take a custom 4-D mask, and the mask each takes
-MASK_KINDS = {"sdpa": "bool", "eager": "additive", "hf_kvmap_packed_sdpa": "bool"}  # the last: packed_attention
+MASK_KINDS = {"sdpa": "bool", "eager": "additive", PACKED_SDPA: "bool"}
 
 
 class RecomputeLayer(DynamicLayer):
