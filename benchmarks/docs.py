@@ -287,7 +287,7 @@ SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {
         "headline-tiny": headline_tiny,
         "headline-repair": headline_repair,
-        "headline-sealed": lambda: sealed_report.headline([_json(f"sealed/{name}.json") for name in SEALED]),
+        "headline-sealed": lambda: sealed_decisions.headline([_json(f"sealed/{name}.json") for name in SEALED]),
         "package-weight": lambda: package_size.markdown(_json("package_size.json")),
         "pair-timing": lambda: pair_timing.markdown(_json("pair.json")),
     },

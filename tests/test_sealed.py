@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sealed import report
+from benchmarks.sealed import decisions, report
 from benchmarks.sealed.protocol import ProtocolError, load_protocol
 from benchmarks.switch import long_switch
 
@@ -252,21 +252,23 @@ def test_a_humaneval_cell_draws_one_code_context_a_problem():
     assert long_switch.parse_args(["--tasks", "humaneval"]).contexts == "sequential"  # without a protocol
 
 
-def test_the_readme_headline_names_each_complete_cell_with_its_intervals(tmp_path):
+def test_the_readme_headline_names_each_complete_cell_with_its_decision_and_intervals(tmp_path):
     protocol = load_protocol(CHAT_DOC)
     outcomes = [(1, 1, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 1)] * 16 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
     results = report.assemble(protocol, [str(_records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes))])
-    text = report.headline([results])
+    text = decisions.headline([results])
     rung = protocol.chosen("long_chat")
     assert text.count("\n- ") == 1  # one complete cell; the cells measured in part or not at all are left out
-    assert f"- long_chat at 4096 tokens (64 items, protocol `switch-chat-doc`): `{rung}` retains 1.00" in text
+    cell = next(c for c in results["cells"] if c["items"] == 64)
+    assert f"- long_chat at 4096 tokens (64 items, protocol `switch-chat-doc`): **{decisions.decide(protocol, cell)}**. " \
+        f"`{rung}`: share of the gap 1.00 [" in text  # fmt: skip
     assert "first token 10.00x [" in text and "the map adds 0.25 [" in text and "no gap" not in text
     few = [(1, 0, 0, 1, 1)] * 14 + [(1, 1, 0, 1, 1)] * 50  # the 1.5B right where the 0.5B is wrong on 14 items
     results = report.assemble(protocol, [str(_records(tmp_path / "f.jsonl", protocol, "long_chat", few))])
-    assert "(64 items, protocol `switch-chat-doc`): no gap to recover (the 1.5B right where the 0.5B is wrong on 14 " \
-        f"items); `{rung}` retains" in report.headline([results])  # fmt: skip
+    assert "**stay on the 0.5B: the 1.5B is right where it is wrong on only 14 items**. " \
+        f"`{rung}`: share of the gap no gap to recover" in decisions.headline([results])  # fmt: skip
     empty = report.assemble(protocol, [str(_records(tmp_path / "s.jsonl", protocol, "long_chat", outcomes[:10]))])
-    assert report.headline([empty]).endswith("no sealed cell is complete yet.")
+    assert decisions.headline([empty]).endswith("no sealed cell is complete yet.")
 
 
 @pytest.mark.parametrize(

@@ -96,3 +96,31 @@ def markdown(results: list[dict]) -> str:
         "protocol's chosen rung, the sparse prefill its map-free peer of the same positions; in brackets 95 % paired "
         "bootstrap intervals over the items).\n\n" + "\n".join(lines)
     )
+
+
+def headline(results: list[dict]) -> str:
+    """One sentence per complete sealed cell of `results` (each protocol's report), for the README: its decision
+    (docs/switch.md's rule), then the chosen rung's share of the gap, retention and first token, and what the map adds
+    over the sparse prefill, each with its interval."""
+    lines = []
+    for report in results:
+        protocol = load_protocol(report["protocol"]["path"])
+        for cell in report["cells"]:
+            if not cell["items"] or "pending" in cell["verdict"] or ":" in cell["task"]:
+                continue
+            rung = cell["verdict"]["rung"]
+            gap = _figure(cell, f"{rung}/gap") if cell["gap_to_recover"] else "no gap to recover"
+            lines.append(
+                f"- {cell['task']} at {cell['length']} tokens ({cell['items']} items, protocol "
+                f"`{report['protocol']['name']}`): **{decide(protocol, cell)}**. `{rung}`: share of the gap {gap}, "
+                f"retention above chance {_figure(cell, f'{rung}/retention')}, first token "
+                f"{_figure(cell, f'{rung}/speedup', 2, 'x')} sooner; the map adds {_figure(cell, f'{rung}/map_adds')} "
+                "over the sparse prefill of the same positions."
+            )
+    source = ", ".join(f"`benchmarks/results/sealed/{r['protocol']['name']}.json`" for r in results)
+    if not lines:
+        return f"From {source}: no sealed cell is complete yet."
+    return (
+        f"The complete sealed cells and what to do there ([docs/switch.md](docs/switch.md)), from {source} "
+        "([docs/sealed.md](docs/sealed.md)):\n\n" + "\n".join(lines)
+    )

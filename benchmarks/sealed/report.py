@@ -255,40 +255,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def headline(results: list[dict]) -> str:
-    """One sentence per complete cell of the sealed results (`results`: each protocol's report), for the README: the
-    chosen rung's retention and first token, and what the map adds over the sparse prefill, each with its interval."""
-
-    def figure(cell: dict, name: str, suffix: str = "") -> str:
-        found = cell["figures"].get(f"{cell['verdict']['rung']}/{name}", {})
-        if found.get("value") is None:
-            return "-"
-        low, high = found["interval"] or (None, None)
-        bounds = "" if low is None else f" [{low:.2f}, {high:.2f}]"
-        return f"{found['value']:.2f}{suffix}{bounds}"
-
-    lines = []
-    for report in results:
-        for cell in report["cells"]:
-            if not cell["items"] or "pending" in cell["verdict"]:
-                continue
-            gap = ""
-            if not cell["gap_to_recover"]:
-                wins = cell["target_wins"]
-                gap = f" no gap to recover (the 1.5B right where the 0.5B is wrong on {wins} item{'s' * (wins != 1)});"
-            lines.append(
-                f"- {cell['task']} at {cell['length']} tokens ({cell['items']} items, protocol "
-                f"`{report['protocol']['name']}`):{gap} `{cell['verdict']['rung']}` retains "
-                f"{figure(cell, 'retention')} of the 1.5B's score above chance, first token "
-                f"{figure(cell, 'speedup', 'x')} sooner; the map adds {figure(cell, 'map_adds')} over the sparse "
-                "prefill of the same positions."
-            )
-    source = ", ".join(f"`benchmarks/results/sealed/{r['protocol']['name']}.json`" for r in results)
-    if not lines:
-        return f"From {source}: no sealed cell is complete yet."
-    return f"The complete sealed cells, from {source} ([docs/sealed.md](docs/sealed.md)):\n\n" + "\n".join(lines)
-
-
 def assemble(protocol: Protocol, paths: list[str]) -> dict:
     cells = read_records(protocol, paths)
     planned = [(task, cell["tokens"]) for cell in protocol.settings["cells"] for task in cell["tasks"]]
