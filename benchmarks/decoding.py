@@ -23,6 +23,11 @@ def step_margins(logits: torch.Tensor) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
+def rounded(margins: list[float]) -> list[float]:
+    """Answer margins as a record keeps them: to 5 decimals."""
+    return [round(m, 5) for m in margins]
+
+
 def _ended(tokens: list[int], max_new: int, stop, eos: set[int]) -> bool:
     return tokens[-1] in eos or len(tokens) >= max_new or stop(tokens)
 
@@ -136,4 +141,4 @@ def follow_ups(model, tokenizer, cache, last: torch.Tensor, questions: list[dict
     return replies
 
 
-__all__ = ["continue_batch", "first_token", "follow_ups", "greedy", "step_margins", "text_nll"]
+__all__ = ["continue_batch", "first_token", "follow_ups", "greedy", "rounded", "step_margins", "text_nll"]

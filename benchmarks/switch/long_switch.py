@@ -40,7 +40,7 @@ from hf_kvmap.input_checks import eos_token_ids
 from hf_kvmap.reporting import environment_info
 from lab.real.context_tasks import CONTEXT_TASK_NAMES, CONTEXT_TASKS
 
-from ..decoding import continue_batch, first_token, follow_ups, greedy, text_nll
+from ..decoding import continue_batch, first_token, follow_ups, greedy, rounded, text_nll
 from ..sealed.protocol import SPARSE, ProtocolError, protocol_from_flag
 from . import long_switch_report
 from .long_switch_args import records_argument, rungs_argument
@@ -127,12 +127,6 @@ def parse_rung(text: str) -> tuple[str, dict | None, float, dict | None]:
 
 
 # ----------------------------------------------------------------------------------------------------------- scoring
-def rounded(margins: list[float]) -> list[float]:
-    """Answer margins as a record keeps them (each answer token's top-1 minus top-2 probability, what a ladder's check
-    after the rung reads): to 5 decimals."""
-    return [round(m, 5) for m in margins]
-
-
 def score(item: dict, text: str, tokens: list[int], reference: list[int] | None) -> dict:
     """An arm's score on one item (see the module docstring)."""
     if item["task"] in ("long_chat", "long_doc"):
