@@ -47,7 +47,7 @@ from hf_kvmap.serving.ladder import GuardLadder
 from ..switch.long_switch import parse_rung
 from ..switch.long_switch_report import load
 from .protocol import SPARSE, Protocol, existing_files, protocol_from_flag
-from .report import read_records, timed
+from .report import percentile_bounds, read_records, timed
 
 #: the probe a long_switch record gives: the target's first answer margin on the mapped cache (its mapped arm)
 PROBE = "lookahead_margin:1"
@@ -169,14 +169,6 @@ def served_plan(ladder: GuardLadder, record: dict) -> str:
     return outcome["arm"]
 
 
-def _bounds(values: list[float], level: float) -> list[float] | None:
-    if not values:
-        return None
-    values = sorted(values)
-    low, high = (1 - level) / 2, 1 - (1 - level) / 2
-    return [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
-
-
 def _score(record: dict, arm: str) -> float:
     return record["scores"][arm] if arm != "target" else record["score_target"]
 
@@ -224,7 +216,7 @@ def served(protocol: Protocol, ladder: GuardLadder, records: list[dict]) -> dict
             replay_ladder(ladder, [clocked[draw.randrange(len(clocked))] for _ in clocked])["mean_cost"]
             for _ in range(interval["resamples"])
         ]
-        out["mean_cost_interval"] = _bounds(costs, level)
+        out["mean_cost_interval"] = percentile_bounds(costs, level)
         strategy = strategy_key(ladder.strategy)
         out["perfect_probe_cost"] = perfect_probe_outcome(clocked, strategy, PROBE, sparse=True)["mean_cost"]
     return out

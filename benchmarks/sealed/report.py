@@ -96,6 +96,13 @@ def _changed(row: dict, arm: str) -> float:
     return float(row["arms"][arm]["text"].strip() != row["arms"]["target"]["text"].strip())
 
 
+def percentile_bounds(values: list[float], level: float) -> list[float]:
+    """The two-sided percentile interval at `level` of bootstrap `values` (sorted here)."""
+    values = sorted(values)
+    low, high = (1 - level) / 2, 1 - (1 - level) / 2
+    return [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
+
+
 def timed(row: dict, max_load: float) -> bool:
     """Whether an item's times are read: every arm measured while the machine's 1-minute load average was at most
     `max_load` (what else ran stretches each arm's seconds by its own share; a record without a load is not read)."""
@@ -163,8 +170,7 @@ def summarize(protocol: Protocol, task: str, length: int, rows: list[dict]) -> d
         values = sorted(samples.get(name, []))
         bounds = None
         if value is not None and n >= MIN_ITEMS and len(values) >= level * interval["resamples"]:
-            low, high = (1 - level) / 2, 1 - (1 - level) / 2
-            bounds = [values[int(low * (len(values) - 1))], values[round(high * (len(values) - 1))]]
+            bounds = percentile_bounds(values, level)
         out["figures"][name] = {"value": value, "interval": bounds}
     if n < cell["items"]:  # a verdict reads the whole cell
         out["verdict"] = {"rung": protocol.chosen(task), "pending": f"{n} of {cell['items']} items measured"}
