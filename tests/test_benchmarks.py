@@ -556,7 +556,7 @@ def test_guard_ladder_study_adds_the_checked_ladder_where_the_records_hold_margi
 def test_guard_ladder_merges_a_strategy_measured_beside_the_records(tmp_path):
     from benchmarks.ladder.guard_ladder import build_parser, study
     from benchmarks.repair.repair_report import ladder_markdown
-    from benchmarks.switch.long_switch import parse_strategy, split_rungs
+    from benchmarks.switch.long_switch_args import parse_strategy, split_rungs
     from lab.ladder_migration import with_side_measurements
 
     text = "tail,query_overlap:fill=draft_branches,after=24,source_attention"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.switch import long_switch
+from benchmarks.switch import long_switch, long_switch_runner
 from hf_kvmap.real import corpus
 from lab.real import code_tasks, context_tasks, long_tasks, ruler_tasks
 from lab.real.humaneval import passes
@@ -319,9 +319,11 @@ def test_long_switch_builds_scores_and_writes_the_new_families(tokenizer, docume
     items = long_switch.build_items(tokenizer, args)
     vt, code = items[0], items[1]
     assert (vt["task"], code["task"]) == ("ruler_vt", "code_defs")
-    assert long_switch.score(vt, " ".join(vt["references"][:1]), [], None) == {"score": 1 / len(vt["references"])}
-    assert long_switch.score(code, code["reference"], [], None) == {"score": 1.0}
-    assert long_switch.MAX_NEW["ruler_vt"] == 30 and long_switch.MAX_NEW["code_defs"] == 320
+    assert long_switch_runner.score(vt, " ".join(vt["references"][:1]), [], None) == {
+        "score": 1 / len(vt["references"])
+    }
+    assert long_switch_runner.score(code, code["reference"], [], None) == {"score": 1.0}
+    assert long_switch_runner.MAX_NEW["ruler_vt"] == 30 and long_switch_runner.MAX_NEW["code_defs"] == 320
     assert long_switch.key_of(args, vt) == f"0.5b:1.5b/ruler_vt/{TOKENS}/5/0"
     distinct = long_switch.parse_args(["--tasks", "humaneval", "--contexts", "distinct"])
     assert (

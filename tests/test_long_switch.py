@@ -14,7 +14,8 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks.switch import long_switch, long_switch_report
+from benchmarks import decoding
+from benchmarks.switch import long_switch, long_switch_report, long_switch_runner
 from hf_kvmap._compat import cache_kwargs, output_cache
 from hf_kvmap.real import ChecksumMismatchError, corpus
 from lab.real import humaneval, long_tasks
@@ -180,14 +181,14 @@ def test_greedy_decoding_is_generate_and_leaves_the_cache_as_it_was(tiny):
     with torch.no_grad():
         cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
         expected = model.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=None)[0, 30:].tolist()
-    tokens, first, rest = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())
+    tokens, first, rest = decoding.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())
     assert tokens == expected and first > 0 and rest > 0 and cache.get_seq_length() == 29
-    stopped, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: len(t) == 4, set())
+    stopped, _, _ = decoding.greedy(model, cache, ids[:, -1:], 9, lambda t: len(t) == 4, set())
     assert stopped == expected[:4]
-    ended, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, {expected[2]})
+    ended, _, _ = decoding.greedy(model, cache, ids[:, -1:], 9, lambda t: False, {expected[2]})
     assert ended == expected[: expected.index(expected[2]) + 1]
     follow = expected[:6]
-    nll = long_switch.text_nll(model, cache, ids[:, -1:], follow)
+    nll = decoding.text_nll(model, cache, ids[:, -1:], follow)
     with torch.no_grad():
         logits = model(torch.cat([ids, torch.tensor([follow[:-1]])], dim=1)).logits[0, 29:]
     assert nll == pytest.approx(float(torch.nn.functional.cross_entropy(logits, torch.tensor(follow))), abs=1e-4)
@@ -321,9 +322,9 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
     so every arm decodes the target's tokens (the source arm too), and each arm is timed."""
     from hf_kvmap import MapperModel
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 12)
+    monkeypatch.setitem(long_switch_runner.MAX_NEW, "continuation", 12)
     model = tiny.model(seed=5)
-    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner = long_switch_runner.Runner.__new__(long_switch_runner.Runner)
     runner.source = runner.target = model
     runner.mapper = MapperModel.identity(model.config)
     runner.eos = set()
@@ -352,11 +353,11 @@ def test_every_arm_of_a_self_handoff_answers_as_the_target(tiny, monkeypatch):
 
 
 def _identity_runner(model):
-    """A `long_switch.Runner` serving `model` as both source and target through the identity map, batching the
+    """A `long_switch_runner.Runner` serving `model` as both source and target through the identity map, batching the
     target's arms, no end-of-text ids, a tokenizer that spells token ids."""
     from hf_kvmap import MapperModel
 
-    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner = long_switch_runner.Runner.__new__(long_switch_runner.Runner)
     runner.source = runner.target = model
     runner.mapper = MapperModel.identity(model.config)
     runner.eos, runner.batch = set(), True
@@ -370,7 +371,7 @@ def test_a_sparse_arm_prefills_its_repairs_selection_alone(tiny, monkeypatch):
     repair served beside it recomputes the same positions (one selection, timed once for both)."""
     from hf_kvmap.repair import sparse_prefill
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
+    monkeypatch.setitem(long_switch_runner.MAX_NEW, "continuation", 6)
     model = tiny.model(seed=5)
     runner = _identity_runner(model)
     ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -380,7 +381,7 @@ def test_a_sparse_arm_prefills_its_repairs_selection_alone(tiny, monkeypatch):
     sparse = measured["sparse:tail@0.25"]
     assert sparse["selected"] == 10  # floor(0.25 * 40) of the 40 cached positions: 30 .. 39
     cache = sparse_prefill(model, torch.tensor([ids]), torch.arange(30, 40), length=40)
-    tokens, _, _ = long_switch.greedy(model, cache, torch.tensor([ids[-1:]]), 6, lambda t: False, set())
+    tokens, _, _ = decoding.greedy(model, cache, torch.tensor([ids[-1:]]), 6, lambda t: False, set())
     assert sparse["tokens"] == tokens
     assert measured["tail@0.25"]["tokens"] == measured["target"]["tokens"]  # the identity map: the target's cache
     assert sparse["ttft_s"] >= sparse["prepare_s"] > 0.0
@@ -397,18 +398,18 @@ def test_a_batch_decodes_each_row_as_greedy_decodes_it_alone(tiny):
     for ids in prompts:
         with torch.no_grad():
             cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
-        alone.append(long_switch.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())[0])
-        token, seconds = long_switch.first_token(model, cache, ids[:, -1:])
+        alone.append(decoding.greedy(model, cache, ids[:, -1:], 9, lambda t: False, set())[0])
+        token, seconds = decoding.first_token(model, cache, ids[:, -1:])
         assert token == alone[-1][0] and seconds > 0 and cache.get_seq_length() == 30
         caches.append(cache)
         firsts.append(token)
     before = [layer.keys.clone() for layer in caches[1].layers]
-    tokens, seconds = long_switch.continue_batch(model, caches, firsts, 9, lambda t: False, set())
+    tokens, seconds = decoding.continue_batch(model, caches, firsts, 9, lambda t: False, set())
     assert tokens == alone and seconds > 0
     assert all(torch.equal(a, layer.keys) for a, layer in zip(before, caches[1].layers))
     eos = {alone[0][2]}  # row 0 ends at its third token; row 1 stops at four; row 2 runs to max_new (or its own end)
     stop = lambda t: t[:4] == alone[1][:4]  # noqa: E731
-    ended, _ = long_switch.continue_batch(model, caches, firsts, 9, stop, eos)
+    ended, _ = decoding.continue_batch(model, caches, firsts, 9, stop, eos)
     for row, expected in enumerate(alone):
         single = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), 9)]
         single = single[:4] if single[:4] == alone[1][:4] else single
@@ -428,18 +429,18 @@ def test_each_decoder_keeps_the_margins_a_ladder_check_reads(tiny):
         with torch.no_grad():
             cache = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
         margins: list[float] = []
-        tokens, _, _ = long_switch.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set(), margins=margins)
-        assert tokens == long_switch.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set())[0]
+        tokens, _, _ = decoding.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set(), margins=margins)
+        assert tokens == decoding.greedy(model, cache, ids[:, -1:], 6, lambda t: False, set())[0]
         served, chosen, _ = answer_margins(model, cache, ids, tokens=6, eos_token_ids=())
         assert chosen[0].tolist() == tokens and len(margins) == 6
         assert margins == pytest.approx(served[0].tolist(), abs=1e-5) and all(0 <= m <= 1 for m in margins)
         alone.append(margins)
         row: list[float] = []
-        firsts.append(long_switch.first_token(model, cache, ids[:, -1:], row)[0])
+        firsts.append(decoding.first_token(model, cache, ids[:, -1:], row)[0])
         caches.append(cache)
         batch_margins.append(row)
     assert [row[0] for row in batch_margins] == pytest.approx([m[0] for m in alone], abs=1e-6)
-    long_switch.continue_batch(model, caches, firsts, 6, lambda t: False, set(), margins=batch_margins)
+    decoding.continue_batch(model, caches, firsts, 6, lambda t: False, set(), margins=batch_margins)
     for row, margins in zip(batch_margins, alone):
         assert row == pytest.approx(margins, abs=1e-4)
 
@@ -733,7 +734,7 @@ def test_follow_up_questions_are_asked_on_the_cache_each_arm_served(tiny, monkey
         def decode(self, tokens):
             return "".join(chr(t) for t in tokens)
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "followups", 4)
+    monkeypatch.setitem(long_switch_runner.MAX_NEW, "followups", 4)
     model = tiny.model(seed=5)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(4))
     questions = [{"answer": "ab"}, {"answer": "cd", "append": "xyz"}, {"answer": "ef", "append": "uv"}]
@@ -746,7 +747,7 @@ def test_follow_up_questions_are_asked_on_the_cache_each_arm_served(tiny, monkey
         fresh = output_cache(model(input_ids=seen[:, :-1], use_cache=True))
         assert reply["tokens"] == greedy(model, fresh, seen[:, -1:], 4, lambda t: False, set())[0]
 
-    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner = long_switch_runner.Runner.__new__(long_switch_runner.Runner)
     runner.source = runner.target = model
     runner.mapper = MapperModel.identity(model.config)
     runner.eos, runner.batch, runner.tokenizer = set(), True, Chars()
@@ -769,9 +770,9 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
     from benchmarks.switch import map_compare
     from hf_kvmap import MapperModel
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "continuation", 6)
+    monkeypatch.setitem(long_switch_runner.MAX_NEW, "continuation", 6)
     model = tiny.model(seed=5)
-    runner = long_switch.Runner.__new__(long_switch.Runner)
+    runner = long_switch_runner.Runner.__new__(long_switch_runner.Runner)
     runner.source = runner.target = model
     runner.eos, runner.batch = set(), True
     runner.tokenizer = types.SimpleNamespace(decode=lambda tokens: " ".join(map(str, tokens)))
@@ -839,7 +840,7 @@ def test_each_target_arm_reads_the_targets_own_answer_through_its_cache(tiny, mo
     cache the target serves from is its own prefill's, so every arm's NLL is the target's; the source arm (another
     model) has none; and a sparse prefill of a quarter of the positions reads it differently."""
 
-    monkeypatch.setitem(long_switch.MAX_NEW, "long_chat", 6)
+    monkeypatch.setitem(long_switch_runner.MAX_NEW, "long_chat", 6)
     model = tiny.model(seed=5)
     runner = _identity_runner(model)
     ids = torch.randint(3, 100, (41,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -1171,6 +1171,6 @@ def test_a_strategy_reads_from_its_text_the_one_way_every_front_end_writes_it():
 
 
 def long_switch_parse(text):
-    from benchmarks.switch.long_switch import parse_strategy
+    from benchmarks.switch.long_switch_args import parse_strategy
 
     return parse_strategy(text)

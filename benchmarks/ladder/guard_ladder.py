@@ -50,7 +50,7 @@ from hf_kvmap.reporting import environment_info, write_json
 from lab.ladder_migration import has_source_answers, machines, with_side_measurements
 
 from ..formatting import strategy_text
-from ..switch.long_switch import parse_strategy, split_rungs
+from ..switch.long_switch_args import parse_strategy, split_rungs
 from .ladder_lengths import GATED, changed_outcome, gated_way
 
 REPO = Path(__file__).resolve().parents[2]

@@ -44,10 +44,10 @@ from hf_kvmap.repair import strategy_from_dict
 from hf_kvmap.reporting import write_json
 from hf_kvmap.serving.ladder import GuardLadder
 
-from ..switch.long_switch import parse_rung
+from ..switch.long_switch_args import parse_rung
 from ..switch.long_switch_report import load
 from .protocol import SPARSE, Protocol, existing_files, protocol_from_flag
-from .report import percentile_bounds, read_records, timed
+from .report import answer_changed, percentile_bounds, read_records, timed
 
 #: the probe a long_switch record gives: the target's first answer margin on the mapped cache (its mapped arm)
 PROBE = "lookahead_margin:1"
@@ -56,10 +56,6 @@ PROBE = "lookahead_margin:1"
 def _first_s(record: dict) -> float:
     """An arm's seconds from its prepared cache to its first token."""
     return record["ttft_s"] - record["prepare_s"]
-
-
-def _changed(arms: dict, arm: str) -> bool:
-    return arms[arm]["text"].strip() != arms["target"]["text"].strip()
 
 
 def ladder_record(row: dict, rungs: list[str]) -> dict[str, Any]:
@@ -84,7 +80,7 @@ def ladder_record(row: dict, rungs: list[str]) -> dict[str, Any]:
 
     def outcome(arm: str) -> dict[str, Any]:
         margins = arms[arm]["margins"]
-        out = {"changed": _changed(arms, arm), "correct": arms[arm]["score"] >= 1.0, "margin": margins[0]}
+        out = {"changed": answer_changed(arms, arm), "correct": arms[arm]["score"] >= 1.0, "margin": margins[0]}
         return {**out, "margins": margins, "arm": arm}
 
     strategies, answers, sparse = {}, {}, {}

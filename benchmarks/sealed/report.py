@@ -92,8 +92,13 @@ CHANCE = {**LONG_CHANCE, **CONTEXT_CHANCE}
 MIN_ITEMS = 24
 
 
+def answer_changed(arms: dict, arm: str) -> bool:
+    """Whether `arm` of an item's arms answered otherwise than the target (the text, its ends stripped)."""
+    return arms[arm]["text"].strip() != arms["target"]["text"].strip()
+
+
 def _changed(row: dict, arm: str) -> float:
-    return float(row["arms"][arm]["text"].strip() != row["arms"]["target"]["text"].strip())
+    return float(answer_changed(row["arms"], arm))
 
 
 def percentile_bounds(values: list[float], level: float) -> list[float]:

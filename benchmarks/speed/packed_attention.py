@@ -25,7 +25,10 @@ import torch
 from hf_kvmap.packed_attention import use_packed_attention
 from hf_kvmap.reporting import environment_info, write_json
 
+from ..sealed.protocol import SPARSE
 from ..switch import long_switch
+from ..switch.long_switch_args import parse_rung
+from ..switch.long_switch_runner import Runner
 
 MODES = ("sdpa", "packed")
 
@@ -42,8 +45,8 @@ def measure(runner, item: dict, rung: str, order: tuple[str, ...]) -> dict:
     """One item under each implementation of `order`: each arm's seconds and answer (and, under both, whether they
     agree)."""
     rungs = {
-        rung: long_switch.parse_rung(rung),
-        long_switch.SPARSE + rung: long_switch.parse_rung(long_switch.SPARSE + rung),
+        rung: parse_rung(rung),
+        SPARSE + rung: parse_rung(SPARSE + rung),
     }
     arms = ["target", "mapped", *rungs]
     out = {"task": item["task"], "tokens": len(item["ids"]), "index": item["index"], "order": list(order)}
@@ -68,7 +71,7 @@ def summarize(items: list[dict], rung: str) -> list[dict]:
     for length in sorted({item["length"] for item in items}):
         group = [item for item in items if item["length"] == length]
         row = {"length": length, "items": len(group), "arms": {}}
-        for arm in ("target", "mapped", rung, long_switch.SPARSE + rung):
+        for arm in ("target", "mapped", rung, SPARSE + rung):
             seconds = {mode: mean(item[mode][arm]["ttft_s"] for item in group) for mode in MODES}
             row["arms"][arm] = {
                 **{f"{mode}_s": round(seconds[mode], 3) for mode in MODES},
@@ -78,7 +81,7 @@ def summarize(items: list[dict], rung: str) -> list[dict]:
         for mode in MODES:
             prefill = row["arms"]["target"][f"{mode}_s"]
             row[f"{mode}_speedup"] = {
-                arm: round(prefill / row["arms"][arm][f"{mode}_s"], 2) for arm in (rung, long_switch.SPARSE + rung)
+                arm: round(prefill / row["arms"][arm][f"{mode}_s"], 2) for arm in (rung, SPARSE + rung)
             }
         rows.append(row)
     return rows
@@ -98,7 +101,7 @@ def markdown(result: dict, path: str = "benchmarks/results/packed_attention.json
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        arms, sparse = row["arms"], long_switch.SPARSE + rung
+        arms, sparse = row["arms"], SPARSE + rung
 
         def pair(arm: str, arms: dict = arms) -> str:
             return f"{arms[arm]['sdpa_s']:.2f} s / {arms[arm]['packed_s']:.2f} s"
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--mapper", args.mapper, "--tasks", args.tasks, "--items", str(args.items), "--seed", str(args.seed)]
     common += ["--dtype", args.dtype, "--threads", str(args.threads), "--records", os.devnull]
     setup = long_switch.parse_args([*common, "--tokens", str(lengths[0])])
-    runner = long_switch.Runner(setup)
+    runner = Runner(setup)
     warm = long_switch.build_items(runner.tokenizer, setup)[0]
     for mode in MODES:  # first-call costs of each implementation paid before any item
         measure(runner, {**warm, "ids": warm["ids"][-64:]}, args.rung, (mode,))

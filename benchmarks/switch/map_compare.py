@@ -37,6 +37,8 @@ from hf_kvmap.reporting import environment_info
 
 from ..sealed.protocol import SPARSE
 from . import long_switch, long_switch_report
+from .long_switch_args import parse_rung, split_rungs
+from .long_switch_runner import Runner, target_tokenizer
 
 SHARED = ("target", "source")  # and every sparse arm: none of them reads a map
 
@@ -127,14 +129,14 @@ def run(args) -> None:
     from hf_kvmap.repair import resolve_markup
 
     maps = parse_maps(args.maps, least=1 if args.shared_from else 2)
-    tokenizer = long_switch.target_tokenizer(args)
+    tokenizer = target_tokenizer(args)
     rungs = {}
-    for entry in long_switch.split_rungs(args.rungs):
-        label, settings, fraction, refresh = long_switch.parse_rung(entry)
+    for entry in split_rungs(args.rungs):
+        label, settings, fraction, refresh = parse_rung(entry)
         rungs[label] = (label, resolve_markup(settings, tokenizer), fraction, refresh)
     torch.set_num_threads(args.threads)
     args.mapper = str(maps[next(iter(maps))])
-    runner = long_switch.Runner(args, tokenizer)
+    runner = Runner(args, tokenizer)
     dtype = getattr(torch, args.dtype)
     mappers = {label: MapperModel.from_pretrained(folder, dtype=dtype) for label, folder in maps.items()}
     items = long_switch.build_items(runner.tokenizer, args)
@@ -143,7 +145,7 @@ def run(args) -> None:
 
 def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, args) -> None:
     """Serve `items` with every map of `mappers` (`{label: MapperModel}`) through `runner` (a
-    `benchmarks.switch.long_switch.Runner`), appending one row an item to `out/<label>.jsonl` (resumes what is there)."""
+    `benchmarks.switch.long_switch_runner.Runner`), appending one row an item to `out/<label>.jsonl` (resumes what is there)."""
     out.mkdir(parents=True, exist_ok=True)
     records = {}
     for label in mappers:
