@@ -334,3 +334,36 @@ def test_maps_compared_under_protocols_are_theirs_and_take_their_choices(tmp_pat
     other = _protocol(tmp_path, maps={"ridge-k8-conv4k": "x"}, rungs=["tail@0.1"], chosen={"default": "tail@0.1"})
     with pytest.raises(SystemExit, match="differ in rungs"):
         map_compare.main(["--protocol", f"{tmp_path / 'one.json'},{other}", *base, maps])
+
+
+def test_the_sealed_queue_script_measures_what_the_protocols_seal():
+    """`benchmarks/sealed/whole_context.sh` (what is left of the whole-context measurements, in order) runs the
+    protocols' rungs, cells and the ladder's calibration cell, not a copy of them that could drift."""
+    import re
+    import shlex
+
+    from benchmarks.switch.long_switch_args import split_rungs
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "benchmarks" / "sealed" / "whole_context.sh").read_text()
+    variables = dict(re.findall(r"^([A-Z]+)=(\S+)$", script, flags=re.MULTILINE))
+    protocols = [load_protocol(root / path) for path in variables["PROTOCOLS"].split(",")]
+    chosen = protocols[-1]
+    ladder = chosen.settings["ladder"]["calibration"]
+    assert split_rungs(shlex.split(variables["RUNGS"])[0]) == chosen.arms[2:-1] == protocols[0].arms[2:-1]
+    assert variables["TASKS"].split(",") == ladder["tasks"]
+    commands = [" ".join(part.split()) for part in script.replace("\\\n", " ").splitlines() if "python -m" in part]
+    compare = [c for c in commands if "benchmarks.switch.map_compare" in c]
+    assert [int(re.search(r"--tokens (\d+)", c).group(1)) for c in compare] == [4096, 8192]
+    for protocol in protocols:
+        for tokens in (4096, 8192):
+            assert {protocol.cell(task, tokens)["seed"] for task in ladder["tasks"]}  # a cell for each task
+    (calibration,) = [c for c in commands if "benchmarks.switch.long_switch" in c]
+    flags = dict(re.findall(r"--(tokens|items|seed|dtype) (\S+)", calibration))
+    assert flags == {
+        "tokens": str(ladder["tokens"]),
+        "items": str(ladder["items"]),
+        "seed": str(ladder["seed"]),
+        "dtype": chosen.settings["dtype"],
+    }
+    assert "$WORK/wconv/$M" in calibration and chosen.settings["name"] == "whole-context-conv4k"
