@@ -367,3 +367,22 @@ def test_the_sealed_queue_script_measures_what_the_protocols_seal():
         "dtype": chosen.settings["dtype"],
     }
     assert "$WORK/wconv/$M" in calibration and chosen.settings["name"] == "whole-context-conv4k"
+
+
+def test_an_answer_that_changes_without_scoring_lower_is_changed_and_not_worse(tmp_path):
+    protocol = load_protocol(CHAT_DOC)
+    # the sparse peers miss 16 of the target's 48 right answers (worse) and, where both are wrong, say it otherwise
+    outcomes = [(1, 0, 0, 1, 1)] * 32 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
+    path = _records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows[48:]:
+        for arm in row["arms"]:
+            if arm.startswith("sparse:"):
+                row["arms"][arm]["text"] = "another wrong answer"
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    results = report.assemble(protocol, [str(path)])
+    figures = next(c for c in results["cells"] if (c["task"], c["length"]) == ("long_chat", 4096))["figures"]
+    sparse = "sparse:" + protocol.chosen("long_chat")
+    assert figures[f"{sparse}/changed"]["value"] == 0.5 and figures[f"{sparse}/worse"]["value"] == 0.25
+    assert figures[f"{protocol.chosen('long_chat')}/worse"]["value"] == 0.0
+    assert "| worse than the 1.5B |" in report.markdown(results)

@@ -7,7 +7,9 @@ Only records stamped with the protocol's sha256 are read (a record made under ot
 key), and only items of the protocol's cells at their seeds. Per cell (task, length), over the items that hold every
 arm: each arm's accuracy, its retention floor-normalized at the task's chance, the share of the source-to-target gap
 it recovers (given only where the target beats the source on at least `min_gap_items` items: else "no gap to
-recover"), how often its answer differs from the target's, its first token against the target's re-prefill, and for
+recover"), how often its answer differs from the target's and how often it scores below it (descriptive, no
+verdict reads it: added once the 4K list answers had shown that another order of the same names changes an answer
+without costing it anything), its first token against the target's re-prefill, and for
 each repair what the map adds over the sparse prefill of the same positions (repaired minus sparse, paired). Every
 figure has a paired bootstrap interval over items at the protocol's level; the verdicts of the chosen rung read the
 lower bounds.
@@ -101,6 +103,12 @@ def _changed(row: dict, arm: str) -> float:
     return float(answer_changed(row["arms"], arm))
 
 
+def _worse(row: dict, arm: str) -> float:
+    """Whether `arm` scored below the target on the item: a changed answer that cost something (on a list answer,
+    another order of the same names changes the text and not the score)."""
+    return float(row["arms"][arm]["score"] < row["arms"]["target"]["score"])
+
+
 def percentile_bounds(values: list[float], level: float) -> list[float]:
     """The two-sided percentile interval at `level` of bootstrap `values` (sorted here)."""
     values = sorted(values)
@@ -129,6 +137,7 @@ def _statistics(rows: list[dict], arms: list[str], chance: float, max_load: floa
         out[f"{arm}/retention"] = (score[arm] - chance) / (target - chance) if target > chance else None
         out[f"{arm}/gap"] = (score[arm] - source) / (target - source) if target > source else None
         out[f"{arm}/changed"] = mean(_changed(row, arm) for row in rows)
+        out[f"{arm}/worse"] = mean(_worse(row, arm) for row in rows)
         if re_prefill is not None:
             out[f"{arm}/speedup"] = re_prefill / mean(row["arms"][arm]["ttft_s"] for row in clocked)
         if SPARSE + arm in arms:
@@ -242,13 +251,14 @@ def markdown(results: dict) -> str:
             head + f", mean {cell['tokens']} tokens; the 1.5B right where the 0.5B is wrong on {cell['target_wins']}; "
             f"first tokens timed on the {cell['timed_items']} measured while the machine was otherwise idle)",
             "",
-            "| arm | accuracy | retention | share of the gap | changed answers | first token vs re-prefill | map adds |",
-            "|---|---|---|---|---|---|---|",
+            "| arm | accuracy | retention | share of the gap | changed answers | worse than the 1.5B | first token vs "
+            "re-prefill | map adds |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         figures = cell["figures"]
         for arm in results["arms"]:
             row = [arm, _cell_text(figures.get(f"{arm}/score"))]
-            for name in ("retention", "gap", "changed", "speedup", "map_adds"):
+            for name in ("retention", "gap", "changed", "worse", "speedup", "map_adds"):
                 figure = figures.get(f"{arm}/{name}")
                 if name == "gap" and figure is not None and not cell["gap_to_recover"]:
                     row.append("no gap to recover")
