@@ -1,6 +1,6 @@
 """Greedy decoding as a benchmark times it: the first token apart from the rest, several caches of one length decoded
 as one batch (a CPU's decoding reads the weights once a step for every row), and the NLL of a real continuation.
-`benchmarks.switch.long_switch` decodes every arm with these. Each decoder can also keep every step's answer margin
+`benchmarks.switch.long_switch_runner` decodes every arm with these. Each decoder can also keep every step's answer margin
 (`margins=`: the top-1 minus top-2 probability of the token it chose, what a guard ladder's check after the rung reads,
 `hf_kvmap.serving.forwards.answer_margins`); the first token's is taken after its seconds are read."""
 

@@ -799,8 +799,15 @@ def test_maps_compared_share_the_arms_no_map_reads_and_resume(tiny, monkeypatch,
     assert two["mapped"]["nll"] != pytest.approx(one["mapped"]["nll"])  # the other map served its own caches
     assert rows["id"][0]["setup"]["map"] == "id" and rows["half"][0]["setup"]["mapper"] == "half"
     calls.clear()
+    files = {label: (tmp_path / f"{label}.jsonl").read_text() for label in ("id", "half")}
     map_compare.compare(runner, {"id": identity, "half": halved}, [item], rungs, tmp_path, args)
-    assert len(calls) == 1  # the warm-up only: every arm of both maps is on file
+    assert calls == []  # every arm of both maps is on file: no warm-up, no item
+    assert files == {label: (tmp_path / f"{label}.jsonl").read_text() for label in files}  # and no run line
+    refit = MapperModel.identity(model.config)
+    refit.config.content_hash = "id-refit"  # the same label, another fit: its records are another file's
+    with pytest.raises(SystemExit, match="holds 0.5b:1.5b/continuation/40/1/0 measured under"):
+        map_compare.compare(runner, {"id": refit, "half": halved}, [item], rungs, tmp_path, args)
+    assert calls == [] and files == {label: (tmp_path / f"{label}.jsonl").read_text() for label in files}
     later = types.SimpleNamespace(**vars(args), shared_from="id")  # a map added later measures its own arms only
     quarter = MapperModel.identity(model.config)
     with torch.no_grad():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sealed import decisions, report
-from benchmarks.sealed.protocol import ProtocolError, load_protocol
+from benchmarks.sealed.protocol import SPARSE, ProtocolError, load_protocol
 from benchmarks.switch import long_switch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -338,7 +338,8 @@ def test_maps_compared_under_protocols_are_theirs_and_take_their_choices(tmp_pat
 
 def test_the_sealed_queue_script_measures_what_the_protocols_seal():
     """`benchmarks/sealed/whole_context.sh` (what is left of the whole-context measurements, in order) runs the
-    protocols' rungs, cells and the ladder's calibration cell, not a copy of them that could drift."""
+    protocols' maps, rungs, cells and the ladder's calibration cell, not a copy of them that could drift: every
+    command is checked flag by flag against the protocol files."""
     import re
     import shlex
 
@@ -346,43 +347,69 @@ def test_the_sealed_queue_script_measures_what_the_protocols_seal():
 
     root = Path(__file__).resolve().parents[1]
     script = (root / "benchmarks" / "sealed" / "whole_context.sh").read_text()
-    variables = dict(re.findall(r"^([A-Z]+)=(\S+)$", script, flags=re.MULTILINE))
+    variables = {k: shlex.split(v)[0] for k, v in re.findall(r"^([A-Z]+)=(\S+)$", script, flags=re.MULTILINE)}
     protocols = [load_protocol(root / path) for path in variables["PROTOCOLS"].split(",")]
     chosen = protocols[-1]
+    assert [p.settings["name"] for p in protocols] == ["whole-context", "whole-context-conv4k"]
     ladder = chosen.settings["ladder"]["calibration"]
-    assert split_rungs(shlex.split(variables["RUNGS"])[0]) == chosen.arms[2:-1] == protocols[0].arms[2:-1]
-    assert variables["TASKS"].split(",") == ladder["tasks"]
-    commands = [" ".join(part.split()) for part in script.replace("\\\n", " ").splitlines() if "python -m" in part]
-    compare = [c for c in commands if "benchmarks.switch.map_compare" in c]
-    assert [int(re.search(r"--tokens (\d+)", c).group(1)) for c in compare] == [4096, 8192]
+    assert split_rungs(variables["RUNGS"]) == chosen.arms[2:-1] == protocols[0].arms[2:-1]
+    folders = dict(entry.split("=", 1) for entry in variables["MAPS"].split(","))
+    assert folders == {"ridge-k8-5k": "$WORK/w5k/$M", "ridge-k8-conv4k": "$WORK/wconv/$M"}
+    assert [next(iter(p.settings["maps"])) for p in protocols] == list(folders)  # each protocol's map, in order
+    tasks = variables["TASKS"].split(",")
+    assert tasks == ladder["tasks"]
     for protocol in protocols:
-        for tokens in (4096, 8192):
-            assert {protocol.cell(task, tokens)["seed"] for task in ladder["tasks"]}  # a cell for each task
-    (calibration,) = [c for c in commands if "benchmarks.switch.long_switch" in c]
-    flags = dict(re.findall(r"--(tokens|items|seed|dtype) (\S+)", calibration))
-    assert flags == {
-        "tokens": str(ladder["tokens"]),
-        "items": str(ladder["items"]),
-        "seed": str(ladder["seed"]),
-        "dtype": chosen.settings["dtype"],
+        assert [(c["tasks"], c["tokens"]) for c in protocol.settings["cells"] if c["tokens"] > 2048] == [
+            (tasks, 4096),
+            (tasks, 8192),
+        ]
+    commands = [shlex.split(c) for c in script.replace("\\\n", " ").splitlines() if c.startswith("python -m")]
+    flags = [dict(zip(c[3::2], c[4::2])) for c in commands]  # python -m MODULE --flag value ...
+    assert [(c[2], f.get("--tokens")) for c, f in zip(commands, flags)] == [
+        ("benchmarks.switch.map_compare", "4096"),
+        ("benchmarks.switch.long_switch", "4096"),
+        ("benchmarks.switch.map_compare", "8192"),
+    ]
+    for compare in (flags[0], flags[2]):
+        assert compare == {
+            "--protocol": "$PROTOCOLS",
+            "--maps": "$MAPS",
+            "--tasks": "$TASKS",
+            "--tokens": compare["--tokens"],
+            "--records-dir": f"$RESULTS/{compare['--tokens']}",
+        }
+    assert flags[1] == {
+        "--mapper": folders[next(iter(chosen.settings["maps"]))],
+        "--tasks": "$TASKS",
+        "--tokens": str(ladder["tokens"]),
+        "--items": str(ladder["items"]),
+        "--seed": str(ladder["seed"]),
+        "--dtype": chosen.settings["dtype"],
+        "--threads": str(chosen.settings["threads"]),
+        "--rungs": "$RUNGS",
+        "--records": "$RESULTS/ladder-calibration-4096.jsonl",
     }
-    assert "$WORK/wconv/$M" in calibration and chosen.settings["name"] == "whole-context-conv4k"
 
 
 def test_an_answer_that_changes_without_scoring_lower_is_changed_and_not_worse(tmp_path):
     protocol = load_protocol(CHAT_DOC)
-    # the sparse peers miss 16 of the target's 48 right answers (worse) and, where both are wrong, say it otherwise
-    outcomes = [(1, 0, 0, 1, 1)] * 32 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 0)] * 16
+    # the sparse peers miss 16 of the target's 48 right answers (changed, worse), are right on 8 items the target
+    # misses (changed, better) and, on the last 8 both miss, say it otherwise (changed, the same score)
+    outcomes = [(1, 0, 0, 1, 1)] * 32 + [(1, 0, 0, 1, 0)] * 16 + [(0, 0, 0, 0, 1)] * 8 + [(0, 0, 0, 0, 0)] * 8
     path = _records(tmp_path / "r.jsonl", protocol, "long_chat", outcomes)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    for row in rows[48:]:
+    for row in rows[56:]:
         for arm in row["arms"]:
             if arm.startswith("sparse:"):
                 row["arms"][arm]["text"] = "another wrong answer"
     path.write_text("\n".join(map(json.dumps, rows)) + "\n")
     results = report.assemble(protocol, [str(path)])
     figures = next(c for c in results["cells"] if (c["task"], c["length"]) == ("long_chat", 4096))["figures"]
-    sparse = "sparse:" + protocol.chosen("long_chat")
-    assert figures[f"{sparse}/changed"]["value"] == 0.5 and figures[f"{sparse}/worse"]["value"] == 0.25
-    assert figures[f"{protocol.chosen('long_chat')}/worse"]["value"] == 0.0
-    assert "| worse than the 1.5B |" in report.markdown(results)
+    rung = protocol.chosen("long_chat")
+    assert figures[f"{SPARSE}{rung}/changed"]["value"] == 0.5 and figures[f"{SPARSE}{rung}/worse"]["value"] == 0.25
+    assert figures[f"{rung}/changed"]["value"] == figures[f"{rung}/worse"]["value"] == 0.0
+    text = report.markdown(results).split("**long_chat at 4096 tokens**")[1]
+    header = next(line for line in text.splitlines() if line.startswith("| arm |")).split(" | ")
+    row = next(line for line in text.splitlines() if line.startswith(f"| {SPARSE}{rung} |")).split(" | ")
+    assert len(row) == len(header) and header[4:6] == ["changed answers", "worse than the 1.5B"]
+    assert row[4].startswith("0.50 [") and row[5].startswith("0.25 [")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sealed whole-context measurements still to take, in order, each resuming what its records hold (a step that is
-# complete only loads the models, finds every item measured and ends):
+# complete loads the models, finds every item measured and ends, writing nothing):
 #   1. the 4K report items of both maps (protocols whole-context and whole-context-conv4k, one run: the target, the
 #      source and the sparse arms shared),
 #   2. the guard ladder's 120 calibration items (whole-context-conv4k's `ladder`: the chosen map, seed 4322),
@@ -14,8 +14,11 @@
 # the first tokens are read only on items measured at the protocol's load. The reports come from the records
 # afterwards (benchmarks/README.md, "Sealed protocols").
 set -euo pipefail
-cd "$(dirname "$0")/../.."
 : "${WORK:?set WORK to the folder that holds the fitted maps (w5k, wconv)}"
+[ -d "$WORK" ] || { echo "WORK=$WORK is not a folder: set it to the folder that holds w5k and wconv" >&2; exit 2; }
+WORK=$(cd "$WORK" && pwd)  # paths given relative to where the command ran, before the cd below
+if [ -n "${RESULTS:-}" ]; then mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd); fi
+cd "$(dirname "$0")/../.."
 RESULTS=${RESULTS:-benchmarks/results/sealed/whole-context}
 M=mappers/0.5b-to-1.5b/ridge-k8
 for map in "$WORK/w5k/$M" "$WORK/wconv/$M"; do

@@ -5,7 +5,7 @@ packed one-token attention, side by side on the same items.
         --tasks ruler_vt --tokens 2048,4096 --items 2 --json benchmarks/results/packed_attention.json
 
 Per item both models are switched to one implementation, then the other (the order alternating from item to item),
-and `benchmarks.switch.long_switch`'s runner serves the target's re-prefill, the mapped cache, the repair rung and its
+and `benchmarks.switch.long_switch_runner.Runner` serves the target's re-prefill, the mapped cache, the repair rung and its
 sparse peer; each arm's time to first token is read under both, with whether the answers agree token for token. The
 selection seed (4321) is the one the rungs were chosen on, never a report item. Every stage keeps its kernels but the
 one-token attention: a prefill runs as `sdpa` runs it, so the re-prefill gains only its first token's step, and a

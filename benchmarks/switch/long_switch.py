@@ -101,6 +101,22 @@ def key_of(args, item: dict) -> str:
     return key + "/distinct" if distinct else key  # a records file keeps the two kinds of code context apart
 
 
+def unmeasured(args, items: list[dict], records: dict, arms: list[str], setup: dict, path) -> list[dict]:
+    """The items of `items` that some arm of `arms` is missing from in `records` (a records file's rows by key), in
+    order; an item stored under another setup (another fit of the map, dtype or protocol) is refused."""
+    todo = []
+    for item in items:
+        key = key_of(args, item)
+        stored = records.get(key, {"arms": {}})
+        if stored.get("setup", setup) != setup:
+            raise SystemExit(
+                f"{path} holds {key} measured under {stored['setup']}, not {setup}: measure into another records file"
+            )
+        if not all(arm in stored["arms"] for arm in arms):
+            todo.append(item)
+    return todo
+
+
 def write_items(args) -> None:
     """`--write-items PATH`: the run's long_chat / long_doc items, or those of a whole-context chat family
     (`lab.real.context_tasks`, with its `references` and `questions` where it has them), as exact-match JSONL
@@ -215,7 +231,10 @@ def cmd_run(args) -> None:
     if protocol is not None:  # every record names the sealed choices it was made under
         setup.update(protocol=protocol.sha256, map=args.map)
     arms = ["target", "mapped", *rungs, "source"]
-    items = build_items(runner.tokenizer, args)
+    todo = unmeasured(args, build_items(runner.tokenizer, args), records, arms, setup, path)
+    if not todo:  # a finished run writes nothing: no run line, no warm-up
+        print(f"{path}: every item of {args.tasks} at {args.tokens} holds every arm; nothing to measure")
+        return
     run = {
         "id": time.strftime("%Y%m%dT%H%M%S"),
         "command": "python -m benchmarks.switch.long_switch " + " ".join(sys.argv[1:]),
@@ -223,19 +242,12 @@ def cmd_run(args) -> None:
     }
     with path.open("a") as handle:  # what ran the rows after it: a line without a key
         handle.write(json.dumps({"run": run}) + "\n")
-    if items:  # first-call costs (allocations, kernel selection) are paid here, not in the first item's times
-        warm = {**items[0], "ids": items[0]["ids"][-64:]}
-        runner.measure(warm, arms, rungs, {})
-    bar = tqdm(items, desc=f"{args.tasks} at {args.tokens}", unit="item")
+    warm = {**todo[0], "ids": todo[0]["ids"][-64:]}  # first-call costs (allocations, kernel selection) paid here,
+    runner.measure(warm, arms, rungs, {})  # not in the first item's times
+    bar = tqdm(todo, desc=f"{args.tasks} at {args.tokens}", unit="item")
     for item in bar:
         key = key_of(args, item)
         stored = records.get(key, {"arms": {}})
-        if stored.get("setup", setup) != setup:
-            raise SystemExit(
-                f"{path} holds {key} measured under {stored['setup']}, not {setup}: pass another --records"
-            )
-        if all(arm in stored["arms"] for arm in arms):
-            continue
         load = os.getloadavg()[0]  # what else ran on the machine: its times are read only where it was idle enough
         measured = runner.measure(item, arms, rungs, stored["arms"])
         for record in measured.values():  # times compare only within one run (the machine's load changes)

@@ -20,7 +20,7 @@ MAX_NEW.update({name: task.max_new for name, task in CONTEXT_TASKS.items()})  # 
 
 
 def score(item: dict, text: str, tokens: list[int], reference: list[int] | None) -> dict:
-    """An arm's score on one item (see the module docstring)."""
+    """An arm's score on one item (the rules: "Scores" in `benchmarks.switch.long_switch`'s docstring)."""
     if item["task"] in ("long_chat", "long_doc"):
         return {"score": float(text.strip() == item["answer"])}
     if item["task"] in CONTEXT_TASKS:  # the family's own rule, on the item's fields (`meta` flattened into it)

@@ -5,7 +5,8 @@ Per item, as `benchmarks.switch.long_switch` measures it: the target alone, the 
 (map-free: the same for every map) and, for every map, the mapped cache and each rung's repair of it. The shared arms
 are measured once, with the first map, and written into every map's row, so each map's records file is a complete
 `benchmarks.switch.long_switch` records file (its report and `benchmarks.sealed.report` read it alone) and two maps compare
-item by item. A rerun resumes: an item is measured again only for the maps whose file lacks it. A map added later
+item by item. A rerun resumes: an item is measured again only for the maps whose file lacks it, and a rerun that
+finds every item measured writes nothing. A map added later
 takes the shared arms from the maps measured before it (`--shared-from ridge-k8-5k`, selection runs only), so only
 its own arms cost time.
 
@@ -160,6 +161,14 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
     }
     for label, stamp in getattr(args, "stamps", {}).items():  # as long_switch stamps a protocol's records
         setups[label].update(protocol=stamp)
+    waiting = set()  # the keys some map still lacks an arm of
+    for label in mappers:  # an item stored under another setup is refused here, before anything is written
+        todo = long_switch.unmeasured(args, items, records[label], arms, setups[label], out / f"{label}.jsonl")
+        waiting |= {long_switch.key_of(args, item) for item in todo}
+    items = [item for item in items if long_switch.key_of(args, item) in waiting]
+    if not items:  # a finished run writes nothing: no run line, no warm-up
+        print(f"{out}: every item of {args.tasks} at {args.tokens} holds every arm of every map; nothing to measure")
+        return
     run_info = {
         "id": time.strftime("%Y%m%dT%H%M%S"),
         "command": "python -m benchmarks.switch.map_compare " + " ".join(sys.argv[1:]),
@@ -168,16 +177,12 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
     for label in mappers:
         with (out / f"{label}.jsonl").open("a") as handle:
             handle.write(json.dumps({"run": run_info}) + "\n")
-    if items:  # first-call costs paid before the first item's times
-        runner.mapper = next(iter(mappers.values()))
-        runner.measure({**items[0], "ids": items[0]["ids"][-64:]}, arms, rungs, {})
+    runner.mapper = next(iter(mappers.values()))  # first-call costs paid before the first item's times
+    runner.measure({**items[0], "ids": items[0]["ids"][-64:]}, arms, rungs, {})
     bar = tqdm(items, desc=f"{args.tasks} at {args.tokens}, {len(mappers)} maps", unit="item")
     for item in bar:
         key = long_switch.key_of(args, item)
         stored = {label: records[label].get(key, {"arms": {}}) for label in mappers}
-        for label in mappers:
-            if stored[label].get("setup", setups[label]) != setups[label]:
-                raise SystemExit(f"{out / label}.jsonl holds {key} under {stored[label]['setup']}: another map")
         missing = [label for label in mappers if not all(arm in stored[label]["arms"] for arm in arms)]
         if not missing:
             continue
