@@ -161,10 +161,10 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
     }
     for label, stamp in getattr(args, "stamps", {}).items():  # as long_switch stamps a protocol's records
         setups[label].update(protocol=stamp)
-    waiting = set()  # the keys some map still lacks an arm of
+    waiting: dict[str, list[str]] = {}  # key -> the maps that still lack an arm of it, in the maps' order
     for label in mappers:  # an item stored under another setup is refused here, before anything is written
-        todo = long_switch.unmeasured(args, items, records[label], arms, setups[label], out / f"{label}.jsonl")
-        waiting |= {long_switch.key_of(args, item) for item in todo}
+        for item in long_switch.unmeasured(args, items, records[label], arms, setups[label], out / f"{label}.jsonl"):
+            waiting.setdefault(long_switch.key_of(args, item), []).append(label)
     items = [item for item in items if long_switch.key_of(args, item) in waiting]
     if not items:  # a finished run writes nothing: no run line, no warm-up
         print(f"{out}: every item of {args.tasks} at {args.tokens} holds every arm of every map; nothing to measure")
@@ -183,9 +183,7 @@ def compare(runner, mappers: dict, items: list[dict], rungs: dict, out: Path, ar
     for item in bar:
         key = long_switch.key_of(args, item)
         stored = {label: records[label].get(key, {"arms": {}}) for label in mappers}
-        missing = [label for label in mappers if not all(arm in stored[label]["arms"] for arm in arms)]
-        if not missing:
-            continue
+        missing = waiting[key]
         done = {}  # the shared arms, from whichever map's file has them (`--shared-from`'s first)
         for row in earlier.get(key, ()):
             done.update({a: r for a, r in row["arms"].items() if shared(a) and a not in done})
